@@ -1,0 +1,131 @@
+"""NVFP4 (NVIDIA): blocks of 16 E2M1 elements with an E4M3 block scale and an FP32 tensor scale.
+
+Semantics follow TransformerEngine's reference recipe (`specs/baselines.md` §1.7, §2.4):
+``value = q · s_block · s_global`` with ``s_global = amax_tensor / (448 · 6)`` and
+``s_block = E4M3(amax_block / 6 / s_global)``. Weights may use 16×16 2-D tiles so that the row-wise
+and column-wise quantized weights are identical.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .common import check_float_input, move_and_pad, unpad_and_restore
+from .e2m1 import E2M1_MAX, decode_e2m1, encode_e2m1, pack_e2m1, unpack_e2m1
+
+__all__ = ["NVFP4Tensor", "quantize_nvfp4", "E4M3_MAX"]
+
+E4M3_MAX = 448.0
+NVFP4_BLOCK = 16
+
+
+@dataclass(frozen=True, eq=False)
+class NVFP4Tensor:
+    """A tensor quantized to NVFP4.
+
+    Attributes:
+        codes: uint8 ``[*outer, padded_len // 2]``, packed E2M1 (even index in the low nibble),
+            quantized axis moved last and zero-padded to a multiple of 16.
+        scales: float8_e4m3fn ``[*outer, padded_len // 16]``: the block decode scales (for 2-D
+            tiles each row repeats the scale of its 16×16 tile).
+        global_scale: float32 scalar tensor, the per-tensor decode scale.
+        shape, axis: original shape and blocked axis (non-negative).
+        tile_2d: whether the scales come from 16×16 tiles.
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    global_scale: torch.Tensor
+    shape: tuple[int, ...]
+    axis: int
+    tile_2d: bool = False
+    block_size: int = NVFP4_BLOCK
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The represented values in ``dtype``, original ``shape``, padding removed."""
+        q = decode_e2m1(unpack_e2m1(self.codes))
+        q = q.reshape(*q.shape[:-1], -1, self.block_size)
+        x = q * (self.scales.float() * self.global_scale).unsqueeze(-1)
+        return unpad_and_restore(x.flatten(-2), self.shape, self.axis).to(dtype)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: packed codes, one byte per block scale, 4 bytes of tensor scale."""
+        return self.codes.numel() + self.scales.numel() + 4
+
+
+def _e4m3_round_up(s: torch.Tensor) -> torch.Tensor:
+    """The smallest E4M3 value >= s (s in [0, 448]), as float32."""
+    rn = s.to(torch.float8_e4m3fn)
+    below = rn.float() < s
+    nxt = (rn.view(torch.uint8) + 1).view(torch.float8_e4m3fn)  # next code up (positive values)
+    return torch.where(below, nxt.float(), rn.float())
+
+
+def quantize_nvfp4(
+    x: torch.Tensor,
+    *,
+    axis: int = -1,
+    rounding: str = "nearest",
+    generator: torch.Generator | None = None,
+    tile_2d: bool = False,
+) -> NVFP4Tensor:
+    """Quantize ``x`` to NVFP4 with blocks of 16 along ``axis`` (or 16×16 tiles).
+
+    Args:
+        x: float32/float16/bfloat16/float64 tensor; 2-D when ``tile_2d``.
+        axis: blocked axis (the GEMM's contracted dimension); zero-padded per row to 16.
+        rounding: ``"nearest"`` (half-to-even) or ``"stochastic"``. Under stochastic rounding the
+            block scale is rounded *up* to E4M3 so the block maximum never exceeds 6 and nothing
+            clips (round-to-nearest of the scale can land 2^-4 low and clip, which biases SR:
+            `specs/baselines.md` §1.7).
+        generator: source of stochastic-rounding bits.
+        tile_2d: one scale per 16×16 tile (NVIDIA's weight recipe).
+
+    Returns:
+        An :class:`NVFP4Tensor`. A block with NaN/Inf decodes to NaN; an all-zero tensor gets
+        tensor scale 1 and decodes to zeros.
+
+    Raises:
+        TypeError: non-floating ``x``. ValueError: empty axis, bad rounding, ``tile_2d`` on a
+            tensor that is not 2-D.
+    """
+    check_float_input(x, axis, "quantize_nvfp4")
+    if rounding not in ("nearest", "stochastic"):
+        raise ValueError(f"rounding={rounding!r} is not supported; use 'nearest' or 'stochastic'")
+    if tile_2d and x.ndim != 2:
+        raise ValueError(f"tile_2d=True needs a 2-D tensor (a weight), got shape {tuple(x.shape)}")
+    axis = axis % x.ndim
+    xm = move_and_pad(x.float(), axis, NVFP4_BLOCK)  # [*outer, padded]
+    blocks = xm.reshape(*xm.shape[:-1], -1, NVFP4_BLOCK)
+    amax = blocks.abs().amax(dim=-1)  # [*outer, nb], NaN/Inf propagate
+    if tile_2d:
+        rows = amax.shape[0]
+        pad = (-rows) % NVFP4_BLOCK
+        tiles = F.pad(amax, (0, 0, 0, pad)).reshape(-1, NVFP4_BLOCK, amax.shape[1]).amax(dim=1)
+        amax = tiles.repeat_interleave(NVFP4_BLOCK, dim=0)[:rows]
+    finite = torch.isfinite(amax)
+    amax = torch.where(finite, amax, torch.zeros_like(amax))
+    t_amax = amax.max()
+    s_global = torch.where(t_amax > 0, t_amax / (E4M3_MAX * E2M1_MAX), torch.ones_like(t_amax))
+    s_exact = (amax / E2M1_MAX / s_global).clamp(max=E4M3_MAX)
+    if rounding == "stochastic":
+        s_block = _e4m3_round_up(s_exact)
+    else:
+        s_block = s_exact.to(torch.float8_e4m3fn).float()
+    denom = (s_block * s_global).unsqueeze(-1)
+    scaled = torch.where(denom > 0, blocks / torch.where(denom > 0, denom, torch.ones_like(denom)), torch.zeros_like(blocks))
+    codes = encode_e2m1(scaled, rounding=rounding, generator=generator)
+    nan = torch.full_like(s_block, float("nan"))
+    scales = torch.where(finite, s_block, nan).to(torch.float8_e4m3fn)
+    return NVFP4Tensor(
+        codes=pack_e2m1(codes.flatten(-2)),
+        scales=scales,
+        global_scale=s_global.float(),
+        shape=tuple(x.shape),
+        axis=axis,
+        tile_2d=tile_2d,
+    )

@@ -1,0 +1,122 @@
+"""Orthonormal Hadamard matrices and block Hadamard transforms (IHT / RHT building block).
+
+``block_hadamard`` applies ``I ⊗ (D_s · H_b)`` along one axis: each contiguous chunk of ``b``
+elements is multiplied by the normalized Sylvester Hadamard ``H_b`` (symmetric, ``H_b·H_b = I``),
+after optional ±1 signs ``D_s``. Applied to both operands of a GEMM along the contracted dimension
+it cancels inside the product: ``(A·D·H)(H·D·B) = A·B`` (`specs/adahop.md` §3,
+`specs/baselines.md` §0).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from .formats.common import check_float_input
+
+__all__ = ["SUPPORTED_SIZES", "hadamard_matrix", "block_hadamard", "random_signs", "check_block_size"]
+
+#: Hadamard sizes supported: the powers of two from 1 to 2^15 (Sylvester construction). Sizes
+#: above 256 are applied with a fast Walsh–Hadamard butterfly instead of a dense matrix.
+SUPPORTED_SIZES = tuple(2**k for k in range(16))
+_DENSE_MAX = 256
+
+
+def check_block_size(n: int, what: str = "Hadamard size") -> None:
+    """Raise ValueError unless ``n`` is a supported Hadamard size."""
+    if not isinstance(n, int) or n not in SUPPORTED_SIZES:
+        raise ValueError(f"{what} {n!r} is not supported; supported sizes are powers of two 1, 2, 4, ..., 32768")
+
+
+@functools.lru_cache(maxsize=64)
+def _sylvester_cpu(n: int) -> torch.Tensor:
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return h / math.sqrt(n)
+
+
+def hadamard_matrix(n: int, *, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> torch.Tensor:
+    """The normalized Sylvester Hadamard matrix ``H_n`` ([n, n]): orthonormal and symmetric.
+
+    Args:
+        n: a power of two from 1 to 32768 (:data:`SUPPORTED_SIZES`).
+        dtype, device: of the result.
+
+    Raises:
+        ValueError: ``n`` is not supported; the message lists the supported sizes.
+    """
+    check_block_size(n)
+    return _sylvester_cpu(n).to(dtype=dtype, device=device)
+
+
+def random_signs(n: int, *, generator: torch.Generator | None = None, device: torch.device | str | None = None) -> torch.Tensor:
+    """A float32 vector of ``n`` independent ±1 (Rademacher) signs drawn from ``generator``."""
+    if n <= 0:
+        raise ValueError(f"random_signs needs n >= 1, got {n}")
+    bits = torch.randint(0, 2, (n,), generator=generator, device=device)
+    return bits.float() * 2 - 1
+
+
+def _fwht(x: torch.Tensor) -> torch.Tensor:
+    """Unnormalized fast Walsh–Hadamard transform over the last dim (a power of two)."""
+    n = x.shape[-1]
+    h = 1
+    y = x
+    while h < n:
+        y = y.reshape(*x.shape[:-1], n // (2 * h), 2, h)
+        a, b = y[..., 0, :], y[..., 1, :]
+        y = torch.stack((a + b, a - b), dim=-2)
+        h *= 2
+    return y.reshape(x.shape)
+
+
+def block_hadamard(
+    x: torch.Tensor,
+    *,
+    block_size: int = 32,
+    axis: int = -1,
+    signs: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Apply ``I ⊗ (D_s·H_b)`` along ``axis``: each ``block_size`` chunk ``v`` becomes ``(v ⊙ s)·H_b``.
+
+    Args:
+        x: floating tensor of any rank; computed in float32 (float64 stays float64), returned in
+            ``x``'s dtype.
+        block_size: ``b``, a supported Hadamard size; must divide ``x.shape[axis]``.
+        axis: the axis transformed (a GEMM's contracted dimension for IHT/RHT).
+        signs: optional ±1 vector of length ``b`` (shared by every block) or of the axis length.
+            Without signs the transform is its own inverse.
+
+    Returns:
+        Tensor of ``x``'s shape and dtype.
+
+    Raises:
+        TypeError: non-floating ``x``.
+        ValueError: unsupported ``block_size``, an axis length it does not divide (the message
+            names the dimension), or ``signs`` of the wrong length.
+    """
+    check_float_input(x, axis, "block_hadamard")
+    check_block_size(block_size, "block_size")
+    axis = axis % x.ndim
+    n = x.shape[axis]
+    if n % block_size:
+        raise ValueError(
+            f"block_hadamard: dimension {axis} has length {n}, which block_size={block_size} does not "
+            f"divide; pad it to a multiple of {block_size} or pick a block size from {SUPPORTED_SIZES[:9]} that divides it"
+        )
+    work = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xm = x.movedim(axis, -1).to(work)
+    if signs is not None:
+        if signs.ndim != 1 or signs.numel() not in (block_size, n):
+            raise ValueError(f"signs must be a 1-D vector of length {block_size} (per block) or {n} (axis), got shape {tuple(signs.shape)}")
+        s = signs.to(device=x.device, dtype=work)
+        xm = (xm.reshape(*xm.shape[:-1], -1, block_size) * s.reshape(-1, block_size)).reshape(xm.shape)
+    blocks = xm.reshape(*xm.shape[:-1], n // block_size, block_size)
+    if block_size <= _DENSE_MAX:
+        out = blocks @ hadamard_matrix(block_size, dtype=work, device=x.device)
+    else:
+        out = _fwht(blocks) / math.sqrt(block_size)
+    return out.reshape(xm.shape).movedim(-1, axis).to(x.dtype)
