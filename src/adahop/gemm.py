@@ -1,0 +1,304 @@
+"""One low-precision GEMM ``C = A·B`` under a :class:`~adahop.recipes.spec.GemmSpec`.
+
+Split in two steps so the autograd function can save operands already prepared for backward
+(`DESIGN.md` §2): :func:`prepare` (mean split → outer transform → OE extraction → inner transform →
+quantize along Kc) runs per operand, :func:`multiply` combines two prepared operands. Shapes use
+the spec's letters: A ``[M, Kc]``, B ``[Kc, N]``.
+
+Strategies (`specs/adahop.md` §3–§5): ``bf16`` exact; ``none`` plain MX; ``iht`` block Hadamard
+along Kc on both operands; ``iht+oe_left`` the top-k rows of A (L2 norm) go through a high-
+precision GEMM and are scatter-added; ``iht+oe_right`` likewise for the top-k columns of B.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+from .formats import MXTensor, NVFP4Tensor, quantize_nvfp4
+from .hadamard import block_hadamard, random_signs
+from .recipes.spec import GemmSpec, OperandSpec, Transform
+
+__all__ = ["Prepared", "prepare", "multiply", "gemm", "lowp_matmul", "draw_signs", "without_quantization"]
+
+Quantized = MXTensor | NVFP4Tensor
+
+
+@dataclass(eq=False)
+class Prepared:
+    """An operand ready for :func:`multiply`.
+
+    Attributes:
+        side: ``"a"`` or ``"b"``.
+        q: the quantized clean operand (None for a BF16 GEMM).
+        hp: the high-precision operand, kept when this GEMM's math needs it: ``bf16`` strategy, or
+            OE on the *other* side (OE-Left multiplies A's slab by B in high precision).
+        oe_idx / oe_slab: extracted row (A) or column (B) indices and the high-precision slab.
+        mean: Averis: the dequantized mean vector (``a_rows``: [Kc]; ``inner``: [M] or [N]).
+        signs: the sign vector used by the inner transform (shared by both operands).
+        rows: the unpadded outer size (M of A or N of B); Kc: the contracted size after padding.
+    """
+
+    side: str
+    q: Quantized | None = None
+    hp: torch.Tensor | None = None
+    oe_idx: torch.Tensor | None = None
+    oe_slab: torch.Tensor | None = None
+    mean: torch.Tensor | None = None
+    signs: torch.Tensor | None = None
+    rows: int = 0
+    Kc: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this prepared operand holds (what saving it for backward costs)."""
+        n = self.q.nbytes if self.q is not None else 0
+        for t in (self.hp, self.oe_idx, self.oe_slab, self.mean, self.signs):
+            if t is not None:
+                n += t.numel() * t.element_size()
+        return n
+
+
+def _kernels():
+    try:
+        from . import kernels
+    except ImportError:  # TEMPORARY until adahop.kernels lands
+        import types
+
+        from .formats import quantize_mxfp4
+
+        def iht_quantize_mxfp4(x, *, axis, hadamard_block=32, signs=None, rounding="nearest", scale_rule="floor",
+                               max_scale_range=8, generator=None, backend="auto"):
+            if hadamard_block:
+                x = block_hadamard(x.float(), block_size=hadamard_block, axis=axis, signs=signs)
+            return quantize_mxfp4(x, axis=axis, rounding=rounding, scale_rule=scale_rule,
+                                  max_scale_range=max_scale_range, generator=generator)
+
+        def mx_matmul(qa, qb, *, out_dtype=torch.float32, backend="auto"):
+            return (qa.dequantize() @ qb.dequantize()).to(out_dtype)
+
+        kernels = types.SimpleNamespace(iht_quantize_mxfp4=iht_quantize_mxfp4, mx_matmul=mx_matmul,
+                                        resolve_backend=lambda b, d: "reference")
+    return kernels
+
+
+def draw_signs(spec: GemmSpec, generator: torch.Generator | None, device) -> torch.Tensor | None:
+    """The ±1 signs of this GEMM call's inner transform (None when it has none)."""
+    t = spec.transform
+    if t is None or t.signs == "none":
+        return None
+    n = t.block_size
+    if t.signs == "fixed":  # one vector for every layer and step
+        g = torch.Generator().manual_seed(t.sign_seed)
+        return random_signs(n, generator=g).to(device)
+    return random_signs(n, generator=generator, device=generator.device if generator is not None else device)
+
+
+def _pad_kc(t: torch.Tensor, kc_axis: int, multiple: int) -> torch.Tensor:
+    pad = (-t.shape[kc_axis]) % multiple
+    if not pad:
+        return t
+    return F.pad(t, (0, pad)) if kc_axis == 1 else F.pad(t, (0, 0, 0, pad))
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _outer(t: torch.Tensor, tr: Transform | None, axis: int, what: str) -> torch.Tensor:
+    """Full-size (or block) Hadamard along an outer dim; undone on the output."""
+    if tr is None:
+        return t
+    n = t.shape[axis]
+    b = tr.block_size or n
+    if b & (b - 1) or n % b:
+        raise ValueError(
+            f"{what}: the outer Hadamard needs a power-of-two size dividing the dimension; got "
+            f"dimension {n} (for HALO-2's token rotation make batch_size*seq_len a power of two)"
+        )
+    return block_hadamard(t, block_size=b, axis=axis)
+
+
+@dataclass(frozen=True, eq=False)
+class Unquantized:
+    """Stand-in for a quantized tensor when quantization is switched off (``fmt="none"``)."""
+
+    values: torch.Tensor
+    shape: tuple[int, ...] = ()
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.values.to(dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.values.numel() * self.values.element_size()
+
+
+def without_quantization(spec: GemmSpec) -> GemmSpec:
+    """``spec`` with both operands unquantized: transforms, OE and splits still run, so the result
+    must equal the exact product to FP32 rounding (the placement test of every recipe)."""
+    none = OperandSpec(fmt="none")
+    return replace(spec, a=none, b=none)
+
+
+def _quantize(t: torch.Tensor, axis: int, op: OperandSpec, tr: Transform | None, signs, generator, backend: str):
+    """Inner transform along ``axis`` then quantize along it."""
+    if op.fmt == "none":
+        if tr is not None:
+            t = block_hadamard(t.float(), block_size=tr.block_size, axis=axis, signs=signs)
+        return Unquantized(t.float(), tuple(t.shape))
+    if op.fmt == "mxfp4":
+        return _kernels().iht_quantize_mxfp4(
+            t, axis=axis, hadamard_block=tr.block_size if tr is not None else None, signs=signs,
+            rounding=op.rounding, scale_rule=op.scale_rule, max_scale_range=op.max_scale_range,
+            generator=generator, backend=backend,
+        )  # fmt: skip
+    if tr is not None:
+        t = block_hadamard(t.float(), block_size=tr.block_size, axis=axis, signs=signs)
+    return quantize_nvfp4(t, axis=axis, **op.quant_kwargs(), generator=generator)
+
+
+def prepare(
+    t: torch.Tensor,
+    side: str,
+    spec: GemmSpec,
+    *,
+    signs: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    backend: str = "reference",
+) -> Prepared:
+    """Prepare operand ``t`` (A ``[M, Kc]`` when ``side="a"``, B ``[Kc, N]`` when ``side="b"``).
+
+    Raises:
+        ValueError: bad side, non-2-D input, or an outer transform that does not fit.
+    """
+    if side not in ("a", "b"):
+        raise ValueError(f"side must be 'a' or 'b', got {side!r}")
+    if t.ndim != 2:
+        raise ValueError(f"GEMM operands are 2-D, got shape {tuple(t.shape)} for operand {side.upper()}")
+    kc_axis, outer_axis = (1, 0) if side == "a" else (0, 1)
+    rows, kc = t.shape[outer_axis], t.shape[kc_axis]
+    strategy = spec.strategy
+    if strategy == "calibrated":
+        raise ValueError("GemmSpec strategy 'calibrated' must be resolved from the plan before the GEMM runs")
+    if strategy == "bf16":
+        return Prepared(side=side, hp=t, rows=rows, Kc=kc)
+    other_oe = "iht+oe_right" if side == "a" else "iht+oe_left"
+    prep = Prepared(side=side, rows=rows, signs=signs, hp=t if strategy == other_oe else None)
+
+    if spec.mean_split == "a_rows" and side == "a":  # Averis fprop/dgrad: token mean over M
+        mu = t.float().mean(dim=0, keepdim=True)  # [1, Kc]
+        t = torch.cat((t.float() - mu, mu), dim=0)  # the mean rides along as one extra row
+    elif spec.mean_split == "inner":  # Averis wgrad: token means over Kc
+        mu = t.float().mean(dim=kc_axis, keepdim=True)
+        t = t.float() - mu
+        prep.mean = mu.flatten()
+
+    t = _outer(t, spec.outer_a if side == "a" else spec.outer_b, outer_axis, f"operand {side.upper()}")
+    own_oe = "iht+oe_left" if side == "a" else "iht+oe_right"
+    if strategy == own_oe:
+        k = min(spec.oe_rank, rows)
+        norms = t.float().norm(dim=kc_axis)[:rows]
+        idx = torch.topk(norms, k).indices
+        prep.oe_idx = idx
+        prep.oe_slab = t.index_select(outer_axis, idx)  # [k, Kc] or [Kc, k], high precision
+        t = t.index_fill(outer_axis, idx, 0)
+
+    tr = spec.transform
+    if tr is not None:
+        b = tr.block_size or _next_pow2(kc)
+        tr = replace(tr, block_size=b)
+        t = _pad_kc(t, kc_axis, b)  # zero rows/cols along Kc leave A·B unchanged
+    prep.Kc = t.shape[kc_axis]
+    op = spec.a if side == "a" else spec.b
+    prep.q = _quantize(t, kc_axis, op, tr, signs, generator, backend)
+    if spec.mean_split == "inner":  # the mean vector is quantized on its own
+        if op.fmt != "none":
+            from .formats import fake_quantize
+
+            prep.mean = fake_quantize(prep.mean, op.fmt, **op.quant_kwargs())
+    return prep
+
+
+def multiply(pa: Prepared, pb: Prepared, spec: GemmSpec, *, out_dtype: torch.dtype = torch.float32, backend: str = "reference") -> torch.Tensor:
+    """``C = A·B`` from prepared operands, FP32 accumulation, returned as ``out_dtype`` ``[M, N]``."""
+    if spec.strategy == "bf16":
+        return (pa.hp @ pb.hp).to(out_dtype)
+    if pa.q is None or pb.q is None or pa.Kc != pb.Kc:
+        raise ValueError(f"operands were not prepared for the same GEMM (Kc {pa.Kc} vs {pb.Kc})")
+    if isinstance(pa.q, MXTensor) and isinstance(pb.q, MXTensor):
+        c = _kernels().mx_matmul(pa.q, pb.q, out_dtype=torch.float32, backend=backend)
+    else:
+        c = pa.q.dequantize(torch.float32) @ pb.q.dequantize(torch.float32)
+    # undo the outer transforms (HALO): Hadamards without signs are their own inverse
+    if spec.outer_a is not None:
+        c = _outer(c, spec.outer_a, 0, "output")
+    if spec.outer_b is not None:
+        c = _outer(c, spec.outer_b, 1, "output")
+    if spec.mean_split == "a_rows":
+        c = c[:-1] + c[-1:]  # residual rows + the broadcast rank-one mean term
+    elif spec.mean_split == "inner":
+        kc = pa.q.shape[1]
+        c = c + kc * torch.outer(pa.mean, pb.mean)
+        if spec.mean_cross_terms:
+            ra = pa.q.dequantize(torch.float32).sum(dim=1)  # Q(R_A)·1
+            rb = pb.q.dequantize(torch.float32).sum(dim=0)  # 1ᵀ·Q(R_B)
+            c = c + torch.outer(ra, pb.mean) + torch.outer(pa.mean, rb)
+    c = c[: pa.rows, : pb.rows]
+    if pa.oe_idx is not None:  # OE-Left: C[idx, :] += A_slab · B  (high precision)
+        c = c.index_add(0, pa.oe_idx, (pa.oe_slab @ pb.hp).float())
+    if pb.oe_idx is not None:  # OE-Right: C[:, idx] += A · B_slab
+        c = c.index_add(1, pb.oe_idx, (pa.hp @ pb.oe_slab).float())
+    return c.to(out_dtype)
+
+
+def gemm(a: torch.Tensor, b: torch.Tensor, spec: GemmSpec, *, generator: torch.Generator | None = None,
+         out_dtype: torch.dtype | None = None, backend: str = "reference") -> torch.Tensor:
+    """``A·B`` under ``spec``: prepare both operands (sharing one sign draw) and multiply."""
+    signs = draw_signs(spec, generator, a.device)
+    pa = prepare(a, "a", spec, signs=signs, generator=generator, backend=backend)
+    pb = prepare(b, "b", spec, signs=signs, generator=generator, backend=backend)
+    return multiply(pa, pb, spec, out_dtype=out_dtype or a.dtype, backend=backend)
+
+
+def lowp_matmul(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    strategy: str,
+    fmt: str = "mxfp4",
+    oe_rank: int = 64,
+    rounding: str = "nearest",
+    scale_rule: str = "floor",
+    max_scale_range: int | None = None,
+    generator: torch.Generator | None = None,
+    quantize: bool = True,
+    backend: str = "reference",
+) -> torch.Tensor:
+    """``a @ b`` with an AdaHOP strategy (`specs/adahop.md` §3–§5).
+
+    Args:
+        a: ``[M, K]`` float tensor. b: ``[K, N]`` float tensor.
+        strategy: ``"bf16"``, ``"none"``, ``"iht"``, ``"iht+oe_left"`` or ``"iht+oe_right"``.
+        fmt: ``"mxfp4"`` or ``"nvfp4"``. oe_rank: rows/columns extracted by OE (64).
+        rounding, scale_rule, max_scale_range: quantizer settings for both operands.
+        generator: stochastic-rounding bits.
+        quantize: False runs every strategy with the quantizer switched off (the transforms and
+            OE still run), which must equal ``a @ b`` to FP32 rounding.
+
+    Returns:
+        ``[M, N]`` tensor in ``a``'s dtype.
+
+    Raises:
+        ValueError: unknown strategy/format, or shapes that do not chain.
+    """
+    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"lowp_matmul needs a [M, K] and b [K, N], got {tuple(a.shape)} and {tuple(b.shape)}")
+    op = OperandSpec(fmt=fmt, rounding=rounding, scale_rule=scale_rule, max_scale_range=max_scale_range)
+    spec = GemmSpec(strategy=strategy, a=op, b=op, oe_rank=oe_rank)
+    spec.validate("lowp_matmul")
+    if not quantize:
+        spec = without_quantization(spec)
+    return gemm(a, b, spec, generator=generator, backend=backend)

@@ -1,0 +1,8 @@
+"""Layer 6: the autograd function, the converted linear, conversion and the step hook."""
+
+from .convert import convert_model, describe, get_controller, on_step, saved_bytes, supports_shape
+from .function import LowPrecisionLinearFn
+from .linear import Controller, LowPrecisionLinear
+
+__all__ = ["convert_model", "describe", "get_controller", "on_step", "saved_bytes", "supports_shape",
+           "LowPrecisionLinearFn", "LowPrecisionLinear", "Controller"]

@@ -1,0 +1,122 @@
+"""One-call conversion of a model's `nn.Linear` layers, the step hook, and `describe`."""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+import warnings
+
+from torch import nn
+
+from ..patterns import Plan
+from ..recipes import Recipe, get_recipe
+from .linear import Controller, LowPrecisionLinear
+
+__all__ = ["convert_model", "on_step", "get_controller", "describe", "saved_bytes", "supports_shape"]
+
+_BLOCK_RE = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)\.")
+
+
+def supports_shape(recipe: Recipe, in_features: int, out_features: int) -> bool:
+    """Whether ``recipe`` quantizes a layer of this shape: K and N must be whole blocks (32 for
+    MXFP4, 16 for NVFP4), as the hardware GEMMs and the FP8 fast path need."""
+    block = 16 if any(recipe.gemm(g).a.fmt == "nvfp4" for g in ("fprop", "dgrad", "wgrad")) else 32
+    return in_features % block == 0 and out_features % block == 0
+
+
+def convert_model(model: nn.Module, recipe: str | Recipe, *, exclude=("lm_head",), seed: int = 0,
+                  plan: Plan | None = None, backend: str = "auto") -> nn.Module:
+    """Swap every ``nn.Linear`` of ``model`` for a :class:`LowPrecisionLinear` running ``recipe``.
+
+    Args:
+        model: any module built of ``nn.Linear`` (Hugging Face Llama/Qwen3, ``nn.Sequential``...).
+        recipe: a preset name (see :func:`adahop.list_recipes`) or a :class:`Recipe`.
+        exclude: fnmatch patterns of qualified names to keep as they are; a pattern without
+            wildcards also matches as a name suffix (``"lm_head"`` matches ``"model.lm_head"``).
+        seed: run seed for stochastic rounding and random signs.
+        plan: a frozen AdaHOP plan (from ``plan.json`` or a checkpoint): calibration is skipped.
+        backend: ``"auto"`` (the fast path on CUDA, the reference elsewhere), ``"triton"`` or
+            ``"reference"``. It never changes the recipe's numerics.
+
+    Returns:
+        ``model``, modified in place. The original Parameters are kept. Layers whose shape the
+        recipe cannot quantize stay BF16 GEMMs (one warning lists them); so do the linears of
+        the last ``recipe.bf16_last_layers`` / first ``bf16_first_layers`` transformer blocks.
+
+    Raises:
+        ValueError: unknown recipe name (lists the known ones), or a model already converted.
+    """
+    if isinstance(recipe, str):
+        recipe = get_recipe(recipe)
+    if getattr(model, "_adahop_controller", None) is not None:
+        raise ValueError("this model is already converted; convert a fresh model")
+    from ..gemm import _kernels
+
+    resolve_backend = _kernels().resolve_backend
+    controller = Controller(recipe, seed=seed, plan=plan)
+    names = [n for n, m in model.named_modules() if type(m) is nn.Linear and not _excluded(n, exclude)]
+    blocks = sorted({int(m.group(1)) for n in names if (m := _BLOCK_RE.search(n))})
+    n_blocks = (max(blocks) + 1) if blocks else 0
+    unsupported = []
+    for layer_id, name in enumerate(names):
+        parent, _, child = name.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        lin = getattr(owner, child)
+        m = _BLOCK_RE.search(name)
+        blk = int(m.group(1)) if m else None
+        edge = blk is not None and (blk < recipe.bf16_first_layers or blk >= n_blocks - recipe.bf16_last_layers)
+        fits = supports_shape(recipe, lin.in_features, lin.out_features)
+        if not fits and not recipe.is_bf16:
+            unsupported.append(f"{name} ({lin.in_features}->{lin.out_features})")
+        new = LowPrecisionLinear.from_linear(lin, recipe, name=name, layer_id=layer_id, controller=controller,
+                                             backend=resolve_backend(backend, lin.weight.device), force_bf16=edge or not fits)
+        setattr(owner, child, new)
+    if unsupported:
+        warnings.warn(f"adahop: recipe {recipe.name!r} cannot quantize these layers (dimensions not multiples of the "
+                      f"block size); they run BF16 GEMMs: {', '.join(unsupported)}", stacklevel=2)
+    model._adahop_controller = controller
+    return model
+
+
+def _excluded(name: str, patterns) -> bool:
+    if isinstance(patterns, str):
+        patterns = (patterns,)
+    return any(fnmatch.fnmatchcase(name, p) or name == p or name.endswith("." + p) for p in patterns)
+
+
+def get_controller(model: nn.Module) -> Controller:
+    """The :class:`Controller` of a converted model. Raises ValueError if it is not converted."""
+    c = getattr(model, "_adahop_controller", None)
+    if c is None:
+        raise ValueError("model is not converted; call adahop.convert_model(model, recipe) first")
+    return c
+
+
+def on_step(model: nn.Module, step: int) -> bool:
+    """Tell the converted model that ``step`` optimizer steps are done (call after each
+    ``optimizer.step()``). Freezes the AdaHOP plan at the end of calibration; returns True then."""
+    return get_controller(model).on_step(step)
+
+
+def saved_bytes(model: nn.Module) -> tuple[int, int]:
+    """(bytes the converted linears saved for backward at the last forward, the bytes a BF16
+    ``nn.Linear`` would have saved: its input X in BF16)."""
+    ours = bf16 = 0
+    for m in model.modules():
+        if isinstance(m, LowPrecisionLinear):
+            ours += m.saved_bytes
+            bf16 += getattr(m, "_last_tokens", 0) * m.in_features * 2
+    return ours, bf16
+
+
+def describe(model: nn.Module) -> str:
+    """A text table: each converted layer, its shape, the pattern of X, W, ∇Y and the strategy of
+    fprop, dgrad and wgrad."""
+    ctrl = get_controller(model)
+    head = f"{'layer':<44} {'K->N':>12} {'X':>2} {'W':>2} {'dY':>2}  {'fprop':<13} {'dgrad':<13} {'wgrad':<13}"
+    lines = [f"recipe {ctrl.recipe.name}, step {ctrl.step}, " + ("calibrating" if ctrl.calibrating else "plan frozen" if ctrl.plan else "fixed strategies"), head, "-" * len(head)]
+    for m in ctrl.layers:
+        s, p = m.strategies(), m.patterns
+        lines.append(f"{m.name:<44} {f'{m.in_features}->{m.out_features}':>12} {p.get('x', '-'):>2} {p.get('w', '-'):>2} "
+                     f"{p.get('dy', '-'):>2}  {s['fprop']:<13} {s['dgrad']:<13} {s['wgrad']:<13}")
+    return "\n".join(lines)

@@ -1,0 +1,96 @@
+"""The autograd function of a converted linear layer: three GEMMs, each under its own spec.
+
+    fprop:  Y  = X · Wᵀ     A = X   [T, K],  B = Wᵀ [K, N],  contract K
+    dgrad:  ∇X = ∇Y · W     A = ∇Y  [T, N],  B = W  [N, K],  contract N
+    wgrad:  ∇W = ∇Yᵀ · X    A = ∇Yᵀ [N, T],  B = X  [T, K],  contract T
+
+X and W are saved already prepared (transformed + packed MXFP4) for the backward GEMM that
+consumes them, unless that GEMM needs them in high precision (`DESIGN.md` §2).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..gemm import draw_signs, gemm, multiply, prepare
+
+__all__ = ["LowPrecisionLinearFn"]
+
+
+def _needs_hp_b(spec) -> bool:
+    """B must stay high precision: a BF16 GEMM, or OE-Left (its A slab multiplies B exactly)."""
+    return spec.strategy in ("bf16", "iht+oe_left")
+
+
+class LowPrecisionLinearFn(torch.autograd.Function):
+    """``y = x·wᵀ + bias`` with per-GEMM low-precision strategies; see the module docstring.
+
+    Inputs: ``x`` [T, K] in the compute dtype, ``weight`` [N, K] (the master parameter, any float
+    dtype), ``bias`` [N] or None, ``layer`` (the owning :class:`~adahop.nn.LowPrecisionLinear`,
+    which resolves specs, generators and calibration), ``dtype`` (compute dtype).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, layer, dtype):
+        w = weight.to(dtype)
+        ctx.layer, ctx.dtype = layer, dtype
+        ctx.has_bias = bias is not None
+        layer._last_tokens = x.shape[0]
+        specs = layer.current_specs()
+        if specs is None:  # calibration or a BF16 layer: exact GEMMs, patterns observed
+            layer.observe("x", x)
+            layer.observe("w", w)
+            ctx.specs = None
+            ctx.save_for_backward(x, weight)
+            layer.saved_bytes = x.numel() * x.element_size()
+            y = x @ w.t()
+        else:
+            ctx.specs = specs
+            # fprop: Y = X·Wᵀ
+            y = gemm(x, w.t(), specs["fprop"], generator=layer.generator("fprop"), out_dtype=dtype, backend=layer.backend)
+            # save X for wgrad (B operand, contract T) and W for dgrad (B operand, contract N)
+            wg, dg = specs["wgrad"], specs["dgrad"]
+            gw, gd = layer.generator("wgrad"), layer.generator("dgrad")
+            ctx.gens = (gd, gw)
+            ctx.signs_w = draw_signs(wg, gw, x.device)
+            ctx.signs_d = draw_signs(dg, gd, x.device)
+            ctx.x_prep = None if _needs_hp_b(wg) else prepare(x, "b", wg, signs=ctx.signs_w, generator=gw, backend=layer.backend)
+            ctx.w_prep = None if _needs_hp_b(dg) else prepare(w, "b", dg, signs=ctx.signs_d, generator=gd, backend=layer.backend)
+            ctx.save_for_backward(x if ctx.x_prep is None else None, weight)
+            layer.saved_bytes = x.numel() * x.element_size() if ctx.x_prep is None else ctx.x_prep.nbytes
+            if ctx.w_prep is not None:
+                layer.saved_bytes += ctx.w_prep.nbytes
+        if bias is not None:
+            y = y + bias.to(dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        layer, dtype, specs = ctx.layer, ctx.dtype, ctx.specs
+        dy = dy.to(dtype)
+        grad_bias = dy.sum(0).to(weight.dtype) if ctx.has_bias else None
+        if specs is None:
+            layer.observe("dy", dy)
+            w = weight.to(dtype)
+            dx = dy @ w  # dgrad
+            dw = dy.t() @ x  # wgrad
+            return dx, dw.to(weight.dtype), grad_bias, None, None
+
+        gd, gw = ctx.gens
+        # dgrad: ∇X = ∇Y·W
+        dg = specs["dgrad"]
+        if ctx.w_prep is None:
+            dx = gemm(dy, weight.to(dtype), dg, generator=gd, out_dtype=dtype, backend=layer.backend)
+        else:
+            pa = prepare(dy, "a", dg, signs=ctx.signs_d, generator=gd, backend=layer.backend)
+            dx = multiply(pa, ctx.w_prep, dg, out_dtype=dtype, backend=layer.backend)
+        # wgrad: ∇W = ∇Yᵀ·X
+        wg = specs["wgrad"]
+        if ctx.x_prep is None:
+            dw = gemm(dy.t(), x, wg, generator=gw, out_dtype=torch.float32, backend=layer.backend)
+        else:
+            pa = prepare(dy.t(), "a", wg, signs=ctx.signs_w, generator=gw, backend=layer.backend)
+            dw = multiply(pa, ctx.x_prep, wg, out_dtype=torch.float32, backend=layer.backend)
+        ctx.x_prep = ctx.w_prep = None
+        return dx, dw.to(weight.dtype), grad_bias, None, None

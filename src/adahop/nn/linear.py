@@ -1,0 +1,153 @@
+"""`LowPrecisionLinear`: a drop-in for `nn.Linear` whose GEMMs follow a recipe, and the
+`Controller` that a converted model shares (seed, step, calibration, plan)."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+
+from ..patterns import Calibrator, Plan
+from ..recipes.spec import GEMMS, GemmSpec, Recipe
+from ..utils import mix_seed
+from .function import LowPrecisionLinearFn
+
+__all__ = ["LowPrecisionLinear", "Controller"]
+
+
+class Controller:
+    """State shared by every converted layer of one model.
+
+    It owns the run seed and the optimizer step (the stochastic-rounding and random-sign streams
+    are seeded from seed, step, layer and GEMM), and for AdaHOP recipes the :class:`Calibrator`
+    and the frozen :class:`Plan`. The training loop calls :func:`adahop.on_step` once per
+    optimizer step; that is the only hook (STYLE §2.8).
+    """
+
+    def __init__(self, recipe: Recipe, *, seed: int = 0, plan: Plan | None = None):
+        self.recipe, self.seed, self.step, self.plan = recipe, seed, 0, plan
+        cal = recipe.calibration
+        self.calibrator = Calibrator(table=cal.table, steps=cal.steps, threshold=cal.threshold) if cal and plan is None else None
+        self._layers: list[weakref.ref] = []
+
+    @property
+    def layers(self) -> list["LowPrecisionLinear"]:
+        return [r() for r in self._layers if r() is not None]
+
+    @property
+    def calibrating(self) -> bool:
+        return self.recipe.calibration is not None and self.plan is None
+
+    def register(self, layer: "LowPrecisionLinear") -> None:
+        self._layers.append(weakref.ref(layer))
+
+    def on_step(self, step: int) -> bool:
+        """Record that ``step`` optimizer steps are done; freeze the plan when calibration ends.
+        Returns True on the step the plan is frozen."""
+        self.step = step
+        if self.calibrating and step >= self.recipe.calibration.steps:
+            self.set_plan(self.calibrator.freeze([l.name for l in self.layers if not l.force_bf16]))
+            return True
+        return False
+
+    def set_plan(self, plan: Plan) -> None:
+        """Adopt ``plan`` (frozen by calibration, loaded from a checkpoint or ``plan.json``)."""
+        self.plan = plan
+        self.calibrator = None
+        for layer in self.layers:
+            layer.resolve_specs()
+
+
+class LowPrecisionLinear(nn.Linear):
+    """``nn.Linear`` whose fprop, dgrad and wgrad run under ``recipe``.
+
+    Same ``weight`` [out_features, in_features] and ``bias`` Parameters (the very objects of the
+    converted layer) and the same state_dict keys. Input ``[..., in_features]`` in any float
+    dtype; under autocast the GEMMs run in the autocast dtype. Build it with :meth:`from_linear`.
+    """
+
+    @classmethod
+    def from_linear(cls, mod: nn.Linear, recipe: Recipe, *, name: str, layer_id: int, controller: Controller,
+                    backend: str = "reference", force_bf16: bool = False) -> "LowPrecisionLinear":
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = mod.in_features, mod.out_features
+        new.weight, new.bias = mod.weight, mod.bias
+        new.recipe, new.name, new.layer_id, new.backend = recipe, name, layer_id, backend
+        new.controller, new.force_bf16 = controller, force_bf16
+        new.saved_bytes, new.patterns, new._calls = 0, {}, {}
+        new._specs = None
+        controller.register(new)
+        new.resolve_specs()
+        return new
+
+    # -- plan and specs ----------------------------------------------------------------------
+    def resolve_specs(self) -> None:
+        """Fix the spec of each GEMM: 'calibrated' strategies come from the controller's plan."""
+        if self.force_bf16 or self.recipe.is_bf16:
+            self._specs = None
+            return
+        plan = self.controller.plan
+        specs: dict[str, GemmSpec] = {}
+        for g in GEMMS:
+            spec = self.recipe.gemm(g)
+            if spec.strategy == "calibrated":
+                if plan is None:
+                    self._specs = None  # still calibrating
+                    return
+                spec = spec.with_strategy(plan.strategy(self.name, g))
+            specs[g] = spec
+        self._specs = specs
+        if plan is not None and self.name in plan.layers:
+            self.patterns = {k: plan.layers[self.name][k] for k in ("x", "w", "dy")}
+
+    def current_specs(self) -> dict[str, GemmSpec] | None:
+        """The resolved specs, or None when this call runs exact BF16 GEMMs."""
+        return None if self.controller.calibrating and not self.force_bf16 and not self.recipe.is_bf16 else self._specs
+
+    def strategies(self) -> dict[str, str]:
+        """Strategy per GEMM as shown by :func:`adahop.describe`."""
+        if self.force_bf16 or self.recipe.is_bf16:
+            return {g: "bf16" for g in GEMMS}
+        if self._specs is None:
+            return {g: "calibrating" for g in GEMMS}
+        return {g: s.strategy for g, s in self._specs.items()}
+
+    # -- randomness and calibration hooks ----------------------------------------------------
+    def generator(self, gemm: str) -> torch.Generator | None:
+        """A generator for this call's stochastic rounding / random signs, seeded from
+        (run seed, step, layer, GEMM, call index); None when the GEMM draws nothing."""
+        spec = (self._specs or {}).get(gemm)
+        if spec is None:
+            return None
+        tr = spec.transform
+        random = spec.a.rounding == "stochastic" or spec.b.rounding == "stochastic" or (tr is not None and tr.signs == "per_call")
+        if not random:
+            return None
+        step = self.controller.step
+        key = (step, gemm)
+        call = self._calls.get(key, 0)
+        self._calls = {k: v for k, v in self._calls.items() if k[0] == step}
+        self._calls[key] = call + 1
+        g = torch.Generator(device=self.weight.device)
+        g.manual_seed(mix_seed(self.controller.seed, step, self.layer_id, gemm, call))
+        return g
+
+    def observe(self, tensor: str, t: torch.Tensor) -> None:
+        cal = self.controller.calibrator
+        if cal is not None and not self.force_bf16:
+            self.patterns[tensor] = str(cal.observe(self.name, tensor, t))
+
+    # -- forward -----------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        x2 = x.reshape(-1, self.in_features).to(dtype)
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            y = LowPrecisionLinearFn.apply(x2, self.weight, self.bias, self, dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        s = self.strategies()
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"recipe={self.recipe.name}, fprop={s['fprop']}, dgrad={s['dgrad']}, wgrad={s['wgrad']}, backend={self.backend}")

@@ -1,0 +1,196 @@
+"""Recipe data: what each of a linear layer's three GEMMs does (`DESIGN.md` §2, STYLE §2.1).
+
+A :class:`Recipe` names ``fprop`` (Y = X·Wᵀ), ``dgrad`` (∇X = ∇Y·W) and ``wgrad`` (∇W = ∇Yᵀ·X).
+Each GEMM is written ``C = A·B`` with ``A [M, Kc]``, ``B [Kc, N']`` and contracted dim ``Kc``:
+
+=======  ========  =======  ==========================
+GEMM     A         B        Kc
+=======  ========  =======  ==========================
+fprop    X  [T,K]  Wᵀ [K,N]  K  (in_features)
+dgrad    ∇Y [T,N]  W  [N,K]  N  (out_features)
+wgrad    ∇Yᵀ[N,T]  X  [T,K]  T  (tokens)
+=======  ========  =======  ==========================
+
+Everything is frozen and validated when built; messages name the field and the allowed values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from ..formats import SCALE_RULES
+from ..hadamard import SUPPORTED_SIZES
+
+__all__ = ["OperandSpec", "Transform", "GemmSpec", "CalibSpec", "Recipe", "STRATEGIES", "GEMMS"]
+
+#: The GEMM vocabulary used in fields, logs, plans and tables.
+GEMMS = ("fprop", "dgrad", "wgrad")
+#: AdaHOP strategies (`specs/adahop.md` §5); "none" is plain MX without a transform.
+STRATEGIES = ("bf16", "none", "iht", "iht+oe_left", "iht+oe_right")
+_FORMATS = ("mxfp4", "nvfp4", "none")
+_ROUNDINGS = ("nearest", "stochastic")
+_SIGNS = ("none", "fixed", "per_call")
+
+
+def _check(cond: bool, where: str, msg: str) -> None:
+    if not cond:
+        raise ValueError(f"{where}: {msg}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OperandSpec:
+    """How one GEMM operand is quantized along the contracted dimension."""
+
+    fmt: str = "mxfp4"
+    """``"mxfp4"`` (E2M1 + E8M0, block 32), ``"nvfp4"`` (E2M1 + E4M3 block 16 + FP32 tensor
+    scale), or ``"none"`` (quantization switched off: a test and debugging switch)."""
+    rounding: str = "nearest"
+    """``"nearest"`` (round-half-to-even) or ``"stochastic"``."""
+    scale_rule: str = "floor"
+    """MXFP4 scale rule: floor | ceil | adahop | tseng (`adahop.formats.mxfp4.block_exponents`)."""
+    max_scale_range: int | None = 8
+    """MXFP4: limit each block exponent to ≥ row max − r; 8 lets the FP8 fast path fold exactly."""
+    tile_2d: bool = False
+    """NVFP4 only: 16×16 tiles (NVIDIA's weight recipe)."""
+
+    def validate(self, where: str) -> None:
+        _check(self.fmt in _FORMATS, where, f"fmt={self.fmt!r}; allowed {_FORMATS}")
+        _check(self.rounding in _ROUNDINGS, where, f"rounding={self.rounding!r}; allowed {_ROUNDINGS}")
+        _check(self.scale_rule in SCALE_RULES, where, f"scale_rule={self.scale_rule!r}; allowed {SCALE_RULES}")
+        if self.fmt == "mxfp4" and self.rounding == "stochastic":
+            _check(self.scale_rule in ("ceil", "tseng"), where,
+                   f"stochastic rounding with scale_rule={self.scale_rule!r} clips and biases; use 'ceil' or 'tseng'")
+        _check(not self.tile_2d or self.fmt == "nvfp4", where, "tile_2d is an NVFP4 option")
+
+    def quant_kwargs(self) -> dict:
+        """Keyword arguments for :func:`adahop.formats.quantize` (without axis/generator)."""
+        if self.fmt == "mxfp4":
+            return dict(scale_rule=self.scale_rule, rounding=self.rounding, max_scale_range=self.max_scale_range)
+        if self.fmt == "nvfp4":
+            return dict(rounding=self.rounding, tile_2d=self.tile_2d)
+        return {}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Transform:
+    """A block Hadamard ``I ⊗ (D_s·H_b)``; ``block_size=0`` means the whole dimension."""
+
+    block_size: int = 32
+    signs: str = "none"
+    """``"none"`` (Sylvester only), ``"fixed"`` (one sign vector for every layer and step, from
+    ``sign_seed``) or ``"per_call"`` (fresh signs at each GEMM call, from the layer generator)."""
+    sign_seed: int = 0
+
+    def validate(self, where: str) -> None:
+        _check(self.block_size == 0 or self.block_size in SUPPORTED_SIZES, where,
+               f"transform block_size={self.block_size}; allowed 0 (whole dim) or {SUPPORTED_SIZES}")
+        _check(self.signs in _SIGNS, where, f"transform signs={self.signs!r}; allowed {_SIGNS}")
+
+
+IHT32 = Transform(block_size=32)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GemmSpec:
+    """What one GEMM does. ``C = A·B`` with A ``[M, Kc]`` and B ``[Kc, N']``."""
+
+    strategy: str = "none"
+    """bf16 | none | iht | iht+oe_left | iht+oe_right (`specs/adahop.md` §5), or ``"calibrated"``:
+    taken per layer from the frozen AdaHOP plan."""
+    a: OperandSpec = field(default_factory=OperandSpec)
+    b: OperandSpec = field(default_factory=OperandSpec)
+    inner: Transform | None = None
+    """Transform along Kc on both operands (cancels in the product). ``strategy`` 'iht*' implies
+    ``IHT32`` when this is None."""
+    oe_rank: int = 64
+    """Rows of A (OE-Left) or columns of B (OE-Right) routed through the BF16 path."""
+    outer_a: Transform | None = None
+    """Hadamard along A's rows (M), undone on the output (HALO-2's token rotation of ∇Y)."""
+    outer_b: Transform | None = None
+    """Hadamard along B's columns (N'), undone on the output (HALO-1/2 backward)."""
+    mean_split: str = "none"
+    """Averis mean-residual split: ``"none"``, ``"a_rows"`` (token mean of A over M: fprop and
+    dgrad) or ``"inner"`` (token means of both operands over Kc: wgrad)."""
+    mean_cross_terms: bool = True
+    """For ``mean_split='inner'``: keep the two cross terms of Averis Eq. 12."""
+
+    def validate(self, where: str) -> None:
+        _check(self.strategy in STRATEGIES + ("calibrated",), where,
+               f"strategy={self.strategy!r}; allowed {STRATEGIES + ('calibrated',)}")
+        self.a.validate(f"{where}.a")
+        self.b.validate(f"{where}.b")
+        for name in ("inner", "outer_a", "outer_b"):
+            t = getattr(self, name)
+            if t is not None:
+                t.validate(f"{where}.{name}")
+        _check(self.oe_rank >= 1, where, f"oe_rank={self.oe_rank} must be >= 1")
+        _check(self.mean_split in ("none", "a_rows", "inner"), where,
+               f"mean_split={self.mean_split!r}; allowed ('none', 'a_rows', 'inner')")
+
+    @property
+    def transform(self) -> Transform | None:
+        """The inner transform in effect (IHT32 for the 'iht*' strategies)."""
+        if self.inner is not None:
+            return self.inner
+        return IHT32 if self.strategy.startswith("iht") else None
+
+    def with_strategy(self, strategy: str) -> "GemmSpec":
+        """A copy that runs ``strategy`` (used when a calibrated plan is frozen)."""
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy {strategy!r} is not one of {STRATEGIES}")
+        return replace(self, strategy=strategy)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CalibSpec:
+    """AdaHOP calibration (`specs/adahop.md` §2.4)."""
+
+    table: str = "lv2"
+    """Strategy table: ``"lv1"`` or ``"lv2"`` (`adahop.patterns.STRATEGY_TABLES`)."""
+    steps: int = 30
+    """Optimizer steps of BF16 GEMMs with pattern detection before the plan is frozen."""
+    threshold: float = 2.0
+    """Detector threshold τ on the normalized CV statistic (`specs/adahop.md` §2.2)."""
+
+    def validate(self, where: str) -> None:
+        _check(self.table in ("lv1", "lv2"), where, f"table={self.table!r}; allowed ('lv1', 'lv2')")
+        _check(self.steps >= 1, where, f"steps={self.steps} must be >= 1")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Recipe:
+    """A named training recipe: one :class:`GemmSpec` per GEMM plus layer-level options."""
+
+    name: str
+    description: str = ""
+    fprop: GemmSpec = field(default_factory=GemmSpec)
+    dgrad: GemmSpec = field(default_factory=GemmSpec)
+    wgrad: GemmSpec = field(default_factory=GemmSpec)
+    calibration: CalibSpec | None = None
+    """Set for AdaHOP recipes: GEMMs whose strategy is 'calibrated' take it from the plan."""
+    bf16_last_layers: int = 0
+    """Transformer blocks at the end of the model whose linears stay BF16 (NVIDIA recipe)."""
+    bf16_first_layers: int = 0
+    """Transformer blocks at the start of the model whose linears stay BF16."""
+
+    def __post_init__(self) -> None:
+        for g in GEMMS:
+            getattr(self, g).validate(f"recipe {self.name!r} {g}")
+        calibrated = any(getattr(self, g).strategy == "calibrated" for g in GEMMS)
+        if calibrated and self.calibration is None:
+            raise ValueError(f"recipe {self.name!r}: a GEMM has strategy 'calibrated' but calibration is None")
+        if self.calibration is not None:
+            self.calibration.validate(f"recipe {self.name!r} calibration")
+        if self.bf16_last_layers < 0 or self.bf16_first_layers < 0:
+            raise ValueError(f"recipe {self.name!r}: bf16_first_layers/bf16_last_layers must be >= 0")
+
+    def gemm(self, name: str) -> GemmSpec:
+        """The spec of GEMM ``name`` (fprop, dgrad or wgrad)."""
+        if name not in GEMMS:
+            raise ValueError(f"unknown GEMM {name!r}; use one of {GEMMS}")
+        return getattr(self, name)
+
+    @property
+    def is_bf16(self) -> bool:
+        """True when every GEMM runs in BF16 (no quantization at all)."""
+        return all(getattr(self, g).strategy == "bf16" for g in GEMMS)
