@@ -1,0 +1,123 @@
+"""The `adahop` command line: data prepare, train, compare, recipes, analyze, bench."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import typing
+
+__all__ = ["main", "build_parser"]
+
+
+def _add_config_flags(p: argparse.ArgumentParser, cls, *, skip=()) -> None:
+    """One ``--flag`` per dataclass field, typed from the annotation, help from its docstring."""
+    from .train.config import field_docs
+
+    docs = field_docs(cls)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        t = hints[f.name]
+        base = next((a for a in typing.get_args(t) if a is not type(None)), t)
+        help_ = f"{docs.get(f.name, '')} (default: {f.default})"
+        if base is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
+        else:
+            p.add_argument(flag, type=base, default=f.default, help=help_, metavar=f.name.upper())
+
+
+def _config_from(args, cls, **override):
+    fields = {f.name for f in dataclasses.fields(cls)}
+    kw = {k: v for k, v in vars(args).items() if k in fields}
+    kw.update(override)
+    return cls(**kw)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .train.config import TrainConfig
+
+    p = argparse.ArgumentParser(prog="adahop", description="Train LLMs with MXFP4 GEMMs at BF16 quality (AdaHOP).")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    data = sub.add_parser("data", help="data preparation").add_subparsers(dest="data_cmd", required=True)
+    prep = data.add_parser("prepare", help="tokenize text into train/val token shards")
+    prep.add_argument("--source", action="append", required=True,
+                      help="'default', a .txt/.jsonl/.parquet file or folder (.xz/.gz/.zst ok), or hf:NAME[:CONFIG][:SPLIT]; repeatable")
+    prep.add_argument("--out", required=True, help="output folder")
+    prep.add_argument("--tokenizer", default="bpe", help="bpe (trained on the corpus), gpt2, tiktoken:PATH, hf:NAME")
+    prep.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary size")
+    prep.add_argument("--val-fraction", type=float, default=0.01, help="held-out share, spread across the corpus")
+    prep.add_argument("--seed", type=int, default=0)
+
+    tr = sub.add_parser("train", help="pretrain a model from scratch with a recipe")
+    _add_config_flags(tr, TrainConfig)
+
+    cmp = sub.add_parser("compare", help="train several recipes on the same data; table and plots")
+    cmp.add_argument("--recipes", default="bf16,adahop-lv2", help="comma-separated recipe names")
+    _add_config_flags(cmp, TrainConfig, skip=("recipe", "resume"))
+    cmp.set_defaults(out="runs/compare")
+
+    sub.add_parser("recipes", help="list the recipe presets and what each GEMM does")
+
+    an = sub.add_parser("analyze", help="outlier-pattern census and the paper's figures")
+    try:
+        from .analysis.cli import add_arguments
+
+        add_arguments(an)
+    except ImportError:
+        pass
+
+    bench = sub.add_parser("bench", help="speed and memory against BF16 and other MXFP4 emulations")
+    try:
+        from .bench import add_arguments as add_bench
+
+        add_bench(bench)
+    except ImportError:
+        pass
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.cmd == "data":
+            from .data import prepare
+
+            m = prepare(args.source, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
+                        val_fraction=args.val_fraction, seed=args.seed)
+            print(f"wrote {args.out}: train {m.train.tokens:,} tokens, val {m.val.tokens:,} tokens, "
+                  f"tokenizer {m.tokenizer.name} (vocab {m.tokenizer.vocab_size})")
+        elif args.cmd == "train":
+            from .train import TrainConfig, train
+
+            s = train(_config_from(args, TrainConfig))
+            print(f"final val loss {s['final_val_loss']}, val bpb {s['final_val_bpb']}, {s['tok_per_s'] or 0:,.0f} tokens/s")
+        elif args.cmd == "compare":
+            from pathlib import Path
+
+            from .train import TrainConfig
+            from .train.compare import compare
+
+            cfg = _config_from(args, TrainConfig)
+            compare([r.strip() for r in args.recipes.split(",") if r.strip()], cfg, Path(cfg.out))
+        elif args.cmd == "recipes":
+            from .recipes.table import describe_recipes
+
+            print(describe_recipes())
+        elif args.cmd == "analyze":
+            from .analysis.cli import run
+
+            run(args)
+        elif args.cmd == "bench":
+            from .bench import run as run_bench
+
+            run_bench(args)
+    except ValueError as e:
+        print(f"adahop {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0

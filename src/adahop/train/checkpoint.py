@@ -1,0 +1,107 @@
+"""Checkpoints: safetensors for tensors, JSON for the rest, each written atomically.
+
+A checkpoint is the folder ``checkpoints/step_NNNNNNN/`` holding ``model.safetensors`` (FP32
+master weights), ``optimizer.safetensors`` (AdamW moments), and ``state.json`` (step, optimizer
+hyper-parameters, the AdaHOP plan or the calibration history so far, RNG state). It is written to a
+temporary folder and renamed into place, so a crash never leaves a half-written checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..nn import get_controller
+from ..patterns import Plan
+
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint"]
+
+
+def _optim_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+    sd = opt.state_dict()
+    tensors, scalars = {}, {}
+    for idx, st in sd["state"].items():
+        for k, v in st.items():
+            if torch.is_tensor(v):
+                tensors[f"{idx}.{k}"] = v.detach().cpu().contiguous()
+            else:
+                scalars[f"{idx}.{k}"] = v
+    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+
+
+def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer, *, keep: int = 2,
+                    extra: dict | None = None) -> Path:
+    """Write the checkpoint of ``step`` atomically and keep only the newest ``keep``."""
+    root = Path(run_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step:07d}"
+    tmp = root / f".tmp_step_{step:07d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    state = {k: v for k, v in state.items() if not _is_alias(k, state)}
+    save_file(state, tmp / "model.safetensors")
+    tensors, meta = _optim_tensors(opt)
+    save_file(tensors, tmp / "optimizer.safetensors")
+    ctrl = get_controller(model)
+    meta.update(step=step, controller_step=ctrl.step, rng=torch.get_rng_state().tolist(),
+                plan=json.loads(ctrl.plan.to_json()) if ctrl.plan else None,
+                calibration_history=ctrl.calibrator.history if ctrl.calibrator else None, **(extra or {}))
+    (tmp / "state.json").write_text(json.dumps(meta))
+    for f in tmp.iterdir():  # flush file contents before the rename makes them visible
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    for old in sorted(root.glob("step_*"))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _is_alias(key: str, state: dict) -> bool:
+    """Tied weights (lm_head = embeddings) share storage; safetensors stores one of them."""
+    if key != "lm_head.weight":
+        return False
+    emb = next((v for k, v in state.items() if k.endswith("embed_tokens.weight")), None)
+    return emb is not None and emb.data_ptr() == state[key].data_ptr()
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint folder of ``run_dir``, or None."""
+    found = sorted((Path(run_dir) / "checkpoints").glob("step_*"))
+    return found[-1] if found else None
+
+
+def load_checkpoint(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer | None) -> dict:
+    """Restore model, optimizer, RNG, AdaHOP plan/calibration and step from ``path``; returns state.json."""
+    path = Path(path)
+    meta = json.loads((path / "state.json").read_text())
+    weights = load_file(path / "model.safetensors")
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    missing = [k for k in missing if k != "lm_head.weight"]  # tied weights come back through the embedding
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {path} does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    if opt is not None:
+        tensors = load_file(path / "optimizer.safetensors")
+        state: dict = {}
+        for key, v in tensors.items():
+            idx, name = key.split(".", 1)
+            state.setdefault(int(idx), {})[name] = v
+        for key, v in meta["scalars"].items():
+            idx, name = key.split(".", 1)
+            state.setdefault(int(idx), {})[name] = v
+        opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+    torch.set_rng_state(torch.tensor(meta["rng"], dtype=torch.uint8))
+    ctrl = get_controller(model)
+    if meta.get("plan"):
+        ctrl.set_plan(Plan(table=meta["plan"]["table"], layers=meta["plan"]["layers"]))
+    elif meta.get("calibration_history") is not None and ctrl.calibrator is not None:
+        ctrl.calibrator.history = meta["calibration_history"]
+    ctrl.step = meta["controller_step"]
+    return meta

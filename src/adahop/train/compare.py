@@ -1,0 +1,94 @@
+"""`adahop compare`: the same run under several recipes, then one table and two plots.
+
+Each recipe trains in its own process (same data, seed, model and hyper-parameters), so its
+peak memory and speed are its own and one failing recipe does not take the others down.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from ..plots import plot_compare
+from ..recipes import get_recipe
+from .config import TrainConfig
+from .metrics import read_metrics
+from .setup import resolve_data
+
+__all__ = ["compare", "format_table", "COLUMNS"]
+
+COLUMNS = ("recipe", "final val loss", "gap to bf16 %", "val bpb", "tokens/s", "peak memory MB", "saved for bwd MB (vs bf16)")
+
+
+def _run_args(cfg: TrainConfig) -> list[str]:
+    args = []
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        if v is None or v == f.default:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(v, bool):
+            args.append(flag if v else "--no-" + f.name.replace("_", "-"))
+        else:
+            args += [flag, str(v)]
+    return args
+
+
+def format_table(summaries: dict[str, dict], baseline: str = "bf16") -> list[list[str]]:
+    """Rows of :data:`COLUMNS` from each recipe's summary.json."""
+    base = summaries.get(baseline, {}).get("final_val_loss")
+    rows = []
+    for name, s in summaries.items():
+        if "error" in s:
+            rows.append([name, "failed", "", "", "", "", s["error"][:60]])
+            continue
+        vl = s.get("final_val_loss")
+        gap = f"{100 * (vl - base) / base:+.2f}" if (base and vl is not None) else "-"
+        tps = s.get("tok_per_s")
+        mem = s.get("peak_memory_bytes")
+        saved = f"{s['saved_bytes'] / 2**20:.2f} ({s['saved_bytes_bf16'] / 2**20:.2f})" if s.get("saved_bytes_bf16") else "-"
+        rows.append([name, f"{vl:.4f}" if vl is not None else "-", gap, f"{s['final_val_bpb']:.4f}" if s.get("final_val_bpb") else "-",
+                     f"{tps:,.0f}" if tps else "-", f"{mem / 2**20:,.0f}" if mem else "-", saved])
+    return rows
+
+
+def _markdown(rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def compare(recipes: list[str], cfg: TrainConfig, out: Path) -> dict[str, dict]:
+    """Train ``cfg`` under each recipe into ``out/<recipe>``; write compare.md, compare.csv,
+    compare.json, loss_curves.png and loss_diff.png into ``out``; print the table.
+
+    Raises:
+        ValueError: an unknown recipe name (before anything runs).
+    """
+    for r in recipes:
+        get_recipe(r)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    data_dir = resolve_data(cfg)  # prepare once, before the recipes run
+    summaries, curves = {}, {}
+    for r in recipes:
+        run_cfg = dataclasses.replace(cfg, recipe=r, out=str(out / r), data=str(data_dir))
+        print(f"=== {r} ===", flush=True)
+        proc = subprocess.run([sys.executable, "-m", "adahop", "train", *_run_args(run_cfg)])
+        summary_path = out / r / "summary.json"
+        if proc.returncode != 0 or not summary_path.exists():
+            summaries[r] = {"error": f"exit code {proc.returncode}; see {out / r}"}
+            continue
+        summaries[r] = json.loads(summary_path.read_text())
+        curves[r] = read_metrics(out / r / "metrics.jsonl")
+    rows = format_table(summaries)
+    md = _markdown(rows)
+    (out / "compare.md").write_text(md + "\n")
+    (out / "compare.csv").write_text("\n".join(",".join(x) for x in [list(COLUMNS), *rows]) + "\n")
+    (out / "compare.json").write_text(json.dumps(summaries, indent=1))
+    plot_compare(curves, out, title=f"{cfg.model}, {cfg.steps} steps x {cfg.batch_size * cfg.seq_len} tokens")
+    print(md)
+    return summaries

@@ -1,0 +1,131 @@
+"""`TrainConfig`: every option of `adahop train`, documented at the declaration (STYLE §2.9).
+
+The CLI builds its flags from these fields (``--seq-len`` for ``seq_len``), so the help text is the
+docstring under each field.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+from dataclasses import dataclass
+
+__all__ = ["TrainConfig", "field_docs"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Options of one training run. Validated when built; errors name the ``--flag``."""
+
+    recipe: str = "adahop-lv2"
+    """Recipe preset (``adahop recipes`` lists them)."""
+    model: str = "llama-tiny"
+    """Model preset (llama-tiny, llama-20m, llama-60m, llama-125m, llama-350m, llama3.2-1b, llama3.2-3b, llama3.1-8b)."""
+    model_config: str | None = None
+    """A transformers config JSON (file or folder) used instead of --model."""
+    data: str = "default"
+    """'default' (built-in corpus), a folder made by `adahop data prepare`, or comma-separated text files."""
+    tokenizer: str = "bpe"
+    """Tokenizer when --data must be prepared: bpe, gpt2, tiktoken:PATH or hf:NAME."""
+    vocab_size: int = 8192
+    """BPE vocabulary size when --data must be prepared with --tokenizer bpe."""
+    out: str = "runs/default"
+    """Run folder: config.json, metrics.jsonl, checkpoints/, plots, the exported model."""
+    seq_len: int = 128
+    """Tokens per sequence."""
+    batch_size: int = 16
+    """Sequences per optimizer step (all ranks and micro-batches together)."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step; --batch-size must be divisible by it."""
+    steps: int = 300
+    """Optimizer steps."""
+    lr: float = 3e-3
+    """Peak learning rate (AdamW)."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate of the cosine decay, as a fraction of --lr."""
+    warmup_steps: int = 30
+    """Linear warm-up steps."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay (matrices only; norms and biases get none)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0 disables)."""
+    eval_every: int = 50
+    """Steps between validation passes (and at the last step)."""
+    eval_batches: int = 8
+    """Validation batches per pass."""
+    ckpt_every: int = 100
+    """Steps between checkpoints (and at the last step); 0 keeps only the final one."""
+    keep_ckpts: int = 2
+    """Checkpoints kept on disk (the newest)."""
+    log_every: int = 10
+    """Steps between metric lines."""
+    seed: int = 0
+    """Seed of initialization, data order, stochastic rounding and random signs."""
+    device: str = "auto"
+    """'auto' (cuda if available), 'cpu' or 'cuda'."""
+    compile: bool = False
+    """torch.compile the model."""
+    backend: str = "auto"
+    """Kernel backend: auto (fast path on CUDA), triton or reference. Never changes numerics."""
+    calib_steps: int | None = None
+    """Override the recipe's AdaHOP calibration steps (30 in the paper)."""
+    plan: str | None = None
+    """A plan.json (from `adahop analyze` or a run): use it and skip calibration."""
+    resume: bool = False
+    """Continue from the newest checkpoint in --out."""
+    parallel: str = "none"
+    """Data parallelism under torchrun: none, ddp or fsdp."""
+    val_fraction: float = 0.01
+    """Share of the corpus held out when --data must be prepared."""
+
+    def __post_init__(self) -> None:
+        def bad(flag: str, msg: str) -> None:
+            raise ValueError(f"--{flag.replace('_', '-')}: {msg}")
+
+        for name in ("seq_len", "batch_size", "grad_accum", "steps", "eval_batches", "log_every", "keep_ckpts"):
+            if getattr(self, name) < 1:
+                bad(name, f"must be >= 1, got {getattr(self, name)}")
+        for name in ("warmup_steps", "eval_every", "ckpt_every", "seed", "grad_clip", "weight_decay"):
+            if getattr(self, name) < 0:
+                bad(name, f"must be >= 0, got {getattr(self, name)}")
+        if self.batch_size % self.grad_accum:
+            bad("grad_accum", f"--batch-size {self.batch_size} is not divisible by --grad-accum {self.grad_accum}")
+        if not self.lr > 0:
+            bad("lr", f"must be > 0, got {self.lr}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            bad("min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            bad("device", f"{self.device!r}; use auto, cpu or cuda")
+        if self.backend not in ("auto", "triton", "reference"):
+            bad("backend", f"{self.backend!r}; use auto, triton or reference")
+        if self.parallel not in ("none", "ddp", "fsdp"):
+            bad("parallel", f"{self.parallel!r}; use none, ddp or fsdp")
+        if self.calib_steps is not None and self.calib_steps < 1:
+            bad("calib_steps", f"must be >= 1, got {self.calib_steps}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown config keys {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**d)
+
+
+def field_docs(cls=TrainConfig) -> dict[str, str]:
+    """The docstring under each dataclass field (used as --help text)."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = str(nxt.value.value)
+    return docs

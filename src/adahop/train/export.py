@@ -1,0 +1,57 @@
+"""The run folder as a Hugging Face model folder: config.json (with an "adahop" section holding the
+run config), BF16 model.safetensors and the tokenizer, loadable with
+``transformers.AutoModelForCausalLM.from_pretrained(run_dir)``."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from .. import __version__
+from ..utils import atomic_write_text
+from .checkpoint import _is_alias
+from .config import TrainConfig
+
+__all__ = ["write_config", "export_hf", "git_revision"]
+
+
+def git_revision() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                              cwd=Path(__file__).parent).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def write_config(run: Path, cfg: TrainConfig, model, data_dir: Path, recipe) -> None:
+    """config.json = the model's transformers config + an "adahop" section (run config, recipe,
+    data folder, version, git revision)."""
+    run.mkdir(parents=True, exist_ok=True)
+    d = model.config.to_dict()
+    d["torch_dtype"] = "bfloat16"
+    d["adahop"] = dict(config=cfg.to_dict(), recipe=repr(recipe), data_dir=str(data_dir), version=__version__,
+                       git_revision=git_revision())
+    atomic_write_text(run / "config.json", json.dumps(d, indent=1, default=str))
+
+
+def export_hf(run: Path, model, data_dir: Path) -> None:
+    """Write the BF16 master weights as model.safetensors and the tokenizer beside config.json."""
+    state = {k: v.detach().to(torch.bfloat16).cpu().contiguous() for k, v in model.state_dict().items()}
+    state = {k: v for k, v in state.items() if not _is_alias(k, model.state_dict())}
+    tmp = run / ".model.safetensors.tmp"
+    save_file(state, tmp, metadata={"format": "pt"})
+    tmp.replace(run / "model.safetensors")
+    tok = Path(data_dir) / "tokenizer.json"
+    if tok.exists():
+        shutil.copy(tok, run / "tokenizer.json")
+        try:
+            from transformers import PreTrainedTokenizerFast
+
+            PreTrainedTokenizerFast(tokenizer_file=str(tok), eos_token="<|endoftext|>").save_pretrained(run)
+        except Exception:  # the raw tokenizer.json is still there
+            pass

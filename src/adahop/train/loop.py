@@ -1,0 +1,138 @@
+"""`adahop train`: pretraining from scratch with a recipe, read top to bottom in the order a step
+happens (nanoGPT): lr, forward/backward with accumulation, clip, step, hook, log, eval, checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from ..nn import convert_model, get_controller, on_step, saved_bytes
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .config import TrainConfig
+from .export import export_hf, write_config
+from .metrics import Metrics, peak_memory, reset_peak_memory
+from .setup import build_optimizer, lr_at, make_model, make_streams, resolve_data, resolve_device, resolve_recipe
+
+__all__ = ["train", "Diverged", "evaluate"]
+
+
+class Diverged(RuntimeError):
+    """The loss became NaN or Inf; the run stopped and kept its last good checkpoint."""
+
+
+@torch.no_grad()
+def evaluate(model, val, device, autocast, max_batches: int) -> tuple[float, float]:
+    """Mean validation loss (nats/token) over ``max_batches`` fixed batches, and bits per byte."""
+    model.eval()
+    total, n = 0.0, 0
+    for x, y in val.val_batches(max_batches):
+        with autocast:
+            logits = model(input_ids=x.to(device)).logits
+        total += F.cross_entropy(logits.float().flatten(0, 1), y.to(device).flatten()).item()
+        n += 1
+    model.train()
+    loss = total / max(n, 1)
+    return loss, val.bits_per_byte(loss)
+
+
+def train(cfg: TrainConfig, *, rank: int = 0, world: int = 1, wrap=None) -> dict:
+    """Run (or resume) one training run; returns its summary (also written to summary.json).
+
+    Raises:
+        ValueError: a bad option, before any training starts. Diverged: non-finite loss.
+    """
+    # ---- setup ---------------------------------------------------------------------------------
+    run = Path(cfg.out)
+    device = resolve_device(cfg.device)
+    data_dir = resolve_data(cfg)
+    train_s, val_s = make_streams(cfg, data_dir, rank, world)
+    recipe, plan = resolve_recipe(cfg)
+    model = make_model(cfg, train_s.manifest, device)
+    convert_model(model, recipe, seed=cfg.seed, plan=plan, backend=cfg.backend)
+    opt = build_optimizer(cfg, model)
+    start = 0
+    if cfg.resume and (ck := latest_checkpoint(run)) is not None:
+        start = load_checkpoint(ck, model, opt)["step"]
+    fwd = wrap(model) if wrap else (torch.compile(model) if cfg.compile else model)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    is_main = rank == 0
+    if is_main:
+        write_config(run, cfg, model, data_dir, recipe)
+    metrics = Metrics(run / "metrics.jsonl", resume_from=start if cfg.resume else None, enabled=is_main)
+    micro = cfg.batch_size // world // cfg.grad_accum
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    stop = {"now": False}
+    signal.signal(signal.SIGINT, lambda *_: stop.update(now=True)) if is_main else None
+    bad = torch.zeros((), dtype=torch.bool, device=device)
+    reset_peak_memory(device)
+    # ---- TRAINING SECTION ----------------------------------------------------------------------
+    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, disable=not is_main, dynamic_ncols=True)
+    clock, timed_tokens, last_good = 0.0, 0, start
+    for step in bar:
+        t0 = time.perf_counter()
+        lr = lr_at(cfg, step)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        x, y = train_s.batch(step)
+        loss_sum = torch.zeros((), device=device)
+        for xm, ym in zip(x.split(micro), y.split(micro)):
+            with autocast:
+                logits = fwd(input_ids=xm.to(device)).logits
+            loss = F.cross_entropy(logits.float().flatten(0, 1), ym.to(device).flatten()) / cfg.grad_accum
+            loss.backward()
+            loss_sum += loss.detach()
+        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip) if cfg.grad_clip else torch.zeros(())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if on_step(model, step + 1) and is_main:
+            get_controller(model).plan.save(run / "plan.json")
+        bad |= ~torch.isfinite(loss_sum)  # checked on the device; synced only at log/checkpoint time
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if step >= start + 2:  # the clock skips warm-up steps (kernels compiling, caches filling)
+            clock += time.perf_counter() - t0
+            timed_tokens += tokens_per_step
+        done = step + 1
+        last = done == cfg.steps
+        if done % cfg.log_every == 0 or last or stop["now"]:
+            if bad.item():
+                bar.close()
+                raise Diverged(f"loss became non-finite at or before step {done}; stopped. The last good checkpoint "
+                               f"(step {last_good}) is kept in {run / 'checkpoints'}. Lower --lr or use a safer recipe.")
+            tps = timed_tokens / clock if clock else 0.0
+            metrics.log(step=done, loss=loss_sum.item() * 1.0, lr=lr, grad_norm=float(gnorm), tokens=done * tokens_per_step, tok_per_s=tps)
+            bar.set_postfix(loss=f"{loss_sum.item():.3f}", tok_s=f"{tps:,.0f}")
+        if cfg.eval_every and (done % cfg.eval_every == 0 or last):
+            vl, bpb = evaluate(model, val_s, device, autocast, cfg.eval_batches)
+            metrics.log(step=done, val_loss=vl, val_bpb=bpb)
+        if (cfg.ckpt_every and done % cfg.ckpt_every == 0) or last or stop["now"]:
+            if bad.item():
+                raise Diverged(f"loss became non-finite before step {done}; the last good checkpoint (step {last_good}) is kept")
+            if is_main:
+                save_checkpoint(run, done, model, opt, keep=cfg.keep_ckpts)
+            last_good = done
+        if stop["now"]:
+            bar.close()
+            print(f"interrupted: checkpoint of step {done} written to {run / 'checkpoints'}; resume with --resume")
+            break
+    bar.close()
+    # ---- summary -------------------------------------------------------------------------------
+    ours, bf16 = saved_bytes(model)
+    summary = dict(recipe=cfg.recipe, steps=cfg.steps, tokens=cfg.steps * tokens_per_step,
+                   final_val_loss=metrics.last("val_loss"), final_val_bpb=metrics.last("val_bpb"),
+                   final_train_loss=metrics.last("loss"), tok_per_s=timed_tokens / clock if clock else None,
+                   peak_memory_bytes=peak_memory(device), saved_bytes=ours, saved_bytes_bf16=bf16,
+                   device=str(device), interrupted=stop["now"])
+    if is_main:
+        (run / "summary.json").write_text(json.dumps(summary, indent=1))
+        metrics.plot(run / "loss.png", title=f"{cfg.recipe} on {cfg.model}")
+        if not stop["now"]:
+            export_hf(run, model, data_dir)
+    return summary

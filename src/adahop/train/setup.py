@@ -1,0 +1,100 @@
+"""Everything a run needs before its first step: device, data, model, recipe, optimizer."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+from pathlib import Path
+
+import torch
+
+from ..data import Manifest, TokenStream, prepare
+from ..data.default_corpus import cache_dir
+from ..models import build_model, check_compat
+from ..patterns import Plan
+from ..recipes import get_recipe
+from .config import TrainConfig
+
+__all__ = ["resolve_device", "resolve_data", "resolve_recipe", "build_optimizer", "lr_at", "make_streams", "make_model"]
+
+
+def resolve_device(spec: str) -> torch.device:
+    """'auto' → cuda if available else cpu. Raises ValueError for cuda without a GPU."""
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if spec.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA GPU is visible; use --device cpu")
+    return torch.device(spec)
+
+
+def resolve_data(cfg: TrainConfig) -> Path:
+    """A prepared data folder for ``cfg.data``: used as is when it holds manifest.json, otherwise
+    prepared once into a cache folder keyed by the sources and tokenizer settings."""
+    p = Path(cfg.data)
+    if p.is_dir() and (p / "manifest.json").exists():
+        return p
+    sources = [s for s in cfg.data.split(",") if s]
+    if not sources:
+        raise ValueError("--data is empty; pass 'default', a prepared folder or text files")
+    for s in sources:
+        if s != "default" and not s.startswith("hf:") and not Path(s).exists():
+            raise ValueError(f"--data: {s!r} does not exist; pass 'default', a folder made by "
+                             "`adahop data prepare`, or text files (.txt, .jsonl, .parquet, .xz, .gz, .zst)")
+    key = hashlib.sha256(repr((sorted(str(Path(s).resolve()) if Path(s).exists() else s for s in sources),
+                               cfg.tokenizer, cfg.vocab_size, cfg.val_fraction)).encode()).hexdigest()[:12]
+    name = "default" if sources == ["default"] else "data"
+    out = cache_dir() / "prepared" / f"{name}-{cfg.tokenizer.replace('/', '_').replace(':', '_')}-{cfg.vocab_size}-{key}"
+    if not (out / "manifest.json").exists():
+        prepare(sources, out, tokenizer=cfg.tokenizer, vocab_size=cfg.vocab_size, val_fraction=cfg.val_fraction)
+    return out
+
+
+def make_streams(cfg: TrainConfig, data_dir: Path, rank: int = 0, world: int = 1) -> tuple[TokenStream, TokenStream]:
+    """Train and validation streams; each rank reads ``batch_size / world`` sequences per step."""
+    if cfg.batch_size % (world * cfg.grad_accum):
+        raise ValueError(f"--batch-size {cfg.batch_size} must be divisible by world size {world} x --grad-accum {cfg.grad_accum}")
+    per_rank = cfg.batch_size // world
+    train = TokenStream(data_dir, "train", cfg.seq_len, per_rank, seed=cfg.seed, rank=rank, world_size=world)
+    val = TokenStream(data_dir, "val", cfg.seq_len, per_rank, seed=cfg.seed, rank=rank, world_size=world)
+    return train, val
+
+
+def make_model(cfg: TrainConfig, manifest: Manifest, device: torch.device) -> torch.nn.Module:
+    """The model in FP32 master weights, initialized from ``cfg.seed`` (same init for every recipe)."""
+    vocab = manifest.tokenizer.vocab_size
+    torch.manual_seed(cfg.seed)
+    model = build_model(None if cfg.model_config else cfg.model, config_path=cfg.model_config, vocab_size=vocab,
+                        max_seq_len=cfg.seq_len)
+    check_compat(model.config, vocab_size=vocab, seq_len=cfg.seq_len)
+    return model.to(device)
+
+
+def resolve_recipe(cfg: TrainConfig):
+    """The recipe with --calib-steps applied, and the plan from --plan (or None)."""
+    recipe = get_recipe(cfg.recipe)
+    if cfg.calib_steps is not None and recipe.calibration is not None:
+        recipe = dataclasses.replace(recipe, calibration=dataclasses.replace(recipe.calibration, steps=cfg.calib_steps))
+    plan = None
+    if cfg.plan:
+        if not Path(cfg.plan).exists():
+            raise ValueError(f"--plan {cfg.plan}: no such file")
+        plan = Plan.load(cfg.plan)
+    return recipe, plan
+
+
+def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (norm gains and biases are not decayed)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
+
+
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    """Linear warm-up to --lr, then cosine decay to --min-lr-ratio · --lr at the last step."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(1, cfg.steps - cfg.warmup_steps)
+    frac = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
