@@ -49,7 +49,8 @@ def hadamard_matrix(n: int, *, dtype: torch.dtype = torch.float32, device: torch
         ValueError: ``n`` is not supported; the message lists the supported sizes.
     """
     check_block_size(n)
-    return _sylvester_cpu(n).to(dtype=dtype, device=device)
+    # copy=True: never hand out the cached tensor itself (an in-place edit would corrupt the cache)
+    return _sylvester_cpu(n).to(dtype=dtype, device=device, copy=True)
 
 
 def random_signs(n: int, *, generator: torch.Generator | None = None, device: torch.device | str | None = None) -> torch.Tensor:
@@ -108,7 +109,7 @@ def block_hadamard(
             f"divide; pad it to a multiple of {block_size} or pick a block size from {SUPPORTED_SIZES[:9]} that divides it"
         )
     work = torch.float64 if x.dtype == torch.float64 else torch.float32
-    xm = x.movedim(axis, -1).to(work)
+    xm = x.movedim(axis, -1).to(work).contiguous()  # a strided batched matmul is many times slower
     if signs is not None:
         if signs.ndim != 1 or signs.numel() not in (block_size, n):
             raise ValueError(f"signs must be a 1-D vector of length {block_size} (per block) or {n} (axis), got shape {tuple(signs.shape)}")
