@@ -64,7 +64,9 @@ class Prepared:
 def _kernels():
     try:
         from . import kernels
-    except ImportError:  # TEMPORARY until adahop.kernels lands
+
+        kernels.resolve_backend
+    except (ImportError, AttributeError):  # TEMPORARY until adahop.kernels lands
         import types
 
         from .formats import quantize_mxfp4
@@ -114,9 +116,11 @@ def _outer(t: torch.Tensor, tr: Transform | None, axis: int, what: str) -> torch
     n = t.shape[axis]
     b = tr.block_size or n
     if b & (b - 1) or n % b:
+        name, fix = ("outer_a", "HALO-2 rotates the dgrad ∇Y along tokens: make batch_size*seq_len a power of two") \
+            if axis == 0 else ("outer_b", "HALO-1/2 rotate X and W along in_features: it must be a power of two")
         raise ValueError(
-            f"{what}: the outer Hadamard needs a power-of-two size dividing the dimension; got "
-            f"dimension {n} (for HALO-2's token rotation make batch_size*seq_len a power of two)"
+            f"{what}: the outer Hadamard (GemmSpec.{name}, block_size={tr.block_size}) needs a power-of-two size "
+            f"dividing the dimension; got dimension {n}. To fix: {fix}"
         )
     return block_hadamard(t, block_size=b, axis=axis)
 
@@ -218,7 +222,7 @@ def prepare(
         if op.fmt != "none":
             from .formats import fake_quantize
 
-            prep.mean = fake_quantize(prep.mean, op.fmt, **op.quant_kwargs())
+            prep.mean = fake_quantize(prep.mean, op.fmt, **op.quant_kwargs(), generator=generator)
     return prep
 
 

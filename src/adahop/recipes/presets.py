@@ -5,6 +5,7 @@ AdaHOP presets follow `specs/adahop.md`; the rival recipes live in :mod:`adahop.
 
 from __future__ import annotations
 
+from .rivals import RIVALS
 from .spec import CalibSpec, GemmSpec, OperandSpec, Recipe
 
 __all__ = ["PRESETS", "register", "get_recipe", "list_recipes"]
@@ -49,6 +50,9 @@ register(Recipe(name="mxfp4", description="Plain MXFP4 on all three GEMMs, no ou
 register(Recipe(name="mxfp4-had", description="MXFP4 with the 32-block inner Hadamard (IHT) on every GEMM "
                 "(AdaHOP with every pair mapped to IHT; the paper's 'MXFP4+Had.').",
                 **_same(GemmSpec(strategy="iht", a=MX_ADAHOP, b=MX_ADAHOP))))
+
+for _rival in RIVALS:  # Tseng, HALO-0/1/2, NVFP4, Averis, Quartet (`adahop.recipes.rivals`)
+    register(_rival)
 
 
 def _adahop(level: str) -> Recipe:

@@ -123,6 +123,9 @@ class GemmSpec:
             t = getattr(self, name)
             if t is not None:
                 t.validate(f"{where}.{name}")
+                _check(name == "inner" or t.signs == "none", where,
+                       f"{name} signs={t.signs!r}; an outer Hadamard is undone on the output unsigned, "
+                       "use signs='none'")
         _check(self.oe_rank >= 1, where, f"oe_rank={self.oe_rank} must be >= 1")
         _check(self.mean_split in ("none", "a_rows", "inner"), where,
                f"mean_split={self.mean_split!r}; allowed ('none', 'a_rows', 'inner')")

@@ -1,0 +1,399 @@
+"""Recipe presets: GEMM placements, hand-composed references, SR unbiasedness, validation, tables.
+
+Every layer-level test runs a converted ``nn.Linear`` (fprop output, ∇X, ∇W) on CPU. Shapes: T=64
+tokens (a power of two, so HALO-2's token Hadamard fits), K=128, N=64 (multiples of 64, so
+Tseng's RHT-64 needs no padding).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import replace
+
+import pytest
+import torch
+from torch import nn
+
+from adahop import convert_model, get_recipe, list_recipes, on_step
+from adahop.formats import quantize_mxfp4, quantize_nvfp4
+from adahop.gemm import draw_signs, gemm, prepare, without_quantization
+from adahop.hadamard import block_hadamard, hadamard_matrix, random_signs
+from adahop.recipes import GEMMS, GemmSpec, OperandSpec, Recipe, Transform
+from adahop.recipes.table import describe_recipes, gemm_table
+from adahop.utils import mix_seed
+
+T, K, N = 64, 128, 64
+RIVALS = ["tseng", "halo-0", "halo-1", "halo-2", "nvfp4", "averis", "averis-mxfp4", "quartet"]
+FIXED = ["bf16", "mxfp4", "mxfp4-had", *RIVALS]  # presets whose strategies need no calibration
+TE_SIGNS = [1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1]  # TE get_wgrad_sign_vector()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny GEMMs: one intra-op thread is ~10× faster than two on a busy CI box."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative Frobenius error of ``a`` against ``b``."""
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def data(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [T,K] with a per-channel mean (as LLM activations have), w [N,K], dy [T,N]."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, K, generator=g) + torch.randn(K, generator=g)
+    w = torch.randn(N, K, generator=g) / K**0.5
+    dy = torch.randn(T, N, generator=g) + 0.5 * torch.randn(N, generator=g)
+    return x, w, dy
+
+
+def run_layer(recipe, x, w, dy, *, seed=0, step=0):
+    """(y, ∇X, ∇W) of one converted bias-free linear layer (layer id 0) at ``step``."""
+    model = nn.Sequential(nn.Linear(w.shape[1], w.shape[0], bias=False))
+    with torch.no_grad():
+        model[0].weight.copy_(w)
+    convert_model(model, recipe, seed=seed, backend="reference")
+    on_step(model, step)
+    x = x.clone().requires_grad_(True)
+    y = model(x)
+    y.backward(dy)
+    return y.detach(), x.grad, model[0].weight.grad
+
+
+def quantization_off(recipe: Recipe) -> Recipe:
+    """``recipe`` with every GEMM's quantizer switched off; transforms, splits and OE still run."""
+    return replace(recipe, **{g: without_quantization(recipe.gemm(g)) for g in GEMMS})
+
+
+def layer_gen(gemm_name: str, *, seed=0, step=0, layer=0, call=0) -> torch.Generator:
+    """The generator a converted layer uses for one GEMM call (`adahop.nn.linear`)."""
+    return torch.Generator().manual_seed(mix_seed(seed, step, layer, gemm_name, call))
+
+
+# ---------------------------------------------------------------------------------------------
+# presets and registry
+
+
+def test_list_recipes_order():
+    assert list_recipes() == ["bf16", "mxfp4", "mxfp4-had", *RIVALS, "adahop-lv1", "adahop-lv2"]
+
+
+@pytest.mark.parametrize("name", RIVALS)
+def test_rival_presets_are_frozen_and_replaceable(name):
+    r = get_recipe(name)
+    assert r.name == name and r.description
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.bf16_last_layers = 3
+    assert replace(r, bf16_last_layers=3).bf16_last_layers == 3
+
+
+def test_nvfp4_wgrad_signs_are_te_vector():
+    signs = draw_signs(get_recipe("nvfp4").wgrad, None, "cpu")
+    assert signs.tolist() == TE_SIGNS
+
+
+def test_nvfp4_weight_tiles_make_fprop_and_dgrad_weights_equal():
+    r = get_recipe("nvfp4")
+    _, w, _ = data()
+    w_fprop = prepare(w.t(), "b", r.fprop).q.dequantize()  # Wᵀ [K,N] blocked along K
+    w_dgrad = prepare(w, "b", r.dgrad).q.dequantize()  # W [N,K] blocked along N
+    torch.testing.assert_close(w_fprop.t(), w_dgrad, atol=0, rtol=0)
+
+
+def test_nvfp4_keeps_last_block_bf16():
+    model = nn.Module()
+    model.layers = nn.ModuleList(nn.Sequential(nn.Linear(64, 64)) for _ in range(4))
+    convert_model(model, "nvfp4")
+    assert [model.layers[i][0].strategies()["fprop"] for i in range(4)] == ["none", "none", "none", "bf16"]
+
+
+# ---------------------------------------------------------------------------------------------
+# placements: with the quantizer off, every preset's GEMMs are the exact products
+
+
+def _placement_cases():
+    cases = [pytest.param(get_recipe(n), id=n) for n in FIXED]
+    for name in ("adahop-lv1", "adahop-lv2"):
+        r = get_recipe(name)
+        for s in ("none", "iht", "iht+oe_left", "iht+oe_right"):
+            specs = {g: replace(r.gemm(g), oe_rank=8).with_strategy(s) for g in GEMMS}
+            cases.append(pytest.param(replace(r, calibration=None, **specs), id=f"{name}-{s}"))
+    return cases
+
+
+@pytest.mark.parametrize("recipe", _placement_cases())
+def test_placements_exact_without_quantization(recipe):
+    x, w, dy = data()
+    y, dx, dw = run_layer(quantization_off(recipe), x, w, dy)
+    xd, wd, dyd = x.double(), w.double(), dy.double()
+    assert rel(y, xd @ wd.t()) <= 1e-5
+    assert rel(dx, dyd @ wd) <= 1e-5
+    assert rel(dw, dyd.t() @ xd) <= 1e-5
+
+
+# ---------------------------------------------------------------------------------------------
+# quantization on: each recipe against a reference composed by hand from formats + hadamard
+
+
+def q_mx(t, axis, *, rule="floor", sr=False, gen=None):
+    r = "stochastic" if sr else "nearest"
+    return quantize_mxfp4(t, axis=axis, scale_rule=rule, rounding=r, generator=gen, max_scale_range=8).dequantize()
+
+
+def q_nv(t, axis, *, sr=False, tile=False, gen=None):
+    r = "stochastic" if sr else "nearest"
+    return quantize_nvfp4(t, axis=axis, rounding=r, tile_2d=tile, generator=gen).dequantize()
+
+
+def rht_backward(x, w, dy, block):
+    """Tseng/Quartet backward: RHT(block) with per-call signs + SR with the 3/4 pre-scale.
+
+    Draw order per GEMM generator: signs, then B's SR bits (in forward), then A's (backward)."""
+    gw, gd = layer_gen("wgrad"), layer_gen("dgrad")
+    s_w, s_d = random_signs(block, generator=gw), random_signs(block, generator=gd)
+
+    def q(t, axis, s, gen):
+        return q_mx(block_hadamard(t, block_size=block, axis=axis, signs=s), axis, rule="tseng", sr=True, gen=gen)
+
+    x_q = q(x, 0, s_w, gw)  # X [T,K] along T, for wgrad
+    w_q = q(w, 0, s_d, gd)  # W [N,K] along N, for dgrad
+    dx = q(dy, 1, s_d, gd) @ w_q  # ∇X = Q(∇Y·D·H)·Q(H·D·W)
+    dw = q(dy.t(), 1, s_w, gw) @ x_q  # ∇W = Q(∇Yᵀ·D·H)·Q(H·D·X)
+    return dx, dw
+
+
+def ref_tseng(x, w, dy):
+    return (x @ w.t(), *rht_backward(x, w, dy, 64))
+
+
+def ref_quartet(x, w, dy):
+    def q(t, axis):  # fixed H32 (no signs), RTN, OCP floor
+        return q_mx(block_hadamard(t, block_size=32, axis=axis), axis)
+
+    return (q(x, 1) @ q(w.t(), 0), *rht_backward(x, w, dy, 32))
+
+
+def ref_halo(level):
+    def ref(x, w, dy):
+        if level == 0:
+            return q_mx(x, 1) @ q_mx(w.t(), 0), q_mx(dy, 1) @ q_mx(w, 0), q_mx(dy.t(), 1) @ q_mx(x, 0)
+        h, h_t = hadamard_matrix(K), hadamard_matrix(T)  # symmetric: Hᵀ = H
+        y = q_mx(x @ h, 1) @ q_mx((w @ h).t(), 0)  # Q(XH)·Q(WH)ᵀ
+        g = h_t @ dy if level == 2 else dy
+        dx = (q_mx(g, 1) @ q_mx(w @ h, 0)) @ h  # [Q(G)·Q(WH)]·Hᵀ
+        if level == 2:
+            dx = h_t @ dx  # undo the token rotation
+        dw = (q_mx(dy.t(), 1) @ q_mx(x @ h, 0)) @ h  # [Q(Gᵀ)·Q(XH)]·Hᵀ
+        return y, dx, dw
+
+    return ref
+
+
+def ref_nvfp4(x, w, dy):
+    s = torch.tensor(TE_SIGNS, dtype=torch.float32)
+    y = q_nv(x, 1) @ q_nv(w.t(), 0, tile=True)
+    dx = q_nv(dy, 1, sr=True, gen=layer_gen("dgrad")) @ q_nv(w, 0, tile=True)
+    gw = layer_gen("wgrad")
+    x_q = q_nv(block_hadamard(x, block_size=16, axis=0, signs=s), 0)  # X: RHT16 along T, RNE
+    dw = q_nv(block_hadamard(dy.t(), block_size=16, axis=1, signs=s), 1, sr=True, gen=gw) @ x_q
+    return y, dx, dw
+
+
+def ref_averis(fmt):
+    def q(t, axis, gen, tile=False):
+        if fmt == "nvfp4":
+            return q_nv(t, axis, sr=True, tile=tile, gen=gen)
+        return q_mx(t, axis, rule="ceil", sr=True, gen=gen)
+
+    def rows_split(a, b_q_fn, gen):  # Eq. 11: Q(R)·Q(B) + 1·(Q(μ)·Q(B)); the mean rides as A's last row
+        mu = a.mean(0, keepdim=True)
+        a_q = q(torch.cat((a - mu, mu)), 1, gen)
+        c = a_q @ b_q_fn()
+        return c[:-1] + c[-1:]
+
+    def ref(x, w, dy):
+        gf, gw, gd = layer_gen("fprop"), layer_gen("wgrad"), layer_gen("dgrad")
+        y = rows_split(x, lambda: q(w.t(), 0, gf, tile=True), gf)
+        # forward: X split for wgrad (residual, then its mean), W for dgrad
+        mu_x = x.mean(0)
+        r_x = q(x - mu_x, 0, gw)
+        mu_x = q(mu_x, -1, gw)
+        w_q = q(w, 0, gd, tile=True)
+        dx = rows_split(dy, lambda: w_q, gd)
+        a = dy.t()  # [N,T]
+        mu_d = a.mean(1)
+        r_d = q(a - mu_d[:, None], 1, gw)
+        mu_d = q(mu_d, -1, gw)
+        # Eq. 12, all four terms
+        dw = r_d @ r_x + T * torch.outer(mu_d, mu_x) + torch.outer(r_d.sum(1), mu_x) + torch.outer(mu_d, r_x.sum(0))
+        return y, dx, dw
+
+    return ref
+
+
+REFERENCES = {
+    "tseng": ref_tseng,
+    "halo-0": ref_halo(0),
+    "halo-1": ref_halo(1),
+    "halo-2": ref_halo(2),
+    "nvfp4": ref_nvfp4,
+    "averis": ref_averis("nvfp4"),
+    "averis-mxfp4": ref_averis("mxfp4"),
+    "quartet": ref_quartet,
+}
+
+
+@pytest.mark.parametrize("name", RIVALS)
+def test_recipe_matches_hand_composed_reference(name):
+    x, w, dy = data()
+    y, dx, dw = run_layer(get_recipe(name), x, w, dy)
+    y_ref, dx_ref, dw_ref = REFERENCES[name](x, w, dy)
+    assert rel(y, y_ref) <= 1e-5, f"fprop rel err {rel(y, y_ref):.2e}"
+    assert rel(dx, dx_ref) <= 1e-5, f"dgrad rel err {rel(dx, dx_ref):.2e}"
+    assert rel(dw, dw_ref) <= 1e-5, f"wgrad rel err {rel(dw, dw_ref):.2e}"
+    exact = (x @ w.t(), dy @ w, dy.t() @ x)
+    assert all(rel(a, e) > 1e-3 for a, e in zip((dx, dw), exact[1:])), "the backward was not quantized"
+
+
+SR_RECIPES = ["tseng", "nvfp4", "averis", "averis-mxfp4", "quartet"]
+
+
+@pytest.mark.parametrize("name", SR_RECIPES)
+def test_sr_reproducible_and_fresh(name):
+    x, w, dy = data()
+    r = get_recipe(name)
+    _, dx0, dw0 = run_layer(r, x, w, dy, seed=1, step=5)
+    _, dx1, dw1 = run_layer(r, x, w, dy, seed=1, step=5)
+    torch.testing.assert_close(dw0, dw1, atol=0, rtol=0)
+    torch.testing.assert_close(dx0, dx1, atol=0, rtol=0)
+    for kw in (dict(seed=2, step=5), dict(seed=1, step=6)):
+        _, dx2, dw2 = run_layer(r, x, w, dy, **kw)
+        assert not torch.equal(dw0, dw2) and not torch.equal(dx0, dx2), kw
+    model = nn.Sequential(nn.Linear(K, N), nn.Linear(N, N))
+    convert_model(model, r, seed=1)
+    assert model[0].generator("wgrad").initial_seed() != model[1].generator("wgrad").initial_seed()
+
+
+# ---------------------------------------------------------------------------------------------
+# stochastic rounding is unbiased
+
+
+def lowrank(rows, cols, g, noise=0.3):
+    """A rank-one signal plus noise: gradients and activations are dominated by a few directions,
+    and a coherent product lets 1% be resolved with a few hundred draws."""
+    signal = torch.randn(rows, 1, generator=g) @ torch.randn(1, cols, generator=g)
+    return signal + noise * torch.randn(rows, cols, generator=g)
+
+
+def test_tseng_dw_unbiased_on_mlp():
+    """Tseng's fprop is BF16, so E[∇W] is the exact ∇W of both layers (through ReLU).
+
+    512 draws: the first layer's gradient passes through layer 2's dgrad, whose weight
+    quantization noise is shared by all tokens and does not average over T; with 256 draws its
+    mean sits at ≈1% (0.6–0.8% with 512)."""
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(64, 64, bias=False), nn.ReLU(), nn.Linear(64, 64, bias=False))
+    ref = copy.deepcopy(mlp)
+    x = lowrank(T, 64, g)
+    target = x @ torch.randn(64, 64, generator=g) / 8
+
+    def loss(m):
+        return 0.5 * ((m(x) - target) ** 2).sum()
+
+    loss(ref).backward()
+    convert_model(mlp, "tseng", seed=0)
+    draws = 512
+    mean = [torch.zeros(64, 64), torch.zeros(64, 64)]
+    for i in range(draws):
+        on_step(mlp, i)
+        mlp.zero_grad()
+        loss(mlp).backward()
+        if i == 0:
+            single = [rel(mlp[j].weight.grad, ref[j].weight.grad) for j in (0, 2)]
+        mean[0] += mlp[0].weight.grad / draws
+        mean[1] += mlp[2].weight.grad / draws
+    for j, m in zip((0, 2), mean):
+        err = rel(m, ref[j].weight.grad)
+        assert err <= 0.01, f"layer {j}: mean of {draws} draws is {err:.4f} from the BF16 dW"
+        assert err < single[j // 2] / 4, f"layer {j}: averaging did not help ({err:.4f} vs {single[j // 2]:.4f})"
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "averis", "averis-mxfp4", "quartet"])
+def test_wgrad_unbiased_given_inputs(name):
+    """The forward of these recipes is quantized, so the check is on the wgrad GEMM with fixed
+    ∇Y and X: the mean of 256 draws equals the product with the SR operands exact and the RNE
+    operands (nvfp4's X) at their deterministic quantized values."""
+    g = torch.Generator().manual_seed(0)
+    x = lowrank(T, 64, g)
+    dy = x @ torch.randn(64, 64, generator=g) / 8 + 0.3 * torch.randn(T, 64, generator=g)
+    spec = get_recipe(name).wgrad
+    exact_sr = OperandSpec(fmt="none")
+    expect_spec = replace(spec, a=exact_sr if spec.a.rounding == "stochastic" else spec.a,
+                          b=exact_sr if spec.b.rounding == "stochastic" else spec.b)
+    expect = gemm(dy.t(), x, expect_spec)
+    draws = [gemm(dy.t(), x, spec, generator=torch.Generator().manual_seed(i)) for i in range(256)]
+    err = rel(torch.stack(draws).mean(0), expect)
+    assert err <= 0.01, f"{name}: mean of 256 wgrad draws is {err:.4f} from the expectation"
+    assert not torch.equal(draws[0], draws[1])
+    assert err < rel(draws[0], expect) / 4
+
+
+# ---------------------------------------------------------------------------------------------
+# invalid things raise ValueError naming the field
+
+
+@pytest.mark.parametrize(
+    "build, match",
+    [
+        (lambda: Recipe(name="x", fprop=GemmSpec(strategy="calibrated")), "calibration"),
+        (lambda: GemmSpec(inner=Transform(block_size=48)).validate("g"), "block_size"),
+        (lambda: GemmSpec(outer_a=Transform(block_size=0, signs="per_call")).validate("g"), "outer_a signs"),
+        (lambda: OperandSpec(rounding="stochastic", scale_rule="floor").validate("a"), "scale_rule"),
+        (lambda: OperandSpec(fmt="mxfp4", tile_2d=True).validate("a"), "tile_2d"),
+        (lambda: GemmSpec(mean_split="tokens").validate("g"), "mean_split"),
+        (lambda: Recipe(name="x", bf16_last_layers=-1), "bf16_last_layers"),
+        (lambda: get_recipe("halo-3"), "halo-2"),
+    ],
+)
+def test_invalid_raises_naming_field(build, match):
+    with pytest.raises(ValueError, match=match):
+        build()
+
+
+def test_halo2_token_count_not_power_of_two():
+    x, w, dy = data()
+    with pytest.raises(ValueError, match=r"power of two") as e:
+        run_layer(get_recipe("halo-2"), x[:48], w, dy[:48])
+    assert "batch_size*seq_len" in str(e.value)
+
+
+def test_halo1_in_features_not_power_of_two():
+    x, w, dy = data()
+    with pytest.raises(ValueError, match=r"in_features: it must be a power of two"):
+        run_layer(get_recipe("halo-1"), x[:, :96], w[:, :96], dy)
+
+
+# ---------------------------------------------------------------------------------------------
+# tables
+
+
+def test_describe_recipes_lists_every_preset():
+    text = describe_recipes()
+    for name in list_recipes():
+        assert f"\n{name}: " in f"\n{text}", name
+    for g in GEMMS:
+        assert g in text
+
+
+def test_gemm_table_shows_each_operand():
+    table = gemm_table(get_recipe("halo-2"))
+    assert table.count("\n") >= 7  # header, rule, two rows per GEMM
+    assert "H_T full on T, undone on output" in table and "H_K full on K" in table
+    nv = gemm_table(get_recipe("nvfp4"))
+    assert "nvfp4 16x16" in nv and "fixed signs" in nv and "last 1" in nv
