@@ -99,13 +99,13 @@ def on_step(model: nn.Module, step: int) -> bool:
 
 
 def saved_bytes(model: nn.Module) -> tuple[int, int]:
-    """(bytes the converted linears saved for backward at the last forward, the bytes a BF16
-    ``nn.Linear`` would have saved: its input X in BF16)."""
+    """(bytes the converted linears saved for backward at the last forward, the bytes a plain
+    ``nn.Linear`` in the same compute dtype saves: its input X and its cast weight)."""
     ours = bf16 = 0
     for m in model.modules():
         if isinstance(m, LowPrecisionLinear):
             ours += m.saved_bytes
-            bf16 += getattr(m, "_last_tokens", 0) * m.in_features * 2
+            bf16 += getattr(m, "hp_saved_bytes", 0)
     return ours, bf16
 
 

@@ -45,7 +45,8 @@ class LowPrecisionLinearFn(torch.autograd.Function):
         w = weight.to(dtype)
         ctx.layer, ctx.dtype = layer, dtype
         ctx.has_bias = bias is not None
-        layer._last_tokens = x.shape[0]
+        # what a BF16 nn.Linear saves for backward: X and the compute-dtype copy of W
+        layer.hp_saved_bytes = (x.numel() + weight.numel()) * x.element_size()
         specs = layer.current_specs()
         if specs is None:  # calibration or a BF16 layer: exact GEMMs, patterns observed
             layer.observe("x", x)

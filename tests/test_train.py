@@ -1,0 +1,142 @@
+"""The main job: prepare → train → checkpoint → resume → export, divergence, compare table."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import lzma
+from pathlib import Path
+
+import pytest
+import torch
+
+from adahop.data import prepare
+from adahop.train import Diverged, TrainConfig, train
+from adahop.train.compare import COLUMNS, format_table
+from adahop.train.metrics import read_metrics
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    src = SHARED / "corpus_small.txt.xz"
+    if not src.exists():
+        pytest.skip("../shared/data/corpus_small.txt.xz is not beside the repo")
+    with lzma.open(src, "rt", encoding="utf-8") as f:
+        text = f.read(150_000)
+    root = tmp_path_factory.mktemp("data")
+    (root / "text.txt").write_text(text)
+    prepare([str(root / "text.txt")], root / "prepared", tokenizer="bpe", vocab_size=512, val_fraction=0.05)
+    return root / "prepared"
+
+
+def _cfg(data_dir: Path, out: Path, **kw) -> TrainConfig:
+    base = dict(model="llama-tiny", data=str(data_dir), out=str(out), seq_len=32, batch_size=4, steps=8,
+                lr=3e-3, warmup_steps=2, eval_every=4, eval_batches=2, ckpt_every=4, log_every=1, device="cpu",
+                recipe="adahop-lv2", calib_steps=3)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_ctrl_c_then_resume_is_bit_exact(data_dir, tmp_path, single_thread, monkeypatch):
+    import os
+    import signal
+
+    import adahop.train.loop as loop
+
+    full = train(_cfg(data_dir, tmp_path / "full", ckpt_every=0))
+    split = _cfg(data_dir, tmp_path / "split", ckpt_every=0)
+    real, calls = loop.F.cross_entropy, {"n": 0}
+
+    def ctrl_c_in_step_3(*a, **k):  # Ctrl-C arrives during step 3: that step finishes, is checkpointed, run stops
+        calls["n"] += 1
+        if calls["n"] == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(*a, **k)
+
+    monkeypatch.setattr(loop.F, "cross_entropy", ctrl_c_in_step_3)
+    stopped = train(split)
+    monkeypatch.setattr(loop.F, "cross_entropy", real)
+    assert stopped["interrupted"] and [p.name for p in (tmp_path / "split" / "checkpoints").iterdir()] == ["step_0000003"]
+    # resuming must reproduce steps 4..8 exactly: data order, LR schedule, the AdaHOP plan frozen at
+    # step 3, SR streams and optimizer state all come back from the checkpoint
+    resumed = train(dataclasses.replace(split, resume=True))
+    a = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "full" / "metrics.jsonl") if "loss" in r}
+    b = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "split" / "metrics.jsonl") if "loss" in r}
+    assert sorted(a) == sorted(b) == list(range(1, 9))
+    assert all(a[s] == b[s] for s in range(1, 9)), (a, b)
+    assert full["final_val_loss"] == resumed["final_val_loss"]
+    plan = json.loads((tmp_path / "split" / "plan.json").read_text())
+    assert plan["table"] == "lv2" and len(plan["layers"]) == 14  # 2 blocks x 7 linears
+
+
+def test_loss_falls_and_run_folder_is_complete(data_dir, tmp_path, single_thread):
+    s = train(_cfg(data_dir, tmp_path / "r", steps=30, eval_every=30, ckpt_every=0, lr=1e-2))
+    recs = read_metrics(tmp_path / "r" / "metrics.jsonl")
+    losses = [r["loss"] for r in recs if "loss" in r]
+    assert losses[-1] < losses[0] - 0.5, losses
+    for f in ("config.json", "metrics.jsonl", "loss.png", "summary.json", "plan.json", "model.safetensors"):
+        assert (tmp_path / "r" / f).exists(), f
+    assert s["saved_bytes"] > 0 and s["saved_bytes_bf16"] > 0
+    assert 0 < s["final_val_bpb"] < 10
+
+
+def test_export_loads_with_transformers(data_dir, tmp_path, single_thread):
+    from transformers import AutoModelForCausalLM
+
+    train(_cfg(data_dir, tmp_path / "r", steps=2, recipe="mxfp4"))
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "r")
+    ids = torch.tensor([[1, 2, 3]])
+    logits = model(input_ids=ids).logits
+    assert logits.shape == (1, 3, 512) and torch.isfinite(logits).all()
+    cfg = json.loads((tmp_path / "r" / "config.json").read_text())
+    assert cfg["adahop"]["config"]["recipe"] == "mxfp4"
+
+
+def test_divergence_stops_and_keeps_last_good_checkpoint(data_dir, tmp_path, single_thread, monkeypatch):
+    import adahop.train.loop as loop
+
+    real = loop.F.cross_entropy
+    calls = {"n": 0}
+
+    def poisoned(*a, **k):  # the loss turns NaN in the 6th training step
+        calls["n"] += 1
+        out = real(*a, **k)
+        return out * float("nan") if calls["n"] == 6 + 2 else out  # +2: the eval pass at step 4 (2 batches)
+
+    monkeypatch.setattr(loop.F, "cross_entropy", poisoned)
+    with pytest.raises(Diverged, match="last good checkpoint"):
+        train(_cfg(data_dir, tmp_path / "r", steps=8, recipe="bf16"))
+    kept = sorted((tmp_path / "r" / "checkpoints").glob("step_*"))
+    assert [p.name for p in kept] == ["step_0000004"]
+    weights = kept[0] / "model.safetensors"
+    from safetensors.torch import load_file
+
+    assert all(torch.isfinite(v).all() for v in load_file(weights).values())
+
+
+def test_bad_options_fail_before_training(data_dir, tmp_path):
+    with pytest.raises(ValueError, match="--grad-accum"):
+        _cfg(data_dir, tmp_path, batch_size=4, grad_accum=3)
+    with pytest.raises(ValueError, match="unknown recipe"):
+        train(_cfg(data_dir, tmp_path / "x", recipe="nope"))
+    with pytest.raises(ValueError, match="seq"):
+        train(_cfg(data_dir, tmp_path / "y", seq_len=100_000))
+    with pytest.raises(ValueError, match="--data"):
+        train(_cfg(data_dir, tmp_path / "z", data=str(tmp_path / "missing.txt")))
+
+
+def test_compare_table_fields():
+    summaries = {
+        "bf16": dict(final_val_loss=4.0, final_val_bpb=1.5, tok_per_s=1000.0, peak_memory_bytes=2**30,
+                     saved_bytes=2**20, saved_bytes_bf16=2**20),
+        "adahop-lv2": dict(final_val_loss=4.02, final_val_bpb=1.51, tok_per_s=900.0, peak_memory_bytes=2**29,
+                           saved_bytes=2**18, saved_bytes_bf16=2**20),
+        "broken": {"error": "exit code 1"},
+    }
+    rows = format_table(summaries)
+    assert len(COLUMNS) == 7 and all(len(r) == 7 for r in rows)
+    assert rows[0][:5] == ["bf16", "4.0000", "+0.00", "1.5000", "1,000"]
+    assert rows[1][2] == "+0.50" and rows[1][6] == "0.25 (1.00)"
+    assert rows[2][1] == "failed"
