@@ -1,0 +1,328 @@
+"""`adahop analyze`: train a model in BF16 (or continue a run from its checkpoint) with every linear
+layer hooked, and write the outlier-pattern census, the paper's figures and the plan they imply.
+
+    adahop analyze --model llama-60m --data default --steps 300 --out analysis/NAME
+    adahop analyze --run runs/NAME --steps 50 --out analysis/NAME
+    adahop analyze --synthetic --out analysis/synthetic
+
+Step numbers in the outputs count the analysis's own optimizer steps (1 … --steps); with --run
+they are steps after the checkpoint. The model trains exactly as `adahop train --recipe bf16`
+does (same optimizer, schedule and data order; BF16 autocast on CUDA, FP32 on CPU), unconverted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from ..hadamard import block_hadamard
+from ..patterns import Plan, pattern_stats
+from ..recipes import get_recipe
+from ..train.config import TrainConfig
+from ..train.setup import build_optimizer, lr_at, make_model, make_streams, resolve_data, resolve_device
+from . import census as cs
+from . import figures, report
+from .recorder import PatternRecorder, linear_names
+
+__all__ = ["add_arguments", "run", "record_steps", "pick_layer", "capture_layers"]
+
+_SKIP = ("recipe", "out", "eval_every", "eval_batches", "ckpt_every", "keep_ckpts", "log_every", "compile", "backend",
+         "calib_steps", "plan", "resume", "parallel")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of `adahop analyze`: the training flags of `adahop train` that apply, plus ours."""
+    from ..cli import _add_config_flags
+
+    g = p.add_argument_group("what to analyse")
+    g.add_argument("--run", default=None, metavar="RUN",
+                   help="a run folder of `adahop train`: use its config and data, start from its newest checkpoint")
+    g.add_argument("--synthetic", action="store_true",
+                   help="only the synthetic Figure 3 (no model): figure3_synthetic.md/.csv/.png in --out")
+    g.add_argument("--out", default="analysis/default", help="output folder (default: analysis/default)")
+    r = p.add_argument_group("recording")
+    r.add_argument("--record-every", type=int, default=None, metavar="N",
+                   help="record steps 1, N, 2N, ... and the last (default: every step when --record-steps is not given)")
+    r.add_argument("--record-steps", default=None, metavar="A,B,C", help="comma-separated steps to record (1-based)")
+    r.add_argument("--calib-steps", type=int, default=30, help="recorded steps the vote uses (default: 30)")
+    r.add_argument("--threshold", type=float, default=2.0, help="detector threshold τ (default: 2.0)")
+    r.add_argument("--table", default="lv2", choices=("lv1", "lv2"), help="strategy table of plan.json (default: lv2)")
+    r.add_argument("--layer", default=None, help="layer of the 3-D figure (default: a middle-depth down_proj)")
+    r.add_argument("--gain-layers", type=int, default=14,
+                   help="layers whose X, W, ∇Y are kept at the last recorded step for iht_gain (all if the model has fewer)")
+    r.add_argument("--gain-tokens", type=int, default=2048, help="rows of X and ∇Y kept per captured layer (default: 2048)")
+    r.add_argument("--oe-rank", type=int, default=64,
+                   help="OE rank for iht_gain and --synthetic (on real layers capped at a quarter of the outer dim)")
+    r.add_argument("--dump", action="store_true",
+                   help="also save every hooked X, W, ∇Y at full size at each recorded step (dumps/; large)")
+    s = p.add_argument_group("--synthetic")
+    s.add_argument("--synthetic-size", type=int, default=512, help="M = K = N of the synthetic GEMMs (default: 512)")
+    s.add_argument("--synthetic-scale", type=float, default=10.0, help="outlier multiplier (default: 10)")
+    s.add_argument("--synthetic-n-out", type=int, default=16, help="outlier rows/columns per operand (default: 16)")
+    s.add_argument("--synthetic-seeds", default="0,1,2", help="comma-separated seeds averaged (default: 0,1,2)")
+    _add_config_flags(p.add_argument_group("training (as `adahop train`)"), TrainConfig, skip=_SKIP)
+
+
+def record_steps(total: int, every: int | None, explicit: list[int] | None) -> list[int]:
+    """The 1-based steps to record: ``1, every, 2·every, …, total`` ∪ ``explicit`` (every step
+    when neither is given), within ``1 … total``.
+
+    Raises:
+        ValueError: ``every`` < 1, or no step inside ``1 … total``.
+    """
+    if every is not None and every < 1:
+        raise ValueError(f"--record-every must be >= 1, got {every}")
+    if every is None and not explicit:
+        every = 1
+    s = set(explicit or [])
+    if every:
+        s |= {1, *range(every, total + 1, every), total}
+    out = sorted(x for x in s if 1 <= x <= total)
+    if not out:
+        raise ValueError(f"--record-steps {explicit}: no step within 1..{total} (--steps)")
+    return out
+
+
+def pick_layer(names: list[str], requested: str | None) -> str:
+    """``requested`` (a full name or a unique suffix), else the middle-depth down_proj (or the middle layer)."""
+    if requested:
+        hits = [n for n in names if n == requested] or [n for n in names if n.endswith(requested)]
+        if len(hits) != 1:
+            raise ValueError(f"--layer {requested!r} matches {len(hits)} layers; use one of: {', '.join(names)}")
+        return hits[0]
+    downs = [n for n in names if n.endswith(("down_proj", ".w2", ".fc2", "c_proj"))]
+    return downs[len(downs) // 2] if downs else names[len(names) // 2]
+
+
+def capture_layers(names: list[str], n: int, chosen: str) -> list[str]:
+    """All layers when there are at most ``n``, else ``n`` evenly spread ones; ``chosen`` always."""
+    if len(names) <= n:
+        return list(names)
+    idx = {round(i * (len(names) - 1) / max(n - 1, 1)) for i in range(n)}
+    picked = [names[i] for i in sorted(idx)]
+    return picked if chosen in picked else [*picked, chosen]
+
+
+def run(args: argparse.Namespace) -> dict[str, Path]:
+    """Run `adahop analyze`; returns ``{output name: path}``."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.synthetic:
+        return _run_synthetic(args, out)
+    return _run_model(args, out)
+
+
+# ---- synthetic Figure 3 -------------------------------------------------------------------------
+
+
+def _run_synthetic(args, out: Path) -> dict[str, Path]:
+    from .synthetic import figure3_table, to_csv, to_markdown
+
+    seeds = tuple(int(s) for s in args.synthetic_seeds.split(",") if s.strip())
+    n = args.synthetic_size
+    rows = figure3_table(m=n, k=n, n=n, n_out=args.synthetic_n_out, scale=args.synthetic_scale, seeds=seeds,
+                         oe_rank=args.oe_rank)
+    head = (f"# Synthetic Figure 3: GEMM error per strategy and pattern pair\n\n{n}×{n}·{n}×{n}, {args.synthetic_n_out} "
+            f"outlier rows/columns ×{args.synthetic_scale:g}, OE rank {args.oe_rank}, seeds {list(seeds)} "
+            "(protocol of `specs/adahop.md` §10.3). Relative error ‖Ĉ − AB‖_F / ‖AB‖_F.\n\n")
+    paths = {"md": out / "figure3_synthetic.md", "csv": out / "figure3_synthetic.csv", "png": out / "figure3_synthetic.png"}
+    paths["md"].write_text(head + to_markdown(rows))
+    paths["csv"].write_text(to_csv(rows))
+    figures.plot_synthetic({r.pair: r.errors for r in rows}, {r.pair: r.assigned(args.table) for r in rows}, paths["png"],
+                           title=f"Synthetic GEMM error ({n}³, outliers ×{args.synthetic_scale:g}); ★ = {args.table} choice")
+    print(paths["md"].read_text())
+    print(f"wrote {out}: " + ", ".join(p.name for p in paths.values()))
+    return paths
+
+
+# ---- model analysis -----------------------------------------------------------------------------
+
+
+def _config_from_args(args) -> TrainConfig:
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    kw = {k: v for k, v in vars(args).items() if k in names and k not in _SKIP}
+    return TrainConfig(**kw, recipe="bf16", out=str(args.out), calib_steps=args.calib_steps)
+
+
+def _load_run(args) -> tuple[TrainConfig, Path, Path]:
+    """(the run's TrainConfig with --device applied, its data folder, its newest checkpoint)."""
+    run_dir = Path(args.run)
+    cfg_path = run_dir / "config.json"
+    if not cfg_path.exists():
+        raise ValueError(f"--run {run_dir}: no config.json (is it a run folder of `adahop train`?)")
+    section = json.loads(cfg_path.read_text()).get("adahop")
+    if not section or "config" not in section or "data_dir" not in section:
+        raise ValueError(f"--run {run_dir}: config.json has no 'adahop' section with 'config' and 'data_dir'")
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    cfg = TrainConfig(**{k: v for k, v in section["config"].items() if k in known})
+    cfg = dataclasses.replace(cfg, device=args.device, resume=False)
+    cks = sorted((run_dir / "checkpoints").glob("step_*"))
+    if not cks or not (cks[-1] / "model.safetensors").exists():
+        raise ValueError(f"--run {run_dir}: no checkpoints/step_*/model.safetensors")
+    return cfg, Path(section["data_dir"]), cks[-1]
+
+
+def _load_checkpoint(ck: Path, model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
+    """Load the FP32 weights and AdamW state of a checkpoint (`train/checkpoint.py`) into an
+    unconverted model; returns its step."""
+    from safetensors.torch import load_file
+
+    missing, unexpected = model.load_state_dict(load_file(ck / "model.safetensors"), strict=False)
+    missing = [k for k in missing if k != "lm_head.weight"]  # tied weights come back through the embedding
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {ck} does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    meta = json.loads((ck / "state.json").read_text()) if (ck / "state.json").exists() else {}
+    if (ck / "optimizer.safetensors").exists() and "param_groups" in meta:
+        state: dict = {}
+        for key, v in load_file(ck / "optimizer.safetensors").items():
+            idx, name = key.split(".", 1)
+            state.setdefault(int(idx), {})[name] = v
+        for key, v in meta.get("scalars", {}).items():
+            idx, name = key.split(".", 1)
+            state.setdefault(int(idx), {})[name] = v
+        opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+    return int(meta.get("step", int(ck.name.split("_")[-1])))
+
+
+def _run_model(args, out: Path) -> dict[str, Path]:
+    # ---- setup ---------------------------------------------------------------------------------
+    if args.steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {args.steps}")
+    if args.run:
+        cfg, data_dir, ck = _load_run(args)
+    else:
+        cfg, ck = _config_from_args(args), None
+        data_dir = resolve_data(cfg)
+    device = resolve_device(cfg.device)
+    train_s, _ = make_streams(cfg, data_dir)
+    model = make_model(cfg, train_s.manifest, device)
+    opt = build_optimizer(cfg, model)
+    start = _load_checkpoint(ck, model, opt) if ck is not None else 0
+    steps = args.steps
+    explicit = [int(s) for s in args.record_steps.split(",") if s.strip()] if args.record_steps else None
+    recorded = record_steps(steps, args.record_every, explicit)
+    names = linear_names(model)
+    chosen = pick_layer(names, args.layer)
+    captured = capture_layers(names, args.gain_layers, chosen)
+    rec = PatternRecorder(model, layers=names, threshold=args.threshold, capture=captured, capture_tokens=args.gain_tokens,
+                          dump_dir=out / "dumps" if args.dump else None)
+    use_bf16 = device.type == "cuda"  # as `adahop train`: BF16 autocast on CUDA, FP32 on CPU
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16)
+    micro = cfg.batch_size // cfg.grad_accum
+    losses: list[tuple[int, float]] = []
+    t0 = time.perf_counter()
+    # ---- TRAINING SECTION (BF16, unconverted; patterns recorded at the chosen steps) -------------
+    todo = set(recorded)
+    for i in tqdm(range(steps), desc="analyze", disable=None, dynamic_ncols=True):
+        step, s = start + i, i + 1  # global optimizer step (lr, data); analysis step (records)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(cfg, step)
+        if s in todo:
+            rec.start(s, capture=s == recorded[-1])
+        x, y = train_s.batch(step)
+        loss_sum = 0.0
+        for xm, ym in zip(x.split(micro), y.split(micro)):
+            with autocast:
+                logits = model(input_ids=xm.to(device)).logits
+            loss = F.cross_entropy(logits.float().flatten(0, 1), ym.to(device).flatten()) / cfg.grad_accum
+            loss.backward()
+            loss_sum += loss.item()
+        if s in todo:
+            rec.stop()
+        if cfg.grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append((s, loss_sum))
+    rec.close()
+    seconds = time.perf_counter() - t0
+    # ---- analysis -------------------------------------------------------------------------------
+    rsteps, history = rec.history()
+    voted = cs.vote(history, args.calib_steps)
+    census_ = cs.census(voted)
+    stab = cs.stability(history, voted)
+    plan = Plan.from_patterns(voted, args.table)
+    q = get_recipe(f"adahop-{args.table}").fprop.a  # the quantizer settings training would use
+    gain_rows = cs.iht_gain(rec.captures, patterns=rec.patterns_at(rec.capture_step), oe_rank=args.oe_rank,
+                            scale_rule=q.scale_rule, max_scale_range=q.max_scale_range)
+    by_pair = cs.gain_by_pair(gain_rows, args.table)
+    # ---- outputs --------------------------------------------------------------------------------
+    paths = {k: out / v for k, v in dict(census_md="census.md", census_csv="census.csv", patterns="patterns.csv",
+                                         records="records.csv", plan="plan.json", over_steps="patterns_over_steps.png",
+                                         by_depth="patterns_by_depth.png", gain_png="iht_gain.png",
+                                         gain_csv="iht_gain.csv", report="report.md", meta="analysis.json").items()}
+    what = f"run {Path(args.run).name}" if args.run else f"{Path(cfg.model_config).stem if cfg.model_config else cfg.model} on {cfg.data}"
+    paths["census_md"].write_text(report.census_markdown(census_, table=args.table,
+                                                         title=f"Outlier-pattern pair census — {what}"))
+    paths["census_csv"].write_text(report.census_csv(census_))
+    paths["patterns"].write_text(report.patterns_csv(voted, stab, plan.layers))
+    paths["records"].write_text(report.records_csv(rec.records))
+    plan.save(paths["plan"])
+    figures.plot_patterns_over_steps(rsteps, history, paths["over_steps"], calib_steps=min(args.calib_steps, len(rsteps)),
+                                     title=f"Outlier pattern of X, W, ∇Y per layer over training — {what}")
+    figures.plot_patterns_by_depth(voted, paths["by_depth"], title=f"Voted outlier pattern by depth — {what}")
+    figures.plot_iht_gain(by_pair, paths["gain_png"], rows=gain_rows,
+                          title=f"Error reduction vs plain MXFP4 on real GEMMs (step {rec.capture_step}) — {what}")
+    paths["gain_csv"].write_text(report.gain_csv(gain_rows, args.table))
+    paths["tensor_3d"] = _plot_3d(rec.captures, chosen, out, what)
+    figs = {"census (markdown)": "census.md", "census (CSV)": "census.csv",
+            "patterns over steps (Figures 4/8)": "patterns_over_steps.png", "patterns by depth": "patterns_by_depth.png",
+            "IHT/OE error reduction on real GEMMs (Figure 3, right)": "iht_gain.png", "IHT/OE per GEMM (CSV)": "iht_gain.csv",
+            f"3-D tensors of {chosen} and left vs right Hadamard (Figure 2)": paths["tensor_3d"].name,
+            f"plan ({args.table}; `adahop train --plan plan.json`)": "plan.json",
+            "voted patterns, stability and strategies per layer": "patterns.csv",
+            "every recorded tensor (step, pattern, cv_row, cv_col)": "records.csv"}
+    start_txt = f"checkpoint {ck.name} of {args.run} (step {start}); " if ck is not None else ""
+    info = {"title": f"adahop analyze — {what}", "lines": [
+        f"{start_txt}model {cfg.model_config or cfg.model}, {len(names)} linear layers (lm_head excluded), "
+        f"data {data_dir}", f"{steps} training steps as `adahop train --recipe bf16` (unquantized GEMMs; "
+        f"{'BF16 autocast' if use_bf16 else 'FP32'} on {device}), batch {cfg.batch_size} × seq {cfg.seq_len}, "
+        f"lr {cfg.lr}; {seconds:.0f} s; loss {losses[0][1]:.3f} → {losses[-1][1]:.3f}",
+        f"{len(rsteps)} recorded steps ({_steps_text(rsteps)}); vote over the first {min(args.calib_steps, len(rsteps))} "
+        f"(--calib-steps {args.calib_steps}); detector τ = {args.threshold}",
+        f"iht_gain: {len(rec.captures)} layers captured at step {rec.capture_step} (first {args.gain_tokens} tokens), "
+        f"OE rank min({args.oe_rank}, outer dim / 4), quantizer of adahop-{args.table}"]}
+    paths["report"].write_text(report.report_markdown(info=info, census_=census_, voted=voted, stab=stab,
+                                                      mean_stab=cs.mean_stability(stab), gain_by_pair=by_pair,
+                                                      figures=figs, table=args.table))
+    meta = {"args": {k: v for k, v in vars(args).items() if not callable(v)}, "config": cfg.to_dict(),
+            "data_dir": str(data_dir), "checkpoint": str(ck) if ck else None, "start_step": start,
+            "recorded_steps": rsteps, "captured_layers": captured, "layer_3d": chosen, "losses": losses}
+    paths["meta"].write_text(json.dumps(meta, indent=1, default=str))
+    print(paths["census_md"].read_text())
+    print("mean stability: " + ", ".join(f"{cs.TENSOR_LABELS[t]} {100 * v:.1f}%" for t, v in cs.mean_stability(stab).items()))
+    print(f"wrote {out}: " + ", ".join(sorted(p.name for p in paths.values())))
+    return paths
+
+
+def _steps_text(steps: list[int]) -> str:
+    return ", ".join(map(str, steps)) if len(steps) <= 8 else f"{steps[0]}, {steps[1]}, …, {steps[-1]}"
+
+
+def _plot_3d(captures: dict[str, dict[str, torch.Tensor]], chosen: str, out: Path, what: str) -> Path:
+    """``tensor_3d_<layer>.png``: W, X, ∇Y of ``chosen``, then |X|, |H·X|, |X·H| of the most
+    column-outlier X among the captured layers (Figure 2)."""
+    c = captures[chosen]
+    short = figures.short_name(chosen)
+    panels = [(f"|W| {short}  [N×K]", c["w"], ("out channel (N)", "in channel (K)")),
+              (f"|X| {short}  [T×K]", c["x"], ("token (T)", "in channel (K)")),
+              (f"|∇Y| {short}  [T×N]", c["dy"], ("token (T)", "out channel (N)"))]
+    # the X with the strongest column pattern (ties: the chosen layer)
+    name = max(captures, key=lambda n: (pattern_stats(captures[n]["x"])[1], n == chosen))
+    xc = captures[name]["x"]
+    xc = xc[: xc.shape[0] // 32 * 32, : xc.shape[1] // 32 * 32]
+    cv_col = pattern_stats(xc)[1]
+    lbl = ("token (T)", "in channel (K)")
+    panels += [(f"|X| {figures.short_name(name)} (cv_col {cv_col:.1f})", xc, lbl),
+               ("|H·X|: left Hadamard (mixes rows)\ncolumn outliers stay", block_hadamard(xc, block_size=32, axis=0), lbl),
+               ("|X·H|: right Hadamard (mixes columns)\noutliers spread over their 32-block", block_hadamard(xc, block_size=32, axis=1), lbl)]
+    path = out / f"tensor_3d_{chosen}.png"
+    figures.plot_tensor_3d(panels, path, title=f"Magnitudes (max-pooled to ≤128×128) — {what}")
+    return path

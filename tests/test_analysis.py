@@ -1,0 +1,292 @@
+"""`adahop analyze`: the census on hand-made pattern sequences (votes, flips, counts, stability),
+the recorder's hooks, the IHT gain on real-shaped operands, the plan round trip against a
+converted model, every figure writer, and tiny end-to-end runs (fresh, --run, --synthetic)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+
+import pytest
+import torch
+from torch import nn
+
+import adahop
+from adahop.analysis import census as cs
+from adahop.analysis import figures, report
+from adahop.analysis.cli import add_arguments, capture_layers, pick_layer, record_steps, run
+from adahop.analysis.recorder import PatternRecorder, classify, linear_names
+from adahop.hadamard import block_hadamard
+from adahop.models import build_model
+from adahop.nn import LowPrecisionLinear
+from adahop.patterns import Plan, detect_pattern, pattern_stats
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+# Three layers, four recorded steps. Votes (ties go to the pattern seen first):
+#   L0: x C (3 of 4), w R (R,R,N,N: tie, R first), dy R  → fprop (C, flip R=C) CC, dgrad RR, wgrad (flip R=C, C) CC
+#   L1: x N,           w C,                       dy C (tie) → fprop (N, flip C=R) NR, dgrad CC, wgrad (R, N) RN
+#   L2: x R,           w N,                       dy N       → fprop RN, dgrad NN, wgrad NR
+HISTORY = {
+    "model.layers.0.mlp.up_proj": {"x": list("CCRC"), "w": list("RRNN"), "dy": list("RRRC")},
+    "model.layers.1.mlp.up_proj": {"x": list("NNNC"), "w": list("CNCC"), "dy": list("CCNN")},
+    "model.layers.1.mlp.down_proj": {"x": list("RRRR"), "w": list("NNNN"), "dy": list("NNNN")},
+}
+
+
+# ---- census ----------------------------------------------------------------------------------
+
+
+def test_vote_ties_go_to_the_first_pattern_and_respect_the_window():
+    v = cs.vote(HISTORY, calib_steps=4)
+    assert v["model.layers.0.mlp.up_proj"] == {"x": "C", "w": "R", "dy": "R"}
+    assert v["model.layers.1.mlp.up_proj"] == {"x": "N", "w": "C", "dy": "C"}
+    # a window of 1 step takes the first pattern of each tensor
+    assert cs.vote(HISTORY, calib_steps=1)["model.layers.0.mlp.up_proj"] == {"x": "C", "w": "R", "dy": "R"}
+    assert cs.vote({"a": {"x": list("NCCC"), "w": [], "dy": list("R")}}, calib_steps=2)["a"] == {"x": "N", "w": "N", "dy": "R"}
+    with pytest.raises(ValueError, match="calib-steps"):
+        cs.vote(HISTORY, calib_steps=0)
+
+
+def test_census_counts_with_orientation_flips():
+    c = cs.census(cs.vote(HISTORY, calib_steps=4))
+    nonzero = {col: {p: n for p, n in c.counts[col].items() if n} for col in c.counts}
+    assert nonzero == {
+        "fprop": {"CC": 1, "NR": 1, "RN": 1},
+        "dgrad": {"RR": 1, "CC": 1, "NN": 1},
+        "wgrad": {"CC": 1, "RN": 1, "NR": 1},
+        "total": {"RR": 1, "RN": 2, "CC": 3, "NR": 2, "NN": 1},
+    }
+    assert c.never == ("RC", "CR", "CN", "NC")
+    assert c.layers == 3
+    assert c.share("total", "CC") == pytest.approx(3 / 9)
+
+
+def test_stability_is_the_share_of_steps_agreeing_with_the_vote():
+    v = cs.vote(HISTORY, calib_steps=4)
+    s = cs.stability(HISTORY, v)
+    assert s["model.layers.0.mlp.up_proj"] == {"x": 0.75, "w": 0.5, "dy": 0.75}
+    assert s["model.layers.1.mlp.down_proj"] == {"x": 1.0, "w": 1.0, "dy": 1.0}
+    m = cs.mean_stability(s)
+    assert m["x"] == pytest.approx((0.75 + 0.75 + 1.0) / 3)
+    assert m["w"] == pytest.approx((0.5 + 0.75 + 1.0) / 3)
+
+
+def test_census_files_have_table_1_layout():
+    c = cs.census(cs.vote(HISTORY, calib_steps=4))
+    md = report.census_markdown(c)
+    assert "| pair (A,B) | fprop | dgrad | wgrad | total |" in md
+    assert "| **CC** | 1 (33.3%) | 1 (33.3%) | 1 (33.3%) | 3 (33.3%) | bf16 |" in md
+    assert "Pairs that never occur: RC, CR, CN, NC." in md
+    rows = report.census_csv(c).splitlines()
+    assert rows[0] == "pair,fprop,fprop_pct,dgrad,dgrad_pct,wgrad,wgrad_pct,total,total_pct"
+    assert [r.split(",")[0] for r in rows[1:]] == list(cs.PAIRS)
+    assert "CC,1,33.33,1,33.33,1,33.33,3,33.33" in rows
+
+
+def test_plan_round_trip_matches_a_converted_model(tmp_path):
+    model = build_model("llama-tiny", vocab_size=300, max_seq_len=32)
+    names = linear_names(model)
+    voted = {n: {"x": "C", "w": "N", "dy": "R"} for n in names}
+    voted[names[0]] = {"x": "C", "w": "R", "dy": "C"}  # a CC pair on fprop and wgrad
+    plan = Plan.from_patterns(voted, "lv2")
+    plan.save(tmp_path / "plan.json")
+    loaded = Plan.load(tmp_path / "plan.json")
+    assert loaded.layers == plan.layers and loaded.table == "lv2"
+    adahop.convert_model(model, "adahop-lv2", plan=loaded)
+    converted = [m for m in model.modules() if isinstance(m, LowPrecisionLinear)]
+    assert [m.name for m in converted] == names and "model.layers.0.self_attn.q_proj" in names
+    for m in converted:
+        assert m.strategies() == {g: loaded.layers[m.name][g] for g in ("fprop", "dgrad", "wgrad")}
+    assert converted[0].strategies() == {"fprop": "bf16", "dgrad": "iht", "wgrad": "iht+oe_right"}
+
+
+# ---- recorder ----------------------------------------------------------------------------------
+
+
+def test_classify_agrees_with_detect_pattern(gen):
+    for i in range(30):
+        t = torch.randn(64, 96, generator=gen)
+        if i % 3 == 0:
+            t[:, i % 96] *= 1 + i
+        elif i % 3 == 1:
+            t[i % 64] *= 1 + i
+        assert classify(*pattern_stats(t)) == str(detect_pattern(t)), i
+
+
+def test_recorder_hooks_x_w_dy_in_storage_layout(gen, tmp_path):
+    model = nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 32))
+    rec = PatternRecorder(model, capture=["0"], capture_tokens=40, dump_dir=tmp_path / "dumps")
+    assert rec.names == ["0", "2"]
+    x = torch.randn(2, 50, 64, generator=gen)
+    x[..., 5] *= 30  # a column-outlier input: X [T, K] has pattern C
+    for step in (1, 2, 3):
+        if step != 2:  # step 2 is not recorded
+            rec.start(step, capture=step == 3)
+        model(x).square().sum().backward()
+        rec.stop()
+    rec.close()
+    steps, hist = rec.history()
+    assert steps == [1, 3]
+    assert {(r.layer, r.tensor) for r in rec.records} == {(n, t) for n in ("0", "2") for t in ("x", "w", "dy")}
+    assert hist["0"]["x"] == ["C", "C"]
+    assert rec.capture_step == 3 and set(rec.captures) == {"0"}
+    cap = rec.captures["0"]
+    assert cap["x"].shape == (40, 64) and cap["w"].shape == (96, 64) and cap["dy"].shape == (40, 96)
+    assert {p.name for p in (tmp_path / "dumps").iterdir()} == {"step_0000001.safetensors", "step_0000003.safetensors"}
+    model(x).sum().backward()  # hooks removed: nothing more is recorded
+    assert len(rec.records) == 12
+
+
+def test_record_steps_layers_and_choices():
+    assert record_steps(10, None, None) == list(range(1, 11))
+    assert record_steps(12, 5, None) == [1, 5, 10, 12]
+    assert record_steps(12, None, [3, 7, 99]) == [3, 7]
+    assert record_steps(12, 5, [3]) == [1, 3, 5, 10, 12]
+    with pytest.raises(ValueError, match="record-every"):
+        record_steps(10, 0, None)
+    names = [f"model.layers.{i}.{s}" for i in range(4) for s in ("self_attn.q_proj", "mlp.down_proj")]
+    assert pick_layer(names, None) == "model.layers.2.mlp.down_proj"
+    assert pick_layer(names, "layers.1.mlp.down_proj") == "model.layers.1.mlp.down_proj"
+    with pytest.raises(ValueError, match="matches 4 layers"):
+        pick_layer(names, "down_proj")
+    assert capture_layers(names, 16, names[3]) == names
+    picked = capture_layers(names, 3, names[3])
+    assert picked[:3] == [names[0], names[4], names[7]] and names[3] in picked
+
+
+# ---- IHT gain on real-shaped operands -------------------------------------------------------------
+
+
+def test_iht_gain_runs_each_gemm_and_groups_by_pair(gen, single_thread):
+    x = torch.randn(128, 64, generator=gen)
+    x[:, 3] *= 20  # X column outliers
+    w = torch.randn(32, 64, generator=gen) * 0.1
+    dy = torch.randn(128, 32, generator=gen) * 1e-4
+    dy[7] *= 30  # ∇Y row outliers
+    rows = cs.iht_gain({"l": {"x": x, "w": w, "dy": dy}}, oe_rank=64)
+    assert [(r.path, r.pair, r.m, r.kc, r.n) for r in rows] == [
+        ("fprop", "CN", 128, 64, 32), ("dgrad", "RN", 128, 32, 64), ("wgrad", "CC", 32, 128, 64)]
+    assert rows[0].oe_left_rank == 32 and rows[0].oe_right_rank == 8  # capped at a quarter of M and N
+    for r in rows:
+        assert set(r.errors) == set(cs.GAIN_STRATEGIES) and all(0 < e < 1 for e in r.errors.values())
+    assert rows[1].reduction("iht+oe_left") > 0.3  # OE-Left removes ∇Y's outlier row on dgrad
+    by_pair = cs.gain_by_pair(rows)
+    assert list(by_pair) == ["RN", "CC", "CN"] and by_pair["CC"]["assigned"] == 1.0  # Lv2: CC → BF16
+    assert report.gain_csv(rows).splitlines()[0].startswith("layer,path,pair,m,kc,n,")
+    assert "| RN | 1 |" in report.gain_markdown(by_pair)
+
+
+# ---- figures -------------------------------------------------------------------------------------
+
+
+def _is_png(path) -> bool:
+    return path.exists() and path.stat().st_size > 5000 and path.read_bytes()[:8] == PNG
+
+
+def test_plot_functions_write_pngs(tmp_path, gen):
+    voted = cs.vote(HISTORY, calib_steps=2)
+    p = figures.plot_patterns_over_steps([1, 5, 10, 15], HISTORY, tmp_path / "a.png", calib_steps=2)
+    assert _is_png(p)
+    assert _is_png(figures.plot_patterns_by_depth(voted, tmp_path / "b.png"))
+    x, w, dy = torch.randn(64, 32, generator=gen), torch.randn(32, 32, generator=gen), torch.randn(64, 32, generator=gen)
+    rows = cs.iht_gain({"l": {"x": x, "w": w, "dy": dy}}, oe_rank=8)
+    assert _is_png(figures.plot_iht_gain(cs.gain_by_pair(rows), tmp_path / "c.png", rows=rows))
+    errors = {"RR": {"none": 0.2, "iht": 0.15, "iht+oe_left": 0.07, "iht+oe_right": 0.14, "bf16": 0.0},
+              "CC": {"none": 0.2, "iht": 0.16, "iht+oe_left": 0.15, "iht+oe_right": 0.07, "bf16": 0.0}}
+    assert _is_png(figures.plot_synthetic(errors, {"RR": "iht", "CC": "bf16"}, tmp_path / "d.png"))
+    panels = [("|X|", x, ("token", "channel")), ("|H·X|", block_hadamard(x, block_size=32, axis=0), ("t", "c"))]
+    assert _is_png(figures.plot_tensor_3d(panels, tmp_path / "e.png", ncols=2, title="t"))
+    big = torch.randn(300, 200, generator=gen)
+    big[17, 33] = 100.0
+    z = figures.downsample_abs(big, 128)
+    assert z.shape == (128, 128) and z.max() == 100.0  # max-pooling keeps the outlier
+    assert figures.short_name("model.layers.3.self_attn.q_proj") == "L3.self_attn.q_proj"
+
+
+# ---- end to end ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """~100 KB of word salad, prepared with a 512-token byte-level BPE."""
+    rnd = random.Random(0)
+    words = [w for w in "the of and to in a is that for it as was with be by on not he this are or his from at which "
+             "but have an they you were her she there been one all we their has would when if so no will".split()]
+    text = "\n".join(" ".join(rnd.choice(words) for _ in range(rnd.randint(8, 20))).capitalize() + "." for _ in range(900))
+    root = tmp_path_factory.mktemp("an")
+    (root / "corpus.txt").write_text(text * 2)
+    from adahop.data import prepare
+
+    prepare([str(root / "corpus.txt")], root / "prep", tokenizer="bpe", vocab_size=512, val_fraction=0.05)
+    return root / "prep"
+
+
+def _args(*argv) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+TINY = ("--model", "llama-tiny", "--seq-len", "32", "--batch-size", "4", "--warmup-steps", "1", "--device", "cpu",
+        "--gain-tokens", "64")
+
+
+def test_end_to_end_writes_every_output(data_dir, tmp_path, single_thread, capsys):
+    out = tmp_path / "an"
+    paths = run(_args(*TINY, "--data", str(data_dir), "--steps", "4", "--record-every", "2", "--calib-steps", "2",
+                      "--out", str(out)))
+    names = {p.name for p in out.iterdir()}
+    assert {"census.md", "census.csv", "patterns_over_steps.png", "patterns_by_depth.png", "iht_gain.png",
+            "iht_gain.csv", "plan.json", "report.md", "patterns.csv", "records.csv", "analysis.json",
+            "tensor_3d_model.layers.1.mlp.down_proj.png"} <= names, names
+    for p in paths.values():
+        if p.suffix == ".png":
+            assert _is_png(p), p
+    meta = json.loads((out / "analysis.json").read_text())
+    assert meta["recorded_steps"] == [1, 2, 4]
+    plan = Plan.load(out / "plan.json")
+    model = build_model("llama-tiny", vocab_size=512, max_seq_len=32)
+    assert set(plan.layers) == set(linear_names(model))  # the names `adahop train --plan` looks up
+    csv_rows = (out / "census.csv").read_text().splitlines()[1:]
+    assert sum(int(r.split(",")[1]) for r in csv_rows) == 14  # 14 layers on fprop
+    rep = (out / "report.md").read_text()
+    assert "](census.md)" in rep and "](patterns_over_steps.png)" in rep and "mean stability" in rep
+    assert len((out / "records.csv").read_text().splitlines()) == 1 + 3 * 14 * 3
+    assert "Outlier-pattern pair census" in capsys.readouterr().out
+
+
+def test_run_folder_continues_from_its_checkpoint(data_dir, tmp_path, single_thread):
+    from adahop.train import TrainConfig
+    from adahop.train.checkpoint import save_checkpoint
+    from adahop.train.export import write_config
+    from adahop.train.setup import build_optimizer, make_model, make_streams
+
+    run_dir = tmp_path / "runs" / "tiny"
+    cfg = TrainConfig(recipe="bf16", model="llama-tiny", data=str(data_dir), seq_len=32, batch_size=4, steps=10,
+                      device="cpu", out=str(run_dir))
+    train_s, _ = make_streams(cfg, data_dir)
+    model = adahop.convert_model(make_model(cfg, train_s.manifest, torch.device("cpu")), "bf16")
+    opt = build_optimizer(cfg, model)
+    x, y = train_s.batch(0)
+    nn.functional.cross_entropy(model(input_ids=x).logits.flatten(0, 1), y.flatten()).backward()
+    opt.step()
+    write_config(run_dir, cfg, model, data_dir, adahop.get_recipe("bf16"))
+    save_checkpoint(run_dir, 7, model, opt)
+    out = tmp_path / "an_run"
+    run(_args("--run", str(run_dir), "--steps", "2", "--device", "cpu", "--gain-layers", "2", "--out", str(out)))
+    meta = json.loads((out / "analysis.json").read_text())
+    assert meta["start_step"] == 7 and meta["checkpoint"].endswith("step_0000007")
+    assert meta["config"]["seq_len"] == 32 and meta["recorded_steps"] == [1, 2]
+    assert (out / "census.md").exists() and (out / "plan.json").exists()
+
+
+def test_synthetic_writes_figure3(tmp_path, single_thread):
+    pytest.importorskip("adahop.analysis.synthetic")
+    out = tmp_path / "syn"
+    run(_args("--synthetic", "--out", str(out), "--synthetic-size", "64", "--synthetic-n-out", "4", "--oe-rank", "8",
+              "--synthetic-seeds", "0"))
+    assert "| RR |" in (out / "figure3_synthetic.md").read_text()
+    assert (out / "figure3_synthetic.csv").read_text().startswith("pair,")
+    assert _is_png(out / "figure3_synthetic.png")
