@@ -62,27 +62,8 @@ class Prepared:
 
 
 def _kernels():
-    try:
-        from . import kernels
+    from . import kernels  # layer 5; imported lazily so adahop.gemm stays cheap to import
 
-        kernels.resolve_backend
-    except (ImportError, AttributeError):  # TEMPORARY until adahop.kernels lands
-        import types
-
-        from .formats import quantize_mxfp4
-
-        def iht_quantize_mxfp4(x, *, axis, hadamard_block=32, signs=None, rounding="nearest", scale_rule="floor",
-                               max_scale_range=8, generator=None, backend="auto"):
-            if hadamard_block:
-                x = block_hadamard(x.float(), block_size=hadamard_block, axis=axis, signs=signs)
-            return quantize_mxfp4(x, axis=axis, rounding=rounding, scale_rule=scale_rule,
-                                  max_scale_range=max_scale_range, generator=generator)
-
-        def mx_matmul(qa, qb, *, out_dtype=torch.float32, backend="auto"):
-            return (qa.dequantize() @ qb.dequantize()).to(out_dtype)
-
-        kernels = types.SimpleNamespace(iht_quantize_mxfp4=iht_quantize_mxfp4, mx_matmul=mx_matmul,
-                                        resolve_backend=lambda b, d: "reference")
     return kernels
 
 

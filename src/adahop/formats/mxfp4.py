@@ -7,7 +7,7 @@ Reference implementation, written to be obviously right rather than fast; the CU
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,6 +35,10 @@ class MXTensor:
         block_size: elements per scale (32 for MXFP4).
         elem_scale: decode multiplier applied on top of the E8M0 scale; 1 except for the
             ``"tseng"`` rule (4/3, undoing its 3/4 pre-scale).
+        fp8: optional cache of the same values folded for the Hopper FP8 GEMM, set by the fused
+            quantizer (`adahop.kernels`): ``(float8_e4m3fn [rows, padded_len], float32 [rows])``
+            with ``values = fp8 · row_scale`` exactly (`DESIGN.md` §3). ``None`` elsewhere; drop
+            it (``dataclasses.replace(q, fp8=None)``) before saving for backward.
     """
 
     codes: torch.Tensor
@@ -43,6 +47,7 @@ class MXTensor:
     axis: int
     block_size: int = 32
     elem_scale: float = 1.0
+    fp8: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The represented values in ``dtype``, original ``shape``, padding removed."""

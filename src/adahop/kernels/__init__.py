@@ -1,0 +1,40 @@
+"""Fast paths (Triton + cuBLAS FP8) with PyTorch reference twins (`DESIGN.md` §2 layer 5, §3).
+
+One op per file, each with a ``*_reference`` and a fast twin of the same signature and a
+dispatcher taking ``backend: "auto" | "triton" | "reference"``:
+
+- :func:`iht_quantize_mxfp4` (``quantize_mxfp4.py``): block Hadamard + MXFP4 quantize of a GEMM
+  operand, fused with the FP8 fold (``MXTensor.fp8``);
+- :func:`mx_matmul` (``mx_matmul.py``): the MXFP4 GEMM as a row-wise-scaled FP8 GEMM;
+- :func:`fold_to_fp8` / :func:`resolve_backend` (``fold.py``).
+
+Triton is imported only when a Triton kernel runs. The two fast ops are registered as
+``torch.library`` custom ops (``adahop::iht_quantize_mxfp4``, ``adahop::fp8_rowwise_mm``) so
+``torch.compile`` traces them without graph breaks.
+"""
+
+from .fold import BACKENDS, FOLD_RANGE, fold_to_fp8, resolve_backend, triton_available
+from .mx_matmul import check_mm_layout, mx_matmul, mx_matmul_fp8, mx_matmul_reference, mx_transpose
+from .quantize_mxfp4 import (
+    hadamard_butterfly,
+    iht_quantize_mxfp4,
+    iht_quantize_mxfp4_reference,
+    iht_quantize_mxfp4_triton,
+)
+
+__all__ = [
+    "BACKENDS",
+    "FOLD_RANGE",
+    "check_mm_layout",
+    "fold_to_fp8",
+    "hadamard_butterfly",
+    "iht_quantize_mxfp4",
+    "iht_quantize_mxfp4_reference",
+    "iht_quantize_mxfp4_triton",
+    "mx_matmul",
+    "mx_matmul_fp8",
+    "mx_matmul_reference",
+    "mx_transpose",
+    "resolve_backend",
+    "triton_available",
+]

@@ -1,0 +1,116 @@
+"""Fold an MXFP4 tensor into FP8 E4M3 with one FP32 scale per row, and pick the kernel backend.
+
+The fold is the Hopper fast path of `DESIGN.md` §3: every E2M1 value ``q`` times ``2^d`` is exact in
+E4M3 for ``d = 0 … −8``. A row whose finite block exponents ``e`` all lie within 8 of the row's
+largest ``E`` (quantize with ``max_scale_range=8``) is therefore exactly ``fp8 · 2^E`` with
+``fp8 = q · 2^(e − E)``, and an MXFP4 GEMM becomes an FP8 GEMM with row-wise scales.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Literal
+
+import torch
+
+from ..formats.e2m1 import decode_e2m1, decode_e8m0, unpack_e2m1
+from ..formats.mxfp4 import MXTensor
+
+__all__ = ["BACKENDS", "Backend", "resolve_backend", "fold_to_fp8", "triton_available", "FOLD_RANGE"]
+
+Backend = Literal["auto", "triton", "reference"]
+#: Values of every ``backend=`` argument in `adahop.kernels`.
+BACKENDS = ("auto", "triton", "reference")
+#: Largest block-exponent range within a row that folds exactly into E4M3.
+FOLD_RANGE = 8
+
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def triton_available() -> bool:
+    """True when the ``triton`` package can be imported (it is not imported here)."""
+    return _HAS_TRITON
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def resolve_backend(backend: str, device: torch.device | str) -> str:
+    """Resolve ``backend`` for tensors on ``device``: ``"triton"`` or ``"reference"``.
+
+    ``"auto"`` gives ``"triton"`` on a CUDA device when Triton is importable, else
+    ``"reference"``. ``"triton"`` is also accepted on the CPU under ``TRITON_INTERPRET=1``
+    (Triton's interpreter, used by the CPU tests).
+
+    Raises:
+        ValueError: unknown ``backend``.
+        RuntimeError: ``"triton"`` asked for without Triton or without a CUDA device.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not supported; use one of {BACKENDS}")
+    dev = torch.device(device)
+    if backend == "reference":
+        return "reference"
+    usable = _HAS_TRITON and (dev.type == "cuda" or _interpreting())
+    if backend == "auto":
+        return "triton" if usable and dev.type == "cuda" else "reference"
+    if not _HAS_TRITON:
+        raise RuntimeError(
+            "backend='triton' needs triton (pip install 'adahop[triton]'); use backend='reference' or 'auto'"
+        )
+    if not usable:
+        raise RuntimeError(
+            f"backend='triton' needs a CUDA device, got tensors on {dev}; use backend='reference' or 'auto' "
+            "(or set TRITON_INTERPRET=1 to run the kernels in Triton's CPU interpreter)"
+        )
+    return "triton"
+
+
+def fold_to_fp8(q: MXTensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fold ``q`` into FP8 E4M3 values and one FP32 scale per row, exactly.
+
+    Args:
+        q: an :class:`MXTensor` whose finite block exponents lie, in every row, within
+            :data:`FOLD_RANGE` (8) of the row's largest (``quantize_mxfp4(..., max_scale_range=8)``).
+            Blocks further below that hold only zeros are accepted too.
+
+    Returns:
+        ``(fp8, row_scale)``: ``float8_e4m3fn [rows, padded_len]`` with the blocked axis last
+        (``rows`` = the product of the other dims, as in ``q.codes``) and ``float32 [rows]``,
+        such that ``fp8.float() * row_scale[:, None]`` equals ``q.dequantize()`` (moved, padded)
+        bit for bit. NaN blocks (scale code 255) fold to NaN. For ``elem_scale != 1`` (the
+        ``tseng`` rule) the row scale carries it.
+
+    Raises:
+        ValueError: a row's exponent range exceeds 8; quantize with ``max_scale_range=8``.
+
+    Notes:
+        ``q.fp8``, when the fused quantizer set it, holds this same result (`DESIGN.md` §3).
+        This function syncs with the device once (the range check).
+    """
+    codes = unpack_e2m1(q.codes)  # [*outer, kp]
+    kp, bs = codes.shape[-1], q.block_size
+    rows = codes.numel() // kp if kp else 0
+    vals = decode_e2m1(codes).reshape(rows, kp // bs, bs)
+    sc = q.scales.reshape(rows, kp // bs)
+    finite = sc != 255
+    e = sc.to(torch.int32) - 127
+    row_e = torch.where(finite, e, torch.full_like(e, -127)).amax(dim=1) if kp else e.new_zeros(rows)
+    d = e - row_e[:, None]
+    too_far = finite & (d < -FOLD_RANGE) & (vals != 0).any(dim=-1)
+    if bool(too_far.any()):
+        r = int(too_far.any(dim=1).nonzero()[0, 0])
+        raise ValueError(
+            f"fold_to_fp8: row {r} has block exponents {int(e[r][finite[r]].min())}..{int(row_e[r])}, a range "
+            f"over {FOLD_RANGE}, which FP8 E4M3 cannot hold exactly; quantize with max_scale_range={FOLD_RANGE}"
+        )
+    d = torch.where(finite, d.clamp(min=-FOLD_RANGE), torch.zeros_like(d))
+    v = torch.ldexp(vals, d.unsqueeze(-1).float())  # exact: q · 2^d, d in [-8, 0]
+    v = torch.where(finite.unsqueeze(-1), v, torch.full_like(v, float("nan")))
+    fp8 = v.reshape(rows, kp).to(torch.float8_e4m3fn)
+    row_scale = decode_e8m0((row_e + 127).to(torch.uint8))
+    if q.elem_scale != 1.0:
+        row_scale = row_scale * torch.tensor(q.elem_scale, dtype=torch.float32, device=row_scale.device)
+    return fp8, row_scale

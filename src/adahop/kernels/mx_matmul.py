@@ -1,0 +1,133 @@
+"""MXFP4 GEMM ``dequant(A) @ dequant(B)`` with FP32 accumulation: reference and FP8 twins.
+
+The fast path is the Hopper fold of `DESIGN.md` §3: both operands as FP8 E4M3 with one FP32 scale
+per row of A and per column of B, multiplied by cuBLAS (``torch._scaled_mm``, row-wise scales,
+no fast accumulation). Exact up to the FP32 accumulation order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from ..formats.mxfp4 import MXTensor
+from .fold import fold_to_fp8, resolve_backend
+
+__all__ = ["mx_matmul", "mx_matmul_reference", "mx_matmul_fp8", "mx_transpose", "check_mm_layout"]
+
+
+def mx_transpose(q: MXTensor) -> MXTensor:
+    """The logical transpose of a 2-D :class:`MXTensor`, sharing its storage (and ``fp8`` cache).
+
+    ``W [N, K]`` quantized along K (``axis=1``) is ``Wᵀ [K, N]`` blocked along ``axis=0``: the
+    B operand of the fprop GEMM ``Y = X · Wᵀ``, without requantizing.
+    """
+    if len(q.shape) != 2:
+        raise ValueError(f"mx_transpose needs a 2-D MXTensor, got shape {q.shape}")
+    return dataclasses.replace(q, shape=(q.shape[1], q.shape[0]), axis=1 - q.axis)
+
+
+def check_mm_layout(qa: MXTensor, qb: MXTensor) -> tuple[int, int, int]:
+    """Check the layouts the FP8 GEMM needs; return ``(M, Kc, N)``.
+
+    A is ``[M, Kc]`` blocked along axis 1 (codes ``[M, Kp/2]``: rows of A, K contiguous), B is
+    ``[Kc, N]`` blocked along axis 0 (codes ``[N, Kp/2]``: B column-major, K contiguous).
+
+    Raises:
+        ValueError: naming the operand, what it has and what it needs.
+    """
+    for name, q, want in (("qa", qa, 1), ("qb", qb, 0)):
+        if not isinstance(q, MXTensor):
+            raise ValueError(f"mx_matmul: {name} must be an MXTensor, got {type(q).__name__}")
+        if len(q.shape) != 2:
+            raise ValueError(f"mx_matmul: {name} must be 2-D, got shape {q.shape}")
+        if q.axis != want:
+            role = "A [M, Kc] must be blocked along axis=1" if want == 1 else "B [Kc, N] must be blocked along axis=0"
+            raise ValueError(f"mx_matmul: {name} is blocked along axis={q.axis}; {role} (the contracted dim); "
+                             f"quantize it with axis={want} or use mx_transpose")
+    (m, kc), (kb, n) = qa.shape, qb.shape
+    if kc != kb:
+        raise ValueError(f"mx_matmul: contracted dims differ: qa is {qa.shape}, qb is {qb.shape}")
+    if qa.block_size != qb.block_size:
+        raise ValueError(f"mx_matmul: block sizes differ ({qa.block_size} vs {qb.block_size})")
+    kp = -(-kc // qa.block_size) * qa.block_size
+    for name, q, rows in (("qa", qa, m), ("qb", qb, n)):
+        if tuple(q.codes.shape) != (rows, kp // 2) or tuple(q.scales.shape) != (rows, kp // q.block_size):
+            raise ValueError(f"mx_matmul: {name} codes {tuple(q.codes.shape)} / scales {tuple(q.scales.shape)} do not "
+                             f"match shape {q.shape} with axis={q.axis} (want {(rows, kp // 2)} / {(rows, kp // q.block_size)})")
+    if qa.codes.device != qb.codes.device:
+        raise ValueError(f"mx_matmul: operands on different devices ({qa.codes.device}, {qb.codes.device})")
+    return m, kc, n
+
+
+def mx_matmul_reference(qa: MXTensor, qb: MXTensor, *, out_dtype: torch.dtype = torch.float32,
+                        backend: str = "reference") -> torch.Tensor:
+    """Emulated MXFP4 GEMM: ``qa.dequantize() @ qb.dequantize()`` in FP32, cast to ``out_dtype``.
+
+    Checks the same layouts as the FP8 path (:func:`check_mm_layout`). On CUDA with TF32 matmuls
+    enabled it multiplies in float64 instead, so the reference never drops to TF32.
+    """
+    check_mm_layout(qa, qb)
+    a, b = qa.dequantize(), qb.dequantize()  # [M, Kc], [Kc, N] fp32
+    if a.is_cuda and torch.get_float32_matmul_precision() != "highest":
+        return (a.double() @ b.double()).to(out_dtype)
+    return (a @ b).to(out_dtype)
+
+
+def _fp8_rowwise_mm_impl(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                         out_dtype: torch.dtype) -> torch.Tensor:
+    # out [M, N] = (a [M, Kp] · a_scale[:, None]) @ (b [N, Kp] · b_scale[:, None])ᵀ ; b.t() is column-major
+    n = b.shape[0]
+    pad = (-n) % 16  # cuBLAS wants N % 16 == 0; Kp is a multiple of 32 already
+    if pad:
+        b = F.pad(b.view(torch.uint8), (0, 0, 0, pad)).view(torch.float8_e4m3fn)
+        b_scale = F.pad(b_scale, (0, pad), value=1.0)
+    out = torch._scaled_mm(a, b.t(), scale_a=a_scale.view(-1, 1), scale_b=b_scale.view(1, -1),
+                           out_dtype=out_dtype, use_fast_accum=False)
+    return out[:, :n].contiguous() if pad else out
+
+
+# The custom op is what torch.compile sees; eager calls skip its dispatch overhead.
+_fp8_rowwise_mm = torch.library.custom_op("adahop::fp8_rowwise_mm", _fp8_rowwise_mm_impl, mutates_args=())
+
+
+@_fp8_rowwise_mm.register_fake
+def _(a, a_scale, b, b_scale, out_dtype):
+    return a.new_empty(a.shape[0], b.shape[0], dtype=out_dtype)
+
+
+def mx_matmul_fp8(qa: MXTensor, qb: MXTensor, *, out_dtype: torch.dtype = torch.float32,
+                  backend: str = "triton") -> torch.Tensor:
+    """FP8 fast path of :func:`mx_matmul`: fold (or reuse ``q.fp8``), then one row-wise-scaled FP8 GEMM."""
+    check_mm_layout(qa, qb)
+    fa, sa = qa.fp8 if qa.fp8 is not None else fold_to_fp8(qa)  # [M, Kp], [M]
+    fb, sb = qb.fp8 if qb.fp8 is not None else fold_to_fp8(qb)  # [N, Kp], [N]
+    op = _fp8_rowwise_mm if torch.compiler.is_compiling() else _fp8_rowwise_mm_impl
+    return op(fa, sa, fb, sb, out_dtype)
+
+
+def mx_matmul(qa: MXTensor, qb: MXTensor, *, out_dtype: torch.dtype = torch.float32,
+              backend: str = "auto") -> torch.Tensor:
+    """MXFP4 GEMM ``dequant(qa) @ dequant(qb)`` with FP32 accumulation.
+
+    Args:
+        qa: A, logical ``[M, Kc]``, blocked along axis 1.
+        qb: B, logical ``[Kc, N]``, blocked along axis 0 (e.g. ``mx_transpose`` of W quantized
+            along K, or a wgrad operand quantized with ``axis=0``).
+        out_dtype: float32 or bfloat16.
+        backend: ``"auto"`` (FP8 GEMM on CUDA, else reference), ``"triton"`` (the FP8 path) or
+            ``"reference"``.
+
+    Returns:
+        ``[M, N]`` tensor of ``out_dtype``.
+
+    Raises:
+        ValueError: layouts the GEMM cannot take (:func:`check_mm_layout`), or (FP8 path) an
+            operand whose row exponent range exceeds 8 without an ``fp8`` cache.
+    """
+    check_mm_layout(qa, qb)
+    be = resolve_backend(backend, qa.codes.device)
+    fn = mx_matmul_fp8 if be == "triton" else mx_matmul_reference
+    return fn(qa, qb, out_dtype=out_dtype)

@@ -1,0 +1,229 @@
+"""Block Hadamard + MXFP4 quantization of one GEMM operand: reference and fused Triton twins.
+
+``iht_quantize_mxfp4`` is what the layers call for every operand of every MXFP4 GEMM. The
+reference is plain PyTorch; the Triton path does transform, quantize, pack and the FP8 fold in
+one kernel (two for a transposing or very long contracted dim) and matches the reference bit for
+bit under round-to-nearest (codes, scales and FP8 fold). See `DESIGN.md` §3 and
+`docs/kernels_notes.md`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..formats.mxfp4 import SCALE_RULES, MXTensor, quantize_mxfp4
+from ..hadamard import check_block_size
+from .fold import resolve_backend
+
+__all__ = [
+    "iht_quantize_mxfp4",
+    "iht_quantize_mxfp4_reference",
+    "iht_quantize_mxfp4_triton",
+    "hadamard_butterfly",
+    "TRITON_HADAMARD_SIZES",
+]
+
+#: Hadamard block sizes the fused kernel supports (others run the reference under ``"auto"``).
+TRITON_HADAMARD_SIZES = (2, 4, 8, 16, 32, 64, 128, 256)
+_CLIPPING_RULES = ("floor", "adahop")
+
+
+def _check_divides(n: int, axis: int, block: int) -> None:
+    if n % block:
+        raise ValueError(
+            f"iht_quantize_mxfp4: dimension {axis} has length {n}, which hadamard_block={block} does not "
+            f"divide; pad it to a multiple of {block} or use hadamard_block=None"
+        )
+
+
+def hadamard_butterfly(x: torch.Tensor, *, block_size: int = 32, axis: int = -1,
+                       signs: torch.Tensor | None = None) -> torch.Tensor:
+    """``adahop.hadamard.block_hadamard`` computed as the fused kernel computes it, in float32.
+
+    Each ``block_size`` chunk ``v`` along ``axis`` becomes ``((v ⊙ s) · H_b)`` through log2(b)
+    constant-geometry (Pease) stages ``y[i] = x[2i] + x[2i+1], y[i + b/2] = x[2i] − x[2i+1]``
+    and one final multiply by ``fp32(1/√b)``. Same matrix as the dense product, different
+    rounding (≤ a few ulp); the Triton kernel does this exact sequence, so the twins agree bit
+    for bit.
+
+    Returns:
+        float32 tensor of ``x``'s shape.
+
+    Raises:
+        ValueError: unsupported ``block_size``, an axis length it does not divide, or ``signs``
+            that are not a ±1 vector of length ``block_size``.
+    """
+    check_block_size(block_size, "hadamard_block")
+    axis = axis % x.ndim
+    n = x.shape[axis]
+    _check_divides(n, axis, block_size)
+    v = x.movedim(axis, -1).float().reshape(*x.shape[:axis], *x.shape[axis + 1:], n // block_size, block_size)
+    if signs is not None:
+        if signs.ndim != 1 or signs.numel() != block_size:
+            raise ValueError(f"signs must be a 1-D ±1 vector of length hadamard_block={block_size}, got shape {tuple(signs.shape)}")
+        v = v * signs.to(device=x.device, dtype=torch.float32)
+    for _ in range(int(math.log2(block_size))):
+        pairs = v.reshape(*v.shape[:-1], block_size // 2, 2)
+        a, b = pairs[..., 0], pairs[..., 1]
+        v = torch.cat((a + b, a - b), dim=-1)
+    v = v * torch.tensor(1.0 / math.sqrt(block_size), dtype=torch.float32, device=v.device)
+    return v.reshape(*v.shape[:-2], n).movedim(-1, axis)
+
+
+def _check_args(x, axis, hadamard_block, rounding, scale_rule, max_scale_range) -> int:
+    if not isinstance(x, torch.Tensor) or x.ndim != 2:
+        raise ValueError(f"iht_quantize_mxfp4 expects a 2-D tensor [R, C], got {getattr(x, 'shape', type(x))}")
+    if not x.is_floating_point():
+        raise TypeError(f"iht_quantize_mxfp4 got dtype {x.dtype}; accepted: float32, float16, bfloat16, float64")
+    if axis not in (0, 1, -1, -2):
+        raise ValueError(f"axis={axis} must be 0 or 1 (the GEMM's contracted dim of a 2-D operand)")
+    if hadamard_block is not None:
+        check_block_size(hadamard_block, "hadamard_block")
+    if scale_rule not in SCALE_RULES:
+        raise ValueError(f"scale_rule={scale_rule!r} is not supported; use one of {SCALE_RULES}")
+    if rounding not in ("nearest", "stochastic"):
+        raise ValueError(f"rounding={rounding!r} is not supported; use 'nearest' or 'stochastic'")
+    if rounding == "stochastic" and scale_rule in _CLIPPING_RULES:
+        raise ValueError(
+            f"scale_rule={scale_rule!r} clips block maxima above 6, which biases stochastic "
+            "rounding toward zero; use scale_rule='ceil' (or 'tseng') with rounding='stochastic'"
+        )
+    if max_scale_range is not None and (not isinstance(max_scale_range, int) or max_scale_range < 0):
+        raise ValueError(f"max_scale_range={max_scale_range!r} must be a non-negative int or None")
+    return axis % 2
+
+
+def iht_quantize_mxfp4_reference(
+    x: torch.Tensor, *, axis: int, hadamard_block: int | None = 32, signs: torch.Tensor | None = None,
+    rounding: str = "nearest", scale_rule: str = "floor", max_scale_range: int | None = 8,
+    generator: torch.Generator | None = None, backend: str = "reference",
+) -> MXTensor:
+    """Reference: ``quantize_mxfp4(hadamard_butterfly(x) if hadamard_block else x, ...)``.
+
+    Arguments and result as :func:`iht_quantize_mxfp4` (``backend`` is ignored; the result has
+    ``fp8=None``).
+    """
+    axis = _check_args(x, axis, hadamard_block, rounding, scale_rule, max_scale_range)
+    if hadamard_block is not None:
+        x = hadamard_butterfly(x, block_size=hadamard_block, axis=axis, signs=signs)
+    return quantize_mxfp4(x, axis=axis, block_size=32, scale_rule=scale_rule, rounding=rounding,
+                          generator=generator, max_scale_range=max_scale_range)
+
+
+# ----------------------------------------------------------------------------- fused (Triton) path
+
+
+def _fused_impl(x: torch.Tensor, axis: int, hadamard_block: int, signs: torch.Tensor | None, stochastic: bool,
+                scale_rule: str, max_scale_range: int, seed: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from . import _triton_quantize  # lazy: Triton is needed only here
+
+    return _triton_quantize.mx_quantize(x, axis, hadamard_block, signs, stochastic, scale_rule, max_scale_range, seed)
+
+
+# The custom op is what torch.compile sees; eager calls skip its dispatch overhead (tens of us).
+_fused_op = torch.library.custom_op("adahop::iht_quantize_mxfp4", _fused_impl, mutates_args=())
+
+
+@_fused_op.register_fake
+def _(x, axis, hadamard_block, signs, stochastic, scale_rule, max_scale_range, seed):
+    rows, kc = (x.shape[0], x.shape[1]) if axis == 1 else (x.shape[1], x.shape[0])
+    kp = (kc + 31) // 32 * 32
+    fp8 = 0 <= max_scale_range <= 8
+    return (x.new_empty(rows, kp // 2, dtype=torch.uint8), x.new_empty(rows, kp // 32, dtype=torch.uint8),
+            x.new_empty((rows, kp) if fp8 else (0,), dtype=torch.float8_e4m3fn),
+            x.new_empty((rows,) if fp8 else (0,), dtype=torch.float32))
+
+
+def _triton_supports(hadamard_block, signs) -> str | None:
+    """Why the fused kernel cannot take these options, or None."""
+    if hadamard_block is not None and hadamard_block != 1 and hadamard_block not in TRITON_HADAMARD_SIZES:
+        return f"hadamard_block={hadamard_block} (the kernel takes {TRITON_HADAMARD_SIZES})"
+    if hadamard_block in (None, 1) and signs is not None:
+        return "signs without a Hadamard block"
+    if hadamard_block == 1:
+        return "hadamard_block=1"
+    return None
+
+
+def iht_quantize_mxfp4_triton(
+    x: torch.Tensor, *, axis: int, hadamard_block: int | None = 32, signs: torch.Tensor | None = None,
+    rounding: str = "nearest", scale_rule: str = "floor", max_scale_range: int | None = 8,
+    generator: torch.Generator | None = None, backend: str = "triton",
+) -> MXTensor:
+    """Fused Triton path of :func:`iht_quantize_mxfp4` (same arguments; ``backend`` is ignored).
+
+    Also sets ``fp8`` on the result when ``max_scale_range`` is 0…8. Stochastic rounding draws one
+    seed from ``generator`` for Triton's Philox stream: statistically, not bitwise, equal to the
+    reference.
+    """
+    axis = _check_args(x, axis, hadamard_block, rounding, scale_rule, max_scale_range)
+    why = _triton_supports(hadamard_block, signs)
+    if why is not None:
+        raise ValueError(f"iht_quantize_mxfp4: the Triton kernel does not support {why}; use backend='reference' or 'auto'")
+    if hadamard_block is not None:
+        _check_divides(x.shape[axis], axis, hadamard_block)
+    if signs is not None:
+        if signs.ndim != 1 or signs.numel() != hadamard_block:
+            raise ValueError(f"signs must be a 1-D ±1 vector of length hadamard_block={hadamard_block}, got shape {tuple(signs.shape)}")
+        signs = signs.to(device=x.device, dtype=torch.float32).contiguous()
+    seed = None
+    if rounding == "stochastic":
+        gdev = generator.device if generator is not None else x.device
+        seed = torch.randint(0, 2**62, (1,), generator=generator, device=gdev, dtype=torch.int64).to(x.device)
+    msr = -1 if max_scale_range is None else max_scale_range
+    op = _fused_op if torch.compiler.is_compiling() else _fused_impl
+    codes, scales, fp8, rscale = op(x, axis, hadamard_block or 0, signs, rounding == "stochastic",
+                                           scale_rule, msr, seed)
+    return MXTensor(codes=codes, scales=scales, shape=tuple(x.shape), axis=axis, block_size=32,
+                    elem_scale=4.0 / 3.0 if scale_rule == "tseng" else 1.0,
+                    fp8=(fp8, rscale) if 0 <= msr <= 8 else None)
+
+
+def iht_quantize_mxfp4(
+    x: torch.Tensor, *, axis: int, hadamard_block: int | None = 32, signs: torch.Tensor | None = None,
+    rounding: str = "nearest", scale_rule: str = "floor", max_scale_range: int | None = 8,
+    generator: torch.Generator | None = None, backend: str = "auto",
+) -> MXTensor:
+    """Block-Hadamard-transform (optional) and quantize a GEMM operand to MXFP4 along ``axis``.
+
+    Args:
+        x: 2-D ``[R, C]`` float tensor (bf16 or fp32 in training; any strides).
+        axis: the GEMM's contracted dim (1 for A = X/∇Y, 0 for the wgrad operands and Wᵀ).
+        hadamard_block: Sylvester block ``b`` applied along ``axis`` before quantizing (16/32/64
+            in practice), or None for plain MXFP4. Must divide ``x.shape[axis]``.
+        signs: optional ±1 float vector of length ``hadamard_block`` (random Hadamard).
+        rounding: ``"nearest"`` (round-half-to-even) or ``"stochastic"``.
+        scale_rule: ``"floor"``, ``"ceil"``, ``"adahop"`` or ``"tseng"`` (`formats.mxfp4`).
+        max_scale_range: block exponents are raised to ≥ (row max − this); 8 makes the result
+            fold exactly into FP8 (`DESIGN.md` §3). None: no limit (no ``fp8`` cache).
+        generator: stochastic-rounding randomness (reproducible under a seed).
+        backend: ``"auto"`` (Triton on CUDA, else reference), ``"triton"`` or ``"reference"``;
+            it never changes round-to-nearest results. Options the kernel lacks (Hadamard
+            blocks above 256, signs without a block) run the reference under either of the
+            first two.
+
+    Returns:
+        :class:`MXTensor` of logical shape ``x.shape``, blocks of 32 along ``axis`` (codes
+        ``[rows, padded/2]`` with ``rows`` the other dim), and, from the Triton path with
+        ``max_scale_range <= 8``, ``fp8 = (float8_e4m3fn [rows, padded], float32 [rows])``.
+
+    Raises:
+        ValueError: not 2-D, bad axis, unsupported Hadamard size or one that does not divide
+            the dim, bad ``signs``, unknown rule or rounding, stochastic rounding with a clipping
+            rule (use ``ceil``), negative ``max_scale_range``.
+        RuntimeError: backend ``"triton"`` without Triton or CUDA.
+
+    Notes:
+        The Hadamard is computed by :func:`hadamard_butterfly` on both backends; it differs from
+        ``block_hadamard``'s dense product only by last-bit rounding.
+    """
+    be = resolve_backend(backend, x.device)
+    if be == "triton" and _triton_supports(hadamard_block, signs) is None:
+        fn = iht_quantize_mxfp4_triton
+    else:
+        fn = iht_quantize_mxfp4_reference
+    return fn(x, axis=axis, hadamard_block=hadamard_block, signs=signs, rounding=rounding, scale_rule=scale_rule,
+              max_scale_range=max_scale_range, generator=generator)
