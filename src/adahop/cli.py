@@ -92,9 +92,16 @@ def main(argv: list[str] | None = None) -> int:
                   f"tokenizer {m.tokenizer.name} (vocab {m.tokenizer.vocab_size})")
         elif args.cmd == "train":
             from .train import TrainConfig, train
+            from .train.distributed import init_from_env, shutdown
 
-            s = train(_config_from(args, TrainConfig))
-            print(f"final val loss {s['final_val_loss']}, val bpb {s['final_val_bpb']}, {s['tok_per_s'] or 0:,.0f} tokens/s")
+            cfg = _config_from(args, TrainConfig)
+            d = init_from_env(cfg.device)  # under torchrun (WORLD_SIZE set): join the process group
+            try:
+                s = train(cfg, rank=d.rank, world=d.world)
+            finally:
+                shutdown()
+            if d.is_main:
+                print(f"final val loss {s['final_val_loss']}, val bpb {s['final_val_bpb']}, {s['tok_per_s'] or 0:,.0f} tokens/s")
         elif args.cmd == "compare":
             from pathlib import Path
 

@@ -30,6 +30,9 @@ class Controller:
         cal = recipe.calibration
         self.calibrator = Calibrator(table=cal.table, steps=cal.steps, threshold=cal.threshold) if cal and plan is None else None
         self._layers: list[weakref.ref] = []
+        # called with the Calibrator right before the plan freezes; data parallelism sets it to
+        # merge every rank's observations, so that all ranks freeze the same plan
+        self.agree = None
 
     @property
     def layers(self) -> list["LowPrecisionLinear"]:
@@ -47,6 +50,8 @@ class Controller:
         Returns True on the step the plan is frozen."""
         self.step = step
         if self.calibrating and step >= self.recipe.calibration.steps:
+            if self.agree is not None:
+                self.agree(self.calibrator)
             self.set_plan(self.calibrator.freeze([l.name for l in self.layers if not l.force_bf16]))
             return True
         return False
@@ -141,6 +146,19 @@ class LowPrecisionLinear(nn.Linear):
 
     # -- forward -----------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Calibration detects patterns with host syncs (`.item()`), so under torch.compile it runs
+        # eagerly. Branching here, outside the autograd function, makes dynamo guard on the
+        # calibration state: when the plan freezes the model recompiles with the whole layer
+        # (fprop + its backward) in one graph instead of keeping a graph break at the layer.
+        if self.controller.calibrating and not self.force_bf16:
+            return self._forward_calibrating(x)
+        return self._forward(x)
+
+    @torch.compiler.disable
+    def _forward_calibrating(self, x: torch.Tensor) -> torch.Tensor:
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         x2 = x.reshape(-1, self.in_features).to(dtype)
         with torch.autocast(device_type=x.device.type, enabled=False):

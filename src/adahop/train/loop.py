@@ -14,9 +14,10 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..nn import convert_model, get_controller, on_step, saved_bytes
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from . import distributed as dp
+from .checkpoint import latest_checkpoint, save_checkpoint
 from .config import TrainConfig
-from .export import export_hf, write_config
+from .export import write_config
 from .metrics import Metrics, peak_memory, reset_peak_memory
 from .setup import build_optimizer, lr_at, make_model, make_streams, resolve_data, resolve_device, resolve_recipe
 
@@ -42,25 +43,32 @@ def evaluate(model, val, device, autocast, max_batches: int) -> tuple[float, flo
     return loss, val.bits_per_byte(loss)
 
 
-def train(cfg: TrainConfig, *, rank: int = 0, world: int = 1, wrap=None) -> dict:
+def train(cfg: TrainConfig, *, rank: int = 0, world: int = 1) -> dict:
     """Run (or resume) one training run; returns its summary (also written to summary.json).
+
+    ``rank`` / ``world``: this process among ``world`` data-parallel processes (``torchrun``, with
+    the process group joined by :func:`adahop.train.distributed.init_from_env`). Every rank runs
+    this function; rank 0 alone writes files and shows progress.
 
     Raises:
         ValueError: a bad option, before any training starts. Diverged: non-finite loss.
     """
     # ---- setup ---------------------------------------------------------------------------------
+    if world > 1 and cfg.parallel == "none":
+        raise ValueError(f"--parallel none under torchrun with {world} processes; pass --parallel ddp or fsdp")
     run = Path(cfg.out)
-    device = resolve_device(cfg.device)
-    data_dir = resolve_data(cfg)
+    device = dp.local_device(resolve_device(cfg.device))
+    data_dir = dp.main_first(lambda: resolve_data(cfg))
     train_s, val_s = make_streams(cfg, data_dir, rank, world)
     recipe, plan = resolve_recipe(cfg)
     model = make_model(cfg, train_s.manifest, device)
-    convert_model(model, recipe, seed=cfg.seed, plan=plan, backend=cfg.backend)
+    convert_model(model, recipe, seed=dp.rank_seed(cfg.seed, rank, world), plan=plan, backend=cfg.backend)
+    dp.agree_on_plan(model)
+    fwd = dp.wrap(model, cfg.parallel, device, compile=cfg.compile)
     opt = build_optimizer(cfg, model)
     start = 0
     if cfg.resume and (ck := latest_checkpoint(run)) is not None:
-        start = load_checkpoint(ck, model, opt)["step"]
-    fwd = wrap(model) if wrap else (torch.compile(model) if cfg.compile else model)
+        start = dp.resume(ck, model, opt, cfg.parallel)["step"]
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     is_main = rank == 0
     if is_main:
@@ -69,7 +77,7 @@ def train(cfg: TrainConfig, *, rank: int = 0, world: int = 1, wrap=None) -> dict
     micro = cfg.batch_size // world // cfg.grad_accum
     tokens_per_step = cfg.batch_size * cfg.seq_len
     stop = {"now": False}
-    signal.signal(signal.SIGINT, lambda *_: stop.update(now=True)) if is_main else None
+    signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))
     bad = torch.zeros((), dtype=torch.bool, device=device)
     reset_peak_memory(device)
     # ---- TRAINING SECTION ----------------------------------------------------------------------
@@ -82,17 +90,21 @@ def train(cfg: TrainConfig, *, rank: int = 0, world: int = 1, wrap=None) -> dict
             g["lr"] = lr
         x, y = train_s.batch(step)
         loss_sum = torch.zeros((), device=device)
-        for xm, ym in zip(x.split(micro), y.split(micro)):
+        for i, (xm, ym) in enumerate(zip(x.split(micro), y.split(micro))):
             with autocast:
                 logits = fwd(input_ids=xm.to(device)).logits
             loss = F.cross_entropy(logits.float().flatten(0, 1), ym.to(device).flatten()) / cfg.grad_accum
-            loss.backward()
+            with dp.grad_sync(fwd, i == cfg.grad_accum - 1):  # reduce gradients across ranks once per step
+                loss.backward()
             loss_sum += loss.detach()
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip) if cfg.grad_clip else torch.zeros(())
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if on_step(model, step + 1) and is_main:
-            get_controller(model).plan.save(run / "plan.json")
+        if on_step(model, step + 1):  # every rank freezes the same plan (dp.agree_on_plan)
+            if is_main:
+                get_controller(model).plan.save(run / "plan.json")
+            if cfg.compile:  # recompile once, with the frozen plan, as whole graphs
+                torch.compiler.reset()
         bad |= ~torch.isfinite(loss_sum)  # checked on the device; synced only at log/checkpoint time
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -101,26 +113,28 @@ def train(cfg: TrainConfig, *, rank: int = 0, world: int = 1, wrap=None) -> dict
             timed_tokens += tokens_per_step
         done = step + 1
         last = done == cfg.steps
+        stop["now"] = dp.any_rank(stop["now"])  # all ranks stop (and checkpoint) at the same step
         if done % cfg.log_every == 0 or last or stop["now"]:
-            if bad.item():
+            if dp.any_rank(bad):
                 bar.close()
                 raise Diverged(f"loss became non-finite at or before step {done}; stopped. The last good checkpoint "
                                f"(step {last_good}) is kept in {run / 'checkpoints'}. Lower --lr or use a safer recipe.")
             tps = timed_tokens / clock if clock else 0.0
-            metrics.log(step=done, loss=loss_sum.item() * 1.0, lr=lr, grad_norm=float(gnorm), tokens=done * tokens_per_step, tok_per_s=tps)
-            bar.set_postfix(loss=f"{loss_sum.item():.3f}", tok_s=f"{tps:,.0f}")
+            loss_val = dp.mean_over_ranks(loss_sum).item()
+            metrics.log(step=done, loss=loss_val * 1.0, lr=lr, grad_norm=float(gnorm), tokens=done * tokens_per_step, tok_per_s=tps)
+            bar.set_postfix(loss=f"{loss_val:.3f}", tok_s=f"{tps:,.0f}")
         if cfg.eval_every and (done % cfg.eval_every == 0 or last):
-            vl, bpb = evaluate(model, val_s, device, autocast, cfg.eval_batches)
-            metrics.log(step=done, val_loss=vl, val_bpb=bpb)
+            vl = dp.mean_over_ranks(evaluate(model, val_s, device, autocast, cfg.eval_batches)[0])
+            metrics.log(step=done, val_loss=vl, val_bpb=val_s.bits_per_byte(vl))
         if (cfg.ckpt_every and done % cfg.ckpt_every == 0) or last or stop["now"]:
-            if bad.item():
+            if dp.any_rank(bad):
                 raise Diverged(f"loss became non-finite before step {done}; the last good checkpoint (step {last_good}) is kept")
-            if is_main:
-                save_checkpoint(run, done, model, opt, keep=cfg.keep_ckpts)
+            (save_checkpoint if cfg.parallel == "none" else dp.save_sharded)(run, done, model, opt, keep=cfg.keep_ckpts)
             last_good = done
         if stop["now"]:
             bar.close()
-            print(f"interrupted: checkpoint of step {done} written to {run / 'checkpoints'}; resume with --resume")
+            if is_main:
+                print(f"interrupted: checkpoint of step {done} written to {run / 'checkpoints'}; resume with --resume")
             break
     bar.close()
     # ---- summary -------------------------------------------------------------------------------
@@ -133,6 +147,6 @@ def train(cfg: TrainConfig, *, rank: int = 0, world: int = 1, wrap=None) -> dict
     if is_main:
         (run / "summary.json").write_text(json.dumps(summary, indent=1))
         metrics.plot(run / "loss.png", title=f"{cfg.recipe} on {cfg.model}")
-        if not stop["now"]:
-            export_hf(run, model, data_dir)
+    if not stop["now"]:
+        dp.export(run, model, data_dir, cfg.parallel)  # rank 0 writes; FSDP gathers the weights first
     return summary
