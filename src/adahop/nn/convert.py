@@ -50,9 +50,8 @@ def convert_model(model: nn.Module, recipe: str | Recipe, *, exclude=("lm_head",
         recipe = get_recipe(recipe)
     if getattr(model, "_adahop_controller", None) is not None:
         raise ValueError("this model is already converted; convert a fresh model")
-    from ..gemm import _kernels
+    from ..kernels import resolve_backend
 
-    resolve_backend = _kernels().resolve_backend
     controller = Controller(recipe, seed=seed, plan=plan)
     names = [n for n, m in model.named_modules() if type(m) is nn.Linear and not _excluded(n, exclude)]
     blocks = sorted({int(m.group(1)) for n in names if (m := _BLOCK_RE.search(n))})

@@ -1,0 +1,46 @@
+"""Build the results table and plots of the quality experiment from its run folders.
+
+    python experiments/quality/report.py OUT --docs docs/results
+
+Writes ``table.md`` (recipe, final val loss, gap to BF16 absolute and %, val bits per byte,
+tokens/s, peak memory, saved-for-backward bytes), ``loss_curves.png`` and ``loss_diff.png``
+(training loss minus BF16's, Figure 1 of the AdaHOP paper) into --docs, and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from adahop.plots import plot_compare
+from adahop.train.metrics import read_metrics
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--docs", default="docs/results")
+    args = ap.parse_args()
+    out, docs = Path(args.out), Path(args.docs)
+    docs.mkdir(parents=True, exist_ok=True)
+    runs = {p.name: json.loads((p / "summary.json").read_text()) for p in sorted(out.iterdir()) if (p / "summary.json").exists()}
+    base = runs.get("bf16-s0", {}).get("final_val_loss")
+    lines = ["| recipe | seed | final val loss | gap to BF16 | gap % | val bits/byte | tokens/s | peak memory GiB | saved for bwd MiB (plain linear) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, s in runs.items():
+        recipe, seed = name.rsplit("-s", 1)
+        vl = s["final_val_loss"]
+        gap = vl - base if base else float("nan")
+        lines.append(f"| {recipe} | {seed} | {vl:.4f} | {gap:+.4f} | {100 * gap / base:+.2f} | {s['final_val_bpb']:.4f} | "
+                     f"{s['tok_per_s']:,.0f} | {s['peak_memory_bytes'] / 2**30:.1f} | "
+                     f"{s['saved_bytes'] / 2**20:,.0f} ({s['saved_bytes_bf16'] / 2**20:,.0f}) |")
+    table = "\n".join(lines)
+    (docs / "table.md").write_text(table + "\n")
+    curves = {name.removesuffix("-s0") if name.endswith("-s0") else name: read_metrics(out / name / "metrics.jsonl") for name in runs}
+    plot_compare(curves, docs, baseline="bf16", title="llama-60m on the main corpus: training loss")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
