@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import lzma
+from pathlib import Path
+
 import pytest
 import torch
+
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
 @pytest.fixture
@@ -12,12 +17,36 @@ def gen() -> torch.Generator:
     return torch.Generator().manual_seed(0)
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True, scope="session")
 def single_thread():
-    """Run a test on one intra-op thread. The reference numerics use tiny tensors, where waking a
+    """Run the tests on one intra-op thread. The reference numerics use tiny tensors, where waking a
     second OpenMP thread costs more than the work (tens of ms per op on a busy 2-core runner);
-    results do not depend on the thread count."""
+    results do not depend on the thread count. Tests that spawn processes set their own."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def prepare_real_text(tmp_path_factory):
+    """``prepare_real_text(chars)``: the first ``chars`` characters of ../shared/data/corpus_small
+    prepared with a 512-token BPE (5% validation); skips when ../shared is not beside the repo."""
+    made: dict[int, Path] = {}
+
+    def make(chars: int) -> Path:
+        if chars not in made:
+            src = SHARED_DATA / "corpus_small.txt.xz"
+            if not src.exists():
+                pytest.skip("../shared/data/corpus_small.txt.xz is not beside the repo")
+            from adahop.data import prepare
+
+            with lzma.open(src, "rt", encoding="utf-8") as f:
+                text = f.read(chars)
+            root = tmp_path_factory.mktemp("data")
+            (root / "text.txt").write_text(text)
+            prepare([str(root / "text.txt")], root / "prepared", tokenizer="bpe", vocab_size=512, val_fraction=0.05)
+            made[chars] = root / "prepared"
+        return made[chars]
+
+    return make

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import lzma
 import os
 import shutil
 import socket
@@ -22,26 +21,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from adahop.data import prepare
 from adahop.train import TrainConfig, train
 from adahop.train.metrics import read_metrics
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 CALIB = 3  # AdaHOP calibration steps: steps 1..3 run exact GEMMs, the plan freezes after step 3
 STEPS = 6
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    src = SHARED / "corpus_small.txt.xz"
-    if not src.exists():
-        pytest.skip("../shared/data/corpus_small.txt.xz is not beside the repo")
-    with lzma.open(src, "rt", encoding="utf-8") as f:
-        text = f.read(50_000)
-    root = tmp_path_factory.mktemp("data")
-    (root / "text.txt").write_text(text)
-    prepare([str(root / "text.txt")], root / "prepared", tokenizer="bpe", vocab_size=512, val_fraction=0.05)
-    return root / "prepared"
+def data_dir(prepare_real_text) -> Path:
+    return prepare_real_text(50_000)
 
 
 def _cfg(data_dir: Path, out: Path, **kw) -> TrainConfig:

@@ -18,14 +18,6 @@ SHAPES = [(64, 64, 64), (129, 200, 96), (33, 96, 17), (5, 31, 7)]
 QUANT_SHAPES = [(64, 64, 64), (129, 200, 96), (96, 160, 72)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    """Small tensors: one intra-op thread is faster and avoids OpenMP barrier stalls on a busy machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def _ids(shapes):
     return ["x".join(map(str, s)) for s in shapes]

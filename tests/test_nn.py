@@ -20,15 +20,6 @@ from adahop.recipes import GemmSpec, OperandSpec, Recipe, Transform
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "corpus_small.txt.xz"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    """These tensors are small: one intra-op thread is faster, and it avoids the OpenMP barrier
-    stalls that make a busy 2-core machine up to 30x slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0))

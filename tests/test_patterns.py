@@ -20,14 +20,6 @@ SEEDS = range(40)
 SHAPES = [(256, 512), (1024, 128), (4096, 256)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    """Small tensors: one intra-op thread is faster and avoids OpenMP barrier stalls on a busy machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def _planted(shape, pattern: Pattern, seed: int) -> torch.Tensor:
     """i.i.d. N(0,1) with 1–5% of the rows (ROW) or columns (COLUMN) scaled by 10–50."""

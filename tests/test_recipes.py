@@ -29,14 +29,6 @@ FIXED = ["bf16", "mxfp4", "mxfp4-had", *RIVALS]  # presets whose strategies need
 TE_SIGNS = [1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1]  # TE get_wgrad_sign_vector()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny GEMMs: one intra-op thread is ~10× faster than two on a busy CI box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     """Relative Frobenius error of ``a`` against ``b``."""

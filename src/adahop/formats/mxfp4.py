@@ -14,7 +14,7 @@ import torch
 from .common import check_float_input, move_and_pad, unpad_and_restore
 from .e2m1 import E2M1_EMAX, decode_e2m1, decode_e8m0, encode_e2m1, encode_e8m0, pack_e2m1, unpack_e2m1
 
-__all__ = ["MXTensor", "quantize_mxfp4", "SCALE_RULES", "block_exponents"]
+__all__ = ["MXTensor", "quantize_mxfp4", "SCALE_RULES", "block_exponents", "check_mx_options"]
 
 #: Scale rules: how the E8M0 exponent of a block follows from its amax.
 SCALE_RULES = ("floor", "ceil", "adahop", "tseng")
@@ -99,6 +99,22 @@ def block_exponents(amax: torch.Tensor, scale_rule: str) -> torch.Tensor:
     return e.clamp(E8M0_MIN_EXP, E8M0_MAX_EXP)
 
 
+def check_mx_options(scale_rule: str, rounding: str, max_scale_range: int | None) -> None:
+    """Raise ValueError for an unknown scale rule or rounding, a clipping rule under stochastic
+    rounding (clipping biases it), or a bad ``max_scale_range``; shared by every MXFP4 quantizer."""
+    if scale_rule not in SCALE_RULES:
+        raise ValueError(f"scale_rule={scale_rule!r} is not supported; use one of {SCALE_RULES}")
+    if rounding not in ("nearest", "stochastic"):
+        raise ValueError(f"rounding={rounding!r} is not supported; use 'nearest' or 'stochastic'")
+    if rounding == "stochastic" and scale_rule in _CLIPPING_RULES:
+        raise ValueError(
+            f"scale_rule={scale_rule!r} clips block maxima above 6, which biases stochastic "
+            "rounding toward zero; use scale_rule='ceil' (or 'tseng') with rounding='stochastic'"
+        )
+    if max_scale_range is not None and (not isinstance(max_scale_range, int) or max_scale_range < 0):
+        raise ValueError(f"max_scale_range={max_scale_range!r} must be a non-negative int or None")
+
+
 def quantize_mxfp4(
     x: torch.Tensor,
     *,
@@ -137,17 +153,7 @@ def quantize_mxfp4(
     check_float_input(x, axis, "quantize_mxfp4")
     if not isinstance(block_size, int) or block_size < 2 or block_size % 2:
         raise ValueError(f"block_size={block_size!r} must be an even integer >= 2 (MXFP4 uses 32)")
-    if scale_rule not in SCALE_RULES:
-        raise ValueError(f"scale_rule={scale_rule!r} is not supported; use one of {SCALE_RULES}")
-    if rounding not in ("nearest", "stochastic"):
-        raise ValueError(f"rounding={rounding!r} is not supported; use 'nearest' or 'stochastic'")
-    if rounding == "stochastic" and scale_rule in _CLIPPING_RULES:
-        raise ValueError(
-            f"scale_rule={scale_rule!r} clips block maxima above 6, which biases stochastic "
-            "rounding toward zero; use scale_rule='ceil' (or 'tseng') with rounding='stochastic'"
-        )
-    if max_scale_range is not None and (not isinstance(max_scale_range, int) or max_scale_range < 0):
-        raise ValueError(f"max_scale_range={max_scale_range!r} must be a non-negative int or None")
+    check_mx_options(scale_rule, rounding, max_scale_range)
 
     axis = axis % x.ndim
     xm = move_and_pad(x.float(), axis, block_size)  # [*outer, padded]

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from ..formats.mxfp4 import SCALE_RULES, MXTensor, quantize_mxfp4
+from ..formats.mxfp4 import MXTensor, check_mx_options, quantize_mxfp4
 from ..hadamard import check_block_size
 from .fold import resolve_backend
 
@@ -27,7 +27,6 @@ __all__ = [
 
 #: Hadamard block sizes the fused kernel supports (others run the reference under ``"auto"``).
 TRITON_HADAMARD_SIZES = (2, 4, 8, 16, 32, 64, 128, 256)
-_CLIPPING_RULES = ("floor", "adahop")
 
 
 def _check_divides(n: int, axis: int, block: int) -> None:
@@ -81,17 +80,7 @@ def _check_args(x, axis, hadamard_block, rounding, scale_rule, max_scale_range) 
         raise ValueError(f"axis={axis} must be 0 or 1 (the GEMM's contracted dim of a 2-D operand)")
     if hadamard_block is not None:
         check_block_size(hadamard_block, "hadamard_block")
-    if scale_rule not in SCALE_RULES:
-        raise ValueError(f"scale_rule={scale_rule!r} is not supported; use one of {SCALE_RULES}")
-    if rounding not in ("nearest", "stochastic"):
-        raise ValueError(f"rounding={rounding!r} is not supported; use 'nearest' or 'stochastic'")
-    if rounding == "stochastic" and scale_rule in _CLIPPING_RULES:
-        raise ValueError(
-            f"scale_rule={scale_rule!r} clips block maxima above 6, which biases stochastic "
-            "rounding toward zero; use scale_rule='ceil' (or 'tseng') with rounding='stochastic'"
-        )
-    if max_scale_range is not None and (not isinstance(max_scale_range, int) or max_scale_range < 0):
-        raise ValueError(f"max_scale_range={max_scale_range!r} must be a non-negative int or None")
+    check_mx_options(scale_rule, rounding, max_scale_range)
     return axis % 2
 
 

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from ..nn import get_controller
 from ..patterns import Plan
 
-__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint"]
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "publish_checkpoint"]
 
 
 def _optim_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
@@ -53,13 +53,20 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, opt: torch
                 plan=json.loads(ctrl.plan.to_json()) if ctrl.plan else None,
                 calibration_history=ctrl.calibrator.history if ctrl.calibrator else None, **(extra or {}))
     (tmp / "state.json").write_text(json.dumps(meta))
-    for f in tmp.iterdir():  # flush file contents before the rename makes them visible
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
+    return publish_checkpoint(tmp, final, keep)
+
+
+def publish_checkpoint(tmp: Path, final: Path, keep: int) -> Path:
+    """Make the fully written folder ``tmp`` the checkpoint ``final`` in one rename (after
+    fsync of its files), then keep only the newest ``keep`` checkpoints beside it."""
+    for f in tmp.rglob("*"):  # flush file contents before the rename makes them visible
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    for old in sorted(root.glob("step_*"))[:-keep]:
+    for old in sorted(final.parent.glob("step_*"))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 

@@ -23,6 +23,7 @@ from torch import nn
 from ..nn import get_controller
 from ..patterns import Calibrator, Plan
 from ..utils import mix_seed
+from .checkpoint import publish_checkpoint
 
 __all__ = ["DistInfo", "init_from_env", "shutdown", "local_device", "rank_seed", "wrap", "grad_sync",
            "mean_over_ranks", "any_rank", "main_first", "agree_on_plan", "merge_histories", "is_sharded",
@@ -254,14 +255,7 @@ def save_sharded(run_dir: Path, step: int, model: nn.Module, opt: torch.optim.Op
                     calibration_history=merge_histories(histories) if histories is not None else None,
                     calibration_histories=histories)
         (tmp / "state.json").write_text(json.dumps(meta))
-        for f in tmp.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        for old in sorted(root.glob("step_*"))[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        publish_checkpoint(tmp, final, keep)
     if _active():
         dist.barrier()
     return final
