@@ -17,11 +17,26 @@ __all__ = ["convert_model", "on_step", "get_controller", "describe", "saved_byte
 _BLOCK_RE = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)\.")
 
 
+# The layer dimension each outer Hadamard runs along (T, the tokens, is only known at run time).
+_OUTER_DIMS = {("fprop", "outer_b"): "N", ("dgrad", "outer_b"): "K", ("wgrad", "outer_b"): "K", ("wgrad", "outer_a"): "N"}
+
+
 def supports_shape(recipe: Recipe, in_features: int, out_features: int) -> bool:
     """Whether ``recipe`` quantizes a layer of this shape: K and N must be whole blocks (32 for
-    MXFP4, 16 for NVFP4), as the hardware GEMMs and the FP8 fast path need."""
+    MXFP4, 16 for NVFP4), as the hardware GEMMs and the FP8 fast path need, and every outer
+    Hadamard (HALO) must fit the dimension it rotates (a power of two for a whole-dim one)."""
     block = 16 if any(recipe.gemm(g).a.fmt == "nvfp4" for g in ("fprop", "dgrad", "wgrad")) else 32
-    return in_features % block == 0 and out_features % block == 0
+    if in_features % block or out_features % block:
+        return False
+    dims = {"K": in_features, "N": out_features}
+    for (g, side), d in _OUTER_DIMS.items():
+        tr = getattr(recipe.gemm(g), side)
+        if tr is not None:
+            n = dims[d]
+            b = tr.block_size or n
+            if b & (b - 1) or n % b:
+                return False
+    return True
 
 
 def convert_model(model: nn.Module, recipe: str | Recipe, *, exclude=("lm_head",), seed: int = 0,
@@ -72,7 +87,8 @@ def convert_model(model: nn.Module, recipe: str | Recipe, *, exclude=("lm_head",
         setattr(owner, child, new)
     if unsupported:
         warnings.warn(f"adahop: recipe {recipe.name!r} cannot quantize these layers (dimensions not multiples of the "
-                      f"block size); they run BF16 GEMMs: {', '.join(unsupported)}", stacklevel=2)
+                      f"block size, or not a power of two where the recipe rotates a whole dimension); they run BF16 "
+                      f"GEMMs: {', '.join(unsupported)}", stacklevel=2)
     model._adahop_controller = controller
     return model
 
