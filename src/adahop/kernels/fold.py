@@ -88,7 +88,7 @@ def fold_to_fp8(q: MXTensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     Notes:
         ``q.fp8``, when the fused quantizer set it, holds this same result (`DESIGN.md` §3).
-        This function syncs with the device once (the range check).
+        This function syncs with the device once (the range check), except under torch.compile.
     """
     codes = unpack_e2m1(q.codes)  # [*outer, kp]
     kp, bs = codes.shape[-1], q.block_size
@@ -100,7 +100,9 @@ def fold_to_fp8(q: MXTensor) -> tuple[torch.Tensor, torch.Tensor]:
     row_e = torch.where(finite, e, torch.full_like(e, -127)).amax(dim=1) if kp else e.new_zeros(rows)
     d = e - row_e[:, None]
     too_far = finite & (d < -FOLD_RANGE) & (vals != 0).any(dim=-1)
-    if bool(too_far.any()):
+    # the range check syncs with the host; inside torch.compile it would split the graph, and the
+    # quantizers that feed this (max_scale_range=8) guarantee the range anyway
+    if not torch.compiler.is_compiling() and bool(too_far.any()):
         r = int(too_far.any(dim=1).nonzero()[0, 0])
         raise ValueError(
             f"fold_to_fp8: row {r} has block exponents {int(e[r][finite[r]].min())}..{int(row_e[r])}, a range "
