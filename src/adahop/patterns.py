@@ -139,16 +139,22 @@ class Plan:
     """``{layer_fqn: {"x": "C", "w": "N", "dy": "R", "fprop": "iht", "dgrad": ..., "wgrad": ...}}``."""
 
     def strategy(self, layer: str, gemm: str) -> str:
+        """Strategy of ``gemm`` (fprop/dgrad/wgrad) for ``layer`` (its qualified name).
+
+        Raises:
+            KeyError: the plan has no such layer (made for another model)."""
         try:
             return self.layers[layer][gemm]
         except KeyError:
             raise KeyError(f"the plan has no strategy for layer {layer!r} {gemm}; was it made for this model?") from None
 
     def to_json(self) -> str:
+        """The plan as JSON: ``{"table": "lv2", "layers": {fqn: {...}}}``."""
         return json.dumps({"table": self.table, "layers": self.layers}, indent=1, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
+        """Parse :meth:`to_json` output. Raises ValueError for a missing key or unknown strategy."""
         d = json.loads(text)
         if "table" not in d or "layers" not in d:
             raise ValueError("not an adahop plan: expected keys 'table' and 'layers'")
@@ -159,12 +165,14 @@ class Plan:
         return cls(table=d["table"], layers=d["layers"])
 
     def save(self, path: str | Path) -> None:
+        """Write the plan to ``path`` atomically (a ``plan.json`` for ``adahop train --plan``)."""
         from .utils import atomic_write_text
 
         atomic_write_text(Path(path), self.to_json())
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
+        """Read a plan written by :meth:`save` (ValueError if it is not one)."""
         return cls.from_json(Path(path).read_text())
 
     @classmethod

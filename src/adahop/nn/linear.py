@@ -140,6 +140,7 @@ class LowPrecisionLinear(nn.Linear):
         return g
 
     def observe(self, tensor: str, t: torch.Tensor) -> None:
+        """During calibration, record the pattern of ``tensor`` ("x" [T,K], "w" [N,K] or "dy" [T,N])."""
         cal = self.controller.calibrator
         if cal is not None and not self.force_bf16:
             self.patterns[tensor] = str(cal.observe(self.name, tensor, t))
