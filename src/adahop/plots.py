@@ -37,34 +37,31 @@ def plot_compare(runs: dict[str, list[dict]], out_dir: Path, *, baseline: str = 
     """Write ``loss_curves.png`` (train loss of every recipe) and, when ``baseline`` is present,
     ``loss_diff.png`` (each recipe's train loss minus the baseline's at the same steps)."""
     out_dir = Path(out_dir)
-    paths = []
+    curves = {name: _series(recs, "loss") for name, recs in runs.items()}
+    paths = [_line_plot(curves, out_dir / "loss_curves.png", ylabel="training loss (nats/token)",
+                        title=title or "loss curves")]
+    if baseline in curves:
+        base = dict(zip(*curves[baseline]))
+        diffs = {}
+        for name, (s, v) in curves.items():
+            if name != baseline:
+                pts = [(st, val - base[st]) for st, val in zip(s, v) if st in base]
+                diffs[name] = ([p[0] for p in pts], [p[1] for p in pts])
+        paths.append(_line_plot(diffs, out_dir / "loss_diff.png", ylabel=f"training loss − {baseline} loss",
+                                title=f"loss difference to {baseline}", zero_line=True))
+    return paths
+
+
+def _line_plot(curves: dict[str, tuple[list, list]], path: Path, *, ylabel: str, title: str, zero_line: bool = False) -> Path:
     fig, ax = plt.subplots(figsize=(8, 4.8))
-    for name, recs in runs.items():
-        s, v = _series(recs, "loss")
+    for name, (s, v) in curves.items():
         ax.plot(s, v, label=name, lw=1.2)
-    ax.set(xlabel="optimizer step", ylabel="training loss (nats/token)", title=title or "loss curves")
+    if zero_line:
+        ax.axhline(0, color="k", lw=0.8)
+    ax.set(xlabel="optimizer step", ylabel=ylabel, title=title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    paths.append(out_dir / "loss_curves.png")
-    fig.savefig(paths[-1], dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
-    if baseline in runs:
-        bs, bv = _series(runs[baseline], "loss")
-        base = dict(zip(bs, bv))
-        fig, ax = plt.subplots(figsize=(8, 4.8))
-        for name, recs in runs.items():
-            if name == baseline:
-                continue
-            s, v = _series(recs, "loss")
-            pts = [(st, val - base[st]) for st, val in zip(s, v) if st in base]
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=name, lw=1.2)
-        ax.axhline(0, color="k", lw=0.8)
-        ax.set(xlabel="optimizer step", ylabel=f"training loss − {baseline} loss", title=f"loss difference to {baseline}")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        paths.append(out_dir / "loss_diff.png")
-        fig.savefig(paths[-1], dpi=120)
-        plt.close(fig)
-    return paths
+    return path
