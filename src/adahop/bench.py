@@ -168,6 +168,7 @@ def _print(rows: list[dict]) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``adahop bench linear`` and ``adahop bench model``."""
     sub = p.add_subparsers(dest="bench_cmd", required=True)
     lin = sub.add_parser("linear", help="one linear layer, forward + backward")
     lin.add_argument("--shapes", default="llama3.1-8b", help="comma-separated: llama3.2-1b, llama3.1-8b")
@@ -186,6 +187,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> None:
+    """Run the chosen benchmark, print its table and optionally write JSON. ValueError without CUDA."""
     if not torch.cuda.is_available():
         raise ValueError("adahop bench needs a CUDA GPU; the CPU reference path is for correctness, not speed")
     if args.bench_cmd == "linear":

@@ -37,6 +37,7 @@ def _config_from(args, cls, **override):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The argparse parser of every ``adahop`` subcommand."""
     from .train.config import TrainConfig
 
     p = argparse.ArgumentParser(prog="adahop", description="Train LLMs with MXFP4 GEMMs at BF16 quality (AdaHOP).")
@@ -81,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the ``adahop`` command line; returns the exit code (2 for a bad option, named in the message)."""
     args = build_parser().parse_args(argv)
     try:
         if args.cmd == "data":

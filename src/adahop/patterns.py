@@ -45,6 +45,7 @@ class Pattern(enum.Enum):
 
     @classmethod
     def parse(cls, s: "str | Pattern") -> "Pattern":
+        """``"R"``/``"row"``, ``"C"``/``"col"``/``"column"``, ``"N"``/``"none"`` (any case) or a Pattern → Pattern; ValueError otherwise."""
         if isinstance(s, Pattern):
             return s
         key = {"r": "R", "row": "R", "c": "C", "col": "C", "column": "C", "n": "N", "none": "N"}.get(str(s).lower())

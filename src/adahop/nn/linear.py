@@ -36,13 +36,16 @@ class Controller:
 
     @property
     def layers(self) -> list["LowPrecisionLinear"]:
+        """The live converted layers of this model, in conversion order."""
         return [r() for r in self._layers if r() is not None]
 
     @property
     def calibrating(self) -> bool:
+        """True while an AdaHOP recipe is still collecting patterns (no plan yet)."""
         return self.recipe.calibration is not None and self.plan is None
 
     def register(self, layer: "LowPrecisionLinear") -> None:
+        """Track ``layer`` (weakly) so that plan changes reach it."""
         self._layers.append(weakref.ref(layer))
 
     def on_step(self, step: int) -> bool:
@@ -75,6 +78,7 @@ class LowPrecisionLinear(nn.Linear):
     @classmethod
     def from_linear(cls, mod: nn.Linear, recipe: Recipe, *, name: str, layer_id: int, controller: Controller,
                     backend: str = "reference", force_bf16: bool = False) -> "LowPrecisionLinear":
+        """Wrap ``mod`` (keeping its weight and bias Parameters) to run ``recipe``; ``name`` is its qualified name, ``layer_id`` its index in the model (it seeds the random streams), ``force_bf16`` keeps its GEMMs exact."""
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.in_features, new.out_features = mod.in_features, mod.out_features
@@ -151,6 +155,7 @@ class LowPrecisionLinear(nn.Linear):
         # eagerly. Branching here, outside the autograd function, makes dynamo guard on the
         # calibration state: when the plan freezes the model recompiles with the whole layer
         # (fprop + its backward) in one graph instead of keeping a graph break at the layer.
+        """``x`` [..., in_features] → [..., out_features]; the GEMMs run in the autocast dtype when autocast is on, else in ``x``'s dtype."""
         if self.controller.calibrating and not self.force_bf16:
             return self._forward_calibrating(x)
         return self._forward(x)

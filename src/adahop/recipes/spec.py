@@ -54,6 +54,7 @@ class OperandSpec:
     """NVFP4 only: 16×16 tiles (NVIDIA's weight recipe)."""
 
     def validate(self, where: str) -> None:
+        """Raise ValueError naming ``where`` and the field when a value is not allowed."""
         _check(self.fmt in _FORMATS, where, f"fmt={self.fmt!r}; allowed {_FORMATS}")
         _check(self.rounding in _ROUNDINGS, where, f"rounding={self.rounding!r}; allowed {_ROUNDINGS}")
         _check(self.scale_rule in SCALE_RULES, where, f"scale_rule={self.scale_rule!r}; allowed {SCALE_RULES}")
@@ -82,6 +83,7 @@ class Transform:
     sign_seed: int = 0
 
     def validate(self, where: str) -> None:
+        """Raise ValueError naming ``where`` and the field when a value is not allowed."""
         _check(self.block_size == 0 or self.block_size in SUPPORTED_SIZES, where,
                f"transform block_size={self.block_size}; allowed 0 (whole dim) or {SUPPORTED_SIZES}")
         _check(self.signs in _SIGNS, where, f"transform signs={self.signs!r}; allowed {_SIGNS}")
@@ -115,6 +117,7 @@ class GemmSpec:
     """For ``mean_split='inner'``: keep the two cross terms of Averis Eq. 12."""
 
     def validate(self, where: str) -> None:
+        """Raise ValueError naming ``where`` and the field when a value is not allowed."""
         _check(self.strategy in STRATEGIES + ("calibrated",), where,
                f"strategy={self.strategy!r}; allowed {STRATEGIES + ('calibrated',)}")
         self.a.validate(f"{where}.a")
@@ -156,6 +159,7 @@ class CalibSpec:
     """Detector threshold τ on the normalized CV statistic (`specs/adahop.md` §2.2)."""
 
     def validate(self, where: str) -> None:
+        """Raise ValueError naming ``where`` and the field when a value is not allowed."""
         _check(self.table in ("lv1", "lv2"), where, f"table={self.table!r}; allowed ('lv1', 'lv2')")
         _check(self.steps >= 1, where, f"steps={self.steps} must be >= 1")
 

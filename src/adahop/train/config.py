@@ -109,10 +109,12 @@ class TrainConfig:
             bad("calib_steps", f"must be >= 1, got {self.calib_steps}")
 
     def to_dict(self) -> dict:
+        """The config as a plain dict (stored in config.json)."""
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
+        """Rebuild a config from :meth:`to_dict` output; ValueError for unknown keys."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - known
         if unknown:

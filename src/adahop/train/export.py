@@ -21,6 +21,7 @@ __all__ = ["write_config", "export_hf", "git_revision"]
 
 
 def git_revision() -> str | None:
+    """The git revision of this adahop checkout, or None outside a checkout."""
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
                               cwd=Path(__file__).parent).stdout.strip() or None

@@ -33,21 +33,25 @@ class Metrics:
             self.path.write_text("".join(json.dumps(r) + "\n" for r in self.records))
 
     def log(self, **rec) -> None:
+        """Append one record (a dict with at least ``step``)."""
         self.records.append(rec)
         if self.enabled:
             with open(self.path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
 
     def last(self, key: str):
+        """The newest value logged under ``key`` (None if never)."""
         return next((r[key] for r in reversed(self.records) if key in r), None)
 
     def plot(self, path: Path, *, title: str) -> None:
+        """Write the run's loss curves to ``path``."""
         from ..plots import plot_run
 
         plot_run(self.records, path, title=title)
 
 
 def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak-memory measurement on ``device`` (CUDA only)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
