@@ -68,6 +68,28 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
     return "triton"
 
 
+def _fold_table(device) -> torch.Tensor:
+    """uint8 [(FOLD_RANGE + 1) * 16]: the E4M3 bits of ``decode_e2m1(code) · 2^-shift`` at
+    ``shift * 16 + code``."""
+    key = ("table", str(device))
+    if key not in _CACHE:
+        codes = torch.arange(16, dtype=torch.uint8)
+        shifts = torch.arange(FOLD_RANGE + 1, dtype=torch.float32)
+        vals = decode_e2m1(codes)[None, :] * torch.exp2(-shifts)[:, None]
+        _CACHE[key] = vals.to(torch.float8_e4m3fn).view(torch.uint8).flatten().to(device)
+    return _CACHE[key]
+
+
+def _nan_bits(device) -> torch.Tensor:
+    key = ("nan", str(device))
+    if key not in _CACHE:
+        _CACHE[key] = torch.tensor(float("nan")).to(torch.float8_e4m3fn).view(torch.uint8).to(device)
+    return _CACHE[key]
+
+
+_CACHE: dict[tuple[str, str], torch.Tensor] = {}
+
+
 def fold_to_fp8(q: MXTensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Fold ``q`` into FP8 E4M3 values and one FP32 scale per row, exactly.
 
@@ -93,25 +115,29 @@ def fold_to_fp8(q: MXTensor) -> tuple[torch.Tensor, torch.Tensor]:
     codes = unpack_e2m1(q.codes)  # [*outer, kp]
     kp, bs = codes.shape[-1], q.block_size
     rows = codes.numel() // kp if kp else 0
-    vals = decode_e2m1(codes).reshape(rows, kp // bs, bs)
+    codes = codes.reshape(rows, kp // bs, bs)
     sc = q.scales.reshape(rows, kp // bs)
     finite = sc != 255
     e = sc.to(torch.int32) - 127
     row_e = torch.where(finite, e, torch.full_like(e, -127)).amax(dim=1) if kp else e.new_zeros(rows)
-    d = e - row_e[:, None]
-    too_far = finite & (d < -FOLD_RANGE) & (vals != 0).any(dim=-1)
+    shift = row_e[:, None] - e  # each block sits 2^-shift below its row's scale
     # the range check syncs with the host; inside torch.compile it would split the graph, and the
     # quantizers that feed this (max_scale_range=8) guarantee the range anyway
-    if not torch.compiler.is_compiling() and bool(too_far.any()):
-        r = int(too_far.any(dim=1).nonzero()[0, 0])
-        raise ValueError(
-            f"fold_to_fp8: row {r} has block exponents {int(e[r][finite[r]].min())}..{int(row_e[r])}, a range "
-            f"over {FOLD_RANGE}, which FP8 E4M3 cannot hold exactly; quantize with max_scale_range={FOLD_RANGE}"
-        )
-    d = torch.where(finite, d.clamp(min=-FOLD_RANGE), torch.zeros_like(d))
-    v = torch.ldexp(vals, d.unsqueeze(-1).float())  # exact: q · 2^d, d in [-8, 0]
-    v = torch.where(finite.unsqueeze(-1), v, torch.full_like(v, float("nan")))
-    fp8 = v.reshape(rows, kp).to(torch.float8_e4m3fn)
+    if not torch.compiler.is_compiling():
+        too_far = finite & (shift > FOLD_RANGE) & ((codes & 7).amax(dim=-1) > 0)
+        if bool(too_far.any()):
+            r = int(too_far.any(dim=1).nonzero()[0, 0])
+            raise ValueError(
+                f"fold_to_fp8: row {r} has block exponents {int(e[r][finite[r]].min())}..{int(row_e[r])}, a range "
+                f"over {FOLD_RANGE}, which FP8 E4M3 cannot hold exactly; quantize with max_scale_range={FOLD_RANGE}"
+            )
+    # One byte gather per element: the FP8 bits of every (shift, code) pair come from a 9×16 table
+    # (exact: q·2^-shift is an E4M3 value for shift in 0..8), instead of a float32 decode pass.
+    shift = torch.where(finite, shift.clamp(max=FOLD_RANGE), torch.zeros_like(shift))
+    idx = shift.unsqueeze(-1) * 16 + codes.to(torch.int32)  # int32 indices: half the bytes of int64
+    bits = _fold_table(codes.device)[idx]
+    bits = torch.where(finite.unsqueeze(-1), bits, _nan_bits(codes.device))
+    fp8 = bits.reshape(rows, kp).view(torch.float8_e4m3fn)
     row_scale = decode_e8m0((row_e + 127).to(torch.uint8))
     if q.elem_scale != 1.0:
         row_scale = row_scale * torch.tensor(q.elem_scale, dtype=torch.float32, device=row_scale.device)
