@@ -64,20 +64,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("recipes", help="list the recipe presets and what each GEMM does")
 
     an = sub.add_parser("analyze", help="outlier-pattern census and the paper's figures")
-    try:
-        from .analysis.cli import add_arguments
+    from .analysis.cli import add_arguments as add_analyze
 
-        add_arguments(an)
-    except ImportError:
-        pass
+    add_analyze(an)
 
     bench = sub.add_parser("bench", help="speed and memory against BF16 and other MXFP4 emulations")
-    try:
-        from .bench import add_arguments as add_bench
+    from .bench import add_arguments as add_bench
 
-        add_bench(bench)
-    except ImportError:
-        pass
+    add_bench(bench)
     return p
 
 

@@ -90,19 +90,15 @@ class LowPrecisionLinearFn(torch.autograd.Function):
             return dx, dw.to(weight.dtype), grad_bias, None, None
 
         gd, gw = ctx.gens
+        # operands not saved prepared (they need high precision) are prepared now, with the signs
+        # drawn in forward, so both GEMMs always run as prepare(A) · saved-or-prepared(B)
+        w_prep = ctx.w_prep or prepare(weight.to(dtype), "b", specs["dgrad"], signs=ctx.signs_d, generator=gd, backend=layer.backend)
+        x_prep = ctx.x_prep or prepare(x, "b", specs["wgrad"], signs=ctx.signs_w, generator=gw, backend=layer.backend)
         # dgrad: ∇X = ∇Y·W
-        dg = specs["dgrad"]
-        if ctx.w_prep is None:
-            dx = gemm(dy, weight.to(dtype), dg, generator=gd, out_dtype=dtype, backend=layer.backend)
-        else:
-            pa = prepare(dy, "a", dg, signs=ctx.signs_d, generator=gd, backend=layer.backend)
-            dx = multiply(pa, ctx.w_prep, dg, out_dtype=dtype, backend=layer.backend)
+        pa = prepare(dy, "a", specs["dgrad"], signs=ctx.signs_d, generator=gd, backend=layer.backend)
+        dx = multiply(pa, w_prep, specs["dgrad"], out_dtype=dtype, backend=layer.backend)
         # wgrad: ∇W = ∇Yᵀ·X
-        wg = specs["wgrad"]
-        if ctx.x_prep is None:
-            dw = gemm(dy.t(), x, wg, generator=gw, out_dtype=torch.float32, backend=layer.backend)
-        else:
-            pa = prepare(dy.t(), "a", wg, signs=ctx.signs_w, generator=gw, backend=layer.backend)
-            dw = multiply(pa, ctx.x_prep, wg, out_dtype=torch.float32, backend=layer.backend)
+        pa = prepare(dy.t(), "a", specs["wgrad"], signs=ctx.signs_w, generator=gw, backend=layer.backend)
+        dw = multiply(pa, x_prep, specs["wgrad"], out_dtype=torch.float32, backend=layer.backend)
         ctx.x_prep = ctx.w_prep = None
         return dx, dw.to(weight.dtype), grad_bias, None, None

@@ -42,8 +42,8 @@ def write_config(run: Path, cfg: TrainConfig, model, data_dir: Path, recipe) -> 
 
 def export_hf(run: Path, model, data_dir: Path) -> None:
     """Write the BF16 master weights as model.safetensors and the tokenizer beside config.json."""
-    state = {k: v.detach().to(torch.bfloat16).cpu().contiguous() for k, v in model.state_dict().items()}
-    state = {k: v for k, v in state.items() if not _is_alias(k, model.state_dict())}
+    full = model.state_dict()
+    state = {k: v.detach().to(torch.bfloat16).cpu().contiguous() for k, v in full.items() if not _is_alias(k, full)}
     tmp = run / ".model.safetensors.tmp"
     save_file(state, tmp, metadata={"format": "pt"})
     tmp.replace(run / "model.safetensors")

@@ -121,7 +121,7 @@ def train(cfg: TrainConfig, *, rank: int = 0, world: int = 1) -> dict:
                                f"(step {last_good}) is kept in {run / 'checkpoints'}. Lower --lr or use a safer recipe.")
             tps = timed_tokens / clock if clock else 0.0
             loss_val = dp.mean_over_ranks(loss_sum).item()
-            metrics.log(step=done, loss=loss_val * 1.0, lr=lr, grad_norm=float(gnorm), tokens=done * tokens_per_step, tok_per_s=tps)
+            metrics.log(step=done, loss=loss_val, lr=lr, grad_norm=float(gnorm), tokens=done * tokens_per_step, tok_per_s=tps)
             bar.set_postfix(loss=f"{loss_val:.3f}", tok_s=f"{tps:,.0f}")
         if cfg.eval_every and (done % cfg.eval_every == 0 or last):
             vl = dp.mean_over_ranks(evaluate(model, val_s, device, autocast, cfg.eval_batches)[0])
