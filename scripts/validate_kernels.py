@@ -14,6 +14,8 @@ Checks, each printed as PASS/FAIL with its numbers:
   error ≤ 1e-5 of ‖|A|·|B|‖ (the scale of FP32-accumulation rounding) and ≤ 5e-5 of ‖A·B‖ for
   fp32 output (Hopper's FP8 MMA accumulates below FP32 inside each instruction: see
   docs/kernels_notes.md), also through ``fold_to_fp8`` (no fp8 cache) and for ragged M/N;
+- ``fold_to_fp8`` (Triton, the backward's unpack of saved packed MXFP4) vs the reference fold,
+  byte for byte, with its time;
 - ``torch.compile(fullgraph=True)`` of quantize + GEMM equals eager.
 
 Exits 1 if any check fails. ``--small`` runs tiny shapes (also on the CPU under TRITON_INTERPRET=1).
@@ -23,6 +25,7 @@ Usage: ``python scripts/validate_kernels.py [--small] [--log PATH]``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -79,7 +82,7 @@ def check_quantize(name, x, axis, hb=32, signs=None, rule="floor", msr=8):
     bad_scales = (scales != qr.scales).sum().item()
     bad_fp8 = 0
     if fp8:
-        rf8, rrs = fold_to_fp8(qr)
+        rf8, rrs = fold_to_fp8(qr, backend="reference")
         bad_fp8 = (f8.view(torch.uint8) != rf8.view(torch.uint8)).sum().item() + (rs != rrs).sum().item()
     q = iht_quantize_mxfp4(x, axis=axis, hadamard_block=hb, signs=signs, scale_rule=rule, max_scale_range=msr,
                            backend="triton")
@@ -109,7 +112,7 @@ def check_stochastic(name, x, axis, gen_seed=0):
     r_mean, r_slope, rms_r = stats(qr)
     spread = rms_t / rms_r
     tol = 0.02 if x.numel() > 10**6 else 0.1
-    f8, rs = fold_to_fp8(qt)
+    f8, rs = fold_to_fp8(qt, backend="reference")
     fold_ok = torch.equal(f8.view(torch.uint8), qt.fp8[0].view(torch.uint8)) and torch.equal(rs, qt.fp8[1])
     ok = (torch.equal(qt.scales, qr.scales) and abs(t_mean) < 6 and abs(t_slope) < 6 and abs(spread - 1) < tol
           and not torch.equal(qt.codes, qt2.codes) and torch.equal(qt.codes, qt3.codes) and fold_ok)
@@ -141,6 +144,33 @@ def check_gemm(name, m, kc, n, dev, gen, hb=32, via_fold=False):
             pass
     ok = out.shape == (m, n) and torch.isfinite(out).all().item() and rel_ab <= 1e-5 and rel <= 5e-5 and rel16 <= 1e-2
     record(f"gemm {name}", ok, rel_fp32=rel, rel_to_absAB=rel_ab, rel_bf16_out=rel16, cached_fp8=qa.fp8 is not None, **extra)
+
+
+def _ms(fn, reps=20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / reps
+
+
+def check_fold(name, x, axis, rule="floor"):
+    """The Triton fold of a saved (packed) operand vs the reference fold, byte for byte."""
+    hb = 32 if x.shape[axis] % 32 == 0 else None
+    q = iht_quantize_mxfp4(x, axis=axis, hadamard_block=hb, scale_rule=rule, backend="reference")
+    q = dataclasses.replace(q, fp8=None)
+    ft, st = fold_to_fp8(q, backend="triton")
+    fr, sr = fold_to_fp8(q, backend="reference")
+    bad = (ft.view(torch.uint8) != fr.view(torch.uint8)).sum().item() + (st != sr).sum().item()
+    detail = {}
+    if x.is_cuda:
+        detail = dict(us_triton=1e3 * _ms(lambda: fold_to_fp8(q, backend="triton")),
+                      us_reference=1e3 * _ms(lambda: fold_to_fp8(q, backend="reference"), reps=3))
+    record(f"fold {name}", bad == 0 and ft.shape == fr.shape, diff=bad, **detail)
 
 
 def check_compile(dev, gen):
@@ -200,6 +230,12 @@ def main() -> int:
         check_quantize(f"4096x2048 ax0 bf16 rule={rule}", mk((4096, 2048)), 0, rule=rule)
     check_quantize("4096x4096 ax1 bf16 max_scale_range=None", mk((4096, 4096), special=True), 1, msr=None)
     check_quantize("4096x4096 ax0 bf16 max_scale_range=None", mk((4096, 4096), special=True), 0, msr=None)
+    # --- the fold of saved packed MXFP4 (backward) --------------------------------------------------
+    check_fold("X 8192x4096 ax0 (saved for wgrad)", mk((8192, 4096)), 0)
+    check_fold("W 14336x4096 ax0 (saved for dgrad)", mk((14336, 4096)), 0)
+    check_fold("X 8192x14336 ax0 special values", mk((8192, 14336), special=True), 0)
+    check_fold("1000x4096 ax1 ragged rows, rule=tseng", mk((1000, 4096)), 1, rule="tseng")
+    check_fold("4096x1000 ax1 ragged Kc", mk((4096, 1000)), 1)
     # --- stochastic rounding --------------------------------------------------------------------
     for axis in (1, 0):
         check_stochastic(f"4096x4096 ax{axis} bf16 ceil", mk((4096, 4096)), axis)

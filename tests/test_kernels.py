@@ -281,6 +281,44 @@ def test_interp_quantizer_bit_exact(case):
         assert qt.fp8 is None
 
 
+FOLD_CASES = [  # (rows, cols, axis, scale_rule): one tile, masked rows/K, the chunk loop (kp > 2048), ragged Kc
+    (33, 64, 1, "floor"), (40, 50, 1, "tseng"), (7, 4160, 1, "ceil"), (96, 24, 0, "adahop"), (5, 2048, 1, "floor"),
+]
+
+
+@pytest.mark.parametrize("case", FOLD_CASES, ids=lambda c: f"{c[0]}x{c[1]}-ax{c[2]}-{c[3]}")
+@interp
+def test_interp_fold_bit_exact(case):
+    """The Triton fold of saved packed MXFP4 equals the reference byte for byte: huge/tiny/zero
+    blocks, a NaN block, a negative-zero code, the tseng row scale."""
+    r, c, axis, rule = case
+    x = _spread_rows(r, c, seed=c) if axis == 1 else _spread_rows(c, r, seed=c).t()
+    x[4 % x.shape[0], 3 % x.shape[1]] = float("nan")
+    q = quantize_mxfp4(x, axis=axis, scale_rule=rule, max_scale_range=8)
+    q = dataclasses.replace(q, codes=q.codes.clone())
+    q.codes.view(-1)[-1] |= 0x80  # a -0 code in the last element (0x8 decodes to -0.0, FP8 0x80)
+    ft, st = fold_to_fp8(q, backend="triton")
+    fr, sr = fold_to_fp8(q, backend="reference")
+    assert ft.dtype == torch.float8_e4m3fn and ft.shape == fr.shape and st.shape == sr.shape
+    assert torch.equal(ft.view(torch.uint8), fr.view(torch.uint8))
+    assert torch.equal(st, sr)
+    torch.testing.assert_close(ft.float() * st[:, None], _moved(q, x), atol=0, rtol=0, equal_nan=True)
+
+
+@interp
+def test_interp_fold_checks_the_range_unless_the_quantizer_did():
+    q = quantize_mxfp4(_spread_rows(6, 64), axis=1)  # no limit: row 0 spans ~2^66..2^-100
+    with pytest.raises(ValueError, match="max_scale_range=8"):
+        fold_to_fp8(q, backend="triton")
+    q8 = quantize_mxfp4(_spread_rows(6, 64), axis=1, max_scale_range=8)
+    assert q8.scale_range == 8  # the fold trusts this and skips its device sync
+    assert torch.equal(fold_to_fp8(q8, backend="triton")[0].view(torch.uint8),
+                       fold_to_fp8(q8, backend="reference")[0].view(torch.uint8))
+    from adahop.kernels.fold import _fold_op
+
+    torch.library.opcheck(_fold_op, (q8.codes, q8.scales, 1.0), test_utils=("test_schema", "test_faketensor"))
+
+
 @interp
 def test_interp_round_to_nearest_ties():
     """Every E2M1 midpoint, its float neighbours, saturation and signed zeros, at scale 1."""

@@ -39,6 +39,8 @@ class MXTensor:
             quantizer (`adahop.kernels`): ``(float8_e4m3fn [rows, padded_len], float32 [rows])``
             with ``values = fp8 · row_scale`` exactly (`DESIGN.md` §3). ``None`` elsewhere; drop
             it (``dataclasses.replace(q, fp8=None)``) before saving for backward.
+        scale_range: the ``max_scale_range`` the quantizer enforced (None: no limit). At most 8
+            means every row folds exactly into FP8, so the fold skips its range check.
     """
 
     codes: torch.Tensor
@@ -48,6 +50,7 @@ class MXTensor:
     block_size: int = 32
     elem_scale: float = 1.0
     fp8: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    scale_range: int | None = None
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The represented values in ``dtype``, original ``shape``, padding removed."""
@@ -178,4 +181,5 @@ def quantize_mxfp4(
         axis=axis,
         block_size=block_size,
         elem_scale=4.0 / 3.0 if scale_rule == "tseng" else 1.0,
+        scale_range=max_scale_range,
     )

@@ -6,14 +6,24 @@ dispatcher taking ``backend: "auto" | "triton" | "reference"``:
 - :func:`iht_quantize_mxfp4` (``quantize_mxfp4.py``): block Hadamard + MXFP4 quantize of a GEMM
   operand, fused with the FP8 fold (``MXTensor.fp8``);
 - :func:`mx_matmul` (``mx_matmul.py``): the MXFP4 GEMM as a row-wise-scaled FP8 GEMM;
-- :func:`fold_to_fp8` / :func:`resolve_backend` (``fold.py``).
+- :func:`fold_to_fp8` (``fold.py``, Triton kernel in ``_triton_fold.py``): saved packed MXFP4 →
+  the FP8 operand, for the backward GEMMs; :func:`resolve_backend`.
 
-Triton is imported only when a Triton kernel runs. The two fast ops are registered as
-``torch.library`` custom ops (``adahop::iht_quantize_mxfp4``, ``adahop::fp8_rowwise_mm``) so
+Triton is imported only when a Triton kernel runs. The fast ops are registered as
+``torch.library`` custom ops (``adahop::iht_quantize_mxfp4``, ``adahop::fp8_rowwise_mm``,
+``adahop::fold_mxfp4_to_fp8``) so
 ``torch.compile`` traces them without graph breaks.
 """
 
-from .fold import BACKENDS, FOLD_RANGE, fold_to_fp8, resolve_backend, triton_available
+from .fold import (
+    BACKENDS,
+    FOLD_RANGE,
+    fold_to_fp8,
+    fold_to_fp8_reference,
+    fold_to_fp8_triton,
+    resolve_backend,
+    triton_available,
+)
 from .mx_matmul import check_mm_layout, mx_matmul, mx_matmul_fp8, mx_matmul_reference, mx_transpose
 from .quantize_mxfp4 import (
     hadamard_butterfly,
@@ -27,6 +37,8 @@ __all__ = [
     "FOLD_RANGE",
     "check_mm_layout",
     "fold_to_fp8",
+    "fold_to_fp8_reference",
+    "fold_to_fp8_triton",
     "hadamard_butterfly",
     "iht_quantize_mxfp4",
     "iht_quantize_mxfp4_reference",

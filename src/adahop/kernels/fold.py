@@ -17,7 +17,8 @@ import torch
 from ..formats.e2m1 import decode_e2m1, decode_e8m0, unpack_e2m1
 from ..formats.mxfp4 import MXTensor
 
-__all__ = ["BACKENDS", "Backend", "resolve_backend", "fold_to_fp8", "triton_available", "FOLD_RANGE"]
+__all__ = ["BACKENDS", "Backend", "resolve_backend", "fold_to_fp8", "fold_to_fp8_reference", "fold_to_fp8_triton",
+           "triton_available", "FOLD_RANGE"]
 
 Backend = Literal["auto", "triton", "reference"]
 #: Values of every ``backend=`` argument in `adahop.kernels`.
@@ -90,13 +91,93 @@ def _nan_bits(device) -> torch.Tensor:
 _CACHE: dict[tuple[str, str], torch.Tensor] = {}
 
 
-def fold_to_fp8(q: MXTensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _check_range(q: MXTensor) -> None:
+    """Raise unless every row of ``q`` folds exactly (its finite, nonzero blocks lie within
+    :data:`FOLD_RANGE` of the row's largest). Syncs with the device; skipped when the quantizer
+    already enforced ``max_scale_range <= 8`` (``q.scale_range``) and inside torch.compile,
+    where a host sync would split the graph."""
+    if (q.scale_range is not None and q.scale_range <= FOLD_RANGE) or torch.compiler.is_compiling():
+        return
+    codes = unpack_e2m1(q.codes)
+    kp, bs = codes.shape[-1], q.block_size
+    if not kp:
+        return
+    rows = codes.numel() // kp
+    sc = q.scales.reshape(rows, kp // bs)
+    finite = sc != 255
+    e = sc.to(torch.int32) - 127
+    row_e = torch.where(finite, e, torch.full_like(e, -127)).amax(dim=1)
+    nonzero = (codes.reshape(rows, kp // bs, bs) & 7).amax(dim=-1) > 0
+    too_far = finite & (row_e[:, None] - e > FOLD_RANGE) & nonzero
+    if bool(too_far.any()):
+        r = int(too_far.any(dim=1).nonzero()[0, 0])
+        raise ValueError(
+            f"fold_to_fp8: row {r} has block exponents {int(e[r][finite[r]].min())}..{int(row_e[r])}, a range "
+            f"over {FOLD_RANGE}, which FP8 E4M3 cannot hold exactly; quantize with max_scale_range={FOLD_RANGE}"
+        )
+
+
+def fold_to_fp8_reference(q: MXTensor, *, backend: str = "reference") -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch twin of :func:`fold_to_fp8` (same arguments and result; ``backend`` is ignored)."""
+    _check_range(q)
+    codes = unpack_e2m1(q.codes)  # [*outer, kp]
+    kp, bs = codes.shape[-1], q.block_size
+    rows = codes.numel() // kp if kp else 0
+    codes = codes.reshape(rows, kp // bs, bs)
+    sc = q.scales.reshape(rows, kp // bs)
+    finite = sc != 255
+    e = sc.to(torch.int32) - 127
+    row_e = torch.where(finite, e, torch.full_like(e, -127)).amax(dim=1) if kp else e.new_full((rows,), -127)
+    # One byte gather per element: the FP8 bits of every (shift, code) pair come from a 9×16 table
+    # (exact: q·2^-shift is an E4M3 value for shift in 0..8; blocks further down hold only zeros).
+    shift = torch.where(finite, (row_e[:, None] - e).clamp(max=FOLD_RANGE), torch.zeros_like(e))
+    idx = shift.unsqueeze(-1) * 16 + codes.to(torch.int32)  # int32 indices: half the bytes of int64
+    bits = _fold_table(codes.device)[idx]
+    bits = torch.where(finite.unsqueeze(-1), bits, _nan_bits(codes.device))
+    fp8 = bits.reshape(rows, kp).view(torch.float8_e4m3fn)
+    row_scale = decode_e8m0((row_e + 127).to(torch.uint8))
+    if q.elem_scale != 1.0:
+        row_scale = row_scale * torch.tensor(q.elem_scale, dtype=torch.float32, device=row_scale.device)
+    return fp8, row_scale
+
+
+def _fold_impl(codes: torch.Tensor, scales: torch.Tensor, elem_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    from . import _triton_fold  # lazy: Triton is needed only here
+
+    return _triton_fold.fold(codes, scales, elem_scale)
+
+
+# The custom op is what torch.compile sees; eager calls skip its dispatch overhead.
+_fold_op = torch.library.custom_op("adahop::fold_mxfp4_to_fp8", _fold_impl, mutates_args=())
+
+
+@_fold_op.register_fake
+def _(codes, scales, elem_scale):
+    rows, kp = codes.shape[0], codes.shape[1] * 2
+    return codes.new_empty(rows, kp, dtype=torch.float8_e4m3fn), codes.new_empty(rows, dtype=torch.float32)
+
+
+def fold_to_fp8_triton(q: MXTensor, *, backend: str = "triton") -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton path of :func:`fold_to_fp8`: one kernel, one read of the packed tensor, one FP8 write."""
+    _check_range(q)
+    kp = q.codes.shape[-1] * 2
+    rows = q.codes.numel() * 2 // kp if kp else 0
+    codes, scales = q.codes.reshape(rows, kp // 2).contiguous(), q.scales.reshape(rows, -1).contiguous()
+    elem = float(torch.tensor(q.elem_scale, dtype=torch.float32))  # the float32 the reference multiplies by
+    op = _fold_op if torch.compiler.is_compiling() else _fold_impl
+    return op(codes, scales, elem)
+
+
+def fold_to_fp8(q: MXTensor, *, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Fold ``q`` into FP8 E4M3 values and one FP32 scale per row, exactly.
 
     Args:
-        q: an :class:`MXTensor` whose finite block exponents lie, in every row, within
-            :data:`FOLD_RANGE` (8) of the row's largest (``quantize_mxfp4(..., max_scale_range=8)``).
-            Blocks further below that hold only zeros are accepted too.
+        q: an :class:`MXTensor` with 32-element blocks whose finite block exponents lie, in every
+            row, within :data:`FOLD_RANGE` (8) of the row's largest
+            (``quantize_mxfp4(..., max_scale_range=8)``). Blocks further below that hold only
+            zeros are accepted too.
+        backend: ``"auto"`` (the Triton kernel on CUDA, else the PyTorch reference),
+            ``"triton"`` or ``"reference"``; the result is the same byte for byte.
 
     Returns:
         ``(fp8, row_scale)``: ``float8_e4m3fn [rows, padded_len]`` with the blocked axis last
@@ -107,38 +188,13 @@ def fold_to_fp8(q: MXTensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     Raises:
         ValueError: a row's exponent range exceeds 8; quantize with ``max_scale_range=8``.
+        RuntimeError: ``backend="triton"`` without Triton or CUDA.
 
     Notes:
         ``q.fp8``, when the fused quantizer set it, holds this same result (`DESIGN.md` §3).
-        This function syncs with the device once (the range check), except under torch.compile.
+        The range check syncs with the device once, unless ``q.scale_range <= 8`` (the
+        quantizer guaranteed it) or under torch.compile.
     """
-    codes = unpack_e2m1(q.codes)  # [*outer, kp]
-    kp, bs = codes.shape[-1], q.block_size
-    rows = codes.numel() // kp if kp else 0
-    codes = codes.reshape(rows, kp // bs, bs)
-    sc = q.scales.reshape(rows, kp // bs)
-    finite = sc != 255
-    e = sc.to(torch.int32) - 127
-    row_e = torch.where(finite, e, torch.full_like(e, -127)).amax(dim=1) if kp else e.new_zeros(rows)
-    shift = row_e[:, None] - e  # each block sits 2^-shift below its row's scale
-    # the range check syncs with the host; inside torch.compile it would split the graph, and the
-    # quantizers that feed this (max_scale_range=8) guarantee the range anyway
-    if not torch.compiler.is_compiling():
-        too_far = finite & (shift > FOLD_RANGE) & ((codes & 7).amax(dim=-1) > 0)
-        if bool(too_far.any()):
-            r = int(too_far.any(dim=1).nonzero()[0, 0])
-            raise ValueError(
-                f"fold_to_fp8: row {r} has block exponents {int(e[r][finite[r]].min())}..{int(row_e[r])}, a range "
-                f"over {FOLD_RANGE}, which FP8 E4M3 cannot hold exactly; quantize with max_scale_range={FOLD_RANGE}"
-            )
-    # One byte gather per element: the FP8 bits of every (shift, code) pair come from a 9×16 table
-    # (exact: q·2^-shift is an E4M3 value for shift in 0..8), instead of a float32 decode pass.
-    shift = torch.where(finite, shift.clamp(max=FOLD_RANGE), torch.zeros_like(shift))
-    idx = shift.unsqueeze(-1) * 16 + codes.to(torch.int32)  # int32 indices: half the bytes of int64
-    bits = _fold_table(codes.device)[idx]
-    bits = torch.where(finite.unsqueeze(-1), bits, _nan_bits(codes.device))
-    fp8 = bits.reshape(rows, kp).view(torch.float8_e4m3fn)
-    row_scale = decode_e8m0((row_e + 127).to(torch.uint8))
-    if q.elem_scale != 1.0:
-        row_scale = row_scale * torch.tensor(q.elem_scale, dtype=torch.float32, device=row_scale.device)
-    return fp8, row_scale
+    be = resolve_backend(backend, q.codes.device)
+    fn = fold_to_fp8_triton if be == "triton" and q.block_size == 32 else fold_to_fp8_reference
+    return fn(q)

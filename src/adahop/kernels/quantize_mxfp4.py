@@ -168,7 +168,7 @@ def iht_quantize_mxfp4_triton(
                                            scale_rule, msr, seed)
     return MXTensor(codes=codes, scales=scales, shape=tuple(x.shape), axis=axis, block_size=32,
                     elem_scale=4.0 / 3.0 if scale_rule == "tseng" else 1.0,
-                    fp8=(fp8, rscale) if 0 <= msr <= 8 else None)
+                    fp8=(fp8, rscale) if 0 <= msr <= 8 else None, scale_range=max_scale_range)
 
 
 def iht_quantize_mxfp4(
