@@ -213,8 +213,13 @@ def multiply(pa: Prepared, pb: Prepared, spec: GemmSpec, *, out_dtype: torch.dty
         return (pa.hp @ pb.hp).to(out_dtype)
     if pa.q is None or pb.q is None or pa.Kc != pb.Kc:
         raise ValueError(f"operands were not prepared for the same GEMM (Kc {pa.Kc} vs {pb.Kc})")
+    # nothing added after the GEMM: it writes out_dtype itself (no FP32 round trip through memory)
+    plain = (spec.outer_a is None and spec.outer_b is None and spec.mean_split == "none"
+             and pa.oe_idx is None and pb.oe_idx is None)
     if isinstance(pa.q, MXTensor) and isinstance(pb.q, MXTensor):
-        c = _kernels().mx_matmul(pa.q, pb.q, out_dtype=torch.float32, backend=backend)
+        c = _kernels().mx_matmul(pa.q, pb.q, out_dtype=out_dtype if plain else torch.float32, backend=backend)
+        if plain:
+            return c
     else:
         c = pa.q.dequantize(torch.float32) @ pb.q.dequantize(torch.float32)
     # undo the outer transforms (HALO): Hadamards without signs are their own inverse
