@@ -99,72 +99,120 @@ def bench_linear(models=("llama3.1-8b",), tokens=(8192, 16384), reps: int = 20) 
     return rows
 
 
+#: How ``bench model`` runs the model: eager, ``torch.compile`` (default mode), and
+#: ``torch.compile(mode="reduce-overhead")``, which replays CUDA graphs and so removes the host
+#: time of the many small launches of a quantized layer.
+COMPILE_MODES = {"eager": None, "compiled": "default", "compiled+cudagraphs": "reduce-overhead"}
+
+
 def bench_model(model: str = "llama3.2-1b", *, recipes=("bf16", "adahop-lv2", "mxfp4"), seq_len: int = 4096, batch: int = 4,
-                layers: int | None = None, steps: int = 6, compile_modes=(False, True)) -> list[dict]:
-    """Training tokens/s (median step time after warm-up) and peak memory, same process for all."""
+                layers: int | None = None, steps: int = 6, modes=("eager", "compiled"), device: str = "cuda") -> list[dict]:
+    """Training tokens/s (median step time after warm-up) and peak memory, same process for all.
+
+    ``modes`` are keys of :data:`COMPILE_MODES`. A row that fails (out of memory, a compile
+    error) is recorded with its error instead of stopping the others.
+
+    Raises:
+        ValueError: an unknown mode.
+    """
+    for mode in modes:
+        if mode not in COMPILE_MODES:
+            raise ValueError(f"bench model: unknown mode {mode!r}; use some of {', '.join(COMPILE_MODES)}")
+    rows = []
+    for mode in modes:
+        for recipe in recipes:
+            try:
+                rows.append(_bench_model_row(model, recipe, mode, seq_len, batch, layers, steps, device))
+            except Exception as e:  # noqa: BLE001 - one failing row must not lose the others
+                rows.append(dict(model=model, layers=layers, recipe=recipe, mode=mode, error=f"{type(e).__name__}: {e}"[:300]))
+            print("row:", json.dumps(rows[-1]), flush=True)  # a run cut short keeps the finished rows
+            torch.compiler.reset()
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    for r in rows:
+        base = next((b.get("tok_per_s") for b in rows if b["recipe"] == "bf16" and b["mode"] == r["mode"]), None)
+        r["vs_bf16"] = r["tok_per_s"] / base if base and "tok_per_s" in r else None
+    return rows
+
+
+def _bench_model_row(model: str, recipe: str, mode: str, seq_len: int, batch: int, layers: int | None, steps: int,
+                     device: str = "cuda") -> dict:
+    import time
+
     import torch.nn.functional as F
 
     from .models import build_model
     from .nn import convert_model, on_step
     from .recipes import get_recipe
 
-    dev = torch.device("cuda")
-    rows = []
-    for compiled in compile_modes:
-        for recipe in recipes:
-            torch.manual_seed(0)
-            m = build_model(model, vocab_size=32768, max_seq_len=seq_len)
-            if layers is not None:
-                m.model.layers = m.model.layers[:layers]
-                m.config.num_hidden_layers = layers
-            m = m.to(dev)
-            r = get_recipe(recipe)
-            if r.calibration is not None:
-                r = dataclasses.replace(r, calibration=dataclasses.replace(r.calibration, steps=2))
-            convert_model(m, r)
-            opt = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True)
-            fwd = torch.compile(m) if compiled else m
-            ids = torch.randint(0, 32768, (batch, seq_len + 1), device=dev)
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    torch.manual_seed(0)
+    m = build_model(model, vocab_size=32768, max_seq_len=seq_len)
+    if layers is not None:
+        m.model.layers = m.model.layers[:layers]
+        m.config.num_hidden_layers = layers
+    m = m.to(dev)
+    r = get_recipe(recipe)
+    if r.calibration is not None:
+        r = dataclasses.replace(r, calibration=dataclasses.replace(r.calibration, steps=2))
+    if not r.is_bf16:  # the BF16 row is the plain transformers model, nn.Linear and all
+        convert_model(m, r)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True)
+    fwd = m if COMPILE_MODES[mode] is None else torch.compile(m, mode=COMPILE_MODES[mode])
+    ids = torch.randint(0, 32768, (batch, seq_len + 1), device=dev)
 
-            def step(i):
-                with torch.autocast("cuda", dtype=torch.bfloat16):
-                    logits = fwd(input_ids=ids[:, :-1]).logits
-                loss = F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                on_step(m, i + 1)
+    def step(i):
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            logits = fwd(input_ids=ids[:, :-1]).logits
+        loss = F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if not r.is_bf16 and on_step(m, i + 1) and fwd is not m:  # as `adahop train`: recompile once with the frozen plan
+            torch.compiler.reset()
 
-            for i in range(4):  # calibration (2 steps) + compile warm-up
-                step(i)
+    for i in range(5):  # calibration (2 steps), the recompile at the plan freeze, CUDA-graph recording
+        step(i)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for i in range(5, 5 + steps):
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            step(i)
+            b.record()
             torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            times = []
-            for i in range(4, 4 + steps):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                step(i)
-                b.record()
-                torch.cuda.synchronize()
-                times.append(a.elapsed_time(b))
-            ms = statistics.median(times)
-            rows.append(dict(model=model, layers=layers or m.config.num_hidden_layers, recipe=recipe, compiled=compiled,
-                             step_ms=ms, tok_per_s=batch * seq_len / ms * 1e3, peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30))
-            del m, opt, fwd
-            torch.cuda.empty_cache()
-    base = {c: next((r["tok_per_s"] for r in rows if r["recipe"] == "bf16" and r["compiled"] == c), None) for c in compile_modes}
-    for r in rows:
-        r["vs_bf16"] = r["tok_per_s"] / base[r["compiled"]] if base[r["compiled"]] else None
-    return rows
+            times.append(a.elapsed_time(b))
+        else:  # the CPU run only checks the harness (tests)
+            t0 = time.perf_counter()
+            step(i)
+            times.append((time.perf_counter() - t0) * 1e3)
+    ms = statistics.median(times)
+    return dict(model=model, layers=layers or m.config.num_hidden_layers, recipe=recipe, mode=mode, step_ms=ms,
+                tok_per_s=batch * seq_len / ms * 1e3,
+                peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
+                strategies=_strategy_counts(m))
+
+
+def _strategy_counts(model: torch.nn.Module) -> str:
+    """How many converted GEMMs run each strategy, e.g. ``"iht 40, bf16 8"`` (what the row measured)."""
+    from collections import Counter
+
+    from .nn import LowPrecisionLinear
+
+    c = Counter(s for m in model.modules() if isinstance(m, LowPrecisionLinear) for s in m.strategies().values())
+    return ", ".join(f"{k} {v}" for k, v in c.most_common())
 
 
 def _print(rows: list[dict]) -> None:
-    if not rows:
-        return
-    keys = list(rows[0])
-    print(" | ".join(keys))
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    if keys:
+        print(" | ".join(keys))
     for r in rows:
-        print(" | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in r.values()))
+        print(" | ".join(f"{r[k]:.3f}" if isinstance(r.get(k), float) else str(r.get(k, "")) for k in keys))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -182,7 +230,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     mod.add_argument("--seq-len", type=int, default=4096)
     mod.add_argument("--batch-size", type=int, default=4)
     mod.add_argument("--steps", type=int, default=6)
-    mod.add_argument("--no-compile", action="store_true", help="eager only")
+    mod.add_argument("--modes", default="eager,compiled", help=f"comma-separated, of {', '.join(COMPILE_MODES)}")
     mod.add_argument("--json", help="write the rows here")
 
 
@@ -194,7 +242,7 @@ def run(args) -> None:
         rows = bench_linear(tuple(args.shapes.split(",")), tuple(int(t) for t in args.tokens.split(",")), args.reps)
     else:
         rows = bench_model(args.model, recipes=tuple(args.recipes.split(",")), seq_len=args.seq_len, batch=args.batch_size,
-                           layers=args.layers, steps=args.steps, compile_modes=(False,) if args.no_compile else (False, True))
+                           layers=args.layers, steps=args.steps, modes=tuple(args.modes.split(",")))
     _print(rows)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -1,0 +1,28 @@
+"""`adahop bench model` harness on the CPU: the rows, the ratios, the strategy counts (the GPU
+timings themselves live in docs/benchmarks.md, never in tests)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from adahop.bench import bench_model
+
+
+def test_bench_model_rows_on_cpu():
+    rows = bench_model("llama-tiny", recipes=("bf16", "adahop-lv2", "nope"), seq_len=32, batch=2, steps=1,
+                       modes=("eager",), device="cpu")
+    assert [r["recipe"] for r in rows] == ["bf16", "adahop-lv2", "nope"]
+    bf16, lv2, bad = rows
+    assert bf16["vs_bf16"] == 1.0 and bf16["strategies"] == ""  # plain nn.Linear: nothing converted
+    assert lv2["tok_per_s"] > 0 and math.isclose(lv2["vs_bf16"], lv2["tok_per_s"] / bf16["tok_per_s"])
+    # 2 calibration steps, then the frozen plan: every GEMM of the 14 linears got a strategy
+    counts = dict(part.rsplit(" ", 1) for part in lv2["strategies"].split(", "))
+    assert sum(int(v) for v in counts.values()) == 42 and "calibrating" not in counts
+    assert "error" in bad and "nope" in bad["error"] and bad["vs_bf16"] is None  # recorded, not raised
+
+
+def test_bench_model_rejects_unknown_mode():
+    with pytest.raises(ValueError, match="unknown mode"):
+        bench_model("llama-tiny", modes=("fast",), device="cpu")
