@@ -82,7 +82,9 @@ def train(cfg: TrainConfig, *, rank: int = 0, world: int = 1) -> dict:
     reset_peak_memory(device)
     # ---- TRAINING SECTION ----------------------------------------------------------------------
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, disable=not is_main, dynamic_ncols=True)
-    clock, timed_tokens, last_good = 0.0, 0, start
+    # tokens/s is the steady state: the clock starts 2 steps after the start and again 2 steps after
+    # an AdaHOP plan freezes (kernels compiling, a torch.compile recompile, caches filling)
+    clock, timed_tokens, last_good, warm_from = 0.0, 0, start, start + 2
     for step in bar:
         t0 = time.perf_counter()
         lr = lr_at(cfg, step)
@@ -101,6 +103,7 @@ def train(cfg: TrainConfig, *, rank: int = 0, world: int = 1) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
         if on_step(model, step + 1):  # every rank freezes the same plan (dp.agree_on_plan)
+            clock, timed_tokens, warm_from = 0.0, 0, step + 3
             if is_main:
                 get_controller(model).plan.save(run / "plan.json")
             if cfg.compile:  # recompile once, with the frozen plan, as whole graphs
@@ -108,8 +111,9 @@ def train(cfg: TrainConfig, *, rank: int = 0, world: int = 1) -> dict:
         bad |= ~torch.isfinite(loss_sum)  # checked on the device; synced only at log/checkpoint time
         if device.type == "cuda":
             torch.cuda.synchronize()
-        if step >= start + 2:  # the clock skips warm-up steps (kernels compiling, caches filling)
-            clock += time.perf_counter() - t0
+        step_s = time.perf_counter() - t0
+        if step >= warm_from:
+            clock += step_s
             timed_tokens += tokens_per_step
         done = step + 1
         last = done == cfg.steps
@@ -121,7 +125,8 @@ def train(cfg: TrainConfig, *, rank: int = 0, world: int = 1) -> dict:
                                f"(step {last_good}) is kept in {run / 'checkpoints'}. Lower --lr or use a safer recipe.")
             tps = timed_tokens / clock if clock else 0.0
             loss_val = dp.mean_over_ranks(loss_sum).item()
-            metrics.log(step=done, loss=loss_val, lr=lr, grad_norm=float(gnorm), tokens=done * tokens_per_step, tok_per_s=tps)
+            metrics.log(step=done, loss=loss_val, lr=lr, grad_norm=float(gnorm), tokens=done * tokens_per_step, tok_per_s=tps,
+                        step_s=step_s)
             bar.set_postfix(loss=f"{loss_val:.3f}", tok_s=f"{tps:,.0f}")
         if cfg.eval_every and (done % cfg.eval_every == 0 or last):
             vl = dp.mean_over_ranks(evaluate(model, val_s, device, autocast, cfg.eval_batches)[0])
