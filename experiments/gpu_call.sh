@@ -1,27 +1,58 @@
 #!/usr/bin/env bash
-# One device command of this session's GPU work (see docs/benchmarks.md and docs/results.md).
-# Usage on the device machine: bash experiments/gpu_call.sh STAGE   (STAGE = 1 or 2)
+# One device command of the GPU work on a 2-GPU H200 machine (nvidia-h200-x2); docs/benchmarks.md
+# and docs/results.md say what each stage produced.
+# Usage on the device machine, from the repo root:  bash experiments/gpu_call.sh STAGE [JOBS]
+#   a: GPU 0: kernel validation, bench linear, bench model (Llama-3.2-1B), then quality runs;
+#      GPU 1: quality runs (one shared job list, experiments/quality/run.py --jobs)
+#   b: both GPUs: the FSDP2 scaling runs (experiments/scaling/run.sh); then GPU 0: bench model
+#      (4 blocks of Llama-3.1-8B); GPU 1: llama-125m adahop-lv2 compiled vs eager, then quality runs
+# JOBS: the quality runs still to do, RECIPE:SEED,... (default: this session's list).
+# Needs .carry/{corpus_main.txt.xz,gpt2.tiktoken} and .whl/zstandard-*.whl (carried).
 set -u
-STAGE=${1:-1}
+STAGE=${1:-a}
+JOBS=${2:-bf16:1,adahop-lv2:1,nvfp4:0,averis:0,quartet:0,halo-2:0,tseng:0,averis-mxfp4:0}
 T0=$(date +%s)
+el() { echo $(( $(date +%s) - T0 )); }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 ADAHOP_CACHE=/tmp/adahop_cache
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
-el() { echo $(( $(date +%s) - T0 )); }
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())"
 python3 -m adahop data prepare --source .carry/corpus_main.txt.xz --tokenizer tiktoken:.carry/gpt2.tiktoken --out /tmp/main > $OUT/prepare.log 2>&1
 tail -1 $OUT/prepare.log; echo "data ready at $(el) s"
-if [ "$STAGE" = 1 ]; then
-  timeout 120 python3 scripts/gpu_smoke.py 2>&1 | tee $OUT/smoke.log | grep -v Warning
-  echo "smoke done at $(el) s"
-  timeout 120 python3 -m adahop bench linear --shapes llama3.1-8b --tokens 8192 --reps 20 --json $OUT/bench_linear.json 2>&1 | tail -22
+# quality runs from the shared list on one GPU, starting none after second $2 of this command
+quality() { CUDA_VISIBLE_DEVICES=$1 python3 experiments/quality/run.py --data /tmp/main --out /tmp/q --steps 120 --eval-every 40 \
+              --jobs "$JOBS" --budget-s $(( $2 - $(el) )) >> $OUT/quality_gpu$1.log 2>&1; }
+
+if [ "$STAGE" = a ]; then
+  quality 1 400 &
+  Q1=$!
+  export CUDA_VISIBLE_DEVICES=0
+  timeout 150 python3 scripts/validate_kernels.py --log $OUT/validate.json > $OUT/validate.log 2>&1; tail -1 $OUT/validate.log
+  grep -E "^FAIL|^PASS  fold" $OUT/validate.log; echo "validate done at $(el) s"
+  timeout 120 python3 -m adahop bench linear --shapes llama3.1-8b --tokens 8192 --reps 20 --json $OUT/bench_linear.json 2>&1 | tail -21
   echo "bench linear done at $(el) s"
-  python3 experiments/quality/run.py --data /tmp/main --out /tmp/q --steps 120 --eval-every 40 --budget-s $(( 470 - $(el) )) 2>&1 | grep -E "exit|budget" 
+  timeout $(( 520 - $(el) )) python3 -m adahop bench model --model llama3.2-1b --recipes bf16,adahop-lv2 --seq-len 4096 --batch-size 4 \
+    --modes eager,compiled --json $OUT/bench_model_1b.json > $OUT/bench_model_1b.log 2>&1
+  grep -E "^row:|\|" $OUT/bench_model_1b.log | tail -8; echo "bench model done at $(el) s"
+  quality 0 400
+  wait $Q1
 else
-  timeout 120 python3 -m adahop analyze --model llama-125m --data /tmp/main --steps 300 --record-every 10 --seq-len 512 --batch-size 8 --gain-layers 12 --out /tmp/an125 > $OUT/analyze.log 2>&1; tail -3 $OUT/analyze.log
-  tar czf $OUT/analysis.tgz -C /tmp an125 2>/dev/null
-  echo "analyze done at $(el) s"
-  python3 experiments/quality/run.py --data /tmp/main --out /tmp/q --steps 120 --eval-every 40 --recipes "${RECIPES:-tseng,nvfp4}" --second-seed "" --budget-s $(( 200 - $(el) )) 2>&1 | grep -E "exit|budget"
+  OUT=$OUT BUDGET_S=300 bash experiments/scaling/run.sh /tmp/main /tmp/scaling 2>&1 | grep -v -i warn | tail -60
+  echo "scaling done at $(el) s"
+  ( export CUDA_VISIBLE_DEVICES=1
+    C="python3 -m adahop train --model llama-125m --recipe adahop-lv2 --data /tmp/main --seq-len 512 --batch-size 32 --steps 60 --calib-steps 10 --eval-every 0 --ckpt-every 0 --log-every 1"
+    TORCH_LOGS=graph_breaks,recompiles timeout 150 $C --compile --out /tmp/c125/compiled > $OUT/c125_compiled.log 2>&1
+    timeout 90 $C --out /tmp/c125/eager > $OUT/c125_eager.log 2>&1
+    tar czf $OUT/c125.tgz --exclude=checkpoints --exclude='*.safetensors' --exclude='tokenizer*' -C /tmp c125
+    quality 1 430 ) &
+  G1=$!
+  export CUDA_VISIBLE_DEVICES=0
+  timeout $(( 570 - $(el) )) python3 -m adahop bench model --model llama3.1-8b --layers 4 --recipes bf16,adahop-lv2 --seq-len 4096 \
+    --batch-size 2 --modes eager,compiled --json $OUT/bench_model_8b4.json > $OUT/bench_model_8b4.log 2>&1
+  grep -E "^row:|\|" $OUT/bench_model_8b4.log | tail -8; echo "bench model 8b done at $(el) s"
+  wait $G1; grep -c -i "graph break" $OUT/c125_compiled.log
 fi
-tar czf $OUT/quality$STAGE.tgz --exclude=checkpoints --exclude='*.safetensors' --exclude='tokenizer*' -C /tmp q 2>/dev/null
+grep -hE "exit|budget" $OUT/quality_gpu*.log 2>/dev/null
+tar czf $OUT/quality_$STAGE.tgz --exclude=checkpoints --exclude='*.safetensors' --exclude='tokenizer*' -C /tmp q 2>/dev/null
 echo "stage $STAGE done at $(el) s"

@@ -11,6 +11,7 @@ summary.json are skipped, so the launcher can be re-run in pieces (one device co
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
@@ -31,11 +32,15 @@ def main() -> int:
     ap.add_argument("--second-seed", default="bf16,adahop-lv2", help="recipes that also run seed 1")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--eval-every", type=int, default=50)
+    ap.add_argument("--jobs", help="explicit RECIPE:SEED list (overrides --recipes and --second-seed), in order")
     ap.add_argument("--budget-s", type=float, default=None, help="start no new run after this many seconds")
     args = ap.parse_args()
     t_start = time.time()
     jobs = [(r, 0) for r in args.recipes.split(",") if r]
     jobs += [(r, 1) for r in args.second_seed.split(",") if r and r in args.recipes.split(",")]
+    if args.jobs:
+        jobs = [(j.split(":")[0], int(j.split(":")[1])) for j in args.jobs.split(",") if j]
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     for recipe, seed in jobs:
         out = Path(args.out) / f"{recipe}-s{seed}"
         if (out / "summary.json").exists():
@@ -43,13 +48,17 @@ def main() -> int:
         if args.budget_s is not None and time.time() - t_start > args.budget_s:
             print(f"budget spent: {recipe} seed {seed} not started", flush=True)
             continue
+        try:  # claim the job, so that launchers on several GPUs can share one list
+            os.close(os.open(Path(args.out) / f".claim-{recipe}-s{seed}", os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            continue
         flags = [f"--{k.replace('_', '-')}={v}" for k, v in SETTINGS.items()]
         cmd = [sys.executable, "-m", "adahop", "train", "--recipe", recipe, "--seed", str(seed), "--data", args.data,
                "--out", str(out), "--steps", str(args.steps), "--eval-every", str(args.eval_every),
                "--ckpt-every", "0", "--keep-ckpts", "1", *flags]
         t = time.time()
         rc = subprocess.run(cmd).returncode
-        print(f"{recipe} seed {seed}: exit {rc}, {time.time() - t:.0f} s", flush=True)
+        print(f"{recipe} seed {seed}: exit {rc}, {time.time() - t:.0f} s (GPU {os.environ.get('CUDA_VISIBLE_DEVICES', '-')})", flush=True)
     return 0
 
 
