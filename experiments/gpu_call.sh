@@ -4,8 +4,8 @@
 # Usage on the device machine, from the repo root:  bash experiments/gpu_call.sh STAGE [JOBS]
 #   a: GPU 0: kernel validation, bench linear, bench model (Llama-3.2-1B), then quality runs;
 #      GPU 1: quality runs (one shared job list, experiments/quality/run.py --jobs)
-#   b: GPU 0: gradient check of the SR recipes, bench model (4 blocks of Llama-3.1-8B);
-#      GPU 1: llama-125m adahop-lv2 compiled vs eager; then both GPUs: the FSDP2 scaling runs
+#   b: gradient check of the SR recipes, llama-125m adahop-lv2 compiled vs eager, bench model
+#      (4 blocks of Llama-3.1-8B); with two GPUs also the FSDP2 scaling runs
 # JOBS: the quality runs still to do, RECIPE:SEED,... (default: this session's list).
 # Needs .carry/{corpus_main.txt.xz,gpt2.tiktoken} and .whl/zstandard-*.whl (carried).
 set -u
@@ -37,21 +37,22 @@ if [ "$STAGE" = a ]; then
   grep -E "^row:|\|" $OUT/bench_model_1b.log | tail -8; echo "bench model done at $(el) s"
   quality 0 400
   wait $Q1
-elif [ "$STAGE" = b ]; then
-  ( export CUDA_VISIBLE_DEVICES=1
-    C="python3 -m adahop train --model llama-125m --recipe adahop-lv2 --data /tmp/main --seq-len 512 --batch-size 32 --steps 60 --calib-steps 10 --eval-every 0 --ckpt-every 0 --log-every 1"
-    TORCH_LOGS=graph_breaks,recompiles timeout 150 $C --compile --out /tmp/c125/compiled > $OUT/c125_compiled.log 2>&1
-    timeout 80 $C --out /tmp/c125/eager > $OUT/c125_eager.log 2>&1
-    tar czf $OUT/c125.tgz --exclude=checkpoints --exclude='*.safetensors' --exclude='tokenizer*' -C /tmp c125 ) &
-  G1=$!
-  ( export CUDA_VISIBLE_DEVICES=0
-    timeout 60 python3 scripts/grad_check.py --recipes mxfp4-had,quartet,tseng --tokens 16384 --k 512 --n 1344 > $OUT/grad_check.log 2>&1
-    timeout 200 python3 -m adahop bench model --model llama3.1-8b --layers 4 --recipes bf16,adahop-lv2 --seq-len 4096 \
-      --batch-size 2 --modes eager,compiled+cudagraphs --json $OUT/bench_model_8b4.json > $OUT/bench_model_8b4.log 2>&1 )
-  cat $OUT/grad_check.log; grep -E "^row:|\|" $OUT/bench_model_8b4.log | tail -6; echo "bench model 8b done at $(el) s"
-  wait $G1; grep -c -i "graph break" $OUT/c125_compiled.log; grep -h "tokens/s" $OUT/c125_*.log | tail -2; echo "c125 done at $(el) s"
-  OUT=$OUT BUDGET_S=230 PLAIN="" bash experiments/scaling/run.sh /tmp/main /tmp/scaling 2>&1 | grep -v -i warn | tail -40
-  echo "scaling done at $(el) s"
+elif [ "$STAGE" = b ]; then  # one GPU is enough; the scaling runs need two
+  export CUDA_VISIBLE_DEVICES=0
+  timeout 60 python3 scripts/grad_check.py --recipes mxfp4-had,quartet,tseng --tokens 16384 --k 512 --n 1344 > $OUT/grad_check.log 2>&1
+  cat $OUT/grad_check.log; echo "grad check done at $(el) s"
+  C="python3 -m adahop train --model llama-125m --recipe adahop-lv2 --data /tmp/main --seq-len 512 --batch-size 32 --steps 60 --calib-steps 10 --eval-every 0 --ckpt-every 0 --log-every 1"
+  TORCH_LOGS=graph_breaks,recompiles timeout 150 $C --compile --out /tmp/c125/compiled > $OUT/c125_compiled.log 2>&1
+  timeout 70 $C --out /tmp/c125/eager > $OUT/c125_eager.log 2>&1
+  tar czf $OUT/c125.tgz --exclude=checkpoints --exclude='*.safetensors' --exclude='tokenizer*' -C /tmp c125
+  grep -c -i "graph break" $OUT/c125_compiled.log; echo "c125 done at $(el) s"
+  timeout $(( 585 - $(el) )) python3 -m adahop bench model --model llama3.1-8b --layers 4 --recipes bf16,adahop-lv2 --seq-len 4096 \
+    --batch-size 2 --modes eager,compiled+cudagraphs --json $OUT/bench_model_8b4.json > $OUT/bench_model_8b4.log 2>&1
+  grep -E "^row:|\|" $OUT/bench_model_8b4.log | tail -6; echo "bench model 8b done at $(el) s"
+  if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+    unset CUDA_VISIBLE_DEVICES
+    OUT=$OUT BUDGET_S=230 PLAIN="" bash experiments/scaling/run.sh /tmp/main /tmp/scaling 2>&1 | grep -v -i warn | tail -40
+  fi
 fi
 grep -hE "exit|budget" $OUT/quality_gpu*.log 2>/dev/null
 tar czf $OUT/quality_$STAGE.tgz --exclude=checkpoints --exclude='*.safetensors' --exclude='tokenizer*' -C /tmp q 2>/dev/null
