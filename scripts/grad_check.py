@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from adahop.nn import convert_model, get_controller
 
 
-def grads(recipe: str | None, backend: str, t: int, k: int, n: int, dev: str):
+def grads(recipe: str | None, backend: str, t: int, k: int, n: int, dev: str, dy_scale: float = 1.0):
     torch.manual_seed(0)
     lin = torch.nn.Sequential(torch.nn.Linear(k, n, bias=False, device=dev))
     if recipe is not None:
@@ -34,7 +34,7 @@ def grads(recipe: str | None, backend: str, t: int, k: int, n: int, dev: str):
             lin.zero_grad()
     g = torch.Generator(device="cpu").manual_seed(1)
     x = (torch.randn(t, k, generator=g) * torch.linspace(0.1, 4, k)).to(dev).requires_grad_()  # channel spread
-    dy = torch.randn(t, n, generator=g).to(dev)
+    dy = (torch.randn(t, n, generator=g) * dy_scale).to(dev)
     with torch.autocast(dev, dtype=torch.bfloat16):
         y = lin(x)
     y.backward(dy)
@@ -48,12 +48,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--k", type=int, default=512)
     ap.add_argument("--n", type=int, default=1344)
+    ap.add_argument("--dy-scale", type=float, default=1.0, help="size of the output gradient (training: ~1e-6)")
     args = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    ex, ew = grads(None, "reference", args.tokens, args.k, args.n, dev)
+    ex, ew = grads(None, "reference", args.tokens, args.k, args.n, dev, args.dy_scale)
     for recipe in args.recipes.split(","):
         for be in args.backends.split(","):
-            dx, dw = grads(recipe, be, args.tokens, args.k, args.n, dev)
+            dx, dw = grads(recipe, be, args.tokens, args.k, args.n, dev, args.dy_scale)
             cells = []
             for name, a, b in (("dX", dx, ex), ("dW", dw, ew)):
                 cos = F.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0).item()
