@@ -303,6 +303,12 @@ def _launch_config(rows, kc, stride_r, stride_k, elem_size, hb, has_signs, stoch
     p = dict(plan_items) if plan_items else default_plan(rows, kp, stride_r, stride_k, elem_size)
     row_max, write_fp8 = msr >= 0, 0 <= msr <= 8
     br, bk = p["BR"], max(p["BK"], hb, 32)
+    if p["mode"] == "rows" and hb > 32 and bk < 256 and not plan_items:
+        # Compiled for sm_90 (Triton 3.6), the [64, 4, 32] tile of kp=128 with a 64-block Hadamard
+        # gave wrong codes (the interpreter's were right): run such rows in the [32, 8, 32] tile,
+        # masked, the configuration validated on the H200 (docs/kernels_notes.md).
+        br, bk = 32, 256
+        p = dict(p, num_warps=8)
     if p["mode"] == "rows":
         nchunk = p["NCHUNK"] if bk == p["BK"] else -(-kp // bk)
         n_kt, row_src = 1, (1 if row_max else 0)
