@@ -69,26 +69,31 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
     return "triton"
 
 
-def _fold_table(device) -> torch.Tensor:
+def _make_fold_table() -> torch.Tensor:
     """uint8 [(FOLD_RANGE + 1) * 16]: the E4M3 bits of ``decode_e2m1(code) · 2^-shift`` at
-    ``shift * 16 + code``."""
-    key = ("table", str(device))
+    ``shift * 16 + code``; the last entry is the E4M3 NaN (0x7F)."""
+    codes = torch.arange(16, dtype=torch.uint8)
+    shifts = torch.arange(FOLD_RANGE + 1, dtype=torch.float32)
+    vals = decode_e2m1(codes)[None, :] * torch.exp2(-shifts)[:, None]
+    bits = vals.to(torch.float8_e4m3fn).view(torch.uint8).flatten()
+    return torch.cat((bits, torch.tensor([float("nan")]).to(torch.float8_e4m3fn).view(torch.uint8)))
+
+
+_TABLE = _make_fold_table()  # built once, on the CPU, at import
+
+
+def _fold_table(device) -> torch.Tensor:
+    """:data:`_TABLE` on ``device`` (cached per device, except inside torch.compile, where a cache
+    write would be a side effect the compiled autograd.Function cannot hold)."""
+    if torch.compiler.is_compiling():
+        return _TABLE.to(device)
+    key = str(device)
     if key not in _CACHE:
-        codes = torch.arange(16, dtype=torch.uint8)
-        shifts = torch.arange(FOLD_RANGE + 1, dtype=torch.float32)
-        vals = decode_e2m1(codes)[None, :] * torch.exp2(-shifts)[:, None]
-        _CACHE[key] = vals.to(torch.float8_e4m3fn).view(torch.uint8).flatten().to(device)
+        _CACHE[key] = _TABLE.to(device)
     return _CACHE[key]
 
 
-def _nan_bits(device) -> torch.Tensor:
-    key = ("nan", str(device))
-    if key not in _CACHE:
-        _CACHE[key] = torch.tensor(float("nan")).to(torch.float8_e4m3fn).view(torch.uint8).to(device)
-    return _CACHE[key]
-
-
-_CACHE: dict[tuple[str, str], torch.Tensor] = {}
+_CACHE: dict[str, torch.Tensor] = {}
 
 
 def _check_range(q: MXTensor) -> None:
@@ -132,13 +137,18 @@ def fold_to_fp8_reference(q: MXTensor, *, backend: str = "reference") -> tuple[t
     # (exact: q·2^-shift is an E4M3 value for shift in 0..8; blocks further down hold only zeros).
     shift = torch.where(finite, (row_e[:, None] - e).clamp(max=FOLD_RANGE), torch.zeros_like(e))
     idx = shift.unsqueeze(-1) * 16 + codes.to(torch.int32)  # int32 indices: half the bytes of int64
-    bits = _fold_table(codes.device)[idx]
-    bits = torch.where(finite.unsqueeze(-1), bits, _nan_bits(codes.device))
+    table = _fold_table(codes.device)
+    bits = torch.where(finite.unsqueeze(-1), table[idx], table[-1])
     fp8 = bits.reshape(rows, kp).view(torch.float8_e4m3fn)
     row_scale = decode_e8m0((row_e + 127).to(torch.uint8))
     if q.elem_scale != 1.0:
         row_scale = row_scale * torch.tensor(q.elem_scale, dtype=torch.float32, device=row_scale.device)
     return fp8, row_scale
+
+
+#: float32 values of the element scales the quantizers write (1, and 4/3 for the tseng rule), as
+#: Python floats: computing them inside a compiled region would be a graph break.
+_F32_ELEM = {1.0: 1.0, 4.0 / 3.0: float(torch.tensor(4.0 / 3.0, dtype=torch.float32))}
 
 
 def _fold_impl(codes: torch.Tensor, scales: torch.Tensor, elem_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,7 +173,9 @@ def fold_to_fp8_triton(q: MXTensor, *, backend: str = "triton") -> tuple[torch.T
     kp = q.codes.shape[-1] * 2
     rows = q.codes.numel() * 2 // kp if kp else 0
     codes, scales = q.codes.reshape(rows, kp // 2).contiguous(), q.scales.reshape(rows, -1).contiguous()
-    elem = float(torch.tensor(q.elem_scale, dtype=torch.float32))  # the float32 the reference multiplies by
+    elem = _F32_ELEM.get(q.elem_scale)  # the float32 the reference multiplies by: a constant for torch.compile
+    if elem is None:
+        elem = float(torch.tensor(q.elem_scale, dtype=torch.float32))
     op = _fold_op if torch.compiler.is_compiling() else _fold_impl
     return op(codes, scales, elem)
 

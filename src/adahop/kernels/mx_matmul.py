@@ -102,8 +102,8 @@ def mx_matmul_fp8(qa: MXTensor, qb: MXTensor, *, out_dtype: torch.dtype = torch.
                   backend: str = "triton") -> torch.Tensor:
     """FP8 fast path of :func:`mx_matmul`: fold (or reuse ``q.fp8``), then one row-wise-scaled FP8 GEMM."""
     check_mm_layout(qa, qb)
-    fa, sa = qa.fp8 if qa.fp8 is not None else fold_to_fp8(qa)  # [M, Kp], [M]
-    fb, sb = qb.fp8 if qb.fp8 is not None else fold_to_fp8(qb)  # [N, Kp], [N]
+    fa, sa = qa.fp8 if qa.fp8 is not None else fold_to_fp8(qa, backend=backend)  # [M, Kp], [M]
+    fb, sb = qb.fp8 if qb.fp8 is not None else fold_to_fp8(qb, backend=backend)  # [N, Kp], [N]
     op = _fp8_rowwise_mm if torch.compiler.is_compiling() else _fp8_rowwise_mm_impl
     return op(fa, sa, fb, sb, out_dtype)
 
