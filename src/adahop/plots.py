@@ -33,29 +33,38 @@ def plot_run(records: list[dict], path: Path, *, title: str) -> None:
     plt.close(fig)
 
 
-def plot_compare(runs: dict[str, list[dict]], out_dir: Path, *, baseline: str = "bf16", title: str = "") -> list[Path]:
-    """Write ``loss_curves.png`` (train loss of every recipe) and, when ``baseline`` is present,
-    ``loss_diff.png`` (each recipe's train loss minus the baseline's at the same steps)."""
+def plot_compare(runs: dict[str, list[dict]], out_dir: Path, *, baseline: str | dict[str, str] = "bf16",
+                 title: str = "") -> list[Path]:
+    """Write ``loss_curves.png`` (train loss of every recipe) and, when the baseline is present,
+    ``loss_diff.png`` (each run's train loss minus its baseline's at the same steps).
+
+    ``baseline`` is one run name for all, or a mapping from run name to the name of its own
+    baseline (e.g. the BF16 run of the same seed); runs without one are left out of the diff."""
     out_dir = Path(out_dir)
     curves = {name: _series(recs, "loss") for name, recs in runs.items()}
     paths = [_line_plot(curves, out_dir / "loss_curves.png", ylabel="training loss (nats/token)",
                         title=title or "loss curves")]
-    if baseline in curves:
-        base = dict(zip(*curves[baseline]))
-        diffs = {}
-        for name, (s, v) in curves.items():
-            if name != baseline:
-                pts = [(st, val - base[st]) for st, val in zip(s, v) if st in base]
-                diffs[name] = ([p[0] for p in pts], [p[1] for p in pts])
-        paths.append(_line_plot(diffs, out_dir / "loss_diff.png", ylabel=f"training loss − {baseline} loss",
-                                title=f"loss difference to {baseline}", zero_line=True))
+    pairs = baseline if isinstance(baseline, dict) else {n: baseline for n in curves}
+    diffs = {}
+    for name, (s, v) in curves.items():
+        ref = pairs.get(name)
+        if ref is None or ref == name or ref not in curves:
+            continue
+        base = dict(zip(*curves[ref]))
+        pts = [(st, val - base[st]) for st, val in zip(s, v) if st in base]
+        label = name if isinstance(baseline, str) else f"{name} − {ref}"
+        diffs[label] = ([p[0] for p in pts], [p[1] for p in pts])
+    if diffs:
+        what = baseline if isinstance(baseline, str) else "BF16 (same seed)"
+        paths.append(_line_plot(diffs, out_dir / "loss_diff.png", ylabel=f"training loss − {what} loss",
+                                title=f"loss difference to {what}", zero_line=True))
     return paths
 
 
 def _line_plot(curves: dict[str, tuple[list, list]], path: Path, *, ylabel: str, title: str, zero_line: bool = False) -> Path:
     fig, ax = plt.subplots(figsize=(8, 4.8))
-    for name, (s, v) in curves.items():
-        ax.plot(s, v, label=name, lw=1.2)
+    for i, (name, (s, v)) in enumerate(curves.items()):
+        ax.plot(s, v, label=name, lw=1.2, ls=("-", "--", ":")[i // 10 % 3])  # the 10 colours repeat: vary the line
     if zero_line:
         ax.axhline(0, color="k", lw=0.8)
     ax.set(xlabel="optimizer step", ylabel=ylabel, title=title)
