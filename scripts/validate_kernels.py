@@ -14,6 +14,8 @@ Checks, each printed as PASS/FAIL with its numbers:
   error ≤ 1e-5 of ‖|A|·|B|‖ (the scale of FP32-accumulation rounding) and ≤ 5e-5 of ‖A·B‖ for
   fp32 output (Hopper's FP8 MMA accumulates below FP32 inside each instruction: see
   docs/kernels_notes.md), also through ``fold_to_fp8`` (no fp8 cache) and for ragged M/N;
+- a sweep of contracted lengths 32…2048 × Hadamard blocks (none, 16…256) × both axes, which
+  covers every tile plan of the quantizer (a [64, 4, 32] tile once compiled wrong on sm_90);
 - ``fold_to_fp8`` (Triton, the backward's unpack of saved packed MXFP4) vs the reference fold,
   byte for byte, with its time;
 - ``torch.compile(fullgraph=True)`` of quantize + GEMM equals eager.
@@ -230,6 +232,16 @@ def main() -> int:
         check_quantize(f"4096x2048 ax0 bf16 rule={rule}", mk((4096, 2048)), 0, rule=rule)
     check_quantize("4096x4096 ax1 bf16 max_scale_range=None", mk((4096, 4096), special=True), 1, msr=None)
     check_quantize("4096x4096 ax0 bf16 max_scale_range=None", mk((4096, 4096), special=True), 0, msr=None)
+    # --- every tile plan: contracted length × Hadamard block (a [64, 4, 32] tile once compiled wrong) --
+    for kc in (32, 64, 96, 128, 160, 256, 512, 1024, 2048):
+        for hb in (None, 16, 32, 64, 128, 256):
+            if hb is not None and (hb > kc or kc % hb):
+                continue
+            signs = None if hb is None else (torch.randint(0, 2, (hb,), device=dev, generator=gen).float() * 2 - 1)
+            for axis in (1, 0):
+                rows = 4096 if s else 64  # the contracted length is kept as is, also with --small
+                x = make_input((rows, kc) if axis == 1 else (kc, rows), bf, dev, gen)
+                check_quantize(f"sweep kc={kc} ax{axis} hb{hb} signs", x, axis, hb=hb, signs=signs, rule="tseng")
     # --- the fold of saved packed MXFP4 (backward) --------------------------------------------------
     check_fold("X 8192x4096 ax0 (saved for wgrad)", mk((8192, 4096)), 0)
     check_fold("W 14336x4096 ax0 (saved for dgrad)", mk((14336, 4096)), 0)
