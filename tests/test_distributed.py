@@ -151,6 +151,26 @@ def test_every_rank_freezes_the_same_plan(runs, parallel):
     r0, r1 = (json.loads((runs / f"{parallel}-adahop-lv2" / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0["plan"] == r1["plan"] and len(r0["plan"]["layers"]) == 14  # 2 blocks x 7 linears
     assert r0["plan"] == json.loads((runs / f"{parallel}-adahop-lv2" / "plan.json").read_text())
+    summary = json.loads((runs / f"{parallel}-adahop-lv2" / "summary.json").read_text())
+    assert summary["plan_checked_on_ranks"] == 2 and summary["world_size"] == 2  # train's own check ran
+    assert len(summary["peak_memory_bytes_per_rank"]) == 2
+
+
+def test_a_rank_with_another_plan_stops_the_run(monkeypatch):
+    from adahop.nn import convert_model, get_controller
+    from adahop.patterns import Plan
+    from adahop.train import distributed as dp
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    convert_model(model, "adahop-lv2")
+    get_controller(model).set_plan(Plan.from_patterns({"0": {"x": "C", "w": "N", "dy": "N"}, "1": {"x": "C", "w": "N", "dy": "N"}}))
+    other = Plan.from_patterns({"0": {"x": "C", "w": "N", "dy": "N"}, "1": {"x": "R", "w": "N", "dy": "C"}}).to_json()
+    monkeypatch.setattr(dp, "_active", lambda: True)
+    monkeypatch.setattr(dp, "_gather", lambda obj: [obj, obj])  # two ranks, same plan: fine
+    assert dp.check_same_plan(model) == 2
+    monkeypatch.setattr(dp, "_gather", lambda obj: [obj, other])
+    with pytest.raises(RuntimeError, match=r"rank 1 froze a different AdaHOP plan .*\['1'\].*--plan"):
+        dp.check_same_plan(model)
 
 
 def test_fsdp_linear_sees_the_full_weight(runs):

@@ -4,8 +4,9 @@
 
 RUNS holds one folder per run, named RECIPE-Ngpu (torchrun --nproc-per-node N, --parallel fsdp) or
 RECIPE-1gpu-plain (one process, --parallel none), each with adahop's config.json, metrics.jsonl,
-summary.json, plan.json, and ranks/ (plan.rankR.json, summary.rankR.json: written by
-train_ranks.py); plus times.tsv and logs/ from run.sh. It prints
+summary.json (with ``plan_checked_on_ranks`` and ``peak_memory_bytes_per_rank``), plan.json, and
+optionally ranks/ (plan.rankR.json, summary.rankR.json, from a wrapper of one's own); plus
+times.tsv and logs/ from run.sh. It prints
 
 (a) loss equality: per recipe, the N-GPU losses against the 1-GPU losses, step by step;
     whether every rank froze the same plan;
@@ -229,8 +230,10 @@ def main() -> None:
                                  else f"**no**: layers differing from rank 0: " + ", ".join(f"rank {k}: {plan_diff(first, q)}" for k, q in plans.items() if k))
                 elif plans:
                     same_plan = f"unknown: plan files of ranks {sorted(plans)} only"
+                elif multi.summary.get("plan_checked_on_ranks"):  # adahop train's own all-gather check
+                    same_plan = f"yes ({multi.summary['plan_checked_on_ranks']} ranks, checked by adahop train)"
                 else:
-                    same_plan = "not checked (no ranks/plan.rank*.json: run through train_ranks.py)"
+                    same_plan = "not checked (no ranks/plan.rank*.json and no plan_checked_on_ranks in summary.json)"
                 ref_plan = one.plan or one.rank_plans.get(0)
                 mine = multi.plan or plans.get(0)
                 if ref_plan and mine:
@@ -284,10 +287,11 @@ def main() -> None:
                 eff = f"(1-rank FSDP2 = {one / total:.1%} of this)"
             b = tps.get(("bf16", r.n, r.plain), (None, []))[0]
             xb = "—" if total is None or b is None else f"{total / b:.2f}×"
-            peaks = [s.get("peak_memory_bytes") for _, s in sorted(r.rank_summaries.items())] or [r.summary.get("peak_memory_bytes")]
+            peaks = ([s.get("peak_memory_bytes") for _, s in sorted(r.rank_summaries.items())]
+                     or r.summary.get("peak_memory_bytes_per_rank") or [r.summary.get("peak_memory_bytes")])
             peaks = [x for x in peaks if x is not None]
             mem = "—" if not peaks else f"{max(peaks) / GIB:.1f} (" + " / ".join(f"{x / GIB:.1f}" for x in peaks) + ")"
-            if not r.rank_summaries and peaks:
+            if len(peaks) < r.n:
                 mem += " rank 0 only"
             smi = " / ".join(f"GPU{i} {v / 1024:.1f}" for i, v in sorted(r.smi_peak_mib.items())) or "—"
             steps_ms = "—" if not dts else f"{1e3 * statistics.median(dts):.0f} ({1e3 * pct(dts, .1):.0f}–{1e3 * pct(dts, .9):.0f})"

@@ -36,7 +36,6 @@ GPUS=${GPUS:-1 2}                 # torchrun --nproc-per-node values (all --para
 PLAIN=${PLAIN-bf16}               # recipes that also run one plain single process (--parallel none):
                                   # the gap between two BF16 setups of one GPU, a yardstick for (1)
 if [ "$DEVICE" = cpu ]; then BACKEND=${BACKEND:-auto}; else BACKEND=${BACKEND:-triton}; fi  # triton = the fast path, or fail
-SHIM=${SHIM:-1}                   # 1: experiments/scaling/train_ranks.py (= adahop train + per-rank plan/summary files)
 RUN_TIMEOUT=${RUN_TIMEOUT:-180}   # seconds per run
 BUDGET_S=${BUDGET_S:-400}         # start no new run after this many seconds (one device command: 600 s at most)
 PORT=${PORT0:-29611}
@@ -52,7 +51,7 @@ if ! python3 -c "import zstandard" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1;
   SITE=/tmp/site:
 fi
 export PYTHONPATH=$SITE$REPO/src${PYTHONPATH:+:$PYTHONPATH}
-if [ "$SHIM" = 1 ]; then ENTRY=(experiments/scaling/train_ranks.py); else ENTRY=(-m adahop); fi
+ENTRY=(-m adahop)  # adahop train checks that all ranks froze one plan and records every rank's peak memory
 
 mkdir -p "$RUNS/logs"
 {

@@ -212,6 +212,37 @@ def agree_on_plan(model: nn.Module) -> None:
         get_controller(model).agree = _agree
 
 
+def check_same_plan(model: nn.Module) -> int:
+    """After the freeze, verify that every rank holds the very plan rank 0 holds; returns the
+    number of ranks checked (1 without a process group).
+
+    The pooled vote makes the plans equal by construction; this check turns any future way of
+    breaking that (a tie decided differently, a rank resumed from another plan) into an error
+    instead of ranks silently running different GEMMs.
+
+    Raises:
+        RuntimeError: naming the first rank and layers whose plan differs.
+    """
+    if not _active():
+        return 1
+    mine = get_controller(model).plan
+    plans = _gather(mine.to_json())
+    ref = json.loads(plans[0])["layers"]
+    for r, text in enumerate(plans):
+        other = json.loads(text)["layers"]
+        if other != ref:
+            diff = sorted(k for k in set(ref) | set(other) if ref.get(k) != other.get(k))
+            raise RuntimeError(f"rank {r} froze a different AdaHOP plan than rank 0 for {len(diff)} layer(s), e.g. "
+                               f"{diff[:3]}; every rank must run the same GEMMs. Re-run with a plan file "
+                               f"(--plan run/plan.json) so that all ranks load one plan.")
+    return len(plans)
+
+
+def gather_float(x: float) -> list[float]:
+    """``x`` from every rank, in rank order (``[x]`` without a process group)."""
+    return [float(v) for v in _gather(float(x))] if _active() else [float(x)]
+
+
 # ---- sharded checkpoints (torch.distributed.checkpoint) -----------------------------------------
 def is_sharded(path: Path) -> bool:
     """Whether the checkpoint folder ``path`` was written by :func:`save_sharded` (DCP)."""

@@ -85,6 +85,7 @@ def train(cfg: TrainConfig, *, rank: int = 0, world: int = 1) -> dict:
     # tokens/s is the steady state: the clock starts 2 steps after the start and again 2 steps after
     # an AdaHOP plan freezes (kernels compiling, a torch.compile recompile, caches filling)
     clock, timed_tokens, last_good, warm_from = 0.0, 0, start, start + 2
+    plan_ranks = 0  # ranks whose frozen plan was checked against rank 0's (0: no freeze in this run)
     for step in bar:
         t0 = time.perf_counter()
         lr = lr_at(cfg, step)
@@ -103,6 +104,7 @@ def train(cfg: TrainConfig, *, rank: int = 0, world: int = 1) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
         if on_step(model, step + 1):  # every rank freezes the same plan (dp.agree_on_plan)
+            plan_ranks = dp.check_same_plan(model)
             clock, timed_tokens, warm_from = 0.0, 0, step + 3
             if is_main:
                 get_controller(model).plan.save(run / "plan.json")
@@ -147,7 +149,8 @@ def train(cfg: TrainConfig, *, rank: int = 0, world: int = 1) -> dict:
     summary = dict(recipe=cfg.recipe, steps=cfg.steps, tokens=cfg.steps * tokens_per_step,
                    final_val_loss=metrics.last("val_loss"), final_val_bpb=metrics.last("val_bpb"),
                    final_train_loss=metrics.last("loss"), tok_per_s=timed_tokens / clock if clock else None,
-                   peak_memory_bytes=peak_memory(device), saved_bytes=ours, saved_bytes_bf16=bf16,
+                   peak_memory_bytes=peak_memory(device), peak_memory_bytes_per_rank=dp.gather_float(peak_memory(device)),
+                   plan_checked_on_ranks=plan_ranks, world_size=world, saved_bytes=ours, saved_bytes_bf16=bf16,
                    device=str(device), interrupted=stop["now"])
     if is_main:
         (run / "summary.json").write_text(json.dumps(summary, indent=1))
