@@ -269,3 +269,24 @@ def test_compiled_model_equals_eager_across_the_plan_freeze(single_thread):
             calibration_breaks = breaks
     assert breaks == calibration_breaks  # none once the plan is frozen
     assert compiled[0].strategies() == eager[0].strategies() != {g: "calibrating" for g in ("fprop", "dgrad", "wgrad")}
+
+
+def test_compiled_sr_recipe_draws_are_seeded_per_step_and_rank(single_thread):
+    """Compiled layers draw stochastic-rounding bits from the default generator, which
+    `seed_compiled_rng` seeds from (model seed = run seed mixed with the rank, step)."""
+    from adahop.nn import convert_model, seed_compiled_rng
+
+    def grad(seed: int, step: int) -> torch.Tensor:
+        torch.manual_seed(0)
+        lin = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False))
+        convert_model(lin, "tseng", seed=seed)
+        x = torch.randn(64, 64)
+        seed_compiled_rng(lin, step)
+        torch.compile(lin, fullgraph=True, backend="aot_eager")(x).square().sum().backward()
+        return lin[0].weight.grad
+
+    torch._dynamo.reset()
+    a = grad(seed=1, step=5)
+    assert torch.equal(a, grad(seed=1, step=5))  # reproducible (and so resumable)
+    assert not torch.equal(a, grad(seed=1, step=6))  # fresh bits every step
+    assert not torch.equal(a, grad(seed=2, step=5))  # another rank (its seed is mixed with the rank)

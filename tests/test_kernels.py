@@ -320,9 +320,7 @@ def test_interp_fold_checks_the_range_unless_the_quantizer_did():
 
 
 @interp
-@pytest.mark.parametrize("recipe", ["mxfp4-had", "adahop-lv1", pytest.param("tseng", marks=pytest.mark.xfail(
-    strict=True, reason="known limitation: stochastic rounding and per-call signs create a torch.Generator per "
-    "GEMM call, which dynamo cannot trace; SR recipes run eagerly under --compile (issue #9)"))])
+@pytest.mark.parametrize("recipe", ["mxfp4-had", "adahop-lv1", "tseng"])
 def test_interp_fast_layer_compiles_without_graph_break(recipe):
     """A converted linear on the Triton path under torch.compile(fullgraph=True): dynamo must trace
     the autograd.Function's backward (quantize, fold of the saved operands, FP8 GEMM) in one graph.

@@ -6,13 +6,15 @@ import fnmatch
 import re
 import warnings
 
+import torch
 from torch import nn
 
 from ..patterns import Plan
 from ..recipes import Recipe, get_recipe
+from ..utils import mix_seed
 from .linear import Controller, LowPrecisionLinear
 
-__all__ = ["convert_model", "on_step", "get_controller", "describe", "saved_bytes", "supports_shape"]
+__all__ = ["convert_model", "on_step", "get_controller", "describe", "saved_bytes", "seed_compiled_rng", "supports_shape"]
 
 _BLOCK_RE = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)\.")
 
@@ -111,6 +113,21 @@ def on_step(model: nn.Module, step: int) -> bool:
     """Tell the converted model that ``step`` optimizer steps are done (call after each
     ``optimizer.step()``). Freezes the AdaHOP plan at the end of calibration; returns True then."""
     return get_controller(model).on_step(step)
+
+
+def seed_compiled_rng(model: nn.Module, step: int) -> None:
+    """Seed PyTorch's default generators for ``step`` of a ``torch.compile``d model.
+
+    Compiled converted layers draw their stochastic-rounding bits and random signs from the
+    default generator (a ``torch.Generator`` per GEMM call, as eager mode uses, cannot be traced).
+    Calling this at the start of every optimizer step makes those draws a function of (the
+    model's seed, which ``adahop train`` makes per rank, and the step): reproducible, resumable,
+    different across ranks and steps. It reseeds the global RNG, so call it only for compiled
+    runs of recipes that draw random bits (it does nothing for the others).
+    """
+    ctrl = get_controller(model)
+    if ctrl.recipe.draws_random_bits:
+        torch.manual_seed(mix_seed(ctrl.seed, step, "compiled"))
 
 
 def saved_bytes(model: nn.Module) -> tuple[int, int]:

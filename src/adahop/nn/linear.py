@@ -126,13 +126,17 @@ class LowPrecisionLinear(nn.Linear):
     # -- randomness and calibration hooks ----------------------------------------------------
     def generator(self, gemm: str) -> torch.Generator | None:
         """A generator for this call's stochastic rounding / random signs, seeded from
-        (run seed, step, layer, GEMM, call index); None when the GEMM draws nothing."""
+        (run seed, step, layer, GEMM, call index); None when the GEMM draws nothing, and under
+        torch.compile (the default generator is used; see :func:`adahop.nn.seed_compiled_rng`)."""
         spec = (self._specs or {}).get(gemm)
         if spec is None:
             return None
-        tr = spec.transform
-        random = spec.a.rounding == "stochastic" or spec.b.rounding == "stochastic" or (tr is not None and tr.signs == "per_call")
-        if not random:
+        if not spec.draws_random_bits:
+            return None
+        if torch.compiler.is_compiling():
+            # a Generator per call cannot be traced: compiled code draws from the default generator,
+            # which the training loop seeds per (run seed, rank, step) — reproducible, fresh per step
+            # and per rank, but a different stream from eager mode's
             return None
         step = self.controller.step
         key = (step, gemm)

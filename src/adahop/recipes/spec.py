@@ -140,6 +140,13 @@ class GemmSpec:
             return self.inner
         return IHT32 if self.strategy.startswith("iht") else None
 
+    @property
+    def draws_random_bits(self) -> bool:
+        """True when a call of this GEMM draws random bits: stochastic rounding of an operand, or
+        random signs drawn per call."""
+        tr = self.transform
+        return "stochastic" in (self.a.rounding, self.b.rounding) or (tr is not None and tr.signs == "per_call")
+
     def with_strategy(self, strategy: str) -> "GemmSpec":
         """A copy that runs ``strategy`` (used when a calibrated plan is frozen)."""
         if strategy not in STRATEGIES:
@@ -201,3 +208,8 @@ class Recipe:
     def is_bf16(self) -> bool:
         """True when every GEMM runs in BF16 (no quantization at all)."""
         return all(getattr(self, g).strategy == "bf16" for g in GEMMS)
+
+    @property
+    def draws_random_bits(self) -> bool:
+        """True when any GEMM draws random bits (stochastic rounding or per-call random signs)."""
+        return any(getattr(self, g).draws_random_bits for g in GEMMS)

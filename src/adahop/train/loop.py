@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ..nn import convert_model, get_controller, on_step, saved_bytes
+from ..nn import convert_model, get_controller, on_step, saved_bytes, seed_compiled_rng
 from . import distributed as dp
 from .checkpoint import latest_checkpoint, save_checkpoint
 from .config import TrainConfig
@@ -92,6 +92,8 @@ def train(cfg: TrainConfig, *, rank: int = 0, world: int = 1) -> dict:
         for g in opt.param_groups:
             g["lr"] = lr
         x, y = train_s.batch(step)
+        if cfg.compile:  # compiled layers draw SR bits from the default generator: seed it per step and rank
+            seed_compiled_rng(model, step)
         loss_sum = torch.zeros((), device=device)
         for i, (xm, ym) in enumerate(zip(x.split(micro), y.split(micro))):
             with autocast:
