@@ -218,3 +218,22 @@ def test_tiny_llama_adahop_lv2_trains_on_real_text():
         if isinstance(m, adahop.LowPrecisionLinear):
             assert "calibrating" not in m.strategies().values()
             assert set(m.patterns) == {"x", "w", "dy"}
+
+
+@pytest.mark.parametrize("recipe", ["mxfp4", "tseng", "nvfp4", "adahop-lv2"])
+def test_a_batch_without_tokens_gives_empty_output_and_zero_grads(recipe):
+    """An MoE expert can receive no tokens: nothing to quantize, an exact empty product."""
+    m = torch.nn.Sequential(torch.nn.Linear(64, 32))
+    adahop.convert_model(m, recipe)
+    x = torch.randn(2, 0, 64, requires_grad=True)
+    y = m(x)
+    y.sum().backward()
+    assert y.shape == (2, 0, 32) and torch.equal(m[0].weight.grad, torch.zeros(32, 64))
+
+
+def test_bare_linear_and_wrong_width_are_named():
+    with pytest.raises(ValueError, match=r"wrap a bare layer first: convert_model\(nn.Sequential"):
+        adahop.convert_model(torch.nn.Linear(64, 64), "mxfp4")
+    m = adahop.convert_model(torch.nn.Sequential(torch.nn.Linear(64, 64)), "mxfp4")
+    with pytest.raises(ValueError, match=r"input has 65 features .* in_features=64"):
+        m(torch.randn(4, 65))

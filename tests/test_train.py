@@ -57,6 +57,14 @@ def test_ctrl_c_then_resume_is_bit_exact(data_dir, tmp_path, single_thread, monk
     assert full["final_val_loss"] == resumed["final_val_loss"]
     plan = json.loads((tmp_path / "split" / "plan.json").read_text())
     assert plan["table"] == "lv2" and len(plan["layers"]) == 14  # 2 blocks x 7 linears
+    assert stopped["steps"] == 3 and resumed["steps"] == 8  # the summary counts the steps that ran
+    # the finished run's folder now refuses what would mix another run into it
+    with pytest.raises(ValueError, match=r"holds checkpoints of an earlier run \(up to step 8\); pass --resume"):
+        train(split)
+    with pytest.raises(ValueError, match=r"--recipe 'adahop-lv2' → 'mxfp4'.*--seq-len 32 → 64"):
+        train(dataclasses.replace(split, resume=True, recipe="mxfp4", seq_len=64, steps=12))
+    with pytest.raises(ValueError, match="already at step 8; pass --steps above 8"):
+        train(dataclasses.replace(split, resume=True))
 
 
 def test_loss_falls_and_run_folder_is_complete(data_dir, tmp_path, single_thread):

@@ -96,8 +96,11 @@ def main(argv: list[str] | None = None) -> int:
                 s = train(cfg, rank=d.rank, world=d.world)
             finally:
                 shutdown()
+            if s.get("interrupted"):  # the checkpoint is written; a script must not take this for a finished run
+                return 130
             if d.is_main:
-                print(f"final val loss {s['final_val_loss']}, val bpb {s['final_val_bpb']}, {s['tok_per_s'] or 0:,.0f} tokens/s")
+                tps = f"{s['tok_per_s']:,.0f} tokens/s" if s["tok_per_s"] else "tokens/s not measured (too few steps after warm-up)"
+                print(f"final val loss {s['final_val_loss']}, val bpb {s['final_val_bpb']}, {tps}")
         elif args.cmd == "compare":
             from pathlib import Path
 
@@ -121,6 +124,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"adahop {args.cmd}: error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        from .train.loop import Diverged
+
+        if not isinstance(e, Diverged):
+            raise
+        print(f"adahop {args.cmd}: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
     return 0

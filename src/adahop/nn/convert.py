@@ -61,12 +61,16 @@ def convert_model(model: nn.Module, recipe: str | Recipe, *, exclude=("lm_head",
         the last ``recipe.bf16_last_layers`` / first ``bf16_first_layers`` transformer blocks.
 
     Raises:
-        ValueError: unknown recipe name (lists the known ones), or a model already converted.
+        ValueError: unknown recipe name (lists the known ones), a model already converted, or a
+            bare ``nn.Linear`` (wrap it in ``nn.Sequential``).
     """
     if isinstance(recipe, str):
         recipe = get_recipe(recipe)
     if getattr(model, "_adahop_controller", None) is not None:
         raise ValueError("this model is already converted; convert a fresh model")
+    if type(model) is nn.Linear:
+        raise ValueError("convert_model swaps the nn.Linear layers *inside* a module and cannot replace the module "
+                         "it is given; wrap a bare layer first: convert_model(nn.Sequential(linear), ...)")
     from ..kernels import resolve_backend
 
     controller = Controller(recipe, seed=seed, plan=plan)

@@ -170,8 +170,14 @@ class LowPrecisionLinear(nn.Linear):
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"{self.name}: input has {x.shape[-1]} features in its last dim, the layer takes "
+                             f"in_features={self.in_features} (input shape {tuple(x.shape)})")
         x2 = x.reshape(-1, self.in_features).to(dtype)
         with torch.autocast(device_type=x.device.type, enabled=False):
+            if x2.shape[0] == 0:  # no tokens (an MoE expert that got none): nothing to quantize, exact and empty
+                b = None if self.bias is None else self.bias.to(dtype)
+                return torch.nn.functional.linear(x2, self.weight.to(dtype), b).reshape(*x.shape[:-1], self.out_features)
             y = LowPrecisionLinearFn.apply(x2, self.weight, self.bias, self, dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
 

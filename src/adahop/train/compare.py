@@ -14,13 +14,14 @@ from pathlib import Path
 
 from ..plots import plot_compare
 from ..recipes import get_recipe
+from .checkpoint import latest_checkpoint
 from .config import TrainConfig
 from .metrics import read_metrics
 from .setup import resolve_data
 
 __all__ = ["compare", "format_table", "COLUMNS"]
 
-COLUMNS = ("recipe", "final val loss", "gap to bf16 %", "val bpb", "tokens/s", "peak memory MB", "saved for bwd MB (vs bf16)")
+COLUMNS = ("recipe", "final val loss", "gap to bf16 %", "val bpb", "tokens/s", "peak memory MB", "saved for bwd MB (vs plain nn.Linear)")
 
 
 def _run_args(cfg: TrainConfig) -> list[str]:
@@ -65,6 +66,9 @@ def compare(recipes: list[str], cfg: TrainConfig, out: Path) -> dict[str, dict]:
     """Train ``cfg`` under each recipe into ``out/<recipe>``; write compare.md, compare.csv,
     compare.json, loss_curves.png and loss_diff.png into ``out``; print the table.
 
+    Run again with the same ``out``, it reuses the recipes that finished and resumes the ones that
+    were interrupted (from their last checkpoint).
+
     Raises:
         ValueError: an unknown recipe name (before anything runs).
     """
@@ -76,9 +80,16 @@ def compare(recipes: list[str], cfg: TrainConfig, out: Path) -> dict[str, dict]:
     summaries, curves = {}, {}
     for r in recipes:
         run_cfg = dataclasses.replace(cfg, recipe=r, out=str(out / r), data=str(data_dir))
+        summary_path = out / r / "summary.json"
+        done = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+        if done.get("steps") == cfg.steps and not done.get("interrupted"):
+            print(f"=== {r}: trained earlier in {out / r}; its results are reused ===", flush=True)
+            summaries[r], curves[r] = done, read_metrics(out / r / "metrics.jsonl")
+            continue
+        if latest_checkpoint(out / r) is not None:  # an interrupted (or shorter) run: continue it
+            run_cfg = dataclasses.replace(run_cfg, resume=True)
         print(f"=== {r} ===", flush=True)
         proc = subprocess.run([sys.executable, "-m", "adahop", "train", *_run_args(run_cfg)])
-        summary_path = out / r / "summary.json"
         if proc.returncode != 0 or not summary_path.exists():
             summaries[r] = {"error": f"exit code {proc.returncode}; see {out / r}"}
             continue

@@ -19,13 +19,21 @@ from .checkpoint import latest_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .export import write_config
 from .metrics import Metrics, peak_memory, reset_peak_memory
-from .setup import build_optimizer, lr_at, make_model, make_streams, resolve_data, resolve_device, resolve_recipe
+from .setup import (build_optimizer, check_run_dir, lr_at, make_model, make_streams, resolve_data, resolve_device,
+                    resolve_recipe)
 
 __all__ = ["train", "Diverged", "evaluate"]
 
 
 class Diverged(RuntimeError):
     """The loss became NaN or Inf; the run stopped and kept its last good checkpoint."""
+
+
+def _kept(run: Path, step: int) -> str:
+    """What a diverged run leaves behind, as the message says it."""
+    if step and (run / "checkpoints").exists():
+        return f"The last good checkpoint (step {step}) is kept in {run / 'checkpoints'}."
+    return "No checkpoint was written before that (set --ckpt-every below the step it diverged at)."
 
 
 @torch.no_grad()
@@ -57,6 +65,7 @@ def train(cfg: TrainConfig, *, rank: int = 0, world: int = 1) -> dict:
     if world > 1 and cfg.parallel == "none":
         raise ValueError(f"--parallel none under torchrun with {world} processes; pass --parallel ddp or fsdp")
     run = Path(cfg.out)
+    check_run_dir(cfg, run)
     device = dp.local_device(resolve_device(cfg.device))
     data_dir = dp.main_first(lambda: resolve_data(cfg))
     train_s, val_s = make_streams(cfg, data_dir, rank, world)
@@ -86,6 +95,7 @@ def train(cfg: TrainConfig, *, rank: int = 0, world: int = 1) -> dict:
     # an AdaHOP plan freezes (kernels compiling, a torch.compile recompile, caches filling)
     clock, timed_tokens, last_good, warm_from = 0.0, 0, start, start + 2
     plan_ranks = 0  # ranks whose frozen plan was checked against rank 0's (0: no freeze in this run)
+    done = start
     for step in bar:
         t0 = time.perf_counter()
         lr = lr_at(cfg, step)
@@ -125,8 +135,8 @@ def train(cfg: TrainConfig, *, rank: int = 0, world: int = 1) -> dict:
         if done % cfg.log_every == 0 or last or stop["now"]:
             if dp.any_rank(bad):
                 bar.close()
-                raise Diverged(f"loss became non-finite at or before step {done}; stopped. The last good checkpoint "
-                               f"(step {last_good}) is kept in {run / 'checkpoints'}. Lower --lr or use a safer recipe.")
+                raise Diverged(f"loss became non-finite at or before step {done}; stopped. {_kept(run, last_good)} "
+                               f"Lower --lr or use a safer recipe.")
             tps = timed_tokens / clock if clock else 0.0
             loss_val = dp.mean_over_ranks(loss_sum).item()
             metrics.log(step=done, loss=loss_val, lr=lr, grad_norm=float(gnorm), tokens=done * tokens_per_step, tok_per_s=tps,
@@ -137,7 +147,8 @@ def train(cfg: TrainConfig, *, rank: int = 0, world: int = 1) -> dict:
             metrics.log(step=done, val_loss=vl, val_bpb=val_s.bits_per_byte(vl))
         if (cfg.ckpt_every and done % cfg.ckpt_every == 0) or last or stop["now"]:
             if dp.any_rank(bad):
-                raise Diverged(f"loss became non-finite before step {done}; the last good checkpoint (step {last_good}) is kept")
+                raise Diverged(f"loss became non-finite before step {done}; stopped. {_kept(run, last_good)} "
+                               f"Lower --lr or use a safer recipe.")
             (save_checkpoint if cfg.parallel == "none" else dp.save_sharded)(run, done, model, opt, keep=cfg.keep_ckpts)
             last_good = done
         if stop["now"]:
@@ -148,7 +159,7 @@ def train(cfg: TrainConfig, *, rank: int = 0, world: int = 1) -> dict:
     bar.close()
     # ---- summary -------------------------------------------------------------------------------
     ours, bf16 = saved_bytes(model)
-    summary = dict(recipe=cfg.recipe, steps=cfg.steps, tokens=cfg.steps * tokens_per_step,
+    summary = dict(recipe=cfg.recipe, steps=done, tokens=done * tokens_per_step,  # steps done (< --steps if interrupted)
                    final_val_loss=metrics.last("val_loss"), final_val_bpb=metrics.last("val_bpb"),
                    final_train_loss=metrics.last("loss"), tok_per_s=timed_tokens / clock if clock else None,
                    peak_memory_bytes=peak_memory(device), peak_memory_bytes_per_rank=dp.gather_float(peak_memory(device)),

@@ -11,12 +11,52 @@ import torch
 
 from ..data import Manifest, TokenStream, prepare
 from ..data.default_corpus import cache_dir
+from ..data.shards import PREPARE_REVISION
 from ..models import build_model, check_compat
 from ..patterns import Plan
 from ..recipes import get_recipe
 from .config import TrainConfig
 
 __all__ = ["resolve_device", "resolve_data", "resolve_recipe", "build_optimizer", "lr_at", "make_streams", "make_model"]
+
+
+#: Settings a resumed run must share with the run that wrote the checkpoint (the model, the
+#: numerics and the data order); others (--steps, --eval-every, --out...) may change.
+RESUME_KEYS = ("recipe", "model", "model_config", "seq_len", "batch_size", "grad_accum", "seed", "data", "vocab_size",
+               "tokenizer", "calib_steps", "plan", "backend")
+
+
+def check_run_dir(cfg: TrainConfig, run: Path) -> int | None:
+    """Check ``--out`` against ``--resume`` before anything is built; return the checkpoint step
+    to resume from, or None to start at step 0.
+
+    Raises:
+        ValueError: checkpoints of an earlier run in ``--out`` without ``--resume`` (a new run would
+            mix its files with theirs); with ``--resume``, a setting that differs from the
+            checkpointed run's (listed), or ``--steps`` not above the checkpoint's step.
+    """
+    import json
+
+    from .checkpoint import latest_checkpoint
+
+    ck = latest_checkpoint(run)
+    if ck is None:
+        if cfg.resume:
+            print(f"--resume: no checkpoint in {run / 'checkpoints'}; starting at step 0")
+        return None
+    step = int(ck.name.split("_")[1])
+    if not cfg.resume:
+        raise ValueError(f"--out {run} holds checkpoints of an earlier run (up to step {step}); pass --resume to "
+                         f"continue that run, or choose a new --out (or delete the folder)")
+    saved = json.loads((run / "config.json").read_text()).get("adahop", {}).get("config", {}) if (run / "config.json").exists() else {}
+    now = cfg.to_dict()
+    diff = [f"--{k.replace('_', '-')} {saved[k]!r} → {now[k]!r}" for k in RESUME_KEYS if k in saved and saved[k] != now.get(k)]
+    if diff:
+        raise ValueError(f"--resume: these settings differ from the checkpointed run in {run}: {'; '.join(diff)}. "
+                         f"Resume with the run's own settings, or start a new run with a new --out")
+    if cfg.steps <= step:
+        raise ValueError(f"--resume: the run in {run} is already at step {step}; pass --steps above {step} to train further")
+    return step
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -30,7 +70,8 @@ def resolve_device(spec: str) -> torch.device:
 
 def resolve_data(cfg: TrainConfig) -> Path:
     """A prepared data folder for ``cfg.data``: used as is when it holds manifest.json, otherwise
-    prepared once into a cache folder keyed by the sources and tokenizer settings."""
+    prepared once into a cache folder keyed by the sources, the tokenizer settings and
+    :data:`adahop.data.shards.PREPARE_REVISION`."""
     p = Path(cfg.data)
     if p.is_dir() and (p / "manifest.json").exists():
         return p
@@ -42,7 +83,7 @@ def resolve_data(cfg: TrainConfig) -> Path:
             raise ValueError(f"--data: {s!r} does not exist; pass 'default', a folder made by "
                              "`adahop data prepare`, or text files (.txt, .jsonl, .parquet, .xz, .gz, .zst)")
     key = hashlib.sha256(repr((sorted(str(Path(s).resolve()) if Path(s).exists() else s for s in sources),
-                               cfg.tokenizer, cfg.vocab_size, cfg.val_fraction)).encode()).hexdigest()[:12]
+                               cfg.tokenizer, cfg.vocab_size, cfg.val_fraction, PREPARE_REVISION)).encode()).hexdigest()[:12]
     name = "default" if sources == ["default"] else "data"
     out = cache_dir() / "prepared" / f"{name}-{cfg.tokenizer.replace('/', '_').replace(':', '_')}-{cfg.vocab_size}-{key}"
     if not (out / "manifest.json").exists():
