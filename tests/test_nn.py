@@ -237,3 +237,11 @@ def test_bare_linear_and_wrong_width_are_named():
     m = adahop.convert_model(torch.nn.Sequential(torch.nn.Linear(64, 64)), "mxfp4")
     with pytest.raises(ValueError, match=r"input has 65 features .* in_features=64"):
         m(torch.randn(4, 65))
+
+
+def test_a_plan_for_another_model_is_refused_at_conversion():
+    from adahop.patterns import Plan
+
+    m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    with pytest.raises(ValueError, match=r"no entry for layer '1'; it was made for another model"):
+        adahop.convert_model(m, "adahop-lv2", plan=Plan.from_patterns({"0": {"x": "C", "w": "N", "dy": "N"}}))

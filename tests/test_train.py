@@ -121,6 +121,10 @@ def test_bad_options_fail_before_training(data_dir, tmp_path):
         train(_cfg(data_dir, tmp_path / "y", seq_len=100_000))
     with pytest.raises(ValueError, match="--data"):
         train(_cfg(data_dir, tmp_path / "z", data=str(tmp_path / "missing.txt")))
+    plan = tmp_path / "plan.json"
+    plan.write_text("{}")
+    with pytest.raises(ValueError, match="--plan is for AdaHOP recipes"):
+        train(_cfg(data_dir, tmp_path / "w", recipe="mxfp4", plan=str(plan)))
 
 
 def test_compare_table_fields():

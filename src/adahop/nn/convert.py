@@ -62,7 +62,8 @@ def convert_model(model: nn.Module, recipe: str | Recipe, *, exclude=("lm_head",
 
     Raises:
         ValueError: unknown recipe name (lists the known ones), a model already converted, or a
-            bare ``nn.Linear`` (wrap it in ``nn.Sequential``).
+            bare ``nn.Linear`` (wrap it in ``nn.Sequential``), or a ``plan`` without an entry for a
+            converted layer.
     """
     if isinstance(recipe, str):
         recipe = get_recipe(recipe)
@@ -88,8 +89,12 @@ def convert_model(model: nn.Module, recipe: str | Recipe, *, exclude=("lm_head",
         fits = supports_shape(recipe, lin.in_features, lin.out_features)
         if not fits and not recipe.is_bf16:
             unsupported.append(f"{name} ({lin.in_features}->{lin.out_features})")
-        new = LowPrecisionLinear.from_linear(lin, recipe, name=name, layer_id=layer_id, controller=controller,
-                                             backend=resolve_backend(backend, lin.weight.device), force_bf16=edge or not fits)
+        try:
+            new = LowPrecisionLinear.from_linear(lin, recipe, name=name, layer_id=layer_id, controller=controller,
+                                                 backend=resolve_backend(backend, lin.weight.device), force_bf16=edge or not fits)
+        except KeyError:  # a plan made for another model: say so before anything runs
+            raise ValueError(f"the plan has no entry for layer {name!r}; it was made for another model (its layers: "
+                             f"{list(plan.layers)[:3]}...). Calibrate this model instead, or pass its own plan") from None
         setattr(owner, child, new)
     if unsupported:
         warnings.warn(f"adahop: recipe {recipe.name!r} cannot quantize these layers (dimensions not multiples of the "

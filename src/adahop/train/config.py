@@ -55,7 +55,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (0 disables)."""
     eval_every: int = 50
-    """Steps between validation passes (and at the last step)."""
+    """Steps between validation passes (and at the last step); 0: no validation at all."""
     eval_batches: int = 8
     """Validation batches per pass."""
     ckpt_every: int = 100

@@ -120,6 +120,9 @@ def resolve_recipe(cfg: TrainConfig):
     if cfg.plan:
         if not Path(cfg.plan).exists():
             raise ValueError(f"--plan {cfg.plan}: no such file")
+        if recipe.calibration is None:
+            raise ValueError(f"--plan is for AdaHOP recipes (they calibrate); --recipe {cfg.recipe} has fixed strategies "
+                             f"and would ignore it. Use --recipe adahop-lv1 or adahop-lv2, or drop --plan")
         plan = Plan.load(cfg.plan)
     return recipe, plan
 
