@@ -117,3 +117,10 @@ def test_model_flops_per_token():
     tc = param_counts(tied)
     assert tc.tied and tc.non_embedding == RELEASED["llama3.2-1b"] - 128256 * 2048
     assert model_flops_per_token(tied, 4096) == 6 * (tc.non_embedding + tc.lm_head) + 12 * 16 * 32 * 64 * 4096
+
+
+def test_malformed_json_names_the_file(tmp_path):
+    bad = tmp_path / "cfg.json"
+    bad.write_text('{"hidden_size": 64,}')
+    with pytest.raises(ValueError, match=r"--model-config .*cfg.json is not valid JSON"):
+        build_model(config_path=bad, vocab_size=256, max_seq_len=16)

@@ -30,12 +30,13 @@ With the real Llama 3 vocabulary (128,256) the last three are 1,235,814,400, 3,2
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import transformers
+
+from .utils import read_json
 
 __all__ = ["PRESETS", "list_models", "model_config", "build_model", "check_compat", "param_counts",
            "ParamCounts", "model_flops_per_token"]
@@ -75,7 +76,7 @@ def _config_from_path(config_path: str | Path) -> transformers.PretrainedConfig:
         return transformers.AutoConfig.from_pretrained(str(path))
     if not path.is_file():
         raise ValueError(f"--model-config {path} is neither a config JSON file nor a folder with config.json")
-    raw = json.loads(path.read_text())
+    raw = read_json(path, "--model-config")
     model_type = raw.pop("model_type", None)
     if model_type is None:
         raise ValueError(f"--model-config {path} has no \"model_type\" (e.g. \"llama\"); add it to the JSON")

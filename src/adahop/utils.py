@@ -35,3 +35,15 @@ def mix_seed(*parts: int | str) -> int:
     processes and platforms, different for any change of a part."""
     h = hashlib.blake2b(":".join(str(p) for p in parts).encode(), digest_size=8).digest()
     return int.from_bytes(h, "little") & ((1 << 63) - 1)
+
+
+def read_json(path: str | Path, what: str):
+    """``json.loads`` of the file at ``path``; a file that is not JSON raises a ValueError naming
+    ``what`` (the flag or role of the file) and the path, instead of a bare decoder message."""
+    import json
+
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what} {path} is not valid JSON ({e}); fix the file or write it again") from None

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from adahop.data.sources import SourceInfo
+from adahop.utils import read_json
 
 __all__ = ["Manifest", "ShardInfo", "SplitInfo", "TokenizerInfo", "MANIFEST_FORMAT", "SPLITS"]
 
@@ -101,7 +102,7 @@ class Manifest:
         if not path.is_file():
             raise FileNotFoundError(f"{path} not found; prepare the data first: "
                                     f"adahop data prepare --source ... --out {data_dir}")
-        raw = json.loads(path.read_text())
+        raw = read_json(path, "the data manifest")
         if raw.get("format") != MANIFEST_FORMAT:
             raise ValueError(f"{path}: manifest format {raw.get('format')!r}, this adahop reads {MANIFEST_FORMAT}; "
                              "prepare the data again with adahop data prepare")
