@@ -5,7 +5,9 @@ happens (nanoGPT): lr, forward/backward with accumulation, clip, step, hook, log
 from __future__ import annotations
 
 import json
+import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -90,7 +92,10 @@ def train(cfg: TrainConfig, *, rank: int = 0, world: int = 1) -> dict:
     bad = torch.zeros((), dtype=torch.bool, device=device)
     reset_peak_memory(device)
     # ---- TRAINING SECTION ----------------------------------------------------------------------
-    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, disable=not is_main, dynamic_ncols=True)
+    # progress on rank 0; TQDM_DISABLE=1 turns it off, and into a log file it is written every 30 s
+    quiet = os.environ.get("TQDM_DISABLE", "").lower() in ("1", "true")
+    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, disable=not is_main or quiet,
+               dynamic_ncols=True, mininterval=0.1 if sys.stderr.isatty() else 30)
     # tokens/s is the steady state: the clock starts 2 steps after the start and again 2 steps after
     # an AdaHOP plan freezes (kernels compiling, a torch.compile recompile, caches filling)
     clock, timed_tokens, last_good, warm_from = 0.0, 0, start, start + 2
