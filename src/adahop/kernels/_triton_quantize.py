@@ -273,12 +273,12 @@ def _f32(v: float) -> float:
     return float(np.float32(v))
 
 
-def default_plan(rows: int, kp: int, stride_r: int, stride_k: int, elem_size: int) -> dict:
+def default_plan(rows: int, kp: int, stride_r: int, stride_k: int, elem_size: int, hb: int = 0) -> dict:
     """Tiles, warps and passes for one problem (H200 timings in `docs/kernels_notes.md`).
 
     - K contiguous (or neither dim contiguous): programs own whole rows, one 32-block per thread;
-      one tile of ``next_pow2(kp)`` up to 8192, else a loop over tiles of up to 2048 run twice
-      (row maximum first; the re-read hits L2).
+      one tile of ``next_pow2(kp)`` up to 8192 (at least 256 with a Hadamard block ``hb`` above
+      32), else a loop over tiles of up to 2048 run twice (row maximum first; the re-read hits L2).
     - rows contiguous (``axis=0`` of a row-major x, the transposing case): two kernels (the row
       maximum needs all of K) over tiles of ``32·VEC`` rows × 128 K, one block per warp.
     """
@@ -286,6 +286,8 @@ def default_plan(rows: int, kp: int, stride_r: int, stride_k: int, elem_size: in
         vec = 16 // elem_size
         if kp <= 8192:
             bk = triton.next_power_of_2(kp)
+            if hb > 32:  # compiled for sm_90 (Triton 3.6) the [64, 4, 32] tile of kp=128 with a 64-block Hadamard
+                bk = max(bk, 256)  # gave wrong codes (the interpreter's were right); [32, 8, 32] is validated
             br = max(1, (4096 if bk >= 2048 else 8192) // bk)
             return dict(mode="rows", BR=br, BK=bk, NCHUNK=1, LAYOUT=0, VEC=vec, num_warps=max(1, min(16, br * bk // 1024)))
         bk = 2048
@@ -300,15 +302,9 @@ def default_plan(rows: int, kp: int, stride_r: int, stride_k: int, elem_size: in
 def _launch_config(rows, kc, stride_r, stride_k, elem_size, hb, has_signs, stochastic, scale_rule, msr, plan_items):
     """Everything about a launch that follows from shapes and options (cached: host time matters)."""
     kp = -(-kc // 32) * 32
-    p = dict(plan_items) if plan_items else default_plan(rows, kp, stride_r, stride_k, elem_size)
+    p = dict(plan_items) if plan_items else default_plan(rows, kp, stride_r, stride_k, elem_size, hb)
     row_max, write_fp8 = msr >= 0, 0 <= msr <= 8
     br, bk = p["BR"], max(p["BK"], hb, 32)
-    if p["mode"] == "rows" and hb > 32 and bk < 256 and not plan_items:
-        # Compiled for sm_90 (Triton 3.6), the [64, 4, 32] tile of kp=128 with a 64-block Hadamard
-        # gave wrong codes (the interpreter's were right): run such rows in the [32, 8, 32] tile,
-        # masked, the configuration validated on the H200 (docs/kernels_notes.md).
-        br, bk = 32, 256
-        p = dict(p, num_warps=8)
     if p["mode"] == "rows":
         nchunk = p["NCHUNK"] if bk == p["BK"] else -(-kp // bk)
         n_kt, row_src = 1, (1 if row_max else 0)
