@@ -96,23 +96,30 @@ def _fold_table(device) -> torch.Tensor:
 _CACHE: dict[str, torch.Tensor] = {}
 
 
-def _check_range(q: MXTensor) -> None:
-    """Raise unless every row of ``q`` folds exactly (its finite, nonzero blocks lie within
-    :data:`FOLD_RANGE` of the row's largest). Syncs with the device; skipped when the quantizer
-    already enforced ``max_scale_range <= 8`` (``q.scale_range``) and inside torch.compile,
-    where a host sync would split the graph."""
-    if (q.scale_range is not None and q.scale_range <= FOLD_RANGE) or torch.compiler.is_compiling():
-        return
-    codes = unpack_e2m1(q.codes)
+def _row_blocks(q: MXTensor):
+    """``q`` as rows of blocks: codes ``[rows, nb, bs]`` (uint8), finite-block mask, block
+    exponents ``e`` ``[rows, nb]`` (int32) and each row's largest finite exponent ``[rows]``
+    (−127 for a row with none)."""
+    codes = unpack_e2m1(q.codes)  # [*outer, kp]
     kp, bs = codes.shape[-1], q.block_size
-    if not kp:
-        return
-    rows = codes.numel() // kp
+    rows = codes.numel() // kp if kp else 0
+    codes = codes.reshape(rows, kp // bs, bs)
     sc = q.scales.reshape(rows, kp // bs)
     finite = sc != 255
     e = sc.to(torch.int32) - 127
-    row_e = torch.where(finite, e, torch.full_like(e, -127)).amax(dim=1)
-    nonzero = (codes.reshape(rows, kp // bs, bs) & 7).amax(dim=-1) > 0
+    row_e = torch.where(finite, e, torch.full_like(e, -127)).amax(dim=1) if kp else e.new_full((rows,), -127)
+    return codes, finite, e, row_e
+
+
+def _check_range(q: MXTensor, blocks=None) -> None:
+    """Raise unless every row of ``q`` folds exactly (its finite, nonzero blocks lie within
+    :data:`FOLD_RANGE` of the row's largest). Syncs with the device; skipped when the quantizer
+    already enforced ``max_scale_range <= 8`` (``q.scale_range``) and inside torch.compile,
+    where a host sync would split the graph. ``blocks``: :func:`_row_blocks` of ``q``, if at hand."""
+    if (q.scale_range is not None and q.scale_range <= FOLD_RANGE) or torch.compiler.is_compiling():
+        return
+    codes, finite, e, row_e = blocks if blocks is not None else _row_blocks(q)
+    nonzero = (codes & 7).amax(dim=-1) > 0 if codes.numel() else torch.zeros_like(finite)
     too_far = finite & (row_e[:, None] - e > FOLD_RANGE) & nonzero
     if bool(too_far.any()):
         r = int(too_far.any(dim=1).nonzero()[0, 0])
@@ -124,15 +131,10 @@ def _check_range(q: MXTensor) -> None:
 
 def fold_to_fp8_reference(q: MXTensor, *, backend: str = "reference") -> tuple[torch.Tensor, torch.Tensor]:
     """PyTorch twin of :func:`fold_to_fp8` (same arguments and result; ``backend`` is ignored)."""
-    _check_range(q)
-    codes = unpack_e2m1(q.codes)  # [*outer, kp]
-    kp, bs = codes.shape[-1], q.block_size
-    rows = codes.numel() // kp if kp else 0
-    codes = codes.reshape(rows, kp // bs, bs)
-    sc = q.scales.reshape(rows, kp // bs)
-    finite = sc != 255
-    e = sc.to(torch.int32) - 127
-    row_e = torch.where(finite, e, torch.full_like(e, -127)).amax(dim=1) if kp else e.new_full((rows,), -127)
+    blocks = _row_blocks(q)
+    _check_range(q, blocks)
+    codes, finite, e, row_e = blocks
+    rows, kp = codes.shape[0], codes.shape[1] * codes.shape[2]
     # One byte gather per element: the FP8 bits of every (shift, code) pair come from a 9×16 table
     # (exact: q·2^-shift is an E4M3 value for shift in 0..8; blocks further down hold only zeros).
     shift = torch.where(finite, (row_e[:, None] - e).clamp(max=FOLD_RANGE), torch.zeros_like(e))
