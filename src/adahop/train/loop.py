@@ -164,10 +164,11 @@ def train(cfg: TrainConfig, *, rank: int = 0, world: int = 1) -> dict:
     bar.close()
     # ---- summary -------------------------------------------------------------------------------
     ours, bf16 = saved_bytes(model)
+    peak = peak_memory(device)
     summary = dict(recipe=cfg.recipe, steps=done, tokens=done * tokens_per_step,  # steps done (< --steps if interrupted)
                    final_val_loss=metrics.last("val_loss"), final_val_bpb=metrics.last("val_bpb"),
                    final_train_loss=metrics.last("loss"), tok_per_s=timed_tokens / clock if clock else None,
-                   peak_memory_bytes=peak_memory(device), peak_memory_bytes_per_rank=dp.gather_float(peak_memory(device)),
+                   peak_memory_bytes=peak, peak_memory_bytes_per_rank=dp.gather_float(peak),
                    plan_checked_on_ranks=plan_ranks, world_size=world, saved_bytes=ours, saved_bytes_bf16=bf16,
                    device=str(device), interrupted=stop["now"])
     if is_main:

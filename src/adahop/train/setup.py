@@ -35,8 +35,7 @@ def check_run_dir(cfg: TrainConfig, run: Path) -> int | None:
             mix its files with theirs); with ``--resume``, a setting that differs from the
             checkpointed run's (listed), or ``--steps`` not above the checkpoint's step.
     """
-    import json
-
+    from ..utils import read_json
     from .checkpoint import latest_checkpoint
 
     ck = latest_checkpoint(run)
@@ -48,7 +47,7 @@ def check_run_dir(cfg: TrainConfig, run: Path) -> int | None:
     if not cfg.resume:
         raise ValueError(f"--out {run} holds checkpoints of an earlier run (up to step {step}); pass --resume to "
                          f"continue that run, or choose a new --out (or delete the folder)")
-    saved = json.loads((run / "config.json").read_text()).get("adahop", {}).get("config", {}) if (run / "config.json").exists() else {}
+    saved = read_json(run / "config.json", "the run's config").get("adahop", {}).get("config", {}) if (run / "config.json").exists() else {}
     now = cfg.to_dict()
     diff = [f"--{k.replace('_', '-')} {saved[k]!r} → {now[k]!r}" for k in RESUME_KEYS if k in saved and saved[k] != now.get(k)]
     if diff:
