@@ -132,7 +132,15 @@ def seed_compiled_rng(model: nn.Module, step: int) -> None:
     Calling this at the start of every optimizer step makes those draws a function of (the
     model's seed, which ``adahop train`` makes per rank, and the step): reproducible, resumable,
     different across ranks and steps. It reseeds the global RNG, so call it only for compiled
-    runs of recipes that draw random bits (it does nothing for the others).
+    runs of recipes that draw random bits (it does nothing for the others). The draws stay the
+    unbiased stochastic rounding / random Hadamard signs of `specs/baselines.md` §2; only their
+    random stream differs from eager mode's.
+
+    Args:
+        model: a converted model. step: the optimizer step about to run (0-based).
+
+    Raises:
+        ValueError: ``model`` is not converted.
     """
     ctrl = get_controller(model)
     if ctrl.recipe.draws_random_bits:
