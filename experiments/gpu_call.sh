@@ -6,6 +6,8 @@
 #      GPU 1: quality runs (one shared job list, experiments/quality/run.py --jobs)
 #   b: gradient check of the SR recipes, llama-125m adahop-lv2 compiled vs eager, bench model
 #      (4 blocks of Llama-3.1-8B); with two GPUs also the FSDP2 scaling runs
+#   c (round 3, one GPU): FP8 GEMM accuracy by shape (scripts/diag_gemm.py), llama-125m adahop-lv2
+#      compiled vs eager, bench model Llama-3.2-1B eager and compiled
 # JOBS: the quality runs still to do, RECIPE:SEED,... (default: this session's list).
 # Needs .carry/{corpus_main.txt.xz,gpt2.tiktoken} and .whl/zstandard-*.whl (carried).
 set -u
@@ -18,11 +20,22 @@ export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 ADAHOP_CACHE=/tmp/adahop
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())"
-python3 -m adahop data prepare --source .carry/corpus_main.txt.xz --tokenizer tiktoken:.carry/gpt2.tiktoken --out /tmp/main > $OUT/prepare.log 2>&1
-tail -1 $OUT/prepare.log; echo "data ready at $(el) s"
+python3 -m adahop data prepare --source .carry/corpus_main.txt.xz --tokenizer tiktoken:.carry/gpt2.tiktoken --out /tmp/main > $OUT/prepare.log 2>&1 &
+PREP=$!
+if [ "$STAGE" = c ]; then timeout 120 python3 scripts/diag_gemm.py > $OUT/diag_gemm.log 2>&1; cat $OUT/diag_gemm.log | cut -c1-200; fi
+wait $PREP; tail -1 $OUT/prepare.log; echo "data ready at $(el) s"
+C125="python3 -m adahop train --model llama-125m --recipe adahop-lv2 --data /tmp/main --seq-len 512 --batch-size 32 --steps 60 --calib-steps 10 --eval-every 0 --ckpt-every 0 --log-every 1"
 # quality runs from the shared list on one GPU, starting none after second $2 of this command
 quality() { CUDA_VISIBLE_DEVICES=$1 python3 experiments/quality/run.py --data /tmp/main --out /tmp/q --steps 120 --eval-every 40 \
               --jobs "$JOBS" --budget-s $(( $2 - $(el) )) >> $OUT/quality_gpu$1.log 2>&1; }
+
+# llama-125m adahop-lv2 (issue #9): compiled with graph-break logging, then eager, same settings
+c125() {
+  TORCH_LOGS=graph_breaks,recompiles timeout $1 $C125 --compile --out /tmp/c125/compiled > $OUT/c125_compiled.log 2>&1
+  timeout 70 $C125 --out /tmp/c125/eager > $OUT/c125_eager.log 2>&1
+  tar czf $OUT/c125.tgz --exclude=checkpoints --exclude='*.safetensors' --exclude='tokenizer*' -C /tmp c125
+  grep -c -i "graph break" $OUT/c125_compiled.log; grep -H "tok_per_s\|peak_memory_bytes\"" /tmp/c125/*/summary.json; echo "c125 done at $(el) s"
+}
 
 if [ "$STAGE" = a ]; then
   quality 1 400 &
@@ -37,15 +50,17 @@ if [ "$STAGE" = a ]; then
   grep -E "^row:|\|" $OUT/bench_model_1b.log | tail -8; echo "bench model done at $(el) s"
   quality 0 400
   wait $Q1
+elif [ "$STAGE" = c ]; then
+  export CUDA_VISIBLE_DEVICES=0
+  c125 220
+  timeout $(( 585 - $(el) )) python3 -m adahop bench model --model llama3.2-1b --recipes bf16,adahop-lv2 --seq-len 4096 --batch-size 4 \
+    --modes eager,compiled --json $OUT/bench_model_1b.json > $OUT/bench_model_1b.log 2>&1
+  grep -E "^row:|\|" $OUT/bench_model_1b.log | tail -8; echo "bench model done at $(el) s"
 elif [ "$STAGE" = b ]; then  # one GPU is enough; the scaling runs need two
   export CUDA_VISIBLE_DEVICES=0
   timeout 60 python3 scripts/grad_check.py --recipes mxfp4-had,quartet,tseng --tokens 16384 --k 512 --n 1344 > $OUT/grad_check.log 2>&1
   cat $OUT/grad_check.log; echo "grad check done at $(el) s"
-  C="python3 -m adahop train --model llama-125m --recipe adahop-lv2 --data /tmp/main --seq-len 512 --batch-size 32 --steps 60 --calib-steps 10 --eval-every 0 --ckpt-every 0 --log-every 1"
-  TORCH_LOGS=graph_breaks,recompiles timeout 150 $C --compile --out /tmp/c125/compiled > $OUT/c125_compiled.log 2>&1
-  timeout 70 $C --out /tmp/c125/eager > $OUT/c125_eager.log 2>&1
-  tar czf $OUT/c125.tgz --exclude=checkpoints --exclude='*.safetensors' --exclude='tokenizer*' -C /tmp c125
-  grep -c -i "graph break" $OUT/c125_compiled.log; echo "c125 done at $(el) s"
+  c125 150
   timeout $(( 585 - $(el) )) python3 -m adahop bench model --model llama3.1-8b --layers 4 --recipes bf16,adahop-lv2 --seq-len 4096 \
     --batch-size 2 --modes eager,compiled+cudagraphs --json $OUT/bench_model_8b4.json > $OUT/bench_model_8b4.log 2>&1
   grep -E "^row:|\|" $OUT/bench_model_8b4.log | tail -6; echo "bench model 8b done at $(el) s"
