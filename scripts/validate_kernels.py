@@ -10,10 +10,13 @@ Checks, each printed as PASS/FAIL with its numbers:
 - stochastic rounding: scales bit-exact, codes unbiased (t-statistics of the error's mean and of
   its slope against the value), error spread equal to the reference's, fresh across calls,
   reproducible under a seed;
-- ``mx_matmul`` FP8 path vs the reference (float64 product of the dequantized operands):
-  error ≤ 1e-5 of ‖|A|·|B|‖ (the scale of FP32-accumulation rounding) and ≤ 5e-5 of ‖A·B‖ for
-  fp32 output (Hopper's FP8 MMA accumulates below FP32 inside each instruction: see
-  docs/kernels_notes.md), also through ``fold_to_fp8`` (no fp8 cache) and for ragged M/N;
+- ``mx_matmul`` vs the reference (float64 product of the dequantized operands), also through
+  ``fold_to_fp8`` (no fp8 cache) and for ragged M/N: with ``accumulation="fp32"`` (the FP8-exact
+  operands on the BF16 tensor cores) error ≤ 1e-5 of ‖A·B‖ (FP32-accumulation rounding, the
+  DESIGN.md §4 criterion); with the default FP8 tensor cores error ≤ 2.5e-4 (2^-12) of ‖|A|·|B|‖:
+  Hopper's FP8 MMA adds each instruction's 32 products below FP32 (`scripts/diag_gemm.py`,
+  docs/kernels_notes.md), so that path is held to the hardware's bound, which any layout, scale or
+  padding bug exceeds by orders of magnitude;
 - a sweep of contracted lengths 32…2048 × Hadamard blocks (none, 16…256) × both axes, which
   covers every tile plan of the quantizer (a [64, 4, 32] tile once compiled wrong on sm_90);
 - ``fold_to_fp8`` (Triton, the backward's unpack of saved packed MXFP4) vs the reference fold,
@@ -137,15 +140,12 @@ def check_gemm(name, m, kc, n, dev, gen, hb=32, via_fold=False):
     rel_ab = ((out.double() - ref).norm() / scale).item()
     out16 = mx_matmul(qa, qb, backend="triton", out_dtype=torch.bfloat16)
     rel16 = ((out16.double() - ref).norm() / ref.norm()).item()
-    extra = {}
-    if dev == "cuda":  # the same exact operands through the bf16 tensor cores, fp32 out, for scale
-        try:
-            bf = torch.mm(da.bfloat16(), db.bfloat16(), out_dtype=torch.float32)
-            extra["rel_bf16_tc"] = ((bf.double() - ref).norm() / ref.norm()).item()
-        except Exception:  # noqa: BLE001 - older torch: no out_dtype
-            pass
-    ok = out.shape == (m, n) and torch.isfinite(out).all().item() and rel_ab <= 1e-5 and rel <= 5e-5 and rel16 <= 1e-2
-    record(f"gemm {name}", ok, rel_fp32=rel, rel_to_absAB=rel_ab, rel_bf16_out=rel16, cached_fp8=qa.fp8 is not None, **extra)
+    exact = mx_matmul(qa, qb, backend="triton", accumulation="fp32")
+    rel_x = ((exact.double() - ref).norm() / ref.norm()).item()
+    ok = (out.shape == exact.shape == (m, n) and torch.isfinite(out).all().item() and rel_ab <= 2.5e-4
+          and rel16 <= 1e-2 and rel_x <= 1e-5)
+    record(f"gemm {name}", ok, fp8_mma_rel_to_absAB=rel_ab, fp8_mma_rel=rel, fp8_mma_rel_bf16_out=rel16,
+           fp32_accumulation_rel=rel_x, cached_fp8=qa.fp8 is not None)
 
 
 def _ms(fn, reps=20) -> float:

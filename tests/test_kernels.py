@@ -130,6 +130,22 @@ def test_fp8_rowwise_mm_op_on_cpu():
     torch.library.opcheck(_fp8_rowwise_mm, (fa, sa, fb, sb, torch.float32), test_utils="test_faketensor")
 
 
+def test_fp32_accumulation_equals_the_reference_to_fp32_rounding():
+    """``accumulation="fp32"`` (BF16 tensor cores on CUDA, FP32 here): the FP8 operands are exact,
+    so only FP32 summation order differs from the reference; bad names are refused."""
+    _, _, qa, qb = _operands(n=40)
+    fa, sa = fold_to_fp8(qa)
+    fb, sb = fold_to_fp8(qb)
+    ref = mx_matmul_reference(qa, qb).double()
+    out = _fp8_rowwise_mm(fa, sa, fb, sb, torch.float32, True)
+    scale = (qa.dequantize().double().abs() @ qb.dequantize().double().abs()).norm()
+    assert out.shape == (48, 40) and ((out.double() - ref).norm() / scale).item() < 1e-6
+    assert _fp8_rowwise_mm(fa, sa, fb, sb, torch.bfloat16, True).dtype == torch.bfloat16
+    torch.library.opcheck(_fp8_rowwise_mm, (fa, sa, fb, sb, torch.float32, True), test_utils="test_faketensor")
+    with pytest.raises(ValueError, match="accumulation='fp16'"):
+        mx_matmul(qa, qb, accumulation="fp16")
+
+
 def test_mx_transpose_shares_storage():
     w = torch.randn(40, 96)
     qw = iht_quantize_mxfp4(w, axis=1, backend="reference")
@@ -400,6 +416,7 @@ def test_interp_path_end_to_end():
     qb = iht_quantize_mxfp4(b, axis=0, backend="triton")
     assert qa.fp8 is not None and qb.fp8 is not None
     assert _rel(mx_matmul(qa, qb, backend="triton"), mx_matmul_reference(qa, qb)) < 1e-5
+    assert _rel(mx_matmul(qa, qb, backend="triton", accumulation="fp32"), mx_matmul_reference(qa, qb)) < 1e-6
 
 
 @interp

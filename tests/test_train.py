@@ -140,3 +140,25 @@ def test_compare_table_fields():
     assert rows[0][:5] == ["bf16", "4.0000", "+0.00", "1.5000", "1,000"]
     assert rows[1][2] == "+0.50" and rows[1][6] == "0.25 (1.00)"
     assert rows[2][1] == "failed"
+
+
+def test_compiled_run_reports_no_graph_break_after_the_plan_freeze(data_dir, tmp_path, single_thread, monkeypatch):
+    """`--compile` with AdaHOP-Lv2: calibration runs eagerly (graph breaks by design), the frozen
+    model recompiles whole; summary.json counts the breaks after that (0); its counter sees a real one."""
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda m, **kw: real(m, backend="eager"))  # dynamo only: fast, no toolchain
+    s = train(_cfg(data_dir, tmp_path / "c", steps=4, calib_steps=2, eval_every=0, ckpt_every=0, compile=True))
+    assert s["graph_breaks_steady_state"] == 0 and s["steps"] == 4
+    assert train(_cfg(data_dir, tmp_path / "e", steps=2, eval_every=0, ckpt_every=0))["graph_breaks_steady_state"] is None
+
+
+    from adahop.train.loop import _graph_breaks
+
+    def f(x):
+        x = x + 1
+        torch._dynamo.graph_break()
+        return x * 2
+
+    before = _graph_breaks()
+    torch.compile(f, backend="eager")(torch.ones(3))
+    assert _graph_breaks() == before + 1  # the counter the summary reads sees a real break

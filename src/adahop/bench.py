@@ -164,7 +164,7 @@ def _bench_model_row(model: str, recipe: str, mode: str, seq_len: int, batch: in
 
     def step(i):
         with torch.autocast(dev.type, dtype=torch.bfloat16):
-            logits = fwd(input_ids=ids[:, :-1]).logits
+            logits = fwd(input_ids=ids[:, :-1], use_cache=False).logits
         loss = F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
         loss.backward()
         opt.step()

@@ -230,7 +230,7 @@ def _run_model(args, out: Path) -> dict[str, Path]:
         loss_sum = 0.0
         for xm, ym in zip(x.split(micro), y.split(micro)):
             with autocast:
-                logits = model(input_ids=xm.to(device)).logits
+                logits = model(input_ids=xm.to(device), use_cache=False).logits
             loss = F.cross_entropy(logits.float().flatten(0, 1), ym.to(device).flatten()) / cfg.grad_accum
             loss.backward()
             loss_sum += loss.item()

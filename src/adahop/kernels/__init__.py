@@ -24,7 +24,7 @@ from .fold import (
     resolve_backend,
     triton_available,
 )
-from .mx_matmul import check_mm_layout, mx_matmul, mx_matmul_fp8, mx_matmul_reference, mx_transpose
+from .mx_matmul import ACCUMULATIONS, check_mm_layout, mx_matmul, mx_matmul_fp8, mx_matmul_reference, mx_transpose
 from .quantize_mxfp4 import (
     hadamard_butterfly,
     iht_quantize_mxfp4,
@@ -33,6 +33,7 @@ from .quantize_mxfp4 import (
 )
 
 __all__ = [
+    "ACCUMULATIONS",
     "BACKENDS",
     "FOLD_RANGE",
     "check_mm_layout",

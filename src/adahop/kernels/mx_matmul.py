@@ -2,12 +2,18 @@
 
 The fast path is the Hopper fold of `DESIGN.md` §3: both operands as FP8 E4M3 with one FP32 scale
 per row of A and per column of B, multiplied by cuBLAS (``torch._scaled_mm``, row-wise scales,
-no fast accumulation). Exact up to the FP32 accumulation order.
+no fast accumulation). The operands are exact; the sum is not quite FP32: Hopper's FP8 MMA adds the
+32 products of each instruction with fewer bits than FP32 before cuBLAS promotes the partial sum
+(‖Δ‖/‖|A|·|B|‖ ≈ 4e-6–1.5e-5 at K = 32768–4096 on the H200, falling as 1/√K: a fixed error per
+instruction; the BF16 tensor cores give 1e-8 on the same operands; `scripts/diag_gemm.py`).
+``accumulation="fp32"`` multiplies the same FP8 operands on the BF16 tensor cores instead (exact
+products, FP32 sums) at BF16 GEMM speed; ``ADAHOP_GEMM_ACCUMULATION=fp32`` makes it the default.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +21,15 @@ import torch.nn.functional as F
 from ..formats.mxfp4 import MXTensor
 from .fold import fold_to_fp8, resolve_backend
 
-__all__ = ["mx_matmul", "mx_matmul_reference", "mx_matmul_fp8", "mx_transpose", "check_mm_layout"]
+__all__ = ["mx_matmul", "mx_matmul_reference", "mx_matmul_fp8", "mx_transpose", "check_mm_layout", "ACCUMULATIONS"]
+
+#: ``"fp8-mma"``: FP8 tensor cores (fast; per-instruction sums below FP32). ``"fp32"``: the same
+#: FP8-exact operands on the BF16 tensor cores, FP32 accumulation (as fast as a BF16 GEMM).
+ACCUMULATIONS = ("fp8-mma", "fp32")
+_DEFAULT_ACCUMULATION = os.environ.get("ADAHOP_GEMM_ACCUMULATION", "fp8-mma")
+if _DEFAULT_ACCUMULATION not in ACCUMULATIONS:
+    raise ValueError(f"ADAHOP_GEMM_ACCUMULATION={_DEFAULT_ACCUMULATION!r} is not one of {ACCUMULATIONS}; "
+                     f"unset it for the FP8 tensor cores or set it to fp32")
 
 
 def mx_transpose(q: MXTensor) -> MXTensor:
@@ -77,8 +91,14 @@ def mx_matmul_reference(qa: MXTensor, qb: MXTensor, *, out_dtype: torch.dtype = 
 
 
 def _fp8_rowwise_mm_impl(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-                         out_dtype: torch.dtype) -> torch.Tensor:
+                         out_dtype: torch.dtype, fp32_accumulation: bool = False) -> torch.Tensor:
     # out [M, N] = (a [M, Kp] · a_scale[:, None]) @ (b [N, Kp] · b_scale[:, None])ᵀ ; b.t() is column-major
+    if fp32_accumulation:  # E4M3 values are exact in BF16 (and TF32): exact products, FP32 sums
+        if a.is_cuda:
+            out = torch.mm(a.to(torch.bfloat16), b.to(torch.bfloat16).t(), out_dtype=torch.float32)
+        else:  # the CPU has no BF16 GEMM with FP32 output
+            out = a.float() @ b.float().t()
+        return (out * a_scale[:, None] * b_scale[None, :]).to(out_dtype)
     n = b.shape[0]
     pad = (-n) % 16  # cuBLAS wants N % 16 == 0; Kp is a multiple of 32 already
     if pad:
@@ -94,22 +114,30 @@ _fp8_rowwise_mm = torch.library.custom_op("adahop::fp8_rowwise_mm", _fp8_rowwise
 
 
 @_fp8_rowwise_mm.register_fake
-def _(a, a_scale, b, b_scale, out_dtype):
+def _(a, a_scale, b, b_scale, out_dtype, fp32_accumulation=False):
     return a.new_empty(a.shape[0], b.shape[0], dtype=out_dtype)
 
 
+def _check_accumulation(accumulation: str | None) -> str:
+    accumulation = accumulation or _DEFAULT_ACCUMULATION
+    if accumulation not in ACCUMULATIONS:
+        raise ValueError(f"accumulation={accumulation!r} is not supported; use one of {ACCUMULATIONS}")
+    return accumulation
+
+
 def mx_matmul_fp8(qa: MXTensor, qb: MXTensor, *, out_dtype: torch.dtype = torch.float32,
-                  backend: str = "triton") -> torch.Tensor:
+                  backend: str = "triton", accumulation: str | None = None) -> torch.Tensor:
     """FP8 fast path of :func:`mx_matmul`: fold (or reuse ``q.fp8``), then one row-wise-scaled FP8 GEMM."""
     check_mm_layout(qa, qb)
+    exact = _check_accumulation(accumulation) == "fp32"
     fa, sa = qa.fp8 if qa.fp8 is not None else fold_to_fp8(qa, backend=backend)  # [M, Kp], [M]
     fb, sb = qb.fp8 if qb.fp8 is not None else fold_to_fp8(qb, backend=backend)  # [N, Kp], [N]
     op = _fp8_rowwise_mm if torch.compiler.is_compiling() else _fp8_rowwise_mm_impl
-    return op(fa, sa, fb, sb, out_dtype)
+    return op(fa, sa, fb, sb, out_dtype, exact)
 
 
 def mx_matmul(qa: MXTensor, qb: MXTensor, *, out_dtype: torch.dtype = torch.float32,
-              backend: str = "auto") -> torch.Tensor:
+              backend: str = "auto", accumulation: str | None = None) -> torch.Tensor:
     """MXFP4 GEMM ``dequant(qa) @ dequant(qb)`` with FP32 accumulation.
 
     Args:
@@ -119,15 +147,20 @@ def mx_matmul(qa: MXTensor, qb: MXTensor, *, out_dtype: torch.dtype = torch.floa
         out_dtype: float32 or bfloat16.
         backend: ``"auto"`` (FP8 GEMM on CUDA, else reference), ``"triton"`` (the FP8 path) or
             ``"reference"``.
+        accumulation: FP8 path only: ``"fp8-mma"`` (FP8 tensor cores) or ``"fp32"`` (BF16 tensor
+            cores, exact FP32-accumulated MXFP4 GEMM); None: ``$ADAHOP_GEMM_ACCUMULATION`` or
+            ``"fp8-mma"``. See the module docstring for the accuracy of each.
 
     Returns:
         ``[M, N]`` tensor of ``out_dtype``.
 
     Raises:
-        ValueError: layouts the GEMM cannot take (:func:`check_mm_layout`), or (FP8 path) an
-            operand whose row exponent range exceeds 8 without an ``fp8`` cache.
+        ValueError: layouts the GEMM cannot take (:func:`check_mm_layout`), an unknown
+            ``accumulation``, or (FP8 path) an operand whose row exponent range exceeds 8 without an
+            ``fp8`` cache.
     """
     check_mm_layout(qa, qb)
-    be = resolve_backend(backend, qa.codes.device)
-    fn = mx_matmul_fp8 if be == "triton" else mx_matmul_reference
-    return fn(qa, qb, out_dtype=out_dtype)
+    _check_accumulation(accumulation)
+    if resolve_backend(backend, qa.codes.device) == "triton":
+        return mx_matmul_fp8(qa, qb, out_dtype=out_dtype, accumulation=accumulation)
+    return mx_matmul_reference(qa, qb, out_dtype=out_dtype)

@@ -38,6 +38,13 @@ def _kept(run: Path, step: int) -> str:
     return "No checkpoint was written before that (set --ckpt-every below the step it diverged at)."
 
 
+def _graph_breaks() -> int:
+    """Graph breaks dynamo has counted in this process (it counts each when it compiles a frame)."""
+    from torch._dynamo.utils import counters
+
+    return sum(counters["graph_break"].values())
+
+
 @torch.no_grad()
 def evaluate(model, val, device, autocast, max_batches: int) -> tuple[float, float]:
     """Mean validation loss (nats/token) over ``max_batches`` fixed batches, and bits per byte."""
@@ -45,7 +52,7 @@ def evaluate(model, val, device, autocast, max_batches: int) -> tuple[float, flo
     total, n = 0.0, 0
     for x, y in val.val_batches(max_batches):
         with autocast:
-            logits = model(input_ids=x.to(device)).logits
+            logits = model(input_ids=x.to(device), use_cache=False).logits
         total += F.cross_entropy(logits.float().flatten(0, 1), y.to(device).flatten()).item()
         n += 1
     model.train()
@@ -100,6 +107,7 @@ def train(cfg: TrainConfig, *, rank: int = 0, world: int = 1) -> dict:
     # an AdaHOP plan freezes (kernels compiling, a torch.compile recompile, caches filling)
     clock, timed_tokens, last_good, warm_from = 0.0, 0, start, start + 2
     plan_ranks = 0  # ranks whose frozen plan was checked against rank 0's (0: no freeze in this run)
+    breaks_from = _graph_breaks()  # compiled runs: graph breaks counted from the last (re)compile on
     done = start
     for step in bar:
         t0 = time.perf_counter()
@@ -111,8 +119,8 @@ def train(cfg: TrainConfig, *, rank: int = 0, world: int = 1) -> dict:
             seed_compiled_rng(model, step)
         loss_sum = torch.zeros((), device=device)
         for i, (xm, ym) in enumerate(zip(x.split(micro), y.split(micro))):
-            with autocast:
-                logits = fwd(input_ids=xm.to(device)).logits
+            with autocast:  # no KV cache in training: it costs memory and makes dynamo recompile per layer
+                logits = fwd(input_ids=xm.to(device), use_cache=False).logits
             loss = F.cross_entropy(logits.float().flatten(0, 1), ym.to(device).flatten()) / cfg.grad_accum
             with dp.grad_sync(fwd, i == cfg.grad_accum - 1):  # reduce gradients across ranks once per step
                 loss.backward()
@@ -127,6 +135,7 @@ def train(cfg: TrainConfig, *, rank: int = 0, world: int = 1) -> dict:
                 get_controller(model).plan.save(run / "plan.json")
             if cfg.compile:  # recompile once, with the frozen plan, as whole graphs
                 torch.compiler.reset()
+                breaks_from = _graph_breaks()
         bad |= ~torch.isfinite(loss_sum)  # checked on the device; synced only at log/checkpoint time
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -165,11 +174,15 @@ def train(cfg: TrainConfig, *, rank: int = 0, world: int = 1) -> dict:
     # ---- summary -------------------------------------------------------------------------------
     ours, bf16 = saved_bytes(model)
     peak = peak_memory(device)
+    breaks = _graph_breaks() - breaks_from if cfg.compile else None
+    if breaks and is_main:
+        print(f"warning: torch.compile logged {breaks} graph break(s) after the model's last compile; "
+              f"rerun with TORCH_LOGS=graph_breaks to see where")
     summary = dict(recipe=cfg.recipe, steps=done, tokens=done * tokens_per_step,  # steps done (< --steps if interrupted)
                    final_val_loss=metrics.last("val_loss"), final_val_bpb=metrics.last("val_bpb"),
                    final_train_loss=metrics.last("loss"), tok_per_s=timed_tokens / clock if clock else None,
                    peak_memory_bytes=peak, peak_memory_bytes_per_rank=dp.gather_float(peak),
-                   plan_checked_on_ranks=plan_ranks, world_size=world, saved_bytes=ours, saved_bytes_bf16=bf16,
+                   plan_checked_on_ranks=plan_ranks, world_size=world, graph_breaks_steady_state=breaks, saved_bytes=ours, saved_bytes_bf16=bf16,
                    device=str(device), interrupted=stop["now"])
     if is_main:
         (run / "summary.json").write_text(json.dumps(summary, indent=1))
