@@ -159,20 +159,24 @@ def _bench_model_row(model: str, recipe: str, mode: str, seq_len: int, batch: in
     if not r.is_bf16:  # the BF16 row is the plain transformers model, nn.Linear and all
         convert_model(m, r)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True)
-    fwd = m if COMPILE_MODES[mode] is None else torch.compile(m, mode=COMPILE_MODES[mode])
+    compile_mode = COMPILE_MODES[mode]
+    # a calibrating recipe runs its calibration steps eagerly and is compiled once its plan is frozen
+    calibrating = not r.is_bf16 and r.calibration is not None
+    fwd = m if compile_mode is None or calibrating else torch.compile(m, mode=compile_mode)
     ids = torch.randint(0, 32768, (batch, seq_len + 1), device=dev)
 
     def step(i):
+        nonlocal fwd
         with torch.autocast(dev.type, dtype=torch.bfloat16):
             logits = fwd(input_ids=ids[:, :-1], use_cache=False).logits
         loss = F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if not r.is_bf16 and on_step(m, i + 1) and fwd is not m:  # as `adahop train`: recompile once with the frozen plan
-            torch.compiler.reset()
+        if calibrating and on_step(m, i + 1) and compile_mode is not None:
+            fwd = torch.compile(m, mode=compile_mode)
 
-    for i in range(5):  # calibration (2 steps), the recompile at the plan freeze, CUDA-graph recording
+    for i in range(5):  # calibration (2 steps), the compile after the plan freeze, CUDA-graph recording
         step(i)
     if cuda:
         torch.cuda.synchronize()
