@@ -10,6 +10,8 @@
 #      compiled vs eager, bench model Llama-3.2-1B eager and compiled
 #   d (round 3, one GPU): kernel validation, bench model compiled (Llama-3.2-1B, 4 blocks of 8B)
 #   e (round 3, one GPU): bench model compiled + CUDA graphs (same models)
+#   f (round 3, one GPU): the GEMM and compile checks of the validation, bench model compiled of the
+#      8B-shaped blocks only (what stage d's time limit cut off)
 # JOBS: the quality runs still to do, RECIPE:SEED,... (default: this session's list).
 # Needs .carry/{corpus_main.txt.xz,gpt2.tiktoken} and .whl/zstandard-*.whl (carried).
 set -u
@@ -22,7 +24,7 @@ export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 ADAHOP_CACHE=/tmp/adahop
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())"
-[ "$STAGE" = d ] || [ "$STAGE" = e ] || python3 -m adahop data prepare --source .carry/corpus_main.txt.xz --tokenizer tiktoken:.carry/gpt2.tiktoken --out /tmp/main > $OUT/prepare.log 2>&1 &
+[ "$STAGE" = d ] || [ "$STAGE" = e ] || [ "$STAGE" = f ] || python3 -m adahop data prepare --source .carry/corpus_main.txt.xz --tokenizer tiktoken:.carry/gpt2.tiktoken --out /tmp/main > $OUT/prepare.log 2>&1 &
 PREP=$!
 if [ "$STAGE" = c ]; then timeout 120 python3 scripts/diag_gemm.py > $OUT/diag_gemm.log 2>&1; cat $OUT/diag_gemm.log | cut -c1-200; fi
 wait $PREP; tail -1 $OUT/prepare.log; echo "data ready at $(el) s"
@@ -71,6 +73,13 @@ elif [ "$STAGE" = d ] || [ "$STAGE" = e ]; then
   timeout $(( ${LIM:-530} - $(el) )) python3 -m adahop bench model --model llama3.1-8b --layers 4 --recipes bf16,adahop-lv2 --seq-len 4096 \
     --batch-size 2 --modes $MODES --json $OUT/bench_model_8b4_$STAGE.json > $OUT/bench_model_8b4_$STAGE.log 2>&1
   grep -E "^row:|\|" $OUT/bench_model_8b4_$STAGE.log | tail -4; echo "bench model 8b done at $(el) s"
+elif [ "$STAGE" = f ]; then
+  export CUDA_VISIBLE_DEVICES=0
+  timeout 100 python3 scripts/validate_kernels.py --only gemm,compile --log $OUT/validate_f.json > $OUT/validate_f.log 2>&1
+  grep -E "^FAIL|^PASS|checks passed" $OUT/validate_f.log | cut -c1-260; echo "validate done at $(el) s"
+  timeout $(( ${LIM:-500} - $(el) )) python3 -m adahop bench model --model llama3.1-8b --layers 4 --recipes bf16,adahop-lv2 --seq-len 4096 \
+    --batch-size 2 --modes compiled --json $OUT/bench_model_8b4_f.json > $OUT/bench_model_8b4_f.log 2>&1
+  grep -E "^row:|\|" $OUT/bench_model_8b4_f.log | tail -4; echo "bench model 8b done at $(el) s"
 elif [ "$STAGE" = b ]; then  # one GPU is enough; the scaling runs need two
   export CUDA_VISIBLE_DEVICES=0
   timeout 60 python3 scripts/grad_check.py --recipes mxfp4-had,quartet,tseng --tokens 16384 --k 512 --n 1344 > $OUT/grad_check.log 2>&1

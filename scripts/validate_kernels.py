@@ -24,7 +24,7 @@ Checks, each printed as PASS/FAIL with its numbers:
 - ``torch.compile(fullgraph=True)`` of quantize + GEMM equals eager.
 
 Exits 1 if any check fails. ``--small`` runs tiny shapes (also on the CPU under TRITON_INTERPRET=1).
-Usage: ``python scripts/validate_kernels.py [--small] [--log PATH]``.
+Usage: ``python scripts/validate_kernels.py [--small] [--log PATH] [--only gemm,compile]``.
 """
 
 from __future__ import annotations
@@ -192,11 +192,18 @@ def check_compile(dev, gen):
     record("torch.compile(fullgraph) fprop == eager", ok, **({"error": err} if err else {}))
 
 
+SECTIONS = ("quantize", "sweep", "fold", "sr", "gemm", "compile")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="tiny shapes (smoke test)")
     ap.add_argument("--log", default=None, help="write the results as JSON here")
+    ap.add_argument("--only", default=None, help=f"comma-separated sections to run, of {','.join(SECTIONS)} (default: all)")
     args = ap.parse_args()
+    only = set(args.only.split(",")) if args.only else set(SECTIONS)
+    if only - set(SECTIONS):
+        ap.error(f"--only: unknown section(s) {sorted(only - set(SECTIONS))}; choose from {','.join(SECTIONS)}")
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator(device=dev).manual_seed(1234)
     t0 = time.time()
@@ -206,59 +213,64 @@ def main() -> int:
     mk = lambda shape, dt=bf, special=False: make_input(big(shape), dt, dev, gen, special)  # noqa: E731
 
     print(f"# device: {torch.cuda.get_device_name() if dev == 'cuda' else 'cpu'}; torch {torch.__version__}", flush=True)
-    # --- quantizer, round to nearest -----------------------------------------------------------
-    for shape, dt in (((4096, 4096), bf), ((8192, 2048), bf), ((4096, 4096), f32)):
-        for axis in (1, 0):
-            check_quantize(f"{shape[0]}x{shape[1]} ax{axis} {str(dt)[6:]} hb32", mk(shape, dt), axis)
-    check_quantize("1000x4096 ax1 bf16 hb32 (ragged rows)", mk((1000, 4096)), 1)
-    check_quantize("4096x1000 ax0 bf16 hb None (ragged rows)", mk((4096, 1000)), 0, hb=None)
-    check_quantize("1000x4096 ax0 bf16 hb None (ragged Kc)", mk((1000, 4096)), 0, hb=None)
-    check_quantize("4096x1000 ax1 fp32 hb None (ragged Kc)", mk((4096, 1000), f32), 1, hb=None)
-    check_quantize("8192x14336 ax1 bf16 hb32 (row loop 7x2048)", mk((8192, 14336)), 1)
-    check_quantize("8192x4096 ax1 bf16 hb32 special values", mk((8192, 4096), special=True), 1)
-    check_quantize("8192x4096 ax0 bf16 hb32 special values", mk((8192, 4096), special=True), 0)
-    w = mk((14336, 4096))
-    check_quantize("Wt = (14336x4096).t() ax0 (fprop B)", w.t(), 0)
-    dy = mk((8192, 1024))
-    check_quantize("dYt = (8192x1024).t() ax1 (wgrad A)", dy.t(), 1)
-    del w, dy
-    g = torch.Generator(device=dev).manual_seed(5)
-    for hb in (16, 64):
-        signs = (torch.randint(0, 2, (hb,), device=dev, generator=g).float() * 2 - 1)
-        for axis in (1, 0):
-            check_quantize(f"2048x4096 ax{axis} bf16 hb{hb} signs", mk((2048, 4096)), axis, hb=hb, signs=signs)
-    for rule in ("ceil", "adahop", "tseng"):
-        check_quantize(f"4096x2048 ax1 bf16 rule={rule}", mk((4096, 2048)), 1, rule=rule)
-        check_quantize(f"4096x2048 ax0 bf16 rule={rule}", mk((4096, 2048)), 0, rule=rule)
-    check_quantize("4096x4096 ax1 bf16 max_scale_range=None", mk((4096, 4096), special=True), 1, msr=None)
-    check_quantize("4096x4096 ax0 bf16 max_scale_range=None", mk((4096, 4096), special=True), 0, msr=None)
-    # --- every tile plan: contracted length × Hadamard block (a [64, 4, 32] tile once compiled wrong) --
-    for kc in (32, 64, 96, 128, 160, 256, 512, 1024, 2048):
-        for hb in (None, 16, 32, 64, 128, 256):
-            if hb is not None and (hb > kc or kc % hb):
-                continue
-            signs = None if hb is None else (torch.randint(0, 2, (hb,), device=dev, generator=gen).float() * 2 - 1)
+    if "quantize" in only:
+        # --- quantizer, round to nearest -----------------------------------------------------------
+        for shape, dt in (((4096, 4096), bf), ((8192, 2048), bf), ((4096, 4096), f32)):
             for axis in (1, 0):
-                rows = 4096 if s else 64  # the contracted length is kept as is, also with --small
-                x = make_input((rows, kc) if axis == 1 else (kc, rows), bf, dev, gen)
-                check_quantize(f"sweep kc={kc} ax{axis} hb{hb} signs", x, axis, hb=hb, signs=signs, rule="tseng")
-    # --- the fold of saved packed MXFP4 (backward) --------------------------------------------------
-    check_fold("X 8192x4096 ax0 (saved for wgrad)", mk((8192, 4096)), 0)
-    check_fold("W 14336x4096 ax0 (saved for dgrad)", mk((14336, 4096)), 0)
-    check_fold("X 8192x14336 ax0 special values", mk((8192, 14336), special=True), 0)
-    check_fold("1000x4096 ax1 ragged rows, rule=tseng", mk((1000, 4096)), 1, rule="tseng")
-    check_fold("4096x1000 ax1 ragged Kc", mk((4096, 1000)), 1)
-    # --- stochastic rounding --------------------------------------------------------------------
-    for axis in (1, 0):
-        check_stochastic(f"4096x4096 ax{axis} bf16 ceil", mk((4096, 4096)), axis)
-    # --- GEMM -----------------------------------------------------------------------------------
-    for (m, kc, n) in ((4096, 4096, 4096), (8192, 4096, 1024), (8192, 14336, 4096), (1000, 4096, 1000)):
-        m, kc, n = big((m, kc, n))
-        check_gemm(f"{m}x{kc}x{n} hb32", m, kc, n, dev, gen)
-    m, kc, n = big((2048, 4096, 2048))
-    check_gemm(f"{m}x{kc}x{n} via fold_to_fp8 (reference quantizer)", m, kc, n, dev, gen, via_fold=True)
-    check_gemm(f"{m}x{kc}x{n} no Hadamard", m, kc, n, dev, gen, hb=None)
-    if dev == "cuda":
+                check_quantize(f"{shape[0]}x{shape[1]} ax{axis} {str(dt)[6:]} hb32", mk(shape, dt), axis)
+        check_quantize("1000x4096 ax1 bf16 hb32 (ragged rows)", mk((1000, 4096)), 1)
+        check_quantize("4096x1000 ax0 bf16 hb None (ragged rows)", mk((4096, 1000)), 0, hb=None)
+        check_quantize("1000x4096 ax0 bf16 hb None (ragged Kc)", mk((1000, 4096)), 0, hb=None)
+        check_quantize("4096x1000 ax1 fp32 hb None (ragged Kc)", mk((4096, 1000), f32), 1, hb=None)
+        check_quantize("8192x14336 ax1 bf16 hb32 (row loop 7x2048)", mk((8192, 14336)), 1)
+        check_quantize("8192x4096 ax1 bf16 hb32 special values", mk((8192, 4096), special=True), 1)
+        check_quantize("8192x4096 ax0 bf16 hb32 special values", mk((8192, 4096), special=True), 0)
+        w = mk((14336, 4096))
+        check_quantize("Wt = (14336x4096).t() ax0 (fprop B)", w.t(), 0)
+        dy = mk((8192, 1024))
+        check_quantize("dYt = (8192x1024).t() ax1 (wgrad A)", dy.t(), 1)
+        del w, dy
+        g = torch.Generator(device=dev).manual_seed(5)
+        for hb in (16, 64):
+            signs = (torch.randint(0, 2, (hb,), device=dev, generator=g).float() * 2 - 1)
+            for axis in (1, 0):
+                check_quantize(f"2048x4096 ax{axis} bf16 hb{hb} signs", mk((2048, 4096)), axis, hb=hb, signs=signs)
+        for rule in ("ceil", "adahop", "tseng"):
+            check_quantize(f"4096x2048 ax1 bf16 rule={rule}", mk((4096, 2048)), 1, rule=rule)
+            check_quantize(f"4096x2048 ax0 bf16 rule={rule}", mk((4096, 2048)), 0, rule=rule)
+        check_quantize("4096x4096 ax1 bf16 max_scale_range=None", mk((4096, 4096), special=True), 1, msr=None)
+        check_quantize("4096x4096 ax0 bf16 max_scale_range=None", mk((4096, 4096), special=True), 0, msr=None)
+    if "sweep" in only:
+        # --- every tile plan: contracted length × Hadamard block (a [64, 4, 32] tile once compiled wrong) --
+        for kc in (32, 64, 96, 128, 160, 256, 512, 1024, 2048):
+            for hb in (None, 16, 32, 64, 128, 256):
+                if hb is not None and (hb > kc or kc % hb):
+                    continue
+                signs = None if hb is None else (torch.randint(0, 2, (hb,), device=dev, generator=gen).float() * 2 - 1)
+                for axis in (1, 0):
+                    rows = 4096 if s else 64  # the contracted length is kept as is, also with --small
+                    x = make_input((rows, kc) if axis == 1 else (kc, rows), bf, dev, gen)
+                    check_quantize(f"sweep kc={kc} ax{axis} hb{hb} signs", x, axis, hb=hb, signs=signs, rule="tseng")
+    if "fold" in only:
+        # --- the fold of saved packed MXFP4 (backward) --------------------------------------------------
+        check_fold("X 8192x4096 ax0 (saved for wgrad)", mk((8192, 4096)), 0)
+        check_fold("W 14336x4096 ax0 (saved for dgrad)", mk((14336, 4096)), 0)
+        check_fold("X 8192x14336 ax0 special values", mk((8192, 14336), special=True), 0)
+        check_fold("1000x4096 ax1 ragged rows, rule=tseng", mk((1000, 4096)), 1, rule="tseng")
+        check_fold("4096x1000 ax1 ragged Kc", mk((4096, 1000)), 1)
+    if "sr" in only:
+        # --- stochastic rounding --------------------------------------------------------------------
+        for axis in (1, 0):
+            check_stochastic(f"4096x4096 ax{axis} bf16 ceil", mk((4096, 4096)), axis)
+    if "gemm" in only:
+        # --- GEMM -----------------------------------------------------------------------------------
+        for (m, kc, n) in ((4096, 4096, 4096), (8192, 4096, 1024), (8192, 14336, 4096), (1000, 4096, 1000)):
+            m, kc, n = big((m, kc, n))
+            check_gemm(f"{m}x{kc}x{n} hb32", m, kc, n, dev, gen)
+        m, kc, n = big((2048, 4096, 2048))
+        check_gemm(f"{m}x{kc}x{n} via fold_to_fp8 (reference quantizer)", m, kc, n, dev, gen, via_fold=True)
+        check_gemm(f"{m}x{kc}x{n} no Hadamard", m, kc, n, dev, gen, hb=None)
+    if "compile" in only and dev == "cuda":
         check_compile(dev, gen)
 
     n_fail = sum(not r["ok"] for r in RESULTS)

@@ -110,7 +110,8 @@ def bench_model(model: str = "llama3.2-1b", *, recipes=("bf16", "adahop-lv2", "m
     """Training tokens/s (median step time after warm-up) and peak memory, same process for all.
 
     ``modes`` are keys of :data:`COMPILE_MODES`. A row that fails (out of memory, a compile
-    error) is recorded with its error instead of stopping the others.
+    error) is recorded with its error instead of stopping the others. Each row also gives
+    ``warmup_s``: seconds of its 5 untimed steps (calibration, compile, CUDA-graph recording).
 
     Raises:
         ValueError: an unknown mode.
@@ -176,10 +177,12 @@ def _bench_model_row(model: str, recipe: str, mode: str, seq_len: int, batch: in
         if calibrating and on_step(m, i + 1) and compile_mode is not None:
             fwd = torch.compile(m, mode=compile_mode)
 
+    t_warm = time.perf_counter()
     for i in range(5):  # calibration (2 steps), the compile after the plan freeze, CUDA-graph recording
         step(i)
     if cuda:
         torch.cuda.synchronize()
+    warmup_s = time.perf_counter() - t_warm
         torch.cuda.reset_peak_memory_stats()
     times = []
     for i in range(5, 5 + steps):
@@ -198,7 +201,7 @@ def _bench_model_row(model: str, recipe: str, mode: str, seq_len: int, batch: in
     return dict(model=model, layers=layers or m.config.num_hidden_layers, recipe=recipe, mode=mode, step_ms=ms,
                 tok_per_s=batch * seq_len / ms * 1e3,
                 peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
-                strategies=_strategy_counts(m))
+                warmup_s=warmup_s, strategies=_strategy_counts(m))
 
 
 def _strategy_counts(model: torch.nn.Module) -> str:
