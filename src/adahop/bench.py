@@ -182,8 +182,8 @@ def _bench_model_row(model: str, recipe: str, mode: str, seq_len: int, batch: in
         step(i)
     if cuda:
         torch.cuda.synchronize()
-    warmup_s = time.perf_counter() - t_warm
         torch.cuda.reset_peak_memory_stats()
+    warmup_s = time.perf_counter() - t_warm
     times = []
     for i in range(5, 5 + steps):
         if cuda:
