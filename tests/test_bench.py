@@ -17,6 +17,7 @@ def test_bench_model_rows_on_cpu():
     bf16, lv2, bad = rows
     assert bf16["vs_bf16"] == 1.0 and bf16["strategies"] == ""  # plain nn.Linear: nothing converted
     assert lv2["tok_per_s"] > 0 and math.isclose(lv2["vs_bf16"], lv2["tok_per_s"] / bf16["tok_per_s"])
+    assert all(r["warmup_s"] > 0 for r in (lv2, bf16))
     # 2 calibration steps, then the frozen plan: every GEMM of the 14 linears got a strategy
     counts = dict(part.rsplit(" ", 1) for part in lv2["strategies"].split(", "))
     assert sum(int(v) for v in counts.values()) == 42 and "calibrating" not in counts
