@@ -16,6 +16,7 @@ import argparse
 
 import torch
 
+from adahop.bench import cuda_time_ms
 from adahop.kernels.mx_matmul import _fp8_rowwise_mm_impl
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
@@ -44,18 +45,6 @@ def kernel_names(fn) -> str:
     return " | ".join(n[:90] for n in names)
 
 
-def ms(fn, reps=10):
-    fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / reps
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--draws", type=int, default=3)
@@ -75,9 +64,9 @@ def main() -> None:
             worst = max(worst, ((out.double() - ref).norm() / scale).item())
             bf = torch.mm(a.bfloat16(), b.bfloat16().t(), out_dtype=torch.float32) * sa[:, None] * sb[None, :]
             worst_bf = max(worst_bf, ((bf.double() - ref).norm() / scale).item())
-        t8 = ms(lambda: _fp8_rowwise_mm_impl(a, sa, b, sb, torch.bfloat16))
+        t8 = cuda_time_ms(lambda: _fp8_rowwise_mm_impl(a, sa, b, sb, torch.bfloat16))
         a16, b16 = a.bfloat16(), b.bfloat16()
-        t16 = ms(lambda: torch.mm(a16, b16.t(), out_dtype=torch.float32))
+        t16 = cuda_time_ms(lambda: torch.mm(a16, b16.t(), out_dtype=torch.float32))
         names = kernel_names(lambda: _fp8_rowwise_mm_impl(a, sa, b, sb, torch.float32))
         print(f"{m} {k} {n} | {worst:.2e} | {worst_bf:.2e} | "
               f"{t8:.3f} | {t16:.3f} | {names}", flush=True)

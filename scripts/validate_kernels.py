@@ -37,6 +37,7 @@ import time
 
 import torch
 
+from adahop.bench import cuda_time_ms
 from adahop.kernels import fold_to_fp8, hadamard_butterfly, iht_quantize_mxfp4, mx_matmul, mx_transpose
 from adahop.kernels import _triton_quantize as tq
 
@@ -148,18 +149,6 @@ def check_gemm(name, m, kc, n, dev, gen, hb=32, via_fold=False):
            fp32_accumulation_rel=rel_x, cached_fp8=qa.fp8 is not None)
 
 
-def _ms(fn, reps=20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / reps
-
-
 def check_fold(name, x, axis, rule="floor"):
     """The Triton fold of a saved (packed) operand vs the reference fold, byte for byte."""
     hb = 32 if x.shape[axis] % 32 == 0 else None
@@ -170,8 +159,8 @@ def check_fold(name, x, axis, rule="floor"):
     bad = (ft.view(torch.uint8) != fr.view(torch.uint8)).sum().item() + (st != sr).sum().item()
     detail = {}
     if x.is_cuda:
-        detail = dict(us_triton=1e3 * _ms(lambda: fold_to_fp8(q, backend="triton")),
-                      us_reference=1e3 * _ms(lambda: fold_to_fp8(q, backend="reference"), reps=3))
+        detail = dict(us_triton=1e3 * cuda_time_ms(lambda: fold_to_fp8(q, backend="triton")),
+                      us_reference=1e3 * cuda_time_ms(lambda: fold_to_fp8(q, backend="reference"), reps=3))
     record(f"fold {name}", bad == 0 and ft.shape == fr.shape, diff=bad, **detail)
 
 

@@ -29,8 +29,8 @@ LINEAR_SHAPES = {
 }
 
 
-def _time(fn, reps: int) -> float:
-    """Median milliseconds of ``fn()`` over ``reps`` runs (CUDA events), after 3 warm-ups."""
+def cuda_time_ms(fn, reps: int = 20) -> float:
+    """Median milliseconds of ``fn()`` over ``reps`` runs (CUDA events), after 3 warm-ups (CUDA only)."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -86,7 +86,7 @@ def bench_linear(models=("llama3.1-8b",), tokens=(8192, 16384), reps: int = 20) 
                             y = layer(x)
                         y.backward(dy)
 
-                    ms = _time(step, reps if "emulated" not in kind else max(3, reps // 4))
+                    ms = cuda_time_ms(step, reps if "emulated" not in kind else max(3, reps // 4))
                     flops = 6 * t * k * n
                     lp = next((m for m in layer.modules() if isinstance(m, LowPrecisionLinear)), None)
                     saved = lp.saved_bytes if lp is not None else (t * k + n * k) * 2
