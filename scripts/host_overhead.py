@@ -21,7 +21,7 @@ def fake_quant(x, axis, hb, signs, stochastic, rule, msr, seed, **kw):
             torch.empty(rows, kp, dtype=torch.float8_e4m3fn), torch.empty(rows))
 tq.mx_quantize = fake_quant
 tf.fold = lambda codes, scales, e: (torch.empty(codes.shape[0], codes.shape[1] * 2, dtype=torch.float8_e4m3fn), torch.empty(codes.shape[0]))
-mm._fp8_rowwise_mm_impl = lambda a, sa, b, sb, dt: torch.empty(a.shape[0], b.shape[0], dtype=dt)
+mm._fp8_rowwise_mm_impl = lambda a, sa, b, sb, dt, exact=False: torch.empty(a.shape[0], b.shape[0], dtype=dt)
 fold.resolve_backend = lambda b, d: "triton"; qm.resolve_backend = fold.resolve_backend; mm.resolve_backend = fold.resolve_backend
 from adahop.nn import convert_model, get_controller
 from adahop.patterns import Plan
