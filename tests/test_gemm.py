@@ -204,3 +204,27 @@ def test_shape_and_argument_errors():
         prepare(a, "c", GemmSpec(strategy="iht"))
     with pytest.raises(ValueError, match="'calibrated' must be resolved"):
         prepare(a, "a", GemmSpec(strategy="calibrated", a=OperandSpec(), b=OperandSpec()))
+
+
+@pytest.mark.parametrize("strategy", ["iht+oe_left", "iht+oe_right"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_oe_writes_slab_products_into_exact_zeros(strategy, out_dtype, gen):
+    """OE zeroes its rows of A (columns of B) before quantizing, so the clean product is exactly 0
+    there and `multiply` writes the slab products in place: equal, bit for bit, to adding them to an
+    FP32 product and casting (the formula of `specs/adahop.md` §4)."""
+    from adahop.gemm import multiply
+    from adahop.kernels import mx_matmul
+
+    a = (torch.randn(96, 128, generator=gen) * torch.rand(96, 1, generator=gen) * 8).bfloat16()
+    b = (torch.randn(128, 80, generator=gen) * torch.rand(1, 80, generator=gen) * 8).bfloat16()
+    op = OperandSpec(fmt="mxfp4", max_scale_range=8)
+    spec = GemmSpec(strategy=strategy, a=op, b=op, oe_rank=16)
+    pa, pb = prepare(a, "a", spec), prepare(b, "b", spec)
+    clean = mx_matmul(pa.q, pb.q)  # FP32
+    idx = pa.oe_idx if strategy == "iht+oe_left" else pb.oe_idx
+    dim = 0 if strategy == "iht+oe_left" else 1
+    assert clean.index_select(dim, idx).abs().max() == 0
+    slab = pa.oe_slab @ pb.hp if dim == 0 else pa.hp @ pb.oe_slab
+    want = clean.index_add(dim, idx, slab.float()).to(out_dtype)
+    got = multiply(pa, pb, spec, out_dtype=out_dtype)
+    assert got.dtype == out_dtype and torch.equal(got, want)

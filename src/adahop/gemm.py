@@ -213,15 +213,21 @@ def multiply(pa: Prepared, pb: Prepared, spec: GemmSpec, *, out_dtype: torch.dty
         return (pa.hp @ pb.hp).to(out_dtype)
     if pa.q is None or pb.q is None or pa.Kc != pb.Kc:
         raise ValueError(f"operands were not prepared for the same GEMM (Kc {pa.Kc} vs {pb.Kc})")
-    # nothing added after the GEMM: it writes out_dtype itself (no FP32 round trip through memory)
-    plain = (spec.outer_a is None and spec.outer_b is None and spec.mean_split == "none"
-             and pa.oe_idx is None and pb.oe_idx is None)
+    # No term to add after the GEMM except OE's: the GEMM writes out_dtype itself (no FP32 round
+    # trip through memory). OE zeroed its rows of A (columns of B) before quantizing, so those rows
+    # (columns) of the product are exactly 0 and the slab products are written there, not added.
+    oe_only = spec.outer_a is None and spec.outer_b is None and spec.mean_split == "none"
     if isinstance(pa.q, MXTensor) and isinstance(pb.q, MXTensor):
-        c = _kernels().mx_matmul(pa.q, pb.q, out_dtype=out_dtype if plain else torch.float32, backend=backend)
-        if plain:
-            return c
+        c = _kernels().mx_matmul(pa.q, pb.q, out_dtype=out_dtype if oe_only else torch.float32, backend=backend)
     else:
         c = pa.q.dequantize(torch.float32) @ pb.q.dequantize(torch.float32)
+    if oe_only:
+        c = c[: pa.rows, : pb.rows]
+        if pa.oe_idx is not None:  # OE-Left: C[idx, :] = A_slab · B  (high precision)
+            c.index_copy_(0, pa.oe_idx, (pa.oe_slab @ pb.hp).to(c.dtype))
+        if pb.oe_idx is not None:  # OE-Right: C[:, idx] = A · B_slab
+            c.index_copy_(1, pb.oe_idx, (pa.hp @ pb.oe_slab).to(c.dtype))
+        return c.to(out_dtype)
     # undo the outer transforms (HALO): Hadamards without signs are their own inverse
     if spec.outer_a is not None:
         c = _outer(c, spec.outer_a, 0, "output")
@@ -237,9 +243,9 @@ def multiply(pa: Prepared, pb: Prepared, spec: GemmSpec, *, out_dtype: torch.dty
             rb = pb.q.dequantize(torch.float32).sum(dim=0)  # 1ᵀ·Q(R_B)
             c = c + torch.outer(ra, pb.mean) + torch.outer(pa.mean, rb)
     c = c[: pa.rows, : pb.rows]
-    if pa.oe_idx is not None:  # OE-Left: C[idx, :] += A_slab · B  (high precision)
+    if pa.oe_idx is not None:  # OE-Left with an outer transform or a mean split: C[idx, :] += A_slab · B
         c = c.index_add(0, pa.oe_idx, (pa.oe_slab @ pb.hp).float())
-    if pb.oe_idx is not None:  # OE-Right: C[:, idx] += A · B_slab
+    if pb.oe_idx is not None:  # OE-Right, likewise: C[:, idx] += A · B_slab
         c = c.index_add(1, pb.oe_idx, (pa.hp @ pb.oe_slab).float())
     return c.to(out_dtype)
 
