@@ -185,7 +185,7 @@ def prepare(
     own_oe = "iht+oe_left" if side == "a" else "iht+oe_right"
     if strategy == own_oe:
         k = min(spec.oe_rank, rows)
-        norms = t.float().norm(dim=kc_axis)[:rows]
+        norms = torch.linalg.vector_norm(t, dim=kc_axis, dtype=torch.float32)[:rows]  # no FP32 copy of t
         idx = torch.topk(norms, k).indices
         prep.oe_idx = idx
         prep.oe_slab = t.index_select(outer_axis, idx)  # [k, Kc] or [Kc, k], high precision
