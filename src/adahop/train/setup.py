@@ -17,13 +17,42 @@ from ..patterns import Plan
 from ..recipes import get_recipe
 from .config import TrainConfig
 
-__all__ = ["resolve_device", "resolve_data", "resolve_recipe", "build_optimizer", "lr_at", "make_streams", "make_model"]
+__all__ = ["resolve_device", "resolve_data", "prepared_path", "settings_diff", "resolve_recipe", "build_optimizer", "lr_at", "make_streams", "make_model"]
 
 
 #: Settings a resumed run must share with the run that wrote the checkpoint (the model, the
 #: numerics and the data order); others (--steps, --eval-every, --out...) may change.
 RESUME_KEYS = ("recipe", "model", "model_config", "seq_len", "batch_size", "grad_accum", "seed", "data", "vocab_size",
                "tokenizer", "calib_steps", "plan", "backend")
+
+#: Settings that do not change a finished run's results (`adahop compare` reuses a run whose other
+#: settings all equal the new ones).
+RESULT_NEUTRAL_KEYS = ("out", "resume", "log_every", "ckpt_every", "keep_ckpts")
+
+
+def settings_diff(cfg: TrainConfig, run: Path, keys) -> list[str]:
+    """The settings among ``keys`` in which ``cfg`` differs from the run saved in ``run/config.json``,
+    as ``--flag old → new`` strings (empty if the folder holds no config). ``--data`` is compared as
+    the prepared folder it names, so ``default`` and its cache path, or two spellings of one path,
+    are the same data."""
+    from ..utils import read_json
+
+    if not (run / "config.json").exists():
+        return []
+    section = read_json(run / "config.json", "the run's config").get("adahop", {})
+    saved, now = section.get("config", {}), cfg.to_dict()
+    diff = []
+    for k in keys:
+        if k not in saved or saved[k] == now.get(k):
+            continue
+        if k == "data" and "data_dir" in section and _same_path(section["data_dir"], prepared_path(cfg)):
+            continue
+        diff.append(f"--{k.replace('_', '-')} {saved[k]!r} → {now.get(k)!r}")
+    return diff
+
+
+def _same_path(a, b) -> bool:
+    return Path(a).resolve() == Path(b).resolve()
 
 
 def check_run_dir(cfg: TrainConfig, run: Path) -> int | None:
@@ -35,7 +64,6 @@ def check_run_dir(cfg: TrainConfig, run: Path) -> int | None:
             mix its files with theirs); with ``--resume``, a setting that differs from the
             checkpointed run's (listed), or ``--steps`` not above the checkpoint's step.
     """
-    from ..utils import read_json
     from .checkpoint import latest_checkpoint
 
     ck = latest_checkpoint(run)
@@ -47,9 +75,7 @@ def check_run_dir(cfg: TrainConfig, run: Path) -> int | None:
     if not cfg.resume:
         raise ValueError(f"--out {run} holds checkpoints of an earlier run (up to step {step}); pass --resume to "
                          f"continue that run, or choose a new --out (or delete the folder)")
-    saved = read_json(run / "config.json", "the run's config").get("adahop", {}).get("config", {}) if (run / "config.json").exists() else {}
-    now = cfg.to_dict()
-    diff = [f"--{k.replace('_', '-')} {saved[k]!r} → {now[k]!r}" for k in RESUME_KEYS if k in saved and saved[k] != now.get(k)]
+    diff = settings_diff(cfg, run, RESUME_KEYS)
     if diff:
         raise ValueError(f"--resume: these settings differ from the checkpointed run in {run}: {'; '.join(diff)}. "
                          f"Resume with the run's own settings, or start a new run with a new --out")
@@ -67,10 +93,14 @@ def resolve_device(spec: str) -> torch.device:
     return torch.device(spec)
 
 
-def resolve_data(cfg: TrainConfig) -> Path:
-    """A prepared data folder for ``cfg.data``: used as is when it holds manifest.json, otherwise
-    prepared once into a cache folder keyed by the sources, the tokenizer settings and
-    :data:`adahop.data.shards.PREPARE_REVISION`."""
+def prepared_path(cfg: TrainConfig) -> Path:
+    """The prepared data folder ``cfg.data`` names, without preparing it: ``cfg.data`` itself when it
+    holds manifest.json, otherwise a cache folder keyed by the sources, the tokenizer settings and
+    :data:`adahop.data.shards.PREPARE_REVISION`.
+
+    Raises:
+        ValueError: empty ``--data`` or a source path that does not exist.
+    """
     p = Path(cfg.data)
     if p.is_dir() and (p / "manifest.json").exists():
         return p
@@ -84,8 +114,14 @@ def resolve_data(cfg: TrainConfig) -> Path:
     key = hashlib.sha256(repr((sorted(str(Path(s).resolve()) if Path(s).exists() else s for s in sources),
                                cfg.tokenizer, cfg.vocab_size, cfg.val_fraction, PREPARE_REVISION)).encode()).hexdigest()[:12]
     name = "default" if sources == ["default"] else "data"
-    out = cache_dir() / "prepared" / f"{name}-{cfg.tokenizer.replace('/', '_').replace(':', '_')}-{cfg.vocab_size}-{key}"
+    return cache_dir() / "prepared" / f"{name}-{cfg.tokenizer.replace('/', '_').replace(':', '_')}-{cfg.vocab_size}-{key}"
+
+
+def resolve_data(cfg: TrainConfig) -> Path:
+    """The prepared data folder for ``cfg.data`` (:func:`prepared_path`), prepared once if missing."""
+    out = prepared_path(cfg)
     if not (out / "manifest.json").exists():
+        sources = [s for s in cfg.data.split(",") if s]
         prepare(sources, out, tokenizer=cfg.tokenizer, vocab_size=cfg.vocab_size, val_fraction=cfg.val_fraction)
     return out
 
@@ -122,7 +158,10 @@ def resolve_recipe(cfg: TrainConfig):
         if recipe.calibration is None:
             raise ValueError(f"--plan is for AdaHOP recipes (they calibrate); --recipe {cfg.recipe} has fixed strategies "
                              f"and would ignore it. Use --recipe adahop-lv1 or adahop-lv2, or drop --plan")
-        plan = Plan.load(cfg.plan)
+        try:
+            plan = Plan.load(cfg.plan)
+        except ValueError as e:  # not JSON, or JSON that is not a plan
+            raise ValueError(f"--plan {cfg.plan}: {e}; pass a plan.json written by `adahop train` or `adahop analyze`") from None
     return recipe, plan
 
 
