@@ -108,7 +108,11 @@ def main(argv: list[str] | None = None) -> int:
             from .train.compare import compare
 
             cfg = _config_from(args, TrainConfig)
-            compare([r.strip() for r in args.recipes.split(",") if r.strip()], cfg, Path(cfg.out))
+            summaries = compare([r.strip() for r in args.recipes.split(",") if r.strip()], cfg, Path(cfg.out))
+            failed = [r for r, s in summaries.items() if "error" in s]
+            if failed:  # the table is written; a script must still see that it is incomplete
+                print(f"adahop compare: error: {', '.join(failed)} failed (see the table)", file=sys.stderr)
+                return 1
         elif args.cmd == "recipes":
             from .recipes.table import describe_recipes
 
@@ -131,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"adahop {args.cmd}: {e}", file=sys.stderr)
         return 1
+    except OSError as e:  # files and network (a download that cannot reach its host): one line, no traceback
+        print(f"adahop {args.cmd}: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
     return 0

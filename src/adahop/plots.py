@@ -54,6 +54,7 @@ def plot_compare(runs: dict[str, list[dict]], out_dir: Path, *, baseline: str | 
         pts = [(st, val - base[st]) for st, val in zip(s, v) if st in base]
         label = name if isinstance(baseline, str) else f"{name} − {ref}"
         diffs[label] = ([p[0] for p in pts], [p[1] for p in pts])
+    (out_dir / "loss_diff.png").unlink(missing_ok=True)  # never leave an earlier comparison's plot beside this one
     if diffs:
         what = baseline if isinstance(baseline, str) else "BF16 (same seed)"
         paths.append(_line_plot(diffs, out_dir / "loss_diff.png", ylabel=f"training loss − {what} loss",

@@ -17,7 +17,7 @@ from ..recipes import get_recipe
 from .checkpoint import latest_checkpoint
 from .config import TrainConfig
 from .metrics import read_metrics
-from .setup import resolve_data
+from .setup import RESULT_NEUTRAL_KEYS, resolve_data, settings_diff
 
 __all__ = ["compare", "format_table", "COLUMNS"]
 
@@ -66,15 +66,24 @@ def compare(recipes: list[str], cfg: TrainConfig, out: Path) -> dict[str, dict]:
     """Train ``cfg`` under each recipe into ``out/<recipe>``; write compare.md, compare.csv,
     compare.json, loss_curves.png and loss_diff.png into ``out``; print the table.
 
-    Run again with the same ``out``, it reuses the recipes that finished and resumes the ones that
-    were interrupted (from their last checkpoint).
+    Run again with the same ``out`` and settings, it reuses the recipes that finished and resumes
+    the ones that were interrupted (from their last checkpoint).
 
     Raises:
-        ValueError: an unknown recipe name (before anything runs).
+        ValueError: no recipes or an unknown recipe name, or a run in ``out/<recipe>`` made with other
+            settings (listed; its results would not be comparable) — all before anything trains.
     """
+    if not recipes:
+        raise ValueError("compare: no recipes given; pass --recipes bf16,adahop-lv2,...")
     for r in recipes:
         get_recipe(r)
     out = Path(out)
+    keys = [f.name for f in dataclasses.fields(cfg) if f.name not in (*RESULT_NEUTRAL_KEYS, "recipe")]
+    for r in recipes:  # every earlier run must be this comparison's, or its numbers would be mixed in
+        diff = settings_diff(dataclasses.replace(cfg, recipe=r), out / r, keys)
+        if diff:
+            raise ValueError(f"compare: {out / r} holds a {r} run with other settings ({'; '.join(diff)}); its results "
+                             f"would not be comparable. Use a new --out, or delete {out / r}")
     out.mkdir(parents=True, exist_ok=True)
     data_dir = resolve_data(cfg)  # prepare once, before the recipes run
     summaries, curves = {}, {}
@@ -83,10 +92,10 @@ def compare(recipes: list[str], cfg: TrainConfig, out: Path) -> dict[str, dict]:
         summary_path = out / r / "summary.json"
         done = json.loads(summary_path.read_text()) if summary_path.exists() else {}
         if done.get("steps") == cfg.steps and not done.get("interrupted"):
-            print(f"=== {r}: trained earlier in {out / r}; its results are reused ===", flush=True)
+            print(f"=== {r}: trained earlier in {out / r} with the same settings; its results are reused ===", flush=True)
             summaries[r], curves[r] = done, read_metrics(out / r / "metrics.jsonl")
             continue
-        if latest_checkpoint(out / r) is not None:  # an interrupted (or shorter) run: continue it
+        if latest_checkpoint(out / r) is not None:  # an interrupted run of this comparison: continue it
             run_cfg = dataclasses.replace(run_cfg, resume=True)
         print(f"=== {r} ===", flush=True)
         proc = subprocess.run([sys.executable, "-m", "adahop", "train", *_run_args(run_cfg)])
