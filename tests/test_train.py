@@ -125,6 +125,54 @@ def test_bad_options_fail_before_training(data_dir, tmp_path):
     plan.write_text("{}")
     with pytest.raises(ValueError, match="--plan is for AdaHOP recipes"):
         train(_cfg(data_dir, tmp_path / "w", recipe="mxfp4", plan=str(plan)))
+    plan.write_text("not json")
+    with pytest.raises(ValueError, match=r"--plan .*plan.json: .*not valid JSON|--plan .*plan.json: Expecting value"):
+        train(_cfg(data_dir, tmp_path / "v", plan=str(plan)))
+
+
+def test_run_ending_inside_calibration_warns_and_says_so(data_dir, tmp_path, single_thread, capsys):
+    """--steps within the calibration: every GEMM stays BF16, so the run warns and its summary
+    says the plan never froze (it would otherwise pass for an AdaHOP result)."""
+    s = train(_cfg(data_dir, tmp_path / "short", steps=2, calib_steps=3, eval_every=0, ckpt_every=0))
+    assert "plan never freezes" in capsys.readouterr().err and s["plan_frozen"] is False
+    assert not (tmp_path / "short" / "plan.json").exists()
+    s = train(_cfg(data_dir, tmp_path / "long", steps=4, calib_steps=3, eval_every=0, ckpt_every=0))
+    assert s["plan_frozen"] is True and (tmp_path / "long" / "plan.json").exists()
+    given = train(_cfg(data_dir, tmp_path / "given", steps=1, eval_every=0, ckpt_every=0,
+                       plan=str(tmp_path / "long" / "plan.json")))
+    assert given["plan_frozen"] is True and (tmp_path / "given" / "plan.json").read_text() == \
+        (tmp_path / "long" / "plan.json").read_text()
+    assert train(_cfg(data_dir, tmp_path / "mx", recipe="mxfp4", steps=1, eval_every=0, ckpt_every=0))["plan_frozen"] is None
+
+
+def test_compare_refuses_earlier_runs_made_with_other_settings(data_dir, tmp_path, single_thread):
+    """`compare` into a folder whose recipe runs used other settings refuses before training (their
+    numbers would be mixed into the table); `--data default` and its prepared cache folder, or the
+    same folder spelled two ways, are the same data."""
+    from adahop.train.compare import compare
+    from adahop.train.setup import RESUME_KEYS, settings_diff
+
+    out = tmp_path / "cmp"
+    cfg = _cfg(data_dir, out / "bf16", recipe="bf16", steps=2, eval_every=0, ckpt_every=0)
+    train(cfg)
+    assert settings_diff(cfg, out / "bf16", RESUME_KEYS) == []
+    same_data = dataclasses.replace(cfg, data=str(data_dir) + "/./")
+    assert settings_diff(same_data, out / "bf16", RESUME_KEYS) == []
+    assert settings_diff(dataclasses.replace(cfg, seed=1), out / "bf16", RESUME_KEYS) == ["--seed 0 → 1"]
+    with pytest.raises(ValueError, match=r"other settings \(--lr 0.003 → 0.001\)"):
+        compare(["bf16"], dataclasses.replace(cfg, lr=1e-3, out=str(out)), out)
+    with pytest.raises(ValueError, match="no recipes"):
+        compare([], cfg, out)
+
+
+def test_compare_exits_nonzero_when_a_recipe_fails(monkeypatch, tmp_path):
+    import adahop.train.compare as cmp
+    from adahop.cli import main
+
+    monkeypatch.setattr(cmp, "compare", lambda recipes, cfg, out: {"bf16": {"final_val_loss": 1.0}, "mxfp4": {"error": "exit code 2"}})
+    assert main(["compare", "--recipes", "bf16,mxfp4", "--out", str(tmp_path / "c")]) == 1
+    monkeypatch.setattr(cmp, "compare", lambda recipes, cfg, out: {"bf16": {"final_val_loss": 1.0}})
+    assert main(["compare", "--recipes", "bf16", "--out", str(tmp_path / "c")]) == 0
 
 
 def test_compare_table_fields():

@@ -38,6 +38,16 @@ def _kept(run: Path, step: int) -> str:
     return "No checkpoint was written before that (set --ckpt-every below the step it diverged at)."
 
 
+def _plan_frozen(model) -> bool | None:
+    """True once the model's AdaHOP plan is frozen (or was given), False while it still calibrates,
+    None for a recipe without calibration."""
+    try:
+        ctrl = get_controller(model)
+    except ValueError:  # a BF16 run: nothing converted
+        return None
+    return None if ctrl.recipe.calibration is None else ctrl.plan is not None
+
+
 def _graph_breaks() -> int:
     """Graph breaks dynamo has counted in this process (it counts each when it compiles a frame)."""
     from torch._dynamo.utils import counters
@@ -79,6 +89,10 @@ def train(cfg: TrainConfig, *, rank: int = 0, world: int = 1) -> dict:
     data_dir = dp.main_first(lambda: resolve_data(cfg))
     train_s, val_s = make_streams(cfg, data_dir, rank, world)
     recipe, plan = resolve_recipe(cfg)
+    if recipe.calibration is not None and plan is None and cfg.steps <= recipe.calibration.steps and rank == 0:
+        print(f"warning: --steps {cfg.steps} ends within {recipe.name}'s calibration ({recipe.calibration.steps} steps): "
+              f"its plan never freezes, so every converted GEMM runs in BF16 and the results are BF16's. "
+              f"Pass --steps above {recipe.calibration.steps}, a smaller --calib-steps, or a --plan", file=sys.stderr)
     model = make_model(cfg, train_s.manifest, device)
     convert_model(model, recipe, seed=dp.rank_seed(cfg.seed, rank, world), plan=plan, backend=cfg.backend)
     dp.agree_on_plan(model)
@@ -91,6 +105,8 @@ def train(cfg: TrainConfig, *, rank: int = 0, world: int = 1) -> dict:
     is_main = rank == 0
     if is_main:
         write_config(run, cfg, model, data_dir, recipe)
+        if plan is not None:  # a given plan belongs in the run folder as much as a calibrated one
+            plan.save(run / "plan.json")
     metrics = Metrics(run / "metrics.jsonl", resume_from=start if cfg.resume else None, enabled=is_main)
     micro = cfg.batch_size // world // cfg.grad_accum
     tokens_per_step = cfg.batch_size * cfg.seq_len
@@ -182,7 +198,7 @@ def train(cfg: TrainConfig, *, rank: int = 0, world: int = 1) -> dict:
                    final_val_loss=metrics.last("val_loss"), final_val_bpb=metrics.last("val_bpb"),
                    final_train_loss=metrics.last("loss"), tok_per_s=timed_tokens / clock if clock else None,
                    peak_memory_bytes=peak, peak_memory_bytes_per_rank=dp.gather_float(peak),
-                   plan_checked_on_ranks=plan_ranks, world_size=world, graph_breaks_steady_state=breaks, saved_bytes=ours, saved_bytes_bf16=bf16,
+                   plan_frozen=_plan_frozen(model), plan_checked_on_ranks=plan_ranks, world_size=world, graph_breaks_steady_state=breaks, saved_bytes=ours, saved_bytes_bf16=bf16,
                    device=str(device), interrupted=stop["now"])
     if is_main:
         (run / "summary.json").write_text(json.dumps(summary, indent=1))
