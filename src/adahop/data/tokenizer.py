@@ -152,7 +152,12 @@ class TiktokenTokenizer(Tokenizer):
         import tiktoken
 
         if path is None:
-            self._enc, self.name, self._path = tiktoken.get_encoding("gpt2"), "gpt2", None
+            try:
+                self._enc, self.name, self._path = tiktoken.get_encoding("gpt2"), "gpt2", None
+            except OSError as e:  # requests' errors are OSErrors too: tiktoken downloads GPT-2's ranks once
+                raise ValueError(f"tokenizer gpt2: tiktoken could not fetch GPT-2's ranks file ({type(e).__name__}); "
+                                 f"without network, pass --tokenizer tiktoken:PATH to a local gpt2.tiktoken, or "
+                                 f"--tokenizer bpe to train one on the data") from None
         else:
             from tiktoken.load import load_tiktoken_bpe
 
@@ -193,7 +198,11 @@ class HFTokenizer(Tokenizer):
     def __init__(self, name_or_path: str):
         from transformers import AutoTokenizer
 
-        self._tok = AutoTokenizer.from_pretrained(name_or_path)
+        try:
+            self._tok = AutoTokenizer.from_pretrained(name_or_path)
+        except OSError as e:  # not on the Hub, gated, or no network
+            raise ValueError(f"tokenizer hf:{name_or_path}: transformers could not load it ({str(e).splitlines()[0]}); "
+                             f"pass a local folder (hf:PATH), a tokenizer.json, or --tokenizer bpe") from None
         self.name = f"hf:{name_or_path}"
         self.vocab_size = len(self._tok)
         if self._tok.eos_token_id is None:
