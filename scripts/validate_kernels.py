@@ -37,6 +37,11 @@ import time
 
 import torch
 
+try:
+    import triton  # noqa: F401
+except ImportError:
+    sys.exit("validate_kernels.py checks the Triton kernels: install them with pip install -e '.[triton]' (or '.[test]')")
+
 from adahop.bench import cuda_time_ms
 from adahop.kernels import fold_to_fp8, hadamard_butterfly, iht_quantize_mxfp4, mx_matmul, mx_transpose
 from adahop.kernels import _triton_quantize as tq

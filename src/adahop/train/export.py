@@ -34,7 +34,7 @@ def write_config(run: Path, cfg: TrainConfig, model, data_dir: Path, recipe) -> 
     data folder, version, git revision)."""
     run.mkdir(parents=True, exist_ok=True)
     d = model.config.to_dict()
-    d["torch_dtype"] = "bfloat16"
+    d["torch_dtype"] = d["dtype"] = "bfloat16"  # the exported weights are BF16 (transformers 5 reads "dtype")
     d["adahop"] = dict(config=cfg.to_dict(), recipe=repr(recipe), data_dir=str(data_dir), version=__version__,
                        git_revision=git_revision())
     atomic_write_text(run / "config.json", json.dumps(d, indent=1, default=str))
