@@ -473,3 +473,17 @@ def test_hf_tokenizer_from_local_folder(tmp_path):
     src.write_text("\n\n".join(_docs(100)), encoding="utf-8")
     m = prepare([str(src)], tmp_path / "out", tokenizer=f"hf:{tmp_path / 'hf'}")
     assert m.tokenizer.spec == "hf:hf_tokenizer" and load_tokenizer(tmp_path / "out").encode(s) == bpe.encode(s)
+
+
+def test_gpt2_tokenizer_without_network_names_the_offline_options(monkeypatch):
+    """tiktoken downloads GPT-2's ranks on first use; offline that is a requests error (an
+    OSError), which must become a one-line ValueError naming tiktoken:PATH and bpe."""
+    tiktoken = pytest.importorskip("tiktoken")
+    from adahop.data.tokenizer import TiktokenTokenizer
+
+    def offline(name):
+        raise ConnectionError("HTTPSConnectionPool(host='openaipublic.blob.core.windows.net'): unreachable")
+
+    monkeypatch.setattr(tiktoken, "get_encoding", offline)
+    with pytest.raises(ValueError, match="tiktoken:PATH.*--tokenizer bpe"):
+        TiktokenTokenizer()

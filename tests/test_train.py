@@ -88,6 +88,7 @@ def test_export_loads_with_transformers(data_dir, tmp_path, single_thread):
     assert logits.shape == (1, 3, 512) and torch.isfinite(logits).all()
     cfg = json.loads((tmp_path / "r" / "config.json").read_text())
     assert cfg["adahop"]["config"]["recipe"] == "mxfp4"
+    assert model.dtype == torch.bfloat16  # the weights are BF16 and config.json says so (dtype and torch_dtype)
 
 
 def test_divergence_stops_and_keeps_last_good_checkpoint(data_dir, tmp_path, single_thread, monkeypatch):
