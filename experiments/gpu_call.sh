@@ -12,6 +12,7 @@
 #   e (round 3, one GPU): bench model compiled + CUDA graphs (same models)
 #   f (round 3, one GPU): the GEMM and compile checks of the validation, bench model compiled of the
 #      8B-shaped blocks only (what stage d's time limit cut off)
+#   g (next, one GPU): bench linear (times the in-place OE write), then stage e's CUDA-graph rows
 # JOBS: the quality runs still to do, RECIPE:SEED,... (default: this session's list).
 # Needs .carry/{corpus_main.txt.xz,gpt2.tiktoken} and .whl/zstandard-*.whl (carried).
 set -u
@@ -24,7 +25,7 @@ export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 ADAHOP_CACHE=/tmp/adahop
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())"
-[ "$STAGE" = d ] || [ "$STAGE" = e ] || [ "$STAGE" = f ] || python3 -m adahop data prepare --source .carry/corpus_main.txt.xz --tokenizer tiktoken:.carry/gpt2.tiktoken --out /tmp/main > $OUT/prepare.log 2>&1 &
+[ "$STAGE" = d ] || [ "$STAGE" = e ] || [ "$STAGE" = f ] || [ "$STAGE" = g ] || python3 -m adahop data prepare --source .carry/corpus_main.txt.xz --tokenizer tiktoken:.carry/gpt2.tiktoken --out /tmp/main > $OUT/prepare.log 2>&1 &
 PREP=$!
 if [ "$STAGE" = c ]; then timeout 120 python3 scripts/diag_gemm.py > $OUT/diag_gemm.log 2>&1; cat $OUT/diag_gemm.log | cut -c1-200; fi
 wait $PREP; tail -1 $OUT/prepare.log; echo "data ready at $(el) s"
@@ -60,8 +61,12 @@ elif [ "$STAGE" = c ]; then
   timeout $(( 585 - $(el) )) python3 -m adahop bench model --model llama3.2-1b --recipes bf16,adahop-lv2 --seq-len 4096 --batch-size 4 \
     --modes eager,compiled --json $OUT/bench_model_1b.json > $OUT/bench_model_1b.log 2>&1
   grep -E "^row:|\|" $OUT/bench_model_1b.log | tail -8; echo "bench model done at $(el) s"
-elif [ "$STAGE" = d ] || [ "$STAGE" = e ]; then
+elif [ "$STAGE" = d ] || [ "$STAGE" = e ] || [ "$STAGE" = g ]; then
   export CUDA_VISIBLE_DEVICES=0
+  if [ "$STAGE" = g ]; then
+    timeout 150 python3 -m adahop bench linear --shapes llama3.1-8b --tokens 8192 --reps 20 --json $OUT/bench_linear_g.json 2>&1 | tail -21
+    echo "bench linear done at $(el) s"
+  fi
   if [ "$STAGE" = d ]; then
     MODES=compiled
     timeout 150 python3 scripts/validate_kernels.py --log $OUT/validate.json > $OUT/validate.log 2>&1; tail -1 $OUT/validate.log
