@@ -135,7 +135,7 @@ def test_run_ending_inside_calibration_warns_and_says_so(data_dir, tmp_path, sin
     """--steps within the calibration: every GEMM stays BF16, so the run warns and its summary
     says the plan never froze (it would otherwise pass for an AdaHOP result)."""
     s = train(_cfg(data_dir, tmp_path / "short", steps=2, calib_steps=3, eval_every=0, ckpt_every=0))
-    assert "plan never freezes" in capsys.readouterr().err and s["plan_frozen"] is False
+    assert "no step runs with its frozen plan" in capsys.readouterr().err and s["plan_frozen"] is False
     assert not (tmp_path / "short" / "plan.json").exists()
     s = train(_cfg(data_dir, tmp_path / "long", steps=4, calib_steps=3, eval_every=0, ckpt_every=0))
     assert s["plan_frozen"] is True and (tmp_path / "long" / "plan.json").exists()

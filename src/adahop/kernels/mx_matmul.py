@@ -138,7 +138,8 @@ def mx_matmul_fp8(qa: MXTensor, qb: MXTensor, *, out_dtype: torch.dtype = torch.
 
 def mx_matmul(qa: MXTensor, qb: MXTensor, *, out_dtype: torch.dtype = torch.float32,
               backend: str = "auto", accumulation: str | None = None) -> torch.Tensor:
-    """MXFP4 GEMM ``dequant(qa) @ dequant(qb)`` with FP32 accumulation.
+    """MXFP4 GEMM ``dequant(qa) @ dequant(qb)``, accumulated in FP32 (between FP8 MMA instructions
+    on the default FP8 path; see ``accumulation``).
 
     Args:
         qa: A, logical ``[M, Kc]``, blocked along axis 1.

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ..plots import plot_compare
 from ..recipes import get_recipe
+from ..utils import read_json
 from .checkpoint import latest_checkpoint
 from .config import TrainConfig
 from .metrics import read_metrics
@@ -90,7 +91,7 @@ def compare(recipes: list[str], cfg: TrainConfig, out: Path) -> dict[str, dict]:
     for r in recipes:
         run_cfg = dataclasses.replace(cfg, recipe=r, out=str(out / r), data=str(data_dir))
         summary_path = out / r / "summary.json"
-        done = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+        done = read_json(summary_path, "the run summary") if summary_path.exists() else {}
         if done.get("steps") == cfg.steps and not done.get("interrupted"):
             print(f"=== {r}: trained earlier in {out / r} with the same settings; its results are reused ===", flush=True)
             summaries[r], curves[r] = done, read_metrics(out / r / "metrics.jsonl")
@@ -102,7 +103,7 @@ def compare(recipes: list[str], cfg: TrainConfig, out: Path) -> dict[str, dict]:
         if proc.returncode != 0 or not summary_path.exists():
             summaries[r] = {"error": f"exit code {proc.returncode}; see {out / r}"}
             continue
-        summaries[r] = json.loads(summary_path.read_text())
+        summaries[r] = read_json(summary_path, "the run summary")
         curves[r] = read_metrics(out / r / "metrics.jsonl")
     rows = format_table(summaries)
     md = _markdown(rows)

@@ -91,7 +91,7 @@ def train(cfg: TrainConfig, *, rank: int = 0, world: int = 1) -> dict:
     recipe, plan = resolve_recipe(cfg)
     if recipe.calibration is not None and plan is None and cfg.steps <= recipe.calibration.steps and rank == 0:
         print(f"warning: --steps {cfg.steps} ends within {recipe.name}'s calibration ({recipe.calibration.steps} steps): "
-              f"its plan never freezes, so every converted GEMM runs in BF16 and the results are BF16's. "
+              f"no step runs with its frozen plan, so every converted GEMM runs in BF16 and the results are BF16's. "
               f"Pass --steps above {recipe.calibration.steps}, a smaller --calib-steps, or a --plan", file=sys.stderr)
     model = make_model(cfg, train_s.manifest, device)
     convert_model(model, recipe, seed=dp.rank_seed(cfg.seed, rank, world), plan=plan, backend=cfg.backend)
@@ -198,7 +198,8 @@ def train(cfg: TrainConfig, *, rank: int = 0, world: int = 1) -> dict:
                    final_val_loss=metrics.last("val_loss"), final_val_bpb=metrics.last("val_bpb"),
                    final_train_loss=metrics.last("loss"), tok_per_s=timed_tokens / clock if clock else None,
                    peak_memory_bytes=peak, peak_memory_bytes_per_rank=dp.gather_float(peak),
-                   plan_frozen=_plan_frozen(model), plan_checked_on_ranks=plan_ranks, world_size=world, graph_breaks_steady_state=breaks, saved_bytes=ours, saved_bytes_bf16=bf16,
+                   plan_frozen=_plan_frozen(model), plan_checked_on_ranks=plan_ranks, world_size=world,
+                   graph_breaks_steady_state=breaks, saved_bytes=ours, saved_bytes_bf16=bf16,
                    device=str(device), interrupted=stop["now"])
     if is_main:
         (run / "summary.json").write_text(json.dumps(summary, indent=1))
