@@ -34,7 +34,11 @@ def settings_diff(cfg: TrainConfig, run: Path, keys) -> list[str]:
     """The settings among ``keys`` in which ``cfg`` differs from the run saved in ``run/config.json``,
     as ``--flag old → new`` strings (empty if the folder holds no config). ``--data`` is compared as
     the prepared folder it names, so ``default`` and its cache path, or two spellings of one path,
-    are the same data."""
+    are the same data.
+
+    Raises:
+        ValueError: ``run/config.json`` is not valid JSON, or ``cfg.data`` names a missing path.
+    """
     from ..utils import read_json
 
     if not (run / "config.json").exists():
