@@ -102,6 +102,33 @@ def check_quantize(name, x, axis, hb=32, signs=None, rule="floor", msr=8):
            full_write=same, codes_diff=bad_codes, scales_diff=bad_scales, fp8_diff=bad_fp8)
 
 
+def check_outputs(name, x, axis, n_zero=64):
+    """``outputs="fp8"`` / ``"codes"`` and OE's ``zero_rows`` against the reference of
+    ``x.index_fill(1 - axis, rows, 0)``, into poisoned buffers (every byte must be written)."""
+    rows, kc = (x.shape[0], x.shape[1]) if axis == 1 else (x.shape[1], x.shape[0])
+    kp = -(-kc // 32) * 32
+    idx = torch.randperm(rows, device=x.device)[:n_zero]
+    keep = torch.ones(rows, dtype=torch.uint8, device=x.device).index_fill_(0, idx, 0)
+    qr = iht_quantize_mxfp4(x.index_fill(1 - axis, idx, 0), axis=axis, max_scale_range=8, backend="reference")
+    rf8, rrs = fold_to_fp8(qr, backend="reference")
+    diffs = {}
+    for what, codes_on, fp8_on in (("fp8", False, True), ("codes", True, False)):
+        outs = []
+        for byte in (0x00, 0xFF):
+            c, sc, f8, rs = poisoned(rows, kp, fp8_on, byte, x.device)
+            out = (c[:, :0] if not codes_on else c, sc, f8, rs)
+            outs.append(tq.mx_quantize(x, axis, 32, None, False, "floor", 8, None, codes_on, fp8_on, keep, out=out))
+        same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(*outs))
+        c, sc, f8, rs = outs[0]
+        bad = int((sc != qr.scales).sum()) + (0 if same else 1)
+        bad += int((c != qr.codes).sum()) if codes_on else 0
+        if fp8_on:
+            bad += int((f8.view(torch.uint8) != rf8.view(torch.uint8)).sum()) + int((rs != rrs).sum())
+        diffs[what] = bad
+    record(f"outputs+zero_rows {name}", all(v == 0 for v in diffs.values()),
+           fp8_only_diff=diffs["fp8"], codes_only_diff=diffs["codes"])
+
+
 def check_stochastic(name, x, axis, gen_seed=0):
     dev = x.device
     kw = dict(axis=axis, rounding="stochastic", scale_rule="ceil")
@@ -186,7 +213,7 @@ def check_compile(dev, gen):
     record("torch.compile(fullgraph) fprop == eager", ok, **({"error": err} if err else {}))
 
 
-SECTIONS = ("quantize", "sweep", "fold", "sr", "gemm", "compile")
+SECTIONS = ("quantize", "outputs", "sweep", "fold", "sr", "gemm", "compile")
 
 
 def main() -> int:
@@ -234,6 +261,12 @@ def main() -> int:
             check_quantize(f"4096x2048 ax0 bf16 rule={rule}", mk((4096, 2048)), 0, rule=rule)
         check_quantize("4096x4096 ax1 bf16 max_scale_range=None", mk((4096, 4096), special=True), 1, msr=None)
         check_quantize("4096x4096 ax0 bf16 max_scale_range=None", mk((4096, 4096), special=True), 0, msr=None)
+    if "outputs" in only:
+        # --- what each operand writes (fp8 only / codes only) and OE's zeroed rows ------------------
+        check_outputs("X 8192x4096 ax1 (fprop A)", mk((8192, 4096), special=True), 1)
+        check_outputs("X 8192x4096 ax0 (saved for wgrad, OE-Right)", mk((8192, 4096), special=True), 0)
+        check_outputs("dY 8192x14336 ax1 (row loop)", mk((8192, 14336)), 1)
+        check_outputs("4096x1000 ax0 (ragged rows)", mk((4096, 1000)), 0)
     if "sweep" in only:
         # --- every tile plan: contracted length × Hadamard block (a [64, 4, 32] tile once compiled wrong) --
         for kc in (32, 64, 96, 128, 160, 256, 512, 1024, 2048):

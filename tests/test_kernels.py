@@ -211,6 +211,33 @@ def test_quantizer_argument_errors():
         iht_quantize_mxfp4(x, axis=1, rounding="stochastic")
     with pytest.raises(ValueError, match="signs"):
         iht_quantize_mxfp4(x, axis=1, signs=torch.ones(16))
+    with pytest.raises(ValueError, match="outputs='bytes' is not one of"):
+        iht_quantize_mxfp4(x, axis=1, outputs="bytes")
+    with pytest.raises(ValueError, match="outputs='fp8' needs max_scale_range 0…8"):
+        iht_quantize_mxfp4(x, axis=1, outputs="fp8", max_scale_range=None)
+    with pytest.raises(ValueError, match="zero_rows must be a 1-D int64"):
+        iht_quantize_mxfp4(x, axis=1, zero_rows=torch.tensor([[1.0]]))
+
+
+def test_reference_zero_rows_is_index_fill():
+    """``zero_rows`` picks rows of the dim not quantized along (OE's rows of A / columns of B)."""
+    x = torch.randn(64, 96)
+    idx = torch.tensor([3, 40])
+    for axis in (0, 1):
+        got = iht_quantize_mxfp4(x, axis=axis, zero_rows=idx, backend="reference")
+        want = iht_quantize_mxfp4(x.index_fill(1 - axis, idx, 0), axis=axis, backend="reference")
+        assert torch.equal(got.codes, want.codes) and torch.equal(got.scales, want.scales)
+        assert got.dequantize().index_select(1 - axis, idx).abs().sum() == 0
+
+
+def test_fp8_only_tensor_without_its_fold_is_an_error():
+    q = quantize_mxfp4(torch.randn(4, 64), axis=1, max_scale_range=8)
+    q = dataclasses.replace(q, codes=q.codes[:, :0])
+    assert q.codes_dropped
+    with pytest.raises(ValueError, match="neither"):
+        q.dequantize()
+    with pytest.raises(ValueError, match="neither"):
+        fold_to_fp8(q)
 
 
 def test_resolve_backend_on_cpu(monkeypatch):
@@ -434,3 +461,36 @@ def test_interp_custom_op_traces():
 
     w = torch.randn(32, 64)
     torch.testing.assert_close(torch.compile(f, fullgraph=True, backend="eager")(x, w), f(x, w))
+
+
+@interp
+@pytest.mark.parametrize("axis", [1, 0])
+def test_interp_outputs_and_zero_rows_match_the_reference(axis):
+    """``outputs="fp8"`` writes the same fold without codes, ``"codes"`` the same codes without the
+    fold; ``zero_rows`` equals quantizing ``x.index_fill(1 - axis, rows, 0)``, NaN rows included."""
+    x = _spread_rows(48, 96, seed=3) if axis == 1 else _spread_rows(96, 48, seed=3)
+    rows = torch.tensor([0, 5, 17, 47])  # rows of the dim not quantized along (48 of them)
+    if axis == 1:
+        x[5, 9] = float("nan")  # an extracted row holding a NaN quantizes as zeros too
+    else:
+        x[9, 5] = float("nan")
+    kw = dict(axis=axis, hadamard_block=32, max_scale_range=8)
+    ref = iht_quantize_mxfp4(x.index_fill(1 - axis, rows, 0), backend="reference", **kw)
+    fp8, rs = fold_to_fp8(ref)
+    assert torch.isfinite(ref.dequantize()).all()
+    full = iht_quantize_mxfp4(x, backend="triton", zero_rows=rows, **kw)
+    only_fp8 = iht_quantize_mxfp4(x, backend="triton", zero_rows=rows, outputs="fp8", **kw)
+    only_codes = iht_quantize_mxfp4(x, backend="triton", zero_rows=rows, outputs="codes", **kw)
+    for q in (full, only_codes):
+        assert torch.equal(q.codes, ref.codes) and torch.equal(q.scales, ref.scales)
+    assert only_codes.fp8 is None and only_fp8.codes_dropped and only_fp8.codes.shape == (48, 0)
+    for q in (full, only_fp8):
+        assert torch.equal(q.fp8[0].view(torch.uint8), fp8.view(torch.uint8)) and torch.equal(q.fp8[1], rs)
+    torch.testing.assert_close(only_fp8.dequantize(), ref.dequantize(), atol=0, rtol=0)
+    assert torch.equal(fold_to_fp8(only_fp8)[0].view(torch.uint8), fp8.view(torch.uint8))
+    assert only_fp8.nbytes == 48 * 96 // 32 + 48 * 96 + 4 * 48  # scales + fold + row scales
+    assert only_codes.nbytes == 48 * 96 // 2 + 48 * 96 // 32
+    b = iht_quantize_mxfp4(torch.randn(96, 24) if axis == 1 else torch.randn(24, 96).t(), axis=0, backend="triton")
+    a = only_fp8 if axis == 1 else iht_quantize_mxfp4(torch.randn(24, 96), axis=1, backend="triton", outputs="fp8")
+    if axis == 1:  # an FP8-only operand goes through both GEMM twins
+        assert _rel(mx_matmul(a, b, backend="triton"), mx_matmul_reference(a, b)) < 1e-5

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["add_arguments", "run", "bench_linear", "bench_model", "LINEAR_SHAPES"]
+__all__ = ["add_arguments", "run", "bench_linear", "bench_model", "cuda_graph_time_ms", "LINEAR_SHAPES"]
 
 #: (name, K=in_features, N=out_features) of the linear layers of each model.
 LINEAR_SHAPES = {
@@ -45,6 +45,24 @@ def cuda_time_ms(fn, reps: int = 20) -> float:
     return statistics.median(times)
 
 
+def cuda_graph_time_ms(fn, reps: int = 20) -> float:
+    """Median milliseconds of ``fn()`` captured once in a CUDA graph and replayed (CUDA only).
+
+    Device time alone: no host launch cost, which is what ``torch.compile(mode="reduce-overhead")``
+    leaves of a layer. ``fn`` runs 3 times on a side stream first (lazy state, gradient buffers).
+    """
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return cuda_time_ms(graph.replay, reps)
+
+
 def _layer(kind: str, k: int, n: int, device) -> torch.nn.Module:
     from .nn import convert_model, get_controller
     from .patterns import Plan
@@ -65,8 +83,12 @@ def _layer(kind: str, k: int, n: int, device) -> torch.nn.Module:
     return wrapper
 
 
-def bench_linear(models=("llama3.1-8b",), tokens=(8192, 16384), reps: int = 20) -> list[dict]:
-    """Forward+backward milliseconds, TFLOP/s and ratio to BF16 for each layer kind and shape."""
+def bench_linear(models=("llama3.1-8b",), tokens=(8192, 16384), reps: int = 20, cuda_graphs: bool = False) -> list[dict]:
+    """Forward+backward milliseconds, TFLOP/s and ratio to BF16 for each layer kind and shape.
+
+    ``cuda_graphs``: also time each fast kind and BF16 replayed from a CUDA graph (``graph_ms``,
+    ``graph_speedup_vs_bf16``): the device time without the host's launch cost.
+    """
     from .nn import LowPrecisionLinear
 
     dev = torch.device("cuda")
@@ -75,7 +97,7 @@ def bench_linear(models=("llama3.1-8b",), tokens=(8192, 16384), reps: int = 20) 
     for model in models:
         for t in tokens:
             for name, k, n in LINEAR_SHAPES[model]:
-                base = None
+                base = gbase = None
                 for kind in kinds:
                     layer = _layer(kind, k, n, dev)
                     x = torch.randn(t, k, device=dev, dtype=torch.bfloat16, requires_grad=True)
@@ -91,9 +113,14 @@ def bench_linear(models=("llama3.1-8b",), tokens=(8192, 16384), reps: int = 20) 
                     lp = next((m for m in layer.modules() if isinstance(m, LowPrecisionLinear)), None)
                     saved = lp.saved_bytes if lp is not None else (t * k + n * k) * 2
                     base = base or ms
-                    rows.append(dict(model=model, layer=name, tokens=t, K=k, N=n, kind=kind, ms=ms,
-                                     tflops=flops / ms / 1e9, speedup_vs_bf16=base / ms, saved_bytes=saved,
-                                     saved_ratio_vs_bf16=(t * k + n * k) * 2 / saved))
+                    row = dict(model=model, layer=name, tokens=t, K=k, N=n, kind=kind, ms=ms,
+                               tflops=flops / ms / 1e9, speedup_vs_bf16=base / ms, saved_bytes=saved,
+                               saved_ratio_vs_bf16=(t * k + n * k) * 2 / saved)
+                    if cuda_graphs and "emulated" not in kind:  # the reference backend syncs with the host
+                        gms = cuda_graph_time_ms(step, reps)
+                        gbase = gbase or gms
+                        row.update(graph_ms=gms, graph_speedup_vs_bf16=gbase / gms)
+                    rows.append(row)
                     del layer, x, dy
                     torch.cuda.empty_cache()
     return rows
@@ -229,6 +256,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     lin.add_argument("--shapes", default="llama3.1-8b", help="comma-separated: llama3.2-1b, llama3.1-8b")
     lin.add_argument("--tokens", default="8192,16384")
     lin.add_argument("--reps", type=int, default=20)
+    lin.add_argument("--cuda-graphs", action="store_true",
+                     help="also time each layer replayed from a CUDA graph (device time, no host launch cost)")
     lin.add_argument("--json", help="write the rows here")
     mod = sub.add_parser("model", help="end-to-end training step")
     mod.add_argument("--model", default="llama3.2-1b")
@@ -246,7 +275,8 @@ def run(args) -> None:
     if not torch.cuda.is_available():
         raise ValueError("adahop bench needs a CUDA GPU; the CPU reference path is for correctness, not speed")
     if args.bench_cmd == "linear":
-        rows = bench_linear(tuple(args.shapes.split(",")), tuple(int(t) for t in args.tokens.split(",")), args.reps)
+        rows = bench_linear(tuple(args.shapes.split(",")), tuple(int(t) for t in args.tokens.split(",")), args.reps,
+                            cuda_graphs=args.cuda_graphs)
     else:
         rows = bench_model(args.model, recipes=tuple(args.recipes.split(",")), seq_len=args.seq_len, batch=args.batch_size,
                            layers=args.layers, steps=args.steps, modes=tuple(args.modes.split(",")))

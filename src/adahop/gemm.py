@@ -128,18 +128,24 @@ def without_quantization(spec: GemmSpec) -> GemmSpec:
     return replace(spec, a=none, b=none)
 
 
-def _quantize(t: torch.Tensor, axis: int, op: OperandSpec, tr: Transform | None, signs, generator, backend: str):
-    """Inner transform along ``axis`` then quantize along it."""
+def _quantize(t: torch.Tensor, axis: int, op: OperandSpec, tr: Transform | None, signs, generator, backend: str,
+              outputs: str = "all", zero_rows: torch.Tensor | None = None):
+    """Zero the OE rows (``zero_rows`` along the other axis), inner transform along ``axis``, quantize
+    along it. ``outputs`` as in :func:`adahop.kernels.iht_quantize_mxfp4` (MXFP4 only)."""
+    if op.fmt == "mxfp4":  # the kernel zeroes the OE rows as it reads: no copy of t
+        if outputs == "fp8" and not (op.max_scale_range is not None and 0 <= op.max_scale_range <= 8):
+            outputs = "all"  # no exact FP8 fold without the range limit: the GEMM folds from codes
+        return _kernels().iht_quantize_mxfp4(
+            t, axis=axis, hadamard_block=tr.block_size if tr is not None else None, signs=signs,
+            rounding=op.rounding, scale_rule=op.scale_rule, max_scale_range=op.max_scale_range,
+            generator=generator, backend=backend, outputs=outputs, zero_rows=zero_rows,
+        )  # fmt: skip
+    if zero_rows is not None:
+        t = t.index_fill(1 - axis, zero_rows, 0)
     if op.fmt == "none":
         if tr is not None:
             t = block_hadamard(t.float(), block_size=tr.block_size, axis=axis, signs=signs)
         return Unquantized(t.float(), tuple(t.shape))
-    if op.fmt == "mxfp4":
-        return _kernels().iht_quantize_mxfp4(
-            t, axis=axis, hadamard_block=tr.block_size if tr is not None else None, signs=signs,
-            rounding=op.rounding, scale_rule=op.scale_rule, max_scale_range=op.max_scale_range,
-            generator=generator, backend=backend,
-        )  # fmt: skip
     if tr is not None:
         t = block_hadamard(t.float(), block_size=tr.block_size, axis=axis, signs=signs)
     return quantize_nvfp4(t, axis=axis, **op.quant_kwargs(), generator=generator)
@@ -153,8 +159,12 @@ def prepare(
     signs: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
     backend: str = "reference",
+    outputs: str = "all",
 ) -> Prepared:
     """Prepare operand ``t`` (A ``[M, Kc]`` when ``side="a"``, B ``[Kc, N]`` when ``side="b"``).
+
+    ``outputs``: what the fused MXFP4 quantizer writes: ``"fp8"`` for an operand multiplied at once,
+    ``"codes"`` for one saved for backward, ``"all"`` (`adahop.kernels.iht_quantize_mxfp4`).
 
     Raises:
         ValueError: bad side, non-2-D input, or an outer transform that does not fit.
@@ -189,7 +199,6 @@ def prepare(
         idx = torch.topk(norms, k).indices
         prep.oe_idx = idx
         prep.oe_slab = t.index_select(outer_axis, idx)  # [k, Kc] or [Kc, k], high precision
-        t = t.index_fill(outer_axis, idx, 0)
 
     tr = spec.transform
     if tr is not None:
@@ -198,7 +207,7 @@ def prepare(
         t = _pad_kc(t, kc_axis, b)  # zero rows/cols along Kc leave A·B unchanged
     prep.Kc = t.shape[kc_axis]
     op = spec.a if side == "a" else spec.b
-    prep.q = _quantize(t, kc_axis, op, tr, signs, generator, backend)
+    prep.q = _quantize(t, kc_axis, op, tr, signs, generator, backend, outputs, prep.oe_idx)  # OE rows quantize as 0
     if spec.mean_split == "inner":  # the mean vector is quantized on its own
         if op.fmt != "none":
             from .formats import fake_quantize
@@ -254,8 +263,8 @@ def gemm(a: torch.Tensor, b: torch.Tensor, spec: GemmSpec, *, generator: torch.G
          out_dtype: torch.dtype | None = None, backend: str = "reference") -> torch.Tensor:
     """``A·B`` under ``spec``: prepare both operands (sharing one sign draw) and multiply."""
     signs = draw_signs(spec, generator, a.device)
-    pa = prepare(a, "a", spec, signs=signs, generator=generator, backend=backend)
-    pb = prepare(b, "b", spec, signs=signs, generator=generator, backend=backend)
+    pa = prepare(a, "a", spec, signs=signs, generator=generator, backend=backend, outputs="fp8")
+    pb = prepare(b, "b", spec, signs=signs, generator=generator, backend=backend, outputs="fp8")
     return multiply(pa, pb, spec, out_dtype=out_dtype or a.dtype, backend=backend)
 
 

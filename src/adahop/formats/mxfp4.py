@@ -38,7 +38,8 @@ class MXTensor:
         fp8: optional cache of the same values folded for the Hopper FP8 GEMM, set by the fused
             quantizer (`adahop.kernels`): ``(float8_e4m3fn [rows, padded_len], float32 [rows])``
             with ``values = fp8 · row_scale`` exactly (`DESIGN.md` §3). ``None`` elsewhere; drop
-            it (``dataclasses.replace(q, fp8=None)``) before saving for backward.
+            it (``dataclasses.replace(q, fp8=None)``) before saving for backward. An operand the
+            GEMM consumes at once may hold only this form: ``codes`` is then ``[rows, 0]``.
         scale_range: the ``max_scale_range`` the quantizer enforced (None: no limit). At most 8
             means every row folds exactly into FP8, so the fold skips its range check.
     """
@@ -53,7 +54,17 @@ class MXTensor:
     scale_range: int | None = None
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The represented values in ``dtype``, original ``shape``, padding removed."""
+        """The represented values in ``dtype``, original ``shape``, padding removed.
+
+        Raises:
+            ValueError: an FP8-only tensor (``codes`` ``[rows, 0]``) whose ``fp8`` was dropped.
+        """
+        if self.codes_dropped:
+            if self.fp8 is None:
+                raise ValueError("MXTensor holds neither E2M1 codes nor the FP8 fold; quantize with outputs='all'")
+            f8, row_scale = self.fp8
+            x = f8.float() * row_scale[:, None]
+            return unpad_and_restore(x.reshape(*self.scales.shape[:-1], -1), self.shape, self.axis).to(dtype)
         q = decode_e2m1(unpack_e2m1(self.codes))
         q = q.reshape(*q.shape[:-1], -1, self.block_size)
         x = q * decode_e8m0(self.scales).unsqueeze(-1)
@@ -62,9 +73,18 @@ class MXTensor:
         return unpad_and_restore(x.flatten(-2), self.shape, self.axis).to(dtype)
 
     @property
+    def codes_dropped(self) -> bool:
+        """True when only the FP8 fold was written (``codes`` ``[rows, 0]`` of a non-empty tensor)."""
+        return self.codes.shape[-1] == 0 and self.scales.shape[-1] > 0
+
+    @property
     def nbytes(self) -> int:
-        """Bytes held: packed codes plus scales (4.25 bits per element for block 32)."""
-        return self.codes.numel() + self.scales.numel()
+        """Bytes held: packed codes plus scales (4.25 bits per element for block 32), plus the FP8
+        fold and its row scales when present."""
+        n = self.codes.numel() + self.scales.numel()
+        if self.fp8 is not None:
+            n += self.fp8[0].numel() + 4 * self.fp8[1].numel()
+        return n
 
     @property
     def exponents(self) -> torch.Tensor:

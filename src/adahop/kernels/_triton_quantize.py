@@ -118,10 +118,11 @@ def _fwht(v, G: tl.constexpr, HB: tl.constexpr, LOG_HB: tl.constexpr):
 
 
 @triton.jit
-def _load_blocks(x_ptr, stride_r, stride_k, r, k0, rows, kc, signs_ptr,
+def _load_blocks(x_ptr, stride_r, stride_k, r, k0, rows, kc, signs_ptr, keep_ptr,
                  BR: tl.constexpr, BK: tl.constexpr, LAYOUT: tl.constexpr, VEC: tl.constexpr,
                  MASK_R: tl.constexpr, MASK_K: tl.constexpr, INT64: tl.constexpr,
-                 HB: tl.constexpr, LOG_HB: tl.constexpr, HSCALE: tl.constexpr, HAS_SIGNS: tl.constexpr):
+                 HB: tl.constexpr, LOG_HB: tl.constexpr, HSCALE: tl.constexpr, HAS_SIGNS: tl.constexpr,
+                 ZERO_ROWS: tl.constexpr):
     """Tile ``X'[r, k0:k0+BK]`` as H_b-transformed fp32 ``[BR, BK/32, 32]``, with block amax and
     non-finite flags ``[BR, BK/32]``.
 
@@ -131,12 +132,19 @@ def _load_blocks(x_ptr, stride_r, stride_k, r, k0, rows, kc, signs_ptr,
     tell apart by index, so lanes go across rows and blocks and the 32/VEC vectors of a block stay
     in one thread. LAYOUT 1 (rows contiguous, the transposing case):
     rows vectorized VEC at a time (the index arithmetic hides longer runs), lanes across rows.
+    LAYOUT 2 (transposing, an alternative): the tile is loaded as stored, ``[BK, BR]`` with rows
+    contiguous, and ``tl.trans`` leaves the layout change to Triton.
+    ZERO_ROWS: rows whose ``keep`` byte is 0 read as zeros (OE's extracted rows; a where, not a
+    multiply, so a NaN there is dropped as ``index_fill`` drops it).
     """
     NB: tl.constexpr = BK // 32
     if LAYOUT == 0:
         rr = r[:, None, None, None]
         k = (k0 + tl.arange(0, NB)[None, :, None, None] * 32 + tl.arange(0, 32 // VEC)[None, None, :, None] * VEC
              + tl.arange(0, VEC)[None, None, None, :])
+    elif LAYOUT == 2:  # loaded as stored ([BK, BR], rows contiguous), transposed in registers/shared memory
+        rr = r[None, :]
+        k = k0 + tl.arange(0, BK)[:, None]
     else:
         rr = ((r // VEC) * VEC + r % VEC)[:, None, None]  # same values; provable contiguity VEC
         k = (k0 + tl.arange(0, NB)[:, None] * 32 + tl.arange(0, 32)[None, :])[None, :, :]
@@ -149,7 +157,12 @@ def _load_blocks(x_ptr, stride_r, stride_k, r, k0, rows, kc, signs_ptr,
     else:
         v = tl.load(x_ptr + offs)
     v = v.to(tl.float32)
-    if LAYOUT == 0:
+    if ZERO_ROWS:
+        keep = tl.load(keep_ptr + rr, mask=rr < rows, other=1)
+        v = tl.where(keep != 0, v, 0.0)
+    if LAYOUT == 2:
+        v = tl.trans(v)
+    if LAYOUT != 1:
         v = tl.reshape(v, [BR, NB, 32])
     if HB > 1:
         G: tl.constexpr = BR * BK // HB
@@ -166,32 +179,36 @@ def _load_blocks(x_ptr, stride_r, stride_k, r, k0, rows, kc, signs_ptr,
 
 
 @triton.jit
-def _mx_amax_kernel(x_ptr, stride_r, stride_k, rows, kc, pamax_ptr, n_kt, signs_ptr,
+def _mx_amax_kernel(x_ptr, stride_r, stride_k, rows, kc, pamax_ptr, n_kt, signs_ptr, keep_ptr,
                     BR: tl.constexpr, BK: tl.constexpr, LAYOUT: tl.constexpr, VEC: tl.constexpr,
                     MASK_R: tl.constexpr, MASK_K: tl.constexpr, INT64: tl.constexpr,
-                    HB: tl.constexpr, LOG_HB: tl.constexpr, HSCALE: tl.constexpr, HAS_SIGNS: tl.constexpr):
+                    HB: tl.constexpr, LOG_HB: tl.constexpr, HSCALE: tl.constexpr, HAS_SIGNS: tl.constexpr,
+                    ZERO_ROWS: tl.constexpr):
     """Pass 1 of 2: the largest finite-block amax of each (row, K-tile) -> pamax [rows, n_kt]."""
     pid_r = tl.program_id(0)
     pid_k = tl.program_id(1)
     r = pid_r * BR + tl.arange(0, BR)
-    _, amax, _ = _load_blocks(x_ptr, stride_r, stride_k, r, pid_k * BK, rows, kc, signs_ptr, BR, BK, LAYOUT, VEC,
-                              MASK_R, MASK_K, INT64, HB, LOG_HB, HSCALE, HAS_SIGNS)
+    _, amax, _ = _load_blocks(x_ptr, stride_r, stride_k, r, pid_k * BK, rows, kc, signs_ptr, keep_ptr, BR, BK, LAYOUT,
+                              VEC, MASK_R, MASK_K, INT64, HB, LOG_HB, HSCALE, HAS_SIGNS, ZERO_ROWS)
     tl.store(pamax_ptr + r * n_kt + pid_k, tl.max(amax, axis=1), mask=r < rows)
 
 
 @triton.jit
 def _mx_quantize_kernel(x_ptr, stride_r, stride_k, rows, kc, kp,
-                        codes_ptr, scales_ptr, fp8_ptr, rscale_ptr, pamax_ptr, n_kt, signs_ptr, seed_ptr,
+                        codes_ptr, scales_ptr, fp8_ptr, rscale_ptr, pamax_ptr, n_kt, signs_ptr, seed_ptr, keep_ptr,
                         BR: tl.constexpr, BK: tl.constexpr, NCHUNK: tl.constexpr, NKT: tl.constexpr,
                         LAYOUT: tl.constexpr, VEC: tl.constexpr, MASK_R: tl.constexpr, MASK_K: tl.constexpr,
                         INT64: tl.constexpr,
                         HB: tl.constexpr, LOG_HB: tl.constexpr, HSCALE: tl.constexpr, HAS_SIGNS: tl.constexpr,
                         RULE: tl.constexpr, STOCHASTIC: tl.constexpr, MSR: tl.constexpr, ROW_SRC: tl.constexpr,
-                        WRITE_FP8: tl.constexpr, ELEM_SCALE: tl.constexpr):
+                        WRITE_CODES: tl.constexpr, WRITE_FP8: tl.constexpr, ELEM_SCALE: tl.constexpr,
+                        ZERO_ROWS: tl.constexpr):
     """Quantize rows ``X'[r]`` over ``NCHUNK`` K-tiles of BK to packed E2M1 codes, E8M0 scales and FP8.
 
     ROW_SRC: 0 no row maximum; 1 from this program's own tiles (it owns whole rows: one tile, or a
     first loop over its tiles whose re-read hits L2); 2 from pass 1's per-tile amaxes.
+    WRITE_CODES / WRITE_FP8: which of the two forms to store (E8M0 scales are always stored): an
+    operand the GEMM consumes at once needs only the FP8 fold, one saved for backward only codes.
     """
     pid_r = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -204,13 +221,13 @@ def _mx_quantize_kernel(x_ptr, stride_r, stride_k, rows, kc, kp,
         row_amax = tl.max(pa, axis=1)
     if ROW_SRC == 1 and NCHUNK > 1:
         for c in range(NCHUNK):
-            _, amax, _ = _load_blocks(x_ptr, stride_r, stride_k, r, c * BK, rows, kc, signs_ptr, BR, BK, LAYOUT, VEC,
-                                      MASK_R, MASK_K, INT64, HB, LOG_HB, HSCALE, HAS_SIGNS)
+            _, amax, _ = _load_blocks(x_ptr, stride_r, stride_k, r, c * BK, rows, kc, signs_ptr, keep_ptr, BR, BK, LAYOUT,
+                                      VEC, MASK_R, MASK_K, INT64, HB, LOG_HB, HSCALE, HAS_SIGNS, ZERO_ROWS)
             row_amax = tl.maximum(row_amax, tl.max(amax, axis=1))
     for c in range(NCHUNK):
         k0 = (pid_k * NCHUNK + c) * BK
-        vb, amax, bad = _load_blocks(x_ptr, stride_r, stride_k, r, k0, rows, kc, signs_ptr, BR, BK, LAYOUT, VEC,
-                                     MASK_R, MASK_K, INT64, HB, LOG_HB, HSCALE, HAS_SIGNS)
+        vb, amax, bad = _load_blocks(x_ptr, stride_r, stride_k, r, k0, rows, kc, signs_ptr, keep_ptr, BR, BK, LAYOUT,
+                                     VEC, MASK_R, MASK_K, INT64, HB, LOG_HB, HSCALE, HAS_SIGNS, ZERO_ROWS)
         if ROW_SRC == 1 and NCHUNK == 1:
             row_amax = tl.max(amax, axis=1)
         e = _block_exp(amax, RULE)  # [BR, NB]
@@ -244,10 +261,12 @@ def _mx_quantize_kernel(x_ptr, stride_r, stride_k, rows, kc, kp,
         sptr = scales_ptr + r[:, None] * (kp // 32) + nb[None, :]
         sval = tl.where(bad, 255, e + 127).to(tl.uint8)
         if MASK_R or MASK_K:
-            tl.store(cptr, (lo | (hi << 4)).to(tl.uint8), mask=row_ok & (kh < kp // 2)[None, :, :])
+            if WRITE_CODES:
+                tl.store(cptr, (lo | (hi << 4)).to(tl.uint8), mask=row_ok & (kh < kp // 2)[None, :, :])
             tl.store(sptr, sval, mask=rmask[:, None] & (nb < kp // 32)[None, :])
         else:
-            tl.store(cptr, (lo | (hi << 4)).to(tl.uint8))
+            if WRITE_CODES:
+                tl.store(cptr, (lo | (hi << 4)).to(tl.uint8))
             tl.store(sptr, sval)
 
         if WRITE_FP8:  # q · 2^(e - E), exact in E4M3 because e - E is in [-8, 0]
@@ -299,11 +318,12 @@ def default_plan(rows: int, kp: int, stride_r: int, stride_k: int, elem_size: in
 
 
 @functools.lru_cache(maxsize=1024)
-def _launch_config(rows, kc, stride_r, stride_k, elem_size, hb, has_signs, stochastic, scale_rule, msr, plan_items):
+def _launch_config(rows, kc, stride_r, stride_k, elem_size, hb, has_signs, stochastic, scale_rule, msr, plan_items,
+                   write_codes=True, want_fp8=True, zero_rows=False):
     """Everything about a launch that follows from shapes and options (cached: host time matters)."""
     kp = -(-kc // 32) * 32
     p = dict(plan_items) if plan_items else default_plan(rows, kp, stride_r, stride_k, elem_size, hb)
-    row_max, write_fp8 = msr >= 0, 0 <= msr <= 8
+    row_max, write_fp8 = msr >= 0, want_fp8 and 0 <= msr <= 8
     br, bk = p["BR"], max(p["BK"], hb, 32)
     if p["mode"] == "rows":
         nchunk = p["NCHUNK"] if bk == p["BK"] else -(-kp // bk)
@@ -314,21 +334,24 @@ def _launch_config(rows, kc, stride_r, stride_k, elem_size, hb, has_signs, stoch
     common = dict(BR=br, BK=bk, LAYOUT=p["LAYOUT"], VEC=p["VEC"], MASK_R=rows % br != 0,
                   MASK_K=kc % (bk * nchunk) != 0 or kc != kp, INT64=False,
                   HB=hb, LOG_HB=int(math.log2(hb)) if hb else 0, HSCALE=_f32(1 / math.sqrt(hb)) if hb else 1.0,
-                  HAS_SIGNS=has_signs, num_warps=p["num_warps"])
+                  HAS_SIGNS=has_signs, ZERO_ROWS=zero_rows, num_warps=p["num_warps"])
     quant = dict(common, NCHUNK=nchunk, NKT=triton.next_power_of_2(n_kt), RULE=RULE_IDS[scale_rule],
-                 STOCHASTIC=stochastic, MSR=msr, ROW_SRC=row_src, WRITE_FP8=write_fp8,
+                 STOCHASTIC=stochastic, MSR=msr, ROW_SRC=row_src, WRITE_CODES=write_codes, WRITE_FP8=write_fp8,
                  ELEM_SCALE=_f32(4.0 / 3.0) if scale_rule == "tseng" else 1.0)
     return kp, write_fp8, (triton.cdiv(rows, br), n_kt), n_kt, row_src, common, quant
 
 
 def mx_quantize(x: torch.Tensor, axis: int, hadamard_block: int, signs: torch.Tensor | None,
                 stochastic: bool, scale_rule: str, max_scale_range: int, seed: torch.Tensor | None,
+                write_codes: bool = True, want_fp8: bool = True, keep: torch.Tensor | None = None,
                 *, plan: dict | None = None, out: tuple | None = None):
     """Launch the fused quantizer on a 2-D ``x``; arguments as the custom op ``adahop::iht_quantize_mxfp4``.
 
     ``hadamard_block`` 0 means no transform; ``max_scale_range`` -1 means None. Returns
     ``(codes [rows, kp/2] uint8, scales [rows, kp/32] uint8, fp8 [rows, kp] e4m3, row_scale [rows] fp32)``;
-    the last two are empty when ``max_scale_range`` is -1 or above 8 (no exact FP8 fold).
+    the last two are empty when ``max_scale_range`` is -1 or above 8 (no exact FP8 fold) or
+    ``want_fp8`` is False; codes are ``[rows, 0]`` when ``write_codes`` is False. ``keep``: optional
+    uint8 ``[rows]``, rows where it is 0 are quantized as zeros (OE).
     ``plan`` overrides :func:`default_plan` (benchmarks); ``out`` supplies the four output buffers
     (tests: poisoned ones).
     """
@@ -339,16 +362,17 @@ def mx_quantize(x: torch.Tensor, axis: int, hadamard_block: int, signs: torch.Te
     hb = hadamard_block if hadamard_block > 1 else 0
     kp, write_fp8, grid, n_kt, row_src, common, quant = _launch_config(
         rows, kc, stride_r, stride_k, x.element_size(), hb, signs is not None, stochastic, scale_rule,
-        max_scale_range, tuple(sorted(plan.items())) if plan else None)
+        max_scale_range, tuple(sorted(plan.items())) if plan else None, write_codes, want_fp8, keep is not None)
     dev = x.device
     if out is None:
-        codes = torch.empty(rows, kp // 2, dtype=torch.uint8, device=dev)  # custom-op outputs may not alias
+        codes = torch.empty(rows, kp // 2 if write_codes else 0, dtype=torch.uint8, device=dev)  # outputs may not alias
         scales = torch.empty(rows, kp // 32, dtype=torch.uint8, device=dev)
         fp8 = torch.empty((rows, kp) if write_fp8 else (0,), dtype=torch.float8_e4m3fn, device=dev)
         rscale = torch.empty((rows,) if write_fp8 else (0,), dtype=torch.float32, device=dev)
     else:
         codes, scales, fp8, rscale = out
-        want = [(rows, kp // 2), (rows, kp // 32), (rows, kp) if write_fp8 else (0,), (rows,) if write_fp8 else (0,)]
+        want = [(rows, kp // 2 if write_codes else 0), (rows, kp // 32), (rows, kp) if write_fp8 else (0,),
+                (rows,) if write_fp8 else (0,)]
         if [tuple(t.shape) for t in out] != want or not all(t.is_contiguous() for t in out):
             raise ValueError(f"mx_quantize: out buffers must be contiguous with shapes {want}")
     if rows == 0:
@@ -356,10 +380,11 @@ def mx_quantize(x: torch.Tensor, axis: int, hadamard_block: int, signs: torch.Te
     if max(rows * kp, (x.shape[0] - 1) * abs(x.stride(0)) + (x.shape[1] - 1) * abs(x.stride(1)) + 1) >= 2**31 - 2**20:
         common, quant = dict(common, INT64=True), dict(quant, INT64=True)
     signs_arg = signs if signs is not None else x  # never read without HAS_SIGNS
+    keep_arg = keep if keep is not None else x  # never read without ZERO_ROWS
     pamax = x  # read only when ROW_SRC == 2
     if row_src == 2:
         pamax = torch.empty(rows, n_kt, dtype=torch.float32, device=dev)
-        _mx_amax_kernel[grid](x, stride_r, stride_k, rows, kc, pamax, n_kt, signs_arg, **common)
+        _mx_amax_kernel[grid](x, stride_r, stride_k, rows, kc, pamax, n_kt, signs_arg, keep_arg, **common)
     _mx_quantize_kernel[grid](x, stride_r, stride_k, rows, kc, kp, codes, scales, fp8.view(torch.uint8), rscale,
-                              pamax, n_kt, signs_arg, seed if seed is not None else x, **quant)
+                              pamax, n_kt, signs_arg, seed if seed is not None else x, keep_arg, **quant)
     return codes, scales, fp8, rscale

@@ -207,8 +207,13 @@ def fold_to_fp8(q: MXTensor, *, backend: str = "auto") -> tuple[torch.Tensor, to
     Notes:
         ``q.fp8``, when the fused quantizer set it, holds this same result (`DESIGN.md` §3).
         The range check syncs with the device once, unless ``q.scale_range <= 8`` (the
-        quantizer guaranteed it) or under torch.compile.
+        quantizer guaranteed it) or under torch.compile. An FP8-only ``q`` (``q.codes_dropped``)
+        returns its ``q.fp8``.
     """
+    if q.codes_dropped:
+        if q.fp8 is None:
+            raise ValueError("fold_to_fp8: the MXTensor holds neither codes nor its FP8 fold; quantize with outputs='all'")
+        return q.fp8
     be = resolve_backend(backend, q.codes.device)
     fn = fold_to_fp8_triton if be == "triton" and q.block_size == 32 else fold_to_fp8_reference
     return fn(q)

@@ -68,7 +68,8 @@ def check_mm_layout(qa: MXTensor, qb: MXTensor) -> tuple[int, int, int]:
         raise ValueError(f"mx_matmul: block sizes differ ({qa.block_size} vs {qb.block_size})")
     kp = -(-kc // qa.block_size) * qa.block_size
     for name, q, rows in (("qa", qa, m), ("qb", qb, n)):
-        if tuple(q.codes.shape) != (rows, kp // 2) or tuple(q.scales.shape) != (rows, kp // q.block_size):
+        codes_cols = 0 if q.codes_dropped and q.fp8 is not None else kp // 2  # FP8-only: codes [rows, 0]
+        if tuple(q.codes.shape) != (rows, codes_cols) or tuple(q.scales.shape) != (rows, kp // q.block_size):
             raise ValueError(f"mx_matmul: {name} codes {tuple(q.codes.shape)} / scales {tuple(q.scales.shape)} do not "
                              f"match shape {q.shape} with axis={q.axis} (want {(rows, kp // 2)} / {(rows, kp // q.block_size)})")
     if qa.codes.device != qb.codes.device:

@@ -23,7 +23,13 @@ __all__ = [
     "iht_quantize_mxfp4_triton",
     "hadamard_butterfly",
     "TRITON_HADAMARD_SIZES",
+    "OUTPUTS",
 ]
+
+#: What the fused quantizer writes: ``"all"`` (codes, scales and, when ``max_scale_range`` <= 8, the
+#: FP8 fold), ``"codes"`` (codes and scales: an operand saved for backward), ``"fp8"`` (the FP8 fold
+#: and scales: an operand the GEMM consumes at once; needs ``max_scale_range`` 0…8).
+OUTPUTS = ("all", "codes", "fp8")
 
 #: Hadamard block sizes the fused kernel supports (others run the reference under ``"auto"``).
 TRITON_HADAMARD_SIZES = (2, 4, 8, 16, 32, 64, 128, 256)
@@ -71,7 +77,7 @@ def hadamard_butterfly(x: torch.Tensor, *, block_size: int = 32, axis: int = -1,
     return v.reshape(*v.shape[:-2], n).movedim(-1, axis)
 
 
-def _check_args(x, axis, hadamard_block, rounding, scale_rule, max_scale_range) -> int:
+def _check_args(x, axis, hadamard_block, rounding, scale_rule, max_scale_range, outputs="all", zero_rows=None) -> int:
     if not isinstance(x, torch.Tensor) or x.ndim != 2:
         raise ValueError(f"iht_quantize_mxfp4 expects a 2-D tensor [R, C], got {getattr(x, 'shape', type(x))}")
     if not x.is_floating_point():
@@ -81,20 +87,32 @@ def _check_args(x, axis, hadamard_block, rounding, scale_rule, max_scale_range) 
     if hadamard_block is not None:
         check_block_size(hadamard_block, "hadamard_block")
     check_mx_options(scale_rule, rounding, max_scale_range)
+    if outputs not in OUTPUTS:
+        raise ValueError(f"outputs={outputs!r} is not one of {OUTPUTS}")
+    if outputs == "fp8" and not (max_scale_range is not None and 0 <= max_scale_range <= 8):
+        raise ValueError(f"outputs='fp8' needs max_scale_range 0…8 (an exact FP8 fold), got {max_scale_range}; "
+                         "use outputs='all'")
+    if zero_rows is not None and (not isinstance(zero_rows, torch.Tensor) or zero_rows.ndim != 1
+                                  or zero_rows.dtype not in (torch.int64, torch.int32)):
+        raise ValueError("zero_rows must be a 1-D int64/int32 tensor of row indices (the dim not quantized along), "
+                         f"got {getattr(zero_rows, 'shape', type(zero_rows))}")
     return axis % 2
 
 
 def iht_quantize_mxfp4_reference(
     x: torch.Tensor, *, axis: int, hadamard_block: int | None = 32, signs: torch.Tensor | None = None,
     rounding: str = "nearest", scale_rule: str = "floor", max_scale_range: int | None = 8,
-    generator: torch.Generator | None = None, backend: str = "reference",
+    generator: torch.Generator | None = None, backend: str = "reference", outputs: str = "all",
+    zero_rows: torch.Tensor | None = None,
 ) -> MXTensor:
     """Reference: ``quantize_mxfp4(hadamard_butterfly(x) if hadamard_block else x, ...)``.
 
     Arguments and result as :func:`iht_quantize_mxfp4` (``backend`` is ignored; the result has
-    ``fp8=None``).
+    codes and scales whatever ``outputs`` asks, and ``fp8=None``).
     """
-    axis = _check_args(x, axis, hadamard_block, rounding, scale_rule, max_scale_range)
+    axis = _check_args(x, axis, hadamard_block, rounding, scale_rule, max_scale_range, outputs, zero_rows)
+    if zero_rows is not None:
+        x = x.index_fill(1 - axis, zero_rows, 0)
     if hadamard_block is not None:
         x = hadamard_butterfly(x, block_size=hadamard_block, axis=axis, signs=signs)
     return quantize_mxfp4(x, axis=axis, block_size=32, scale_rule=scale_rule, rounding=rounding,
@@ -105,11 +123,13 @@ def iht_quantize_mxfp4_reference(
 
 
 def _fused_impl(x: torch.Tensor, axis: int, hadamard_block: int, signs: torch.Tensor | None, stochastic: bool,
-                scale_rule: str, max_scale_range: int, seed: torch.Tensor | None
+                scale_rule: str, max_scale_range: int, seed: torch.Tensor | None, write_codes: bool = True,
+                want_fp8: bool = True, keep: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     from . import _triton_quantize  # lazy: Triton is needed only here
 
-    return _triton_quantize.mx_quantize(x, axis, hadamard_block, signs, stochastic, scale_rule, max_scale_range, seed)
+    return _triton_quantize.mx_quantize(x, axis, hadamard_block, signs, stochastic, scale_rule, max_scale_range, seed,
+                                        write_codes, want_fp8, keep)
 
 
 # The custom op is what torch.compile sees; eager calls skip its dispatch overhead (tens of us).
@@ -117,11 +137,13 @@ _fused_op = torch.library.custom_op("adahop::iht_quantize_mxfp4", _fused_impl, m
 
 
 @_fused_op.register_fake
-def _(x, axis, hadamard_block, signs, stochastic, scale_rule, max_scale_range, seed):
+def _(x, axis, hadamard_block, signs, stochastic, scale_rule, max_scale_range, seed, write_codes=True, want_fp8=True,
+      keep=None):
     rows, kc = (x.shape[0], x.shape[1]) if axis == 1 else (x.shape[1], x.shape[0])
     kp = (kc + 31) // 32 * 32
-    fp8 = 0 <= max_scale_range <= 8
-    return (x.new_empty(rows, kp // 2, dtype=torch.uint8), x.new_empty(rows, kp // 32, dtype=torch.uint8),
+    fp8 = want_fp8 and 0 <= max_scale_range <= 8
+    return (x.new_empty(rows, kp // 2 if write_codes else 0, dtype=torch.uint8),
+            x.new_empty(rows, kp // 32, dtype=torch.uint8),
             x.new_empty((rows, kp) if fp8 else (0,), dtype=torch.float8_e4m3fn),
             x.new_empty((rows,) if fp8 else (0,), dtype=torch.float32))
 
@@ -140,15 +162,16 @@ def _triton_supports(hadamard_block, signs) -> str | None:
 def iht_quantize_mxfp4_triton(
     x: torch.Tensor, *, axis: int, hadamard_block: int | None = 32, signs: torch.Tensor | None = None,
     rounding: str = "nearest", scale_rule: str = "floor", max_scale_range: int | None = 8,
-    generator: torch.Generator | None = None, backend: str = "triton",
+    generator: torch.Generator | None = None, backend: str = "triton", outputs: str = "all",
+    zero_rows: torch.Tensor | None = None,
 ) -> MXTensor:
     """Fused Triton path of :func:`iht_quantize_mxfp4` (same arguments; ``backend`` is ignored).
 
-    Also sets ``fp8`` on the result when ``max_scale_range`` is 0…8. Stochastic rounding draws one
-    seed from ``generator`` for Triton's Philox stream: statistically, not bitwise, equal to the
-    reference.
+    Also sets ``fp8`` on the result when ``max_scale_range`` is 0…8 (unless ``outputs="codes"``);
+    with ``outputs="fp8"`` its ``codes`` are ``[rows, 0]``. Stochastic rounding draws one seed from
+    ``generator`` for Triton's Philox stream: statistically, not bitwise, equal to the reference.
     """
-    axis = _check_args(x, axis, hadamard_block, rounding, scale_rule, max_scale_range)
+    axis = _check_args(x, axis, hadamard_block, rounding, scale_rule, max_scale_range, outputs, zero_rows)
     why = _triton_supports(hadamard_block, signs)
     if why is not None:
         raise ValueError(f"iht_quantize_mxfp4: the Triton kernel does not support {why}; use backend='reference' or 'auto'")
@@ -163,18 +186,23 @@ def iht_quantize_mxfp4_triton(
         gdev = generator.device if generator is not None else x.device
         seed = torch.randint(0, 2**62, (1,), generator=generator, device=gdev, dtype=torch.int64).to(x.device)
     msr = -1 if max_scale_range is None else max_scale_range
+    keep = None
+    if zero_rows is not None:  # a byte per output row, 0 where OE extracted it
+        keep = torch.ones(x.shape[1 - axis], dtype=torch.uint8, device=x.device).index_fill_(0, zero_rows.to(x.device), 0)
     op = _fused_op if torch.compiler.is_compiling() else _fused_impl
+    want_fp8 = outputs != "codes"
     codes, scales, fp8, rscale = op(x, axis, hadamard_block or 0, signs, rounding == "stochastic",
-                                           scale_rule, msr, seed)
+                                    scale_rule, msr, seed, outputs != "fp8", want_fp8, keep)
     return MXTensor(codes=codes, scales=scales, shape=tuple(x.shape), axis=axis, block_size=32,
                     elem_scale=4.0 / 3.0 if scale_rule == "tseng" else 1.0,
-                    fp8=(fp8, rscale) if 0 <= msr <= 8 else None, scale_range=max_scale_range)
+                    fp8=(fp8, rscale) if want_fp8 and 0 <= msr <= 8 else None, scale_range=max_scale_range)
 
 
 def iht_quantize_mxfp4(
     x: torch.Tensor, *, axis: int, hadamard_block: int | None = 32, signs: torch.Tensor | None = None,
     rounding: str = "nearest", scale_rule: str = "floor", max_scale_range: int | None = 8,
-    generator: torch.Generator | None = None, backend: str = "auto",
+    generator: torch.Generator | None = None, backend: str = "auto", outputs: str = "all",
+    zero_rows: torch.Tensor | None = None,
 ) -> MXTensor:
     """Block-Hadamard-transform (optional) and quantize a GEMM operand to MXFP4 along ``axis``.
 
@@ -193,6 +221,13 @@ def iht_quantize_mxfp4(
             it never changes round-to-nearest results. Options the kernel lacks (Hadamard
             blocks above 256, signs without a block) run the reference under either of the
             first two.
+        outputs: what the Triton path writes (:data:`OUTPUTS`): ``"all"``; ``"codes"`` for an
+            operand saved for backward (no FP8 fold); ``"fp8"`` for one the GEMM consumes at once
+            (no codes: ``codes`` is ``[rows, 0]``, :meth:`MXTensor.dequantize` reads the fold). The
+            reference always returns codes and scales. Values never depend on it.
+        zero_rows: 1-D integer indices of rows (along the dim *not* quantized: ``1 - axis``) to
+            quantize as zeros, as ``x.index_fill(1 - axis, zero_rows, 0)`` would (OE's extracted
+            rows or columns, without a copy of ``x``).
 
     Returns:
         :class:`MXTensor` of logical shape ``x.shape``, blocks of 32 along ``axis`` (codes
@@ -202,7 +237,8 @@ def iht_quantize_mxfp4(
     Raises:
         ValueError: not 2-D, bad axis, unsupported Hadamard size or one that does not divide
             the dim, bad ``signs``, unknown rule or rounding, stochastic rounding with a clipping
-            rule (use ``ceil``), negative ``max_scale_range``.
+            rule (use ``ceil``), negative ``max_scale_range``, unknown ``outputs`` or ``"fp8"``
+            without ``max_scale_range`` 0…8, ``zero_rows`` not a 1-D integer tensor.
         RuntimeError: backend ``"triton"`` without Triton or CUDA.
 
     Notes:
@@ -215,4 +251,4 @@ def iht_quantize_mxfp4(
     else:
         fn = iht_quantize_mxfp4_reference
     return fn(x, axis=axis, hadamard_block=hadamard_block, signs=signs, rounding=rounding, scale_rule=scale_rule,
-              max_scale_range=max_scale_range, generator=generator)
+              max_scale_range=max_scale_range, generator=generator, outputs=outputs, zero_rows=zero_rows)

@@ -20,9 +20,10 @@ __all__ = ["LowPrecisionLinearFn"]
 
 
 def _for_saving(prep):
-    """Saved operands keep only the packed MXFP4 (4.25 bits/element): the FP8-folded cache the
-    fused quantizer also wrote is dropped; backward unpacks straight to FP8 (`DESIGN.md` §3)."""
-    if prep is not None and getattr(prep.q, "fp8", None) is not None:
+    """Saved operands keep only the packed MXFP4 (4.25 bits/element): an FP8-folded cache (the
+    quantizer writes none with ``outputs="codes"``) is dropped; backward unpacks straight to FP8
+    (`DESIGN.md` §3)."""
+    if prep is not None and getattr(prep.q, "fp8", None) is not None and not prep.q.codes_dropped:
         prep.q = dataclasses.replace(prep.q, fp8=None)
     return prep
 
@@ -66,8 +67,11 @@ class LowPrecisionLinearFn(torch.autograd.Function):
             ctx.gens = (gd, gw)
             ctx.signs_w = draw_signs(wg, gw, x.device)
             ctx.signs_d = draw_signs(dg, gd, x.device)
-            ctx.x_prep = None if _needs_hp_b(wg) else _for_saving(prepare(x, "b", wg, signs=ctx.signs_w, generator=gw, backend=layer.backend))
-            ctx.w_prep = None if _needs_hp_b(dg) else _for_saving(prepare(w, "b", dg, signs=ctx.signs_d, generator=gd, backend=layer.backend))
+            # saved operands need only codes (backward folds them); the GEMMs' own operands only FP8
+            ctx.x_prep = None if _needs_hp_b(wg) else _for_saving(prepare(x, "b", wg, signs=ctx.signs_w, generator=gw,
+                                                                          backend=layer.backend, outputs="codes"))
+            ctx.w_prep = None if _needs_hp_b(dg) else _for_saving(prepare(w, "b", dg, signs=ctx.signs_d, generator=gd,
+                                                                          backend=layer.backend, outputs="codes"))
             ctx.save_for_backward(x if ctx.x_prep is None else None, weight)
             layer.saved_bytes = x.numel() * x.element_size() if ctx.x_prep is None else ctx.x_prep.nbytes
             if ctx.w_prep is not None:
@@ -92,13 +96,15 @@ class LowPrecisionLinearFn(torch.autograd.Function):
         gd, gw = ctx.gens
         # operands not saved prepared (they need high precision) are prepared now, with the signs
         # drawn in forward, so both GEMMs always run as prepare(A) · saved-or-prepared(B)
-        w_prep = ctx.w_prep or prepare(weight.to(dtype), "b", specs["dgrad"], signs=ctx.signs_d, generator=gd, backend=layer.backend)
-        x_prep = ctx.x_prep or prepare(x, "b", specs["wgrad"], signs=ctx.signs_w, generator=gw, backend=layer.backend)
+        be = layer.backend
+        w_prep = ctx.w_prep or prepare(weight.to(dtype), "b", specs["dgrad"], signs=ctx.signs_d, generator=gd, backend=be,
+                                       outputs="fp8")
+        x_prep = ctx.x_prep or prepare(x, "b", specs["wgrad"], signs=ctx.signs_w, generator=gw, backend=be, outputs="fp8")
         # dgrad: ∇X = ∇Y·W
-        pa = prepare(dy, "a", specs["dgrad"], signs=ctx.signs_d, generator=gd, backend=layer.backend)
-        dx = multiply(pa, w_prep, specs["dgrad"], out_dtype=dtype, backend=layer.backend)
+        pa = prepare(dy, "a", specs["dgrad"], signs=ctx.signs_d, generator=gd, backend=be, outputs="fp8")
+        dx = multiply(pa, w_prep, specs["dgrad"], out_dtype=dtype, backend=be)
         # wgrad: ∇W = ∇Yᵀ·X
-        pa = prepare(dy.t(), "a", specs["wgrad"], signs=ctx.signs_w, generator=gw, backend=layer.backend)
-        dw = multiply(pa, x_prep, specs["wgrad"], out_dtype=torch.float32, backend=layer.backend)
+        pa = prepare(dy.t(), "a", specs["wgrad"], signs=ctx.signs_w, generator=gw, backend=be, outputs="fp8")
+        dw = multiply(pa, x_prep, specs["wgrad"], out_dtype=torch.float32, backend=be)
         ctx.x_prep = ctx.w_prep = None
         return dx, dw.to(weight.dtype), grad_bias, None, None
