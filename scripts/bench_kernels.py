@@ -148,8 +148,8 @@ def _rows(br, bk, w, nchunk=1, vec=8):
     return dict(mode="rows", BR=br, BK=bk, NCHUNK=nchunk, LAYOUT=0, VEC=vec, num_warps=w)
 
 
-def _tiles(br, bk, w, vec, layout=1):
-    return dict(mode="tiles", BR=br, BK=bk, NCHUNK=1, LAYOUT=layout, VEC=vec, num_warps=w)
+def _tiles(br, bk, w, vec):
+    return dict(mode="tiles", BR=br, BK=bk, NCHUNK=1, LAYOUT=1, VEC=vec, num_warps=w)
 
 
 PLANS = {  # variants timed per case (kc -> plans); None is tq.default_plan
@@ -157,12 +157,8 @@ PLANS = {  # variants timed per case (kc -> plans); None is tq.default_plan
     14336: {"loop 2x2048x7 w4 (default)": None, "loop 4x2048x7 w8": _rows(4, 2048, 8, 7),
             "rows 1x16384 w16": _rows(1, 16384, 16)},
     1024: {"rows 8x1024 w8 (default)": None},
-    "T": {"tiles vec2 64x128 w4 (default)": None, "tiles vec2 64x256 w8": _tiles(64, 256, 8, 2),
-          "tiles vec2 64x64 w2": _tiles(64, 64, 2, 2), "tiles vec1 32x128 w4": _tiles(32, 128, 4, 1),
-          "tiles vec4 128x128 w4": _tiles(128, 128, 4, 4), "tiles vec2 64x512 w16": _tiles(64, 512, 16, 2),
-          "trans 64x128 w4": _tiles(64, 128, 4, 8, 2), "trans 128x64 w4": _tiles(128, 64, 4, 8, 2),
-          "trans 128x128 w8": _tiles(128, 128, 8, 8, 2), "trans 64x256 w8": _tiles(64, 256, 8, 8, 2)},
-}
+    "T": {"default (64x256 w8 at kc >= 8192, else 64x128 w4)": None, "tiles vec2 64x128 w4": _tiles(64, 128, 4, 2),
+          "tiles vec2 64x256 w8": _tiles(64, 256, 8, 2), "tiles vec2 64x512 w16": _tiles(64, 512, 16, 2)},}
 
 
 def _same(a, b):
@@ -190,12 +186,12 @@ def quantize_section(res, copy_bw, quick):
                 t = bench(fn)
                 rows_out.append(dict(case=name, plan=pname + ("" if exact else " WRONG RESULT"), hb=hb, us=t * 1e6,
                                      GBps=nbytes / t / 1e9, frac_copy=nbytes / t / 1e12 / copy_bw))
-            if plan is None:  # what each operand role writes: FP8 only (GEMM operands), codes only (saved)
-                for what, codes_on, fp8_on, nb in (("outputs=fp8", False, True, nbytes - rows * kc // 2),
-                                                   ("outputs=codes", True, False, nbytes - rows * (kc + 4))):
-                    t = bench(lambda: tq.mx_quantize(x, axis, 32, None, False, "floor", 8, None, codes_on, fp8_on))
-                    rows_out.append(dict(case=name, plan=f"default, {what}", hb=32, us=t * 1e6, GBps=nb / t / 1e9,
-                                         frac_copy=nb / t / 1e12 / copy_bw))
+            # what each operand role writes: FP8 only (GEMM operands), codes only (saved for backward)
+            for what, codes_on, fp8_on, nb in (("outputs=fp8", False, True, nbytes - rows * kc // 2),
+                                               ("outputs=codes", True, False, nbytes - rows * (kc + 4))):
+                t = bench(lambda: tq.mx_quantize(x, axis, 32, None, False, "floor", 8, None, codes_on, fp8_on, plan=plan))
+                rows_out.append(dict(case=name, plan=f"{pname}, {what}", hb=32, us=t * 1e6, GBps=nb / t / 1e9,
+                                     frac_copy=nb / t / 1e12 / copy_bw))
             if plan is None:  # one kernel, no row maximum, no FP8 (max_scale_range=None): the pass-1 share
                 nb2 = nbytes - rows * (-(-kc // 32) * 32 + 4)
                 t = bench(lambda: tq.mx_quantize(x, axis, 32, None, False, "floor", -1, None))

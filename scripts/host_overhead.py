@@ -14,10 +14,10 @@ import adahop.kernels.quantize_mxfp4; qm = _s.modules["adahop.kernels.quantize_m
 import sys as _s, adahop.kernels.mx_matmul; mm = _s.modules["adahop.kernels.mx_matmul"]
 from adahop.kernels import _triton_quantize as tq, _triton_fold as tf
 # stubs: same output shapes, no work (measures the Python around the kernels)
-def fake_quant(x, axis, hb, signs, stochastic, rule, msr, seed, **kw):
+def fake_quant(x, axis, hb, signs, stochastic, rule, msr, seed, write_codes=True, want_fp8=True, keep=None, **kw):
     rows, kc = (x.shape[0], x.shape[1]) if axis == 1 else (x.shape[1], x.shape[0])
     kp = -(-kc // 32) * 32
-    return (torch.empty(rows, kp // 2, dtype=torch.uint8), torch.empty(rows, kp // 32, dtype=torch.uint8),
+    return (torch.empty(rows, kp // 2 if write_codes else 0, dtype=torch.uint8), torch.empty(rows, kp // 32, dtype=torch.uint8),
             torch.empty(rows, kp, dtype=torch.float8_e4m3fn), torch.empty(rows))
 tq.mx_quantize = fake_quant
 tf.fold = lambda codes, scales, e: (torch.empty(codes.shape[0], codes.shape[1] * 2, dtype=torch.float8_e4m3fn), torch.empty(codes.shape[0]))

@@ -132,8 +132,6 @@ def _load_blocks(x_ptr, stride_r, stride_k, r, k0, rows, kc, signs_ptr, keep_ptr
     tell apart by index, so lanes go across rows and blocks and the 32/VEC vectors of a block stay
     in one thread. LAYOUT 1 (rows contiguous, the transposing case):
     rows vectorized VEC at a time (the index arithmetic hides longer runs), lanes across rows.
-    LAYOUT 2 (transposing, an alternative): the tile is loaded as stored, ``[BK, BR]`` with rows
-    contiguous, and ``tl.trans`` leaves the layout change to Triton.
     ZERO_ROWS: rows whose ``keep`` byte is 0 read as zeros (OE's extracted rows; a where, not a
     multiply, so a NaN there is dropped as ``index_fill`` drops it).
     """
@@ -142,9 +140,6 @@ def _load_blocks(x_ptr, stride_r, stride_k, r, k0, rows, kc, signs_ptr, keep_ptr
         rr = r[:, None, None, None]
         k = (k0 + tl.arange(0, NB)[None, :, None, None] * 32 + tl.arange(0, 32 // VEC)[None, None, :, None] * VEC
              + tl.arange(0, VEC)[None, None, None, :])
-    elif LAYOUT == 2:  # loaded as stored ([BK, BR], rows contiguous), transposed in registers/shared memory
-        rr = r[None, :]
-        k = k0 + tl.arange(0, BK)[:, None]
     else:
         rr = ((r // VEC) * VEC + r % VEC)[:, None, None]  # same values; provable contiguity VEC
         k = (k0 + tl.arange(0, NB)[:, None] * 32 + tl.arange(0, 32)[None, :])[None, :, :]
@@ -160,9 +155,7 @@ def _load_blocks(x_ptr, stride_r, stride_k, r, k0, rows, kc, signs_ptr, keep_ptr
     if ZERO_ROWS:
         keep = tl.load(keep_ptr + rr, mask=rr < rows, other=1)
         v = tl.where(keep != 0, v, 0.0)
-    if LAYOUT == 2:
-        v = tl.trans(v)
-    if LAYOUT != 1:
+    if LAYOUT == 0:
         v = tl.reshape(v, [BR, NB, 32])
     if HB > 1:
         G: tl.constexpr = BR * BK // HB
@@ -299,7 +292,8 @@ def default_plan(rows: int, kp: int, stride_r: int, stride_k: int, elem_size: in
       one tile of ``next_pow2(kp)`` up to 8192 (at least 256 with a Hadamard block ``hb`` above
       32), else a loop over tiles of up to 2048 run twice (row maximum first; the re-read hits L2).
     - rows contiguous (``axis=0`` of a row-major x, the transposing case): two kernels (the row
-      maximum needs all of K) over tiles of ``32·VEC`` rows × 128 K, one block per warp.
+      maximum needs all of K) over tiles of ``32·VEC`` rows × 128 K, one block per warp (× 256 K
+      and 8 warps for bf16 with K ≥ 8192).
     """
     if stride_k == 1 or stride_r != 1:
         vec = 16 // elem_size
@@ -314,6 +308,8 @@ def default_plan(rows: int, kp: int, stride_r: int, stride_k: int, elem_size: in
             bk //= 2
         return dict(mode="rows", BR=2, BK=bk, NCHUNK=-(-kp // bk), LAYOUT=0, VEC=vec, num_warps=max(1, 2 * bk // 1024))
     vec = 2 if elem_size == 2 else 1
+    if kp >= 8192 and vec == 2:  # H200, round 4: 64x256/8 warps 23-26 % faster at kc = T = 8192, 28 % slower at 4096
+        return dict(mode="tiles", BR=64, BK=256, NCHUNK=1, LAYOUT=1, VEC=2, num_warps=8)
     return dict(mode="tiles", BR=32 * vec, BK=128, NCHUNK=1, LAYOUT=1, VEC=vec, num_warps=4)
 
 
