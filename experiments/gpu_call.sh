@@ -16,6 +16,8 @@
 #   h (round 4, one GPU): validation of the quantizer (incl. outputs= and OE's zero_rows), the
 #      quantizer microbenchmarks (transposing-tile sweep), bench linear eager + CUDA-graph replay
 #   i (round 4, one GPU): bench model compiled, Llama-3.2-1B and 4 blocks of Llama-3.1-8B
+#   j (round 4, one GPU): kernel table of the 8B down/gate-up layers (scripts/profile_linear.py),
+#      quantizer validation + sweep with the new transposing tile, bench linear with CUDA graphs
 # JOBS: the quality runs still to do, RECIPE:SEED,... (default: this session's list).
 # Needs .carry/{corpus_main.txt.xz,gpt2.tiktoken} and .whl/zstandard-*.whl (carried).
 set -u
@@ -28,7 +30,7 @@ export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 ADAHOP_CACHE=/tmp/adahop
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())"
-[ "$STAGE" = d ] || [ "$STAGE" = e ] || [ "$STAGE" = f ] || [ "$STAGE" = g ] || [ "$STAGE" = h ] || [ "$STAGE" = i ] || python3 -m adahop data prepare --source .carry/corpus_main.txt.xz --tokenizer tiktoken:.carry/gpt2.tiktoken --out /tmp/main > $OUT/prepare.log 2>&1 &
+[ "$STAGE" = d ] || [ "$STAGE" = e ] || [ "$STAGE" = f ] || [ "$STAGE" = g ] || [ "$STAGE" = h ] || [ "$STAGE" = i ] || [ "$STAGE" = j ] || python3 -m adahop data prepare --source .carry/corpus_main.txt.xz --tokenizer tiktoken:.carry/gpt2.tiktoken --out /tmp/main > $OUT/prepare.log 2>&1 &
 PREP=$!
 if [ "$STAGE" = c ]; then timeout 120 python3 scripts/diag_gemm.py > $OUT/diag_gemm.log 2>&1; cat $OUT/diag_gemm.log | cut -c1-200; fi
 wait $PREP; tail -1 $OUT/prepare.log; echo "data ready at $(el) s"
@@ -73,6 +75,17 @@ elif [ "$STAGE" = h ]; then
   timeout $(( ${LIM:-560} - $(el) )) python3 -m adahop bench linear --shapes llama3.1-8b --tokens 8192 --reps 20 --cuda-graphs \
     --json $OUT/bench_linear_h.json > $OUT/bench_linear_h.log 2>&1
   tail -21 $OUT/bench_linear_h.log | cut -c1-250; echo "bench linear done at $(el) s"
+elif [ "$STAGE" = j ]; then
+  export CUDA_VISIBLE_DEVICES=0
+  timeout 120 python3 scripts/profile_linear.py > $OUT/profile_linear_j.log 2>&1; cat $OUT/profile_linear_j.log | cut -c1-150
+  echo "profile done at $(el) s"
+  timeout 120 python3 scripts/validate_kernels.py --only quantize,outputs --log $OUT/validate_j.json > $OUT/validate_j.log 2>&1
+  tail -1 $OUT/validate_j.log; grep -E "^FAIL" $OUT/validate_j.log | cut -c1-230; echo "validate done at $(el) s"
+  timeout 150 python3 scripts/bench_kernels.py --sections ceil,quant --out $OUT > $OUT/bench_kernels_j.log 2>&1
+  grep -E "ax0|copy" $OUT/bench_kernels_j.log | grep -v reference | cut -c1-120; echo "bench kernels done at $(el) s"
+  timeout $(( ${LIM:-560} - $(el) )) python3 -m adahop bench linear --shapes llama3.1-8b --tokens 8192 --reps 20 --cuda-graphs \
+    --json $OUT/bench_linear_j.json > $OUT/bench_linear_j.log 2>&1
+  tail -21 $OUT/bench_linear_j.log | cut -c1-250; echo "bench linear done at $(el) s"
 elif [ "$STAGE" = i ]; then
   export CUDA_VISIBLE_DEVICES=0
   timeout $(( ${MID:-270} - $(el) )) python3 -m adahop bench model --model llama3.2-1b --recipes bf16,adahop-lv2 --seq-len 4096 --batch-size 4 \
