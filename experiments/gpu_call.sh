@@ -88,6 +88,8 @@ elif [ "$STAGE" = j ]; then
   tail -21 $OUT/bench_linear_j.log | cut -c1-250; echo "bench linear done at $(el) s"
 elif [ "$STAGE" = i ]; then
   export CUDA_VISIBLE_DEVICES=0
+  timeout 60 python3 scripts/profile_linear.py --kinds "adahop-lv2 fast (iht, wgrad oe_right)" > $OUT/profile_linear_i.log 2>&1
+  cut -c1-150 $OUT/profile_linear_i.log | grep -v Warn; echo "profile done at $(el) s"
   timeout $(( ${MID:-270} - $(el) )) python3 -m adahop bench model --model llama3.2-1b --recipes bf16,adahop-lv2 --seq-len 4096 --batch-size 4 \
     --modes compiled --json $OUT/bench_model_1b_i.json > $OUT/bench_model_1b_i.log 2>&1
   grep -E "^row:|\|" $OUT/bench_model_1b_i.log | tail -4; echo "bench model 1b done at $(el) s"

@@ -157,7 +157,7 @@ PLANS = {  # variants timed per case (kc -> plans); None is tq.default_plan
     14336: {"loop 2x2048x7 w4 (default)": None, "loop 4x2048x7 w8": _rows(4, 2048, 8, 7),
             "rows 1x16384 w16": _rows(1, 16384, 16)},
     1024: {"rows 8x1024 w8 (default)": None},
-    "T": {"default (64x256 w8 at kc >= 8192, else 64x128 w4)": None, "tiles vec2 64x128 w4": _tiles(64, 128, 4, 2),
+    "T": {"tiles vec2 64x128 w4 (default)": None,
           "tiles vec2 64x256 w8": _tiles(64, 256, 8, 2), "tiles vec2 64x512 w16": _tiles(64, 512, 16, 2)},}
 
 

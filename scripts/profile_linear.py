@@ -55,12 +55,12 @@ def main() -> None:
     ap.add_argument("--model", default="llama3.1-8b")
     ap.add_argument("--shape", default="down_proj,gate/up_proj", help="comma-separated layer names of LINEAR_SHAPES")
     ap.add_argument("--tokens", type=int, default=8192)
-    ap.add_argument("--kinds", default=",".join(KINDS))
+    ap.add_argument("--kinds", default=";".join(KINDS), help="';'-separated layer kinds of adahop bench linear")
     args = ap.parse_args()
     for name, k, n in LINEAR_SHAPES[args.model]:
         if name in args.shape.split(","):
             print(f"\n# {args.model} {name}")
-            for kind in args.kinds.split(","):
+            for kind in args.kinds.split(";"):
                 profile_kind(kind, args.tokens, k, n)
 
 

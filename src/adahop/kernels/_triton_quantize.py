@@ -292,8 +292,9 @@ def default_plan(rows: int, kp: int, stride_r: int, stride_k: int, elem_size: in
       one tile of ``next_pow2(kp)`` up to 8192 (at least 256 with a Hadamard block ``hb`` above
       32), else a loop over tiles of up to 2048 run twice (row maximum first; the re-read hits L2).
     - rows contiguous (``axis=0`` of a row-major x, the transposing case): two kernels (the row
-      maximum needs all of K) over tiles of ``32·VEC`` rows × 128 K, one block per warp (× 256 K
-      and 8 warps for bf16 with K ≥ 8192).
+      maximum needs all of K) over tiles of ``32·VEC`` rows × 128 K, one block per warp. (Round 4's sweep:
+      64 × 256 with 8 warps is faster when codes and FP8 are both written, not when only the
+      one form an operand needs is: `docs/kernels_notes.md` §8.)
     """
     if stride_k == 1 or stride_r != 1:
         vec = 16 // elem_size
@@ -308,8 +309,6 @@ def default_plan(rows: int, kp: int, stride_r: int, stride_k: int, elem_size: in
             bk //= 2
         return dict(mode="rows", BR=2, BK=bk, NCHUNK=-(-kp // bk), LAYOUT=0, VEC=vec, num_warps=max(1, 2 * bk // 1024))
     vec = 2 if elem_size == 2 else 1
-    if kp >= 8192 and vec == 2:  # H200, round 4: 64x256/8 warps 23-26 % faster at kc = T = 8192, 28 % slower at 4096
-        return dict(mode="tiles", BR=64, BK=256, NCHUNK=1, LAYOUT=1, VEC=2, num_warps=8)
     return dict(mode="tiles", BR=32 * vec, BK=128, NCHUNK=1, LAYOUT=1, VEC=vec, num_warps=4)
 
 
