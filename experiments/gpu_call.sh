@@ -16,6 +16,8 @@
 #   h (round 4, one GPU): validation of the quantizer (incl. outputs= and OE's zero_rows), the
 #      quantizer microbenchmarks (transposing-tile sweep), bench linear eager + CUDA-graph replay
 #   i (round 4, one GPU): bench model compiled, Llama-3.2-1B and 4 blocks of Llama-3.1-8B
+#   k (round 4, one GPU): bench model eager and compiled, 4 blocks of Llama-3.1-8B (the rows' loss and
+#      gradient norm check that the compiled model computes what the eager one does)
 #   j (round 4, one GPU): kernel table of the 8B down/gate-up layers (scripts/profile_linear.py),
 #      quantizer validation + sweep with the new transposing tile, bench linear with CUDA graphs
 # JOBS: the quality runs still to do, RECIPE:SEED,... (default: this session's list).
@@ -30,7 +32,7 @@ export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 ADAHOP_CACHE=/tmp/adahop
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())"
-[ "$STAGE" = d ] || [ "$STAGE" = e ] || [ "$STAGE" = f ] || [ "$STAGE" = g ] || [ "$STAGE" = h ] || [ "$STAGE" = i ] || [ "$STAGE" = j ] || python3 -m adahop data prepare --source .carry/corpus_main.txt.xz --tokenizer tiktoken:.carry/gpt2.tiktoken --out /tmp/main > $OUT/prepare.log 2>&1 &
+[ "$STAGE" = d ] || [ "$STAGE" = e ] || [ "$STAGE" = f ] || [ "$STAGE" = g ] || [ "$STAGE" = h ] || [ "$STAGE" = i ] || [ "$STAGE" = j ] || [ "$STAGE" = k ] || python3 -m adahop data prepare --source .carry/corpus_main.txt.xz --tokenizer tiktoken:.carry/gpt2.tiktoken --out /tmp/main > $OUT/prepare.log 2>&1 &
 PREP=$!
 if [ "$STAGE" = c ]; then timeout 120 python3 scripts/diag_gemm.py > $OUT/diag_gemm.log 2>&1; cat $OUT/diag_gemm.log | cut -c1-200; fi
 wait $PREP; tail -1 $OUT/prepare.log; echo "data ready at $(el) s"
@@ -86,6 +88,11 @@ elif [ "$STAGE" = j ]; then
   timeout $(( ${LIM:-560} - $(el) )) python3 -m adahop bench linear --shapes llama3.1-8b --tokens 8192 --reps 20 --cuda-graphs \
     --json $OUT/bench_linear_j.json > $OUT/bench_linear_j.log 2>&1
   tail -21 $OUT/bench_linear_j.log | cut -c1-250; echo "bench linear done at $(el) s"
+elif [ "$STAGE" = k ]; then
+  export CUDA_VISIBLE_DEVICES=0
+  timeout $(( ${LIM:-560} - $(el) )) python3 -m adahop bench model --model llama3.1-8b --layers 4 --recipes bf16,adahop-lv2 --seq-len 4096 \
+    --batch-size 2 --modes eager,compiled --json $OUT/bench_model_8b4_k.json > $OUT/bench_model_8b4_k.log 2>&1
+  grep -E "^row:" $OUT/bench_model_8b4_k.log | cut -c1-600; grep -A6 "^model |" $OUT/bench_model_8b4_k.log; echo "bench model 8b done at $(el) s"
 elif [ "$STAGE" = i ]; then
   export CUDA_VISIBLE_DEVICES=0
   timeout 60 python3 scripts/profile_linear.py --kinds "adahop-lv2 fast (iht, wgrad oe_right)" > $OUT/profile_linear_i.log 2>&1

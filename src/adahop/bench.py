@@ -139,6 +139,8 @@ def bench_model(model: str = "llama3.2-1b", *, recipes=("bf16", "adahop-lv2", "m
     ``modes`` are keys of :data:`COMPILE_MODES`. A row that fails (out of memory, a compile
     error) is recorded with its error instead of stopping the others. Each row also gives
     ``warmup_s``: seconds of its 5 untimed steps (calibration, compile, CUDA-graph recording).
+    One more untimed step records what the model computed: ``loss``, ``grad_norm`` (all
+    parameters) and ``params_with_grad`` (of ``params``), equal across modes of one recipe.
 
     Raises:
         ValueError: an unknown mode.
@@ -193,12 +195,18 @@ def _bench_model_row(model: str, recipe: str, mode: str, seq_len: int, batch: in
     fwd = m if compile_mode is None or calibrating else torch.compile(m, mode=compile_mode)
     ids = torch.randint(0, 32768, (batch, seq_len + 1), device=dev)
 
-    def step(i):
+    check = {}
+
+    def step(i, record=False):
         nonlocal fwd
         with torch.autocast(dev.type, dtype=torch.bfloat16):
             logits = fwd(input_ids=ids[:, :-1], use_cache=False).logits
         loss = F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
         loss.backward()
+        if record:  # what the step computed: equal across modes, close to BF16's (a dropped backward shows here)
+            grads = [p.grad for p in m.parameters() if p.grad is not None]
+            check.update(loss=loss.item(), grad_norm=torch.nn.utils.get_total_norm(grads).item(),
+                         params_with_grad=sum(bool(g.any()) for g in grads), params=sum(1 for _ in m.parameters()))
         opt.step()
         opt.zero_grad(set_to_none=True)
         if calibrating and on_step(m, i + 1) and compile_mode is not None:
@@ -225,10 +233,11 @@ def _bench_model_row(model: str, recipe: str, mode: str, seq_len: int, batch: in
             step(i)
             times.append((time.perf_counter() - t0) * 1e3)
     ms = statistics.median(times)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+    step(5 + steps, record=True)  # untimed
     return dict(model=model, layers=layers or m.config.num_hidden_layers, recipe=recipe, mode=mode, step_ms=ms,
-                tok_per_s=batch * seq_len / ms * 1e3,
-                peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
-                warmup_s=warmup_s, strategies=_strategy_counts(m))
+                tok_per_s=batch * seq_len / ms * 1e3, peak_mem_gib=peak, warmup_s=warmup_s,
+                strategies=_strategy_counts(m), **check)
 
 
 def _strategy_counts(model: torch.nn.Module) -> str:
