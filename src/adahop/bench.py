@@ -140,7 +140,8 @@ def bench_model(model: str = "llama3.2-1b", *, recipes=("bf16", "adahop-lv2", "m
     error) is recorded with its error instead of stopping the others. Each row also gives
     ``warmup_s``: seconds of its 5 untimed steps (calibration, compile, CUDA-graph recording).
     One more untimed step records what the model computed: ``loss``, ``grad_norm`` (all
-    parameters) and ``params_with_grad`` (of ``params``), equal across modes of one recipe.
+    parameters) and ``params_with_grad`` (of ``params``), equal across modes of one recipe;
+    ``grads_ok`` is False when some parameter got no gradient (such a row's speed is not valid).
 
     Raises:
         ValueError: an unknown mode.
@@ -205,8 +206,9 @@ def _bench_model_row(model: str, recipe: str, mode: str, seq_len: int, batch: in
         loss.backward()
         if record:  # what the step computed: equal across modes, close to BF16's (a dropped backward shows here)
             grads = [p.grad for p in m.parameters() if p.grad is not None]
+            n_with, n_all = sum(bool(g.any()) for g in grads), sum(1 for _ in m.parameters())
             check.update(loss=loss.item(), grad_norm=torch.nn.utils.get_total_norm(grads).item(),
-                         params_with_grad=sum(bool(g.any()) for g in grads), params=sum(1 for _ in m.parameters()))
+                         params_with_grad=n_with, params=n_all, grads_ok=n_with == n_all)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if calibrating and on_step(m, i + 1) and compile_mode is not None:

@@ -1,0 +1,85 @@
+#!/usr/bin/env python
+"""Does a compiled converted model compute the eager model's gradients? (GPU check)
+
+    PYTHONPATH=src python scripts/check_compiled_grads.py [--model llama-20m] [--recipes adahop-lv2,mxfp4-had]
+    TRITON_INTERPRET=1 PYTHONPATH=src python scripts/check_compiled_grads.py --device cpu --backend triton --model llama-tiny
+
+For each recipe: build the model, calibrate eagerly (2 steps) where the recipe calibrates, then
+run one step eagerly and one step under ``torch.compile`` from the same weights and data, under
+bf16 autocast, and print the loss, how many parameters got a nonzero gradient, and the relative
+gradient error of compiled against eager. Variants: ``--force-outputs all`` makes every operand
+write codes and FP8 (isolates the quantizer's ``outputs=``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+import adahop.gemm as gemm_mod
+from adahop.models import build_model
+from adahop.nn import convert_model, on_step
+from adahop.recipes import get_recipe
+
+
+def one_step(model, fwd, ids):
+    with torch.autocast(ids.device.type, dtype=torch.bfloat16):
+        logits = fwd(input_ids=ids[:, :-1], use_cache=False).logits
+    loss = F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return loss.item(), grads
+
+
+def check(model_name: str, recipe: str, device: str = "cuda", backend: str = "auto") -> None:
+    torch.manual_seed(0)
+    m = build_model(model_name, vocab_size=4096, max_seq_len=256).to(device)
+    r = get_recipe(recipe)
+    if r.calibration is not None:
+        r = dataclasses.replace(r, calibration=dataclasses.replace(r.calibration, steps=2))
+    if not r.is_bf16:
+        convert_model(m, r, backend=backend)
+    ids = torch.randint(0, 4096, (4, 257), device=device)
+    for i in range(2):  # calibration (eager), then the plan freezes
+        one_step(m, m, ids)
+        on_step(m, i + 1)
+    state = copy.deepcopy(m.state_dict())
+    le, ge = one_step(m, m, ids)
+    m.load_state_dict(state)
+    lc, gc = one_step(m, torch.compile(m), ids)
+    names = [n for n, _ in m.named_parameters()]
+    nz = lambda g: sum(1 for n in names if n in g and bool(g[n].any()))  # noqa: E731
+    err = max(((gc[n] - ge[n]).norm() / ge[n].norm().clamp_min(1e-30)).item() if n in gc else float("inf")
+              for n in names if n in ge)
+    missing = [n for n in names if n in ge and (n not in gc or not gc[n].any())][:4]
+    print(f"{model_name} {recipe}: loss eager {le:.5f} compiled {lc:.5f}; params with grad eager {nz(ge)} compiled "
+          f"{nz(gc)} of {len(names)}; max rel grad err {err:.3g}; missing e.g. {missing}", flush=True)
+    torch.compiler.reset()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="llama-20m")
+    ap.add_argument("--recipes", default="bf16,mxfp4-had,adahop-lv2")
+    ap.add_argument("--force-outputs", default=None, help="'all': every operand writes codes and FP8")
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu with --backend triton under TRITON_INTERPRET=1")
+    ap.add_argument("--backend", default="auto")
+    args = ap.parse_args()
+    if args.force_outputs:
+        orig = gemm_mod._quantize
+
+        def forced(t, axis, op, tr, signs, generator, backend, outputs="all", zero_rows=None):
+            return orig(t, axis, op, tr, signs, generator, backend, args.force_outputs, zero_rows)
+
+        gemm_mod._quantize = forced
+    for recipe in args.recipes.split(","):
+        check(args.model, recipe, args.device, args.backend)
+
+
+if __name__ == "__main__":
+    main()
