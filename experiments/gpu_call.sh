@@ -68,26 +68,19 @@ elif [ "$STAGE" = c ]; then
   timeout $(( 585 - $(el) )) python3 -m adahop bench model --model llama3.2-1b --recipes bf16,adahop-lv2 --seq-len 4096 --batch-size 4 \
     --modes eager,compiled --json $OUT/bench_model_1b.json > $OUT/bench_model_1b.log 2>&1
   grep -E "^row:|\|" $OUT/bench_model_1b.log | tail -8; echo "bench model done at $(el) s"
-elif [ "$STAGE" = h ]; then
+elif [ "$STAGE" = h ] || [ "$STAGE" = j ]; then  # j also profiles the layer first; h validates fold/gemm/compile too
   export CUDA_VISIBLE_DEVICES=0
-  timeout 170 python3 scripts/validate_kernels.py --only quantize,outputs,fold,gemm,compile --log $OUT/validate_h.json > $OUT/validate_h.log 2>&1
-  tail -1 $OUT/validate_h.log; grep -E "^FAIL|^PASS  (outputs|fold|gemm)" $OUT/validate_h.log | cut -c1-230; echo "validate done at $(el) s"
-  timeout 150 python3 scripts/bench_kernels.py --sections ceil,quant --out $OUT > $OUT/bench_kernels_h.log 2>&1
-  grep -E "ax0|ax1|copy" $OUT/bench_kernels_h.log | grep -v reference | cut -c1-120; echo "bench kernels done at $(el) s"
+  if [ "$STAGE" = j ]; then
+    timeout 120 python3 scripts/profile_linear.py > $OUT/profile_linear_j.log 2>&1; cut -c1-150 $OUT/profile_linear_j.log
+    echo "profile done at $(el) s"; SECT=quantize,outputs
+  else SECT=quantize,outputs,fold,gemm,compile; fi
+  timeout 170 python3 scripts/validate_kernels.py --only $SECT --log $OUT/validate_$STAGE.json > $OUT/validate_$STAGE.log 2>&1
+  tail -1 $OUT/validate_$STAGE.log; grep -E "^FAIL|^PASS  (outputs|fold|gemm)" $OUT/validate_$STAGE.log | cut -c1-230; echo "validate done at $(el) s"
+  timeout 150 python3 scripts/bench_kernels.py --sections ceil,quant --out $OUT > $OUT/bench_kernels_$STAGE.log 2>&1
+  grep -E "ax0|ax1|copy" $OUT/bench_kernels_$STAGE.log | grep -v reference | cut -c1-120; echo "bench kernels done at $(el) s"
   timeout $(( ${LIM:-560} - $(el) )) python3 -m adahop bench linear --shapes llama3.1-8b --tokens 8192 --reps 20 --cuda-graphs \
-    --json $OUT/bench_linear_h.json > $OUT/bench_linear_h.log 2>&1
-  tail -21 $OUT/bench_linear_h.log | cut -c1-250; echo "bench linear done at $(el) s"
-elif [ "$STAGE" = j ]; then
-  export CUDA_VISIBLE_DEVICES=0
-  timeout 120 python3 scripts/profile_linear.py > $OUT/profile_linear_j.log 2>&1; cat $OUT/profile_linear_j.log | cut -c1-150
-  echo "profile done at $(el) s"
-  timeout 120 python3 scripts/validate_kernels.py --only quantize,outputs --log $OUT/validate_j.json > $OUT/validate_j.log 2>&1
-  tail -1 $OUT/validate_j.log; grep -E "^FAIL" $OUT/validate_j.log | cut -c1-230; echo "validate done at $(el) s"
-  timeout 150 python3 scripts/bench_kernels.py --sections ceil,quant --out $OUT > $OUT/bench_kernels_j.log 2>&1
-  grep -E "ax0|copy" $OUT/bench_kernels_j.log | grep -v reference | cut -c1-120; echo "bench kernels done at $(el) s"
-  timeout $(( ${LIM:-560} - $(el) )) python3 -m adahop bench linear --shapes llama3.1-8b --tokens 8192 --reps 20 --cuda-graphs \
-    --json $OUT/bench_linear_j.json > $OUT/bench_linear_j.log 2>&1
-  tail -21 $OUT/bench_linear_j.log | cut -c1-250; echo "bench linear done at $(el) s"
+    --json $OUT/bench_linear_$STAGE.json > $OUT/bench_linear_$STAGE.log 2>&1
+  tail -21 $OUT/bench_linear_$STAGE.log | cut -c1-250; echo "bench linear done at $(el) s"
 elif [ "$STAGE" = k ]; then
   export CUDA_VISIBLE_DEVICES=0
   timeout $(( ${LIM:-560} - $(el) )) python3 -m adahop bench model --model llama3.1-8b --layers 4 --recipes bf16,adahop-lv2 --seq-len 4096 \

@@ -14,22 +14,13 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from adahop.bench import LINEAR_SHAPES, _layer
+from adahop.bench import LINEAR_SHAPES, layer_step
 
 KINDS = ["bf16", "mxfp4 fast", "iht fast", "adahop-lv2 fast (iht, wgrad oe_right)"]
 
 
 def profile_kind(kind: str, t: int, k: int, n: int, steps: int = 5, top: int = 14) -> None:
-    dev = torch.device("cuda")
-    layer = _layer(kind, k, n, dev)
-    x = torch.randn(t, k, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(t, n, device=dev, dtype=torch.bfloat16)
-
-    def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            y = layer(x)
-        y.backward(dy)
-
+    _, step = layer_step(kind, t, k, n, torch.device("cuda"))
     for _ in range(3):
         step()
     torch.cuda.synchronize()

@@ -32,3 +32,20 @@ def test_bench_model_rows_on_cpu():
 def test_bench_model_rejects_unknown_mode():
     with pytest.raises(ValueError, match="unknown mode"):
         bench_model("llama-tiny", modes=("fast",), device="cpu")
+
+
+def test_layer_step_runs_forward_and_backward_of_each_kind_on_cpu():
+    """`bench linear`'s step: each kind's weight gradient points where BF16's does (fresh inputs
+    per call of layer_step, the same seed here)."""
+    import torch
+
+    from adahop.bench import layer_step
+
+    grads = {}
+    for kind in ("bf16", "mxfp4 fast", "adahop-lv2 fast (iht, wgrad oe_right)"):
+        torch.manual_seed(0)
+        layer, step = layer_step(kind, 128, 64, 96, "cpu")
+        step()
+        grads[kind] = next(layer.parameters()).grad.flatten().float()
+    for kind in ("mxfp4 fast", "adahop-lv2 fast (iht, wgrad oe_right)"):
+        assert torch.nn.functional.cosine_similarity(grads[kind], grads["bf16"], dim=0) > 0.95

@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import json
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -83,6 +84,21 @@ def _layer(kind: str, k: int, n: int, device) -> torch.nn.Module:
     return wrapper
 
 
+def layer_step(kind: str, t: int, k: int, n: int, device) -> tuple[torch.nn.Module, Callable[[], None]]:
+    """One layer of ``kind`` (``K → N``) and its forward + backward on fresh random bf16 inputs of
+    ``t`` tokens, under bf16 autocast (what ``bench linear`` times and ``scripts/profile_linear.py`` profiles)."""
+    layer = _layer(kind, k, n, device)
+    x = torch.randn(t, k, device=device, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(t, n, device=device, dtype=torch.bfloat16)
+
+    def step():
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+            y = layer(x)
+        y.backward(dy)
+
+    return layer, step
+
+
 def bench_linear(models=("llama3.1-8b",), tokens=(8192, 16384), reps: int = 20, cuda_graphs: bool = False) -> list[dict]:
     """Forward+backward milliseconds, TFLOP/s and ratio to BF16 for each layer kind and shape.
 
@@ -99,15 +115,7 @@ def bench_linear(models=("llama3.1-8b",), tokens=(8192, 16384), reps: int = 20, 
             for name, k, n in LINEAR_SHAPES[model]:
                 base = gbase = None
                 for kind in kinds:
-                    layer = _layer(kind, k, n, dev)
-                    x = torch.randn(t, k, device=dev, dtype=torch.bfloat16, requires_grad=True)
-                    dy = torch.randn(t, n, device=dev, dtype=torch.bfloat16)
-
-                    def step():
-                        with torch.autocast("cuda", dtype=torch.bfloat16):
-                            y = layer(x)
-                        y.backward(dy)
-
+                    layer, step = layer_step(kind, t, k, n, dev)
                     ms = cuda_time_ms(step, reps if "emulated" not in kind else max(3, reps // 4))
                     flops = 6 * t * k * n
                     lp = next((m for m in layer.modules() if isinstance(m, LowPrecisionLinear)), None)
@@ -121,7 +129,7 @@ def bench_linear(models=("llama3.1-8b",), tokens=(8192, 16384), reps: int = 20, 
                         gbase = gbase or gms
                         row.update(graph_ms=gms, graph_speedup_vs_bf16=gbase / gms)
                     rows.append(row)
-                    del layer, x, dy
+                    del layer, step
                     torch.cuda.empty_cache()
     return rows
 
