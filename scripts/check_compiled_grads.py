@@ -36,7 +36,7 @@ def one_step(model, fwd, ids):
     return loss.item(), grads
 
 
-def check(model_name: str, recipe: str, device: str = "cuda", backend: str = "auto") -> None:
+def check(model_name: str, recipe: str, device: str = "cuda", backend: str = "auto", compile_backend: str = "inductor") -> None:
     torch.manual_seed(0)
     m = build_model(model_name, vocab_size=4096, max_seq_len=256).to(device)
     r = get_recipe(recipe)
@@ -51,7 +51,7 @@ def check(model_name: str, recipe: str, device: str = "cuda", backend: str = "au
     state = copy.deepcopy(m.state_dict())
     le, ge = one_step(m, m, ids)
     m.load_state_dict(state)
-    lc, gc = one_step(m, torch.compile(m), ids)
+    lc, gc = one_step(m, torch.compile(m, backend=compile_backend), ids)
     names = [n for n, _ in m.named_parameters()]
     nz = lambda g: sum(1 for n in names if n in g and bool(g[n].any()))  # noqa: E731
     err = max(((gc[n] - ge[n]).norm() / ge[n].norm().clamp_min(1e-30)).item() if n in gc else float("inf")
@@ -69,6 +69,7 @@ def main() -> None:
     ap.add_argument("--force-outputs", default=None, help="'all': every operand writes codes and FP8")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu with --backend triton under TRITON_INTERPRET=1")
     ap.add_argument("--backend", default="auto")
+    ap.add_argument("--compile-backend", default="inductor", help="torch.compile backend: inductor, aot_eager, eager")
     args = ap.parse_args()
     if args.force_outputs:
         orig = gemm_mod._quantize
@@ -78,7 +79,7 @@ def main() -> None:
 
         gemm_mod._quantize = forced
     for recipe in args.recipes.split(","):
-        check(args.model, recipe, args.device, args.backend)
+        check(args.model, recipe, args.device, args.backend, args.compile_backend)
 
 
 if __name__ == "__main__":
