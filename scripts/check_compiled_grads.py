@@ -36,7 +36,8 @@ def one_step(model, fwd, ids):
     return loss.item(), grads
 
 
-def check(model_name: str, recipe: str, device: str = "cuda", backend: str = "auto", compile_backend: str = "inductor") -> None:
+def check(model_name: str, recipe: str, device: str = "cuda", backend: str = "auto", compile_backend: str = "inductor",
+          batch: int = 4, seq_len: int = 256) -> None:
     torch.manual_seed(0)
     m = build_model(model_name, vocab_size=4096, max_seq_len=256).to(device)
     r = get_recipe(recipe)
@@ -44,7 +45,7 @@ def check(model_name: str, recipe: str, device: str = "cuda", backend: str = "au
         r = dataclasses.replace(r, calibration=dataclasses.replace(r.calibration, steps=2))
     if not r.is_bf16:
         convert_model(m, r, backend=backend)
-    ids = torch.randint(0, 4096, (4, 257), device=device)
+    ids = torch.randint(0, 4096, (batch, seq_len + 1), device=device)
     for i in range(2):  # calibration (eager), then the plan freezes
         one_step(m, m, ids)
         on_step(m, i + 1)
@@ -70,6 +71,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cuda, or cpu with --backend triton under TRITON_INTERPRET=1")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--compile-backend", default="inductor", help="torch.compile backend: inductor, aot_eager, eager")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=256)
     args = ap.parse_args()
     if args.force_outputs:
         orig = gemm_mod._quantize
@@ -79,7 +82,7 @@ def main() -> None:
 
         gemm_mod._quantize = forced
     for recipe in args.recipes.split(","):
-        check(args.model, recipe, args.device, args.backend, args.compile_backend)
+        check(args.model, recipe, args.device, args.backend, args.compile_backend, args.batch, args.seq_len)
 
 
 if __name__ == "__main__":
