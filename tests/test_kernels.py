@@ -494,3 +494,9 @@ def test_interp_outputs_and_zero_rows_match_the_reference(axis):
     a = only_fp8 if axis == 1 else iht_quantize_mxfp4(torch.randn(24, 96), axis=1, backend="triton", outputs="fp8")
     if axis == 1:  # an FP8-only operand goes through both GEMM twins
         assert _rel(mx_matmul(a, b, backend="triton"), mx_matmul_reference(a, b)) < 1e-5
+
+
+def test_folds_exactly_is_the_fold_range():
+    from adahop.kernels import FOLD_RANGE, folds_exactly
+
+    assert [folds_exactly(r) for r in (None, -1, 0, FOLD_RANGE, FOLD_RANGE + 1)] == [False, False, True, True, False]

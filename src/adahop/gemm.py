@@ -133,7 +133,7 @@ def _quantize(t: torch.Tensor, axis: int, op: OperandSpec, tr: Transform | None,
     """Zero the OE rows (``zero_rows`` along the other axis), inner transform along ``axis``, quantize
     along it. ``outputs`` as in :func:`adahop.kernels.iht_quantize_mxfp4` (MXFP4 only)."""
     if op.fmt == "mxfp4":  # the kernel zeroes the OE rows as it reads: no copy of t
-        if outputs == "fp8" and not (op.max_scale_range is not None and 0 <= op.max_scale_range <= 8):
+        if outputs == "fp8" and not _kernels().folds_exactly(op.max_scale_range):
             outputs = "all"  # no exact FP8 fold without the range limit: the GEMM folds from codes
         return _kernels().iht_quantize_mxfp4(
             t, axis=axis, hadamard_block=tr.block_size if tr is not None else None, signs=signs,

@@ -21,6 +21,7 @@ from .fold import (
     fold_to_fp8,
     fold_to_fp8_reference,
     fold_to_fp8_triton,
+    folds_exactly,
     resolve_backend,
     triton_available,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "fold_to_fp8",
     "fold_to_fp8_reference",
     "fold_to_fp8_triton",
+    "folds_exactly",
     "hadamard_butterfly",
     "iht_quantize_mxfp4",
     "iht_quantize_mxfp4_reference",

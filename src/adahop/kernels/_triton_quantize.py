@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .fold import folds_exactly
+
 RULE_IDS = {"floor": 0, "ceil": 1, "adahop": 2, "tseng": 3}
 
 
@@ -318,7 +320,7 @@ def _launch_config(rows, kc, stride_r, stride_k, elem_size, hb, has_signs, stoch
     """Everything about a launch that follows from shapes and options (cached: host time matters)."""
     kp = -(-kc // 32) * 32
     p = dict(plan_items) if plan_items else default_plan(rows, kp, stride_r, stride_k, elem_size, hb)
-    row_max, write_fp8 = msr >= 0, want_fp8 and 0 <= msr <= 8
+    row_max, write_fp8 = msr >= 0, want_fp8 and folds_exactly(msr)
     br, bk = p["BR"], max(p["BK"], hb, 32)
     if p["mode"] == "rows":
         nchunk = p["NCHUNK"] if bk == p["BK"] else -(-kp // bk)

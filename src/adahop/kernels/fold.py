@@ -18,13 +18,19 @@ from ..formats.e2m1 import decode_e2m1, decode_e8m0, unpack_e2m1
 from ..formats.mxfp4 import MXTensor
 
 __all__ = ["BACKENDS", "Backend", "resolve_backend", "fold_to_fp8", "fold_to_fp8_reference", "fold_to_fp8_triton",
-           "triton_available", "FOLD_RANGE"]
+           "triton_available", "FOLD_RANGE", "folds_exactly"]
 
 Backend = Literal["auto", "triton", "reference"]
 #: Values of every ``backend=`` argument in `adahop.kernels`.
 BACKENDS = ("auto", "triton", "reference")
 #: Largest block-exponent range within a row that folds exactly into E4M3.
 FOLD_RANGE = 8
+
+
+def folds_exactly(max_scale_range: int | None) -> bool:
+    """Whether a quantizer with this ``max_scale_range`` (None or -1: no limit) yields rows that fold
+    exactly into FP8, so that it can write the fold itself (`DESIGN.md` §3)."""
+    return max_scale_range is not None and 0 <= max_scale_range <= FOLD_RANGE
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -116,7 +122,7 @@ def _check_range(q: MXTensor, blocks=None) -> None:
     :data:`FOLD_RANGE` of the row's largest). Syncs with the device; skipped when the quantizer
     already enforced ``max_scale_range <= 8`` (``q.scale_range``) and inside torch.compile,
     where a host sync would split the graph. ``blocks``: :func:`_row_blocks` of ``q``, if at hand."""
-    if (q.scale_range is not None and q.scale_range <= FOLD_RANGE) or torch.compiler.is_compiling():
+    if folds_exactly(q.scale_range) or torch.compiler.is_compiling():
         return
     codes, finite, e, row_e = blocks if blocks is not None else _row_blocks(q)
     nonzero = (codes & 7).amax(dim=-1) > 0 if codes.numel() else torch.zeros_like(finite)

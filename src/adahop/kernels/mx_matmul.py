@@ -71,7 +71,7 @@ def check_mm_layout(qa: MXTensor, qb: MXTensor) -> tuple[int, int, int]:
         codes_cols = 0 if q.codes_dropped and q.fp8 is not None else kp // 2  # FP8-only: codes [rows, 0]
         if tuple(q.codes.shape) != (rows, codes_cols) or tuple(q.scales.shape) != (rows, kp // q.block_size):
             raise ValueError(f"mx_matmul: {name} codes {tuple(q.codes.shape)} / scales {tuple(q.scales.shape)} do not "
-                             f"match shape {q.shape} with axis={q.axis} (want {(rows, kp // 2)} / {(rows, kp // q.block_size)})")
+                             f"match shape {q.shape} with axis={q.axis} (want {(rows, codes_cols)} / {(rows, kp // q.block_size)})")
     if qa.codes.device != qb.codes.device:
         raise ValueError(f"mx_matmul: operands on different devices ({qa.codes.device}, {qb.codes.device})")
     return m, kc, n

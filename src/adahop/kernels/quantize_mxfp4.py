@@ -15,7 +15,7 @@ import torch
 
 from ..formats.mxfp4 import MXTensor, check_mx_options, quantize_mxfp4
 from ..hadamard import check_block_size
-from .fold import resolve_backend
+from .fold import folds_exactly, resolve_backend
 
 __all__ = [
     "iht_quantize_mxfp4",
@@ -89,7 +89,7 @@ def _check_args(x, axis, hadamard_block, rounding, scale_rule, max_scale_range, 
     check_mx_options(scale_rule, rounding, max_scale_range)
     if outputs not in OUTPUTS:
         raise ValueError(f"outputs={outputs!r} is not one of {OUTPUTS}")
-    if outputs == "fp8" and not (max_scale_range is not None and 0 <= max_scale_range <= 8):
+    if outputs == "fp8" and not folds_exactly(max_scale_range):
         raise ValueError(f"outputs='fp8' needs max_scale_range 0…8 (an exact FP8 fold), got {max_scale_range}; "
                          "use outputs='all'")
     if zero_rows is not None and (not isinstance(zero_rows, torch.Tensor) or zero_rows.ndim != 1
@@ -141,7 +141,7 @@ def _(x, axis, hadamard_block, signs, stochastic, scale_rule, max_scale_range, s
       keep=None):
     rows, kc = (x.shape[0], x.shape[1]) if axis == 1 else (x.shape[1], x.shape[0])
     kp = (kc + 31) // 32 * 32
-    fp8 = want_fp8 and 0 <= max_scale_range <= 8
+    fp8 = want_fp8 and folds_exactly(max_scale_range)
     return (x.new_empty(rows, kp // 2 if write_codes else 0, dtype=torch.uint8),
             x.new_empty(rows, kp // 32, dtype=torch.uint8),
             x.new_empty((rows, kp) if fp8 else (0,), dtype=torch.float8_e4m3fn),
@@ -195,7 +195,7 @@ def iht_quantize_mxfp4_triton(
                                     scale_rule, msr, seed, outputs != "fp8", want_fp8, keep)
     return MXTensor(codes=codes, scales=scales, shape=tuple(x.shape), axis=axis, block_size=32,
                     elem_scale=4.0 / 3.0 if scale_rule == "tseng" else 1.0,
-                    fp8=(fp8, rscale) if want_fp8 and 0 <= msr <= 8 else None, scale_range=max_scale_range)
+                    fp8=(fp8, rscale) if want_fp8 and folds_exactly(msr) else None, scale_range=max_scale_range)
 
 
 def iht_quantize_mxfp4(

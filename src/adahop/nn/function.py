@@ -10,22 +10,11 @@ consumes them, unless that GEMM needs them in high precision (`DESIGN.md` §2).
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from ..gemm import draw_signs, gemm, multiply, prepare
 
 __all__ = ["LowPrecisionLinearFn"]
-
-
-def _for_saving(prep):
-    """Saved operands keep only the packed MXFP4 (4.25 bits/element): an FP8-folded cache (the
-    quantizer writes none with ``outputs="codes"``) is dropped; backward unpacks straight to FP8
-    (`DESIGN.md` §3)."""
-    if prep is not None and getattr(prep.q, "fp8", None) is not None and not prep.q.codes_dropped:
-        prep.q = dataclasses.replace(prep.q, fp8=None)
-    return prep
 
 
 def _needs_hp_b(spec) -> bool:
@@ -67,11 +56,12 @@ class LowPrecisionLinearFn(torch.autograd.Function):
             ctx.gens = (gd, gw)
             ctx.signs_w = draw_signs(wg, gw, x.device)
             ctx.signs_d = draw_signs(dg, gd, x.device)
-            # saved operands need only codes (backward folds them); the GEMMs' own operands only FP8
-            ctx.x_prep = None if _needs_hp_b(wg) else _for_saving(prepare(x, "b", wg, signs=ctx.signs_w, generator=gw,
-                                                                          backend=layer.backend, outputs="codes"))
-            ctx.w_prep = None if _needs_hp_b(dg) else _for_saving(prepare(w, "b", dg, signs=ctx.signs_d, generator=gd,
-                                                                          backend=layer.backend, outputs="codes"))
+            # saved operands hold only the packed MXFP4 (4.25 bits/element; backward unpacks it straight
+            # to FP8, `DESIGN.md` §3); the GEMMs' own operands only the FP8 fold
+            ctx.x_prep = None if _needs_hp_b(wg) else prepare(x, "b", wg, signs=ctx.signs_w, generator=gw,
+                                                              backend=layer.backend, outputs="codes")
+            ctx.w_prep = None if _needs_hp_b(dg) else prepare(w, "b", dg, signs=ctx.signs_d, generator=gd,
+                                                              backend=layer.backend, outputs="codes")
             ctx.save_for_backward(x if ctx.x_prep is None else None, weight)
             layer.saved_bytes = x.numel() * x.element_size() if ctx.x_prep is None else ctx.x_prep.nbytes
             if ctx.w_prep is not None:

@@ -108,7 +108,7 @@ def prepared_path(cfg: TrainConfig) -> Path:
     p = Path(cfg.data)
     if p.is_dir() and (p / "manifest.json").exists():
         return p
-    sources = [s for s in cfg.data.split(",") if s]
+    sources = _sources(cfg)
     if not sources:
         raise ValueError("--data is empty; pass 'default', a prepared folder or text files")
     for s in sources:
@@ -121,12 +121,15 @@ def prepared_path(cfg: TrainConfig) -> Path:
     return cache_dir() / "prepared" / f"{name}-{cfg.tokenizer.replace('/', '_').replace(':', '_')}-{cfg.vocab_size}-{key}"
 
 
+def _sources(cfg: TrainConfig) -> list[str]:
+    return [s for s in cfg.data.split(",") if s]
+
+
 def resolve_data(cfg: TrainConfig) -> Path:
     """The prepared data folder for ``cfg.data`` (:func:`prepared_path`), prepared once if missing."""
     out = prepared_path(cfg)
     if not (out / "manifest.json").exists():
-        sources = [s for s in cfg.data.split(",") if s]
-        prepare(sources, out, tokenizer=cfg.tokenizer, vocab_size=cfg.vocab_size, val_fraction=cfg.val_fraction)
+        prepare(_sources(cfg), out, tokenizer=cfg.tokenizer, vocab_size=cfg.vocab_size, val_fraction=cfg.val_fraction)
     return out
 
 
