@@ -51,6 +51,11 @@ def cuda_graph_time_ms(fn, reps: int = 20) -> float:
 
     Device time alone: no host launch cost, which is what ``torch.compile(mode="reduce-overhead")``
     leaves of a layer. ``fn`` runs 3 times on a side stream first (lazy state, gradient buffers).
+    Method: the device notes' METHOD.md (CUDA events, warm-up excluded, median).
+
+    Raises:
+        RuntimeError: from CUDA graph capture when ``fn`` syncs with the host (e.g. the reference
+            backend's ``.item()`` calls), or without CUDA.
     """
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -86,7 +91,15 @@ def _layer(kind: str, k: int, n: int, device) -> torch.nn.Module:
 
 def layer_step(kind: str, t: int, k: int, n: int, device) -> tuple[torch.nn.Module, Callable[[], None]]:
     """One layer of ``kind`` (``K → N``) and its forward + backward on fresh random bf16 inputs of
-    ``t`` tokens, under bf16 autocast (what ``bench linear`` times and ``scripts/profile_linear.py`` profiles)."""
+    ``t`` tokens, under bf16 autocast (what ``bench linear`` times and ``scripts/profile_linear.py`` profiles).
+
+    ``kind`` is one of ``bench linear``'s rows (``"bf16"``, ``"mxfp4 fast"``, ``"iht fast"``,
+    ``"adahop-lv2 fast (iht, wgrad oe_right)"``, ``"mxfp4 emulated (dequantize + matmul)"``); the
+    step uses X ``[t, K]`` and ∇Y ``[t, N]``, both bfloat16, and accumulates X's and W's gradients.
+
+    Raises:
+        KeyError: an unknown ``kind``.
+    """
     layer = _layer(kind, k, n, device)
     x = torch.randn(t, k, device=device, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(t, n, device=device, dtype=torch.bfloat16)
