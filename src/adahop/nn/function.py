@@ -68,6 +68,12 @@ class LowPrecisionLinearFn(torch.autograd.Function):
                 layer.saved_bytes += ctx.w_prep.nbytes
         if bias is not None:
             y = y + bias.to(dtype)
+        elif torch.compiler.is_compiling():
+            # torch 2.11's dynamo returns every forward intermediate as an output of the traced
+            # function; one of them is the very tensor y is (a no-op `.to`), and autograd binds y's
+            # gradient to that later duplicate, so backward got dy = 0 (no gradient reached the
+            # layer or anything before it). A view is a distinct output that keeps dy.
+            y = y.view_as(y)
         return y
 
     @staticmethod

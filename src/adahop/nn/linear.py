@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import os
-import warnings
 import weakref
 
 import torch
@@ -15,21 +13,7 @@ from ..recipes.spec import GEMMS, GemmSpec, Recipe
 from ..utils import mix_seed
 from .function import LowPrecisionLinearFn
 
-__all__ = ["LowPrecisionLinear", "Controller", "traces_layer_on"]
-
-#: Round 4 on the H200 (torch 2.11): a model compiled with its converted layers traced computed
-#: the right loss, but its backward gave no gradient to any converted layer or to what lies before
-#: it (`scripts/check_compiled_grads.py`; the CPU under torch 2.13 gives eager's gradients). Until
-#: that is fixed, converted layers on CUDA run eagerly inside a compiled model (a graph break per
-#: layer, correct gradients); ``ADAHOP_COMPILE_CUDA_LAYERS=1`` traces them anyway, to debug it.
-_TRACE_CUDA_LAYERS = os.environ.get("ADAHOP_COMPILE_CUDA_LAYERS", "0") == "1"
-_warned_eager = False
-
-
-def traces_layer_on(device_type: str) -> bool:
-    """Whether torch.compile traces a converted layer on this device type (see ``_TRACE_CUDA_LAYERS``)."""
-    return device_type != "cuda" or _TRACE_CUDA_LAYERS
-
+__all__ = ["LowPrecisionLinear", "Controller"]
 
 class Controller:
     """State shared by every converted layer of one model.
@@ -177,22 +161,10 @@ class LowPrecisionLinear(nn.Linear):
         """``x`` [..., in_features] → [..., out_features]; the GEMMs run in the autocast dtype when autocast is on, else in ``x``'s dtype."""
         if self.controller.calibrating and not self.force_bf16:
             return self._forward_calibrating(x)
-        if torch.compiler.is_compiling() and not traces_layer_on(x.device.type):
-            return self._forward_untraced(x)
         return self._forward(x)
 
     @torch.compiler.disable
     def _forward_calibrating(self, x: torch.Tensor) -> torch.Tensor:
-        return self._forward(x)
-
-    @torch.compiler.disable
-    def _forward_untraced(self, x: torch.Tensor) -> torch.Tensor:
-        global _warned_eager
-        if not _warned_eager:
-            _warned_eager = True
-            warnings.warn("adahop: converted linears run eagerly inside torch.compile on CUDA: with them traced, the "
-                          "compiled backward lost their gradients on the H200 (docs/benchmarks.md, round 4). Set "
-                          "ADAHOP_COMPILE_CUDA_LAYERS=1 to trace them anyway (unverified).", stacklevel=2)
         return self._forward(x)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..nn import convert_model, get_controller, on_step, saved_bytes, seed_compiled_rng
-from ..nn.linear import traces_layer_on
 from . import distributed as dp
 from .checkpoint import latest_checkpoint, save_checkpoint
 from .config import TrainConfig
@@ -193,10 +192,8 @@ def train(cfg: TrainConfig, *, rank: int = 0, world: int = 1) -> dict:
     peak = peak_memory(device)
     breaks = _graph_breaks() - breaks_from if cfg.compile else None
     if breaks and is_main:
-        why = ("converted linears run untraced on CUDA for now (docs/benchmarks.md, round 4); "
-               if device.type == "cuda" and not traces_layer_on("cuda") else "")
         print(f"warning: torch.compile logged {breaks} graph break(s) after the model's last compile; "
-              f"{why}rerun with TORCH_LOGS=graph_breaks to see where")
+              f"rerun with TORCH_LOGS=graph_breaks to see where")
     summary = dict(recipe=cfg.recipe, steps=done, tokens=done * tokens_per_step,  # steps done (< --steps if interrupted)
                    final_val_loss=metrics.last("val_loss"), final_val_bpb=metrics.last("val_bpb"),
                    final_train_loss=metrics.last("loss"), tok_per_s=timed_tokens / clock if clock else None,
