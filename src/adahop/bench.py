@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import json
 import statistics
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -237,7 +238,12 @@ def _bench_model_row(model: str, recipe: str, mode: str, seq_len: int, batch: in
 
     t_warm = time.perf_counter()
     for i in range(5):  # calibration (2 steps), the compile after the plan freeze, CUDA-graph recording
+        t0 = time.perf_counter()
         step(i)
+        if cuda:
+            torch.cuda.synchronize()
+        # progress on stderr: a compile can take minutes, and a row that times out prints nothing else
+        print(f"{model} {recipe} {mode}: warm-up step {i}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
