@@ -20,6 +20,10 @@
 #      gradient norm check that the compiled model computes what the eager one does)
 #   j (round 4, one GPU): kernel table of the 8B down/gate-up layers (scripts/profile_linear.py),
 #      quantizer validation + sweep with the new transposing tile, bench linear with CUDA graphs
+#   l, m, n (round 5, one GPU): l: compiled-vs-eager gradients (scripts/check_compiled_grads.py),
+#      then bench model compiled of 4 blocks of Llama-3.1-8B; m: the same for Llama-3.2-1B; n: 4 blocks
+#      of Llama-3.1-8B compiled + CUDA graphs. One stage per call: on a new machine (cold compile
+#      caches) the first AdaHOP compile takes minutes
 # JOBS: the quality runs still to do, RECIPE:SEED,... (default: this session's list).
 # Needs .carry/{corpus_main.txt.xz,gpt2.tiktoken} and .whl/zstandard-*.whl (carried).
 set -u
@@ -32,10 +36,10 @@ export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 ADAHOP_CACHE=/tmp/adahop
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())"
-[ "$STAGE" = d ] || [ "$STAGE" = e ] || [ "$STAGE" = f ] || [ "$STAGE" = g ] || [ "$STAGE" = h ] || [ "$STAGE" = i ] || [ "$STAGE" = j ] || [ "$STAGE" = k ] || python3 -m adahop data prepare --source .carry/corpus_main.txt.xz --tokenizer tiktoken:.carry/gpt2.tiktoken --out /tmp/main > $OUT/prepare.log 2>&1 &
-PREP=$!
+case $STAGE in a|b|c) python3 -m adahop data prepare --source .carry/corpus_main.txt.xz --tokenizer tiktoken:.carry/gpt2.tiktoken --out /tmp/main > $OUT/prepare.log 2>&1 &
+  PREP=$! ;; *) PREP= ;; esac  # only the training stages need the corpus
 if [ "$STAGE" = c ]; then timeout 120 python3 scripts/diag_gemm.py > $OUT/diag_gemm.log 2>&1; cat $OUT/diag_gemm.log | cut -c1-200; fi
-wait $PREP; tail -1 $OUT/prepare.log; echo "data ready at $(el) s"
+[ -z "$PREP" ] || { wait $PREP; tail -1 $OUT/prepare.log; echo "data ready at $(el) s"; }
 C125="python3 -m adahop train --model llama-125m --recipe adahop-lv2 --data /tmp/main --seq-len 512 --batch-size 32 --steps 60 --calib-steps 10 --eval-every 0 --ckpt-every 0 --log-every 1"
 # quality runs from the shared list on one GPU, starting none after second $2 of this command
 quality() { CUDA_VISIBLE_DEVICES=$1 python3 experiments/quality/run.py --data /tmp/main --out /tmp/q --steps 120 --eval-every 40 \
@@ -86,6 +90,19 @@ elif [ "$STAGE" = k ]; then
   timeout $(( ${LIM:-560} - $(el) )) python3 -m adahop bench model --model llama3.1-8b --layers 4 --recipes bf16,adahop-lv2 --seq-len 4096 \
     --batch-size 2 --modes eager,compiled --json $OUT/bench_model_8b4_k.json > $OUT/bench_model_8b4_k.log 2>&1
   grep -E "^row:" $OUT/bench_model_8b4_k.log | cut -c1-600; grep -A6 "^model |" $OUT/bench_model_8b4_k.log; echo "bench model 8b done at $(el) s"
+elif [ "$STAGE" = l ] || [ "$STAGE" = m ] || [ "$STAGE" = n ]; then
+  export CUDA_VISIBLE_DEVICES=0
+  B8="python3 -m adahop bench model --model llama3.1-8b --layers 4 --recipes bf16,adahop-lv2 --seq-len 4096 --batch-size 2"
+  B1="python3 -m adahop bench model --model llama3.2-1b --recipes bf16,adahop-lv2 --seq-len 4096 --batch-size 4"
+  case $STAGE in
+    l) timeout 150 python3 scripts/check_compiled_grads.py --model llama-tiny --recipes bf16,mxfp4-had,adahop-lv2 > $OUT/check_compiled_grads_l.log 2>&1
+       grep "llama-tiny\|Error" $OUT/check_compiled_grads_l.log; echo "grads check done at $(el) s"
+       NAME=8b4_l; CMD="$B8 --modes compiled";;
+    m) NAME=1b_m; CMD="$B1 --modes compiled";;
+    n) NAME=8b4_n; CMD="$B8 --modes compiled+cudagraphs";;
+  esac
+  timeout $(( ${LIM:-580} - $(el) )) $CMD --json $OUT/bench_model_$NAME.json > $OUT/bench_model_$NAME.log 2>&1
+  grep -E "warm-up|^row:" $OUT/bench_model_$NAME.log | cut -c1-600; grep -A4 "^model |" $OUT/bench_model_$NAME.log; echo "bench model done at $(el) s"
 elif [ "$STAGE" = i ]; then
   export CUDA_VISIBLE_DEVICES=0
   timeout 60 python3 scripts/profile_linear.py --kinds "adahop-lv2 fast (iht, wgrad oe_right)" > $OUT/profile_linear_i.log 2>&1
