@@ -166,6 +166,45 @@ def test_stochastic_runs_are_reproducible_under_a_seed():
     assert not torch.equal(a[0], other_step[0])  # ... and are fresh at every step
 
 
+def _sr_grads_after_eval(evaluate: bool):
+    """Gradients of the training step that follows a step-0 evaluation (or none) of an SR recipe."""
+    torch.manual_seed(0)
+    model = adahop.convert_model(nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 32)), "tseng", seed=0)
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(1))
+    out = None
+    if evaluate:
+        with torch.no_grad():
+            out = model(x)
+    model(x).square().sum().backward()
+    return out, [p.grad for p in model.parameters()]
+
+
+def test_an_evaluation_leaves_the_next_training_step_unchanged():
+    """Forward-only calls draw stochastic-rounding bits from their own stream, so a run that
+    evaluates between steps trains bit for bit like one that does not (resume stays exact)."""
+    out, after_eval = _sr_grads_after_eval(True)
+    _, plain = _sr_grads_after_eval(False)
+    assert all(torch.equal(a, b) for a, b in zip(after_eval, plain))
+    assert out is not None and out.requires_grad is False and torch.isfinite(out).all()
+
+
+def test_forward_only_calls_equal_the_training_forward_and_are_not_calibrated():
+    from adahop.nn import get_controller
+
+    torch.manual_seed(0)
+    model = adahop.convert_model(nn.Sequential(nn.Linear(64, 64, bias=True)), "mxfp4-had")
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        y_eval = model(x)
+    assert torch.equal(y_eval, model(x).detach())  # deterministic recipe: the same fprop
+    cal_model = adahop.convert_model(nn.Sequential(nn.Linear(64, 64)), "adahop-lv2")
+    with torch.no_grad():
+        cal_model(x)
+    assert get_controller(cal_model).calibrator.history == {}  # evaluation batches do not vote
+    cal_model(x).sum().backward()
+    assert set(get_controller(cal_model).calibrator.history["0"]) == {"x", "w", "dy"}
+
+
 # ---- a tiny Llama on real text --------------------------------------------------------------
 
 

@@ -8,6 +8,7 @@ import weakref
 import torch
 from torch import nn
 
+from ..gemm import gemm
 from ..patterns import Calibrator, Plan
 from ..recipes.spec import GEMMS, GemmSpec, Recipe
 from ..utils import mix_seed
@@ -123,10 +124,12 @@ class LowPrecisionLinear(nn.Linear):
         return {g: s.strategy for g, s in self._specs.items()}
 
     # -- randomness and calibration hooks ----------------------------------------------------
-    def generator(self, gemm: str) -> torch.Generator | None:
+    def generator(self, gemm: str, stream: str = "train") -> torch.Generator | None:
         """A generator for this call's stochastic rounding / random signs, seeded from
         (run seed, step, layer, GEMM, call index); None when the GEMM draws nothing, and under
-        torch.compile (the default generator is used; see :func:`adahop.nn.seed_compiled_rng`)."""
+        torch.compile (the default generator is used; see :func:`adahop.nn.seed_compiled_rng`).
+        ``stream="eval"`` (forward-only calls) counts its calls apart and seeds another stream, so
+        that evaluating between steps never shifts the training draws."""
         spec = (self._specs or {}).get(gemm)
         if spec is None:
             return None
@@ -138,12 +141,13 @@ class LowPrecisionLinear(nn.Linear):
             # and per rank, but a different stream from eager mode's
             return None
         step = self.controller.step
-        key = (step, gemm)
+        key = (step, gemm, stream)
         call = self._calls.get(key, 0)
         self._calls = {k: v for k, v in self._calls.items() if k[0] == step}
         self._calls[key] = call + 1
         g = torch.Generator(device=self.weight.device)
-        g.manual_seed(mix_seed(self.controller.seed, step, self.layer_id, gemm, call))
+        tag = (gemm,) if stream == "train" else (gemm, stream)  # the training seeds predate the eval stream
+        g.manual_seed(mix_seed(self.controller.seed, step, self.layer_id, *tag, call))
         return g
 
     def observe(self, tensor: str, t: torch.Tensor) -> None:
@@ -177,8 +181,25 @@ class LowPrecisionLinear(nn.Linear):
             if x2.shape[0] == 0:  # no tokens (an MoE expert that got none): nothing to quantize, exact and empty
                 b = None if self.bias is None else self.bias.to(dtype)
                 return torch.nn.functional.linear(x2, self.weight.to(dtype), b).reshape(*x.shape[:-1], self.out_features)
-            y = LowPrecisionLinearFn.apply(x2, self.weight, self.bias, self, dtype)
+            params_grad = self.weight.requires_grad or (self.bias is not None and self.bias.requires_grad)
+            if torch.is_grad_enabled() and (x2.requires_grad or params_grad):
+                y = LowPrecisionLinearFn.apply(x2, self.weight, self.bias, self, dtype)
+            else:
+                y = self._forward_only(x2, dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _forward_only(self, x2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        # evaluation / no_grad: the training fprop, but nothing is observed by calibration, nothing
+        # is prepared for a backward that never comes, and random bits come from the eval stream;
+        # so an evaluation between steps leaves the plan and the training draws (and resume) as they were
+        w = self.weight.to(dtype)
+        b = None if self.bias is None else self.bias.to(dtype)
+        specs = self.current_specs()
+        if specs is None:
+            return torch.nn.functional.linear(x2, w, b)
+        y = gemm(x2, w.t(), specs["fprop"], generator=self.generator("fprop", stream="eval"), out_dtype=dtype,
+                 backend=self.backend)
+        return y if b is None else y + b
 
     def extra_repr(self) -> str:
         s = self.strategies()
