@@ -181,6 +181,25 @@ def test_compare_exits_nonzero_when_a_recipe_fails(monkeypatch, tmp_path):
     assert main(["compare", "--recipes", "bf16", "--out", str(tmp_path / "c")]) == 0
 
 
+def test_machine_and_folder_errors_name_the_option_and_are_left_in_the_run_folder(data_dir, tmp_path, monkeypatch, capsys):
+    from adahop.cli import main
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    out = tmp_path / "run"
+    out.mkdir()  # as compare makes it before each recipe's run
+    args = ["train", "--model", "llama-tiny", "--data", str(data_dir), "--seq-len", "32", "--batch-size", "4",
+            "--steps", "2", "--recipe", "mxfp4", "--device", "cpu"]
+    assert main([*args, "--backend", "triton", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "--backend triton: backend='triton' needs a CUDA device" in err and "Traceback" not in err
+    assert "--backend triton" in (out / "error.txt").read_text()
+    (tmp_path / "afile").write_text("")
+    assert main([*args, "--out", str(tmp_path / "afile" / "run")]) == 2
+    assert "cannot create the run folder" in capsys.readouterr().err
+    assert main([*args, "--out", str(out)]) == 0  # a new attempt that succeeds clears the stale error
+    assert not (out / "error.txt").exists() and (out / "summary.json").exists()
+
+
 def test_compare_table_fields():
     summaries = {
         "bf16": dict(final_val_loss=4.0, final_val_bpb=1.5, tok_per_s=1000.0, peak_memory_bytes=2**30,

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import sys
 import typing
+from pathlib import Path
 
 __all__ = ["main", "build_parser"]
 
@@ -75,6 +76,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _leave_error(args, message: str) -> None:
+    """A failed ``train`` leaves its error in ``--out``/error.txt, where ``compare`` points."""
+    if args.cmd != "train" or not getattr(args, "out", None):
+        return
+    from .train.setup import ERROR_FILE
+
+    try:
+        (Path(args.out) / ERROR_FILE).write_text(message + "\n")
+    except OSError:  # no folder there (or not writable): stderr already has it
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the ``adahop`` command line; returns the exit code (2 for a bad option, named in the message)."""
     args = build_parser().parse_args(argv)
@@ -127,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             run_bench(args)
     except ValueError as e:
         print(f"adahop {args.cmd}: error: {e}", file=sys.stderr)
+        _leave_error(args, f"adahop {args.cmd}: error: {e}")
         return 2
     except RuntimeError as e:
         from .train.loop import Diverged
@@ -137,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except OSError as e:  # files and network (a download that cannot reach its host): one line, no traceback
         print(f"adahop {args.cmd}: error: {type(e).__name__}: {e}", file=sys.stderr)
+        _leave_error(args, f"adahop {args.cmd}: error: {type(e).__name__}: {e}")
         return 2
     except KeyboardInterrupt:
         return 130

@@ -18,7 +18,7 @@ from ..utils import read_json
 from .checkpoint import latest_checkpoint
 from .config import TrainConfig
 from .metrics import read_metrics
-from .setup import RESULT_NEUTRAL_KEYS, resolve_data, settings_diff
+from .setup import ERROR_FILE, RESULT_NEUTRAL_KEYS, resolve_data, settings_diff
 
 __all__ = ["compare", "format_table", "COLUMNS"]
 
@@ -45,7 +45,7 @@ def format_table(summaries: dict[str, dict], baseline: str = "bf16") -> list[lis
     rows = []
     for name, s in summaries.items():
         if "error" in s:
-            rows.append([name, "failed", "", "", "", "", s["error"][:60]])
+            rows.append([name, "failed", "", "", "", "", s["error"][:160]])
             continue
         vl = s.get("final_val_loss")
         gap = f"{100 * (vl - base) / base:+.2f}" if (base and vl is not None) else "-"
@@ -99,9 +99,12 @@ def compare(recipes: list[str], cfg: TrainConfig, out: Path) -> dict[str, dict]:
         if latest_checkpoint(out / r) is not None:  # an interrupted run of this comparison: continue it
             run_cfg = dataclasses.replace(run_cfg, resume=True)
         print(f"=== {r} ===", flush=True)
+        (out / r).mkdir(exist_ok=True)  # so that a run failing on its options still leaves its error.txt there
         proc = subprocess.run([sys.executable, "-m", "adahop", "train", *_run_args(run_cfg)])
         if proc.returncode != 0 or not summary_path.exists():
-            summaries[r] = {"error": f"exit code {proc.returncode}; see {out / r}"}
+            err = out / r / ERROR_FILE
+            why = err.read_text().strip().removeprefix("adahop train: error: ") if err.exists() else f"see {out / r}"
+            summaries[r] = {"error": f"{why} (exit code {proc.returncode})"}
             continue
         summaries[r] = read_json(summary_path, "the run summary")
         curves[r] = read_metrics(out / r / "metrics.jsonl")

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from ..kernels import resolve_backend
 from ..nn import convert_model, get_controller, on_step, saved_bytes, seed_compiled_rng
 from . import distributed as dp
 from .checkpoint import latest_checkpoint, save_checkpoint
@@ -86,6 +87,10 @@ def train(cfg: TrainConfig, *, rank: int = 0, world: int = 1) -> dict:
     run = Path(cfg.out)
     check_run_dir(cfg, run)
     device = dp.local_device(resolve_device(cfg.device))
+    try:  # a backend this machine cannot run fails here, before data and model are built
+        resolve_backend(cfg.backend, device)
+    except RuntimeError as e:
+        raise ValueError(f"--backend {cfg.backend}: {e}") from None
     data_dir = dp.main_first(lambda: resolve_data(cfg))
     train_s, val_s = make_streams(cfg, data_dir, rank, world)
     recipe, plan = resolve_recipe(cfg)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -59,17 +60,30 @@ def _same_path(a, b) -> bool:
     return Path(a).resolve() == Path(b).resolve()
 
 
+#: where a failed ``adahop train`` leaves its error (``compare`` points there); a new attempt removes it
+ERROR_FILE = "error.txt"
+
+
 def check_run_dir(cfg: TrainConfig, run: Path) -> int | None:
     """Check ``--out`` against ``--resume`` before anything is built; return the checkpoint step
     to resume from, or None to start at step 0.
 
     Raises:
-        ValueError: checkpoints of an earlier run in ``--out`` without ``--resume`` (a new run would
+        ValueError: an ``--out`` that cannot be created or written; checkpoints of an earlier run
+            in ``--out`` without ``--resume`` (a new run would
             mix its files with theirs); with ``--resume``, a setting that differs from the
             checkpointed run's (listed), or ``--steps`` not above the checkpoint's step.
     """
     from .checkpoint import latest_checkpoint
 
+    try:  # an --out that cannot hold the run fails now, not after the first checkpoint interval
+        run.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--out {run}: cannot create the run folder ({e.strerror or e}); pass a folder you can "
+                         f"write to") from None
+    if not os.access(run, os.W_OK):
+        raise ValueError(f"--out {run}: the folder is not writable; pass a folder you can write to")
+    (run / ERROR_FILE).unlink(missing_ok=True)
     ck = latest_checkpoint(run)
     if ck is None:
         if cfg.resume:
