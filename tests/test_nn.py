@@ -284,3 +284,18 @@ def test_a_plan_for_another_model_is_refused_at_conversion():
     m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
     with pytest.raises(ValueError, match=r"no entry for layer '1'; it was made for another model"):
         adahop.convert_model(m, "adahop-lv2", plan=Plan.from_patterns({"0": {"x": "C", "w": "N", "dy": "N"}}))
+
+
+def test_the_readme_training_loop_runs_verbatim():
+    """The README's "In your own training loop" block runs as printed and freezes a plan."""
+    import contextlib
+    import io
+    import re
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = re.search(r"## In your own training loop\n\n```python\n(.*?)```", readme, re.S).group(1)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(block, "README.md", "exec"), {})
+    table = out.getvalue()
+    assert "model.layers.1.mlp.down_proj" in table and "calibrating" not in table and "iht" in table
