@@ -113,6 +113,7 @@ def test_odd_dims_stay_bf16_with_one_warning():
     assert "0 (64->48)" in msgs[0] and "2 (48->64)" in msgs[0] and "3 (" not in msgs[0]
     assert model[0].strategies() == model[2].strategies() == {"fprop": "bf16", "dgrad": "bf16", "wgrad": "bf16"}
     assert model[3].strategies() == {"fprop": "none", "dgrad": "none", "wgrad": "none"}
+    assert adahop.nn.get_controller(model).unquantizable == ["0", "2"]  # what the run summary counts
     x = torch.randn(8, 64)
     assert model(x).shape == (8, 64)
 

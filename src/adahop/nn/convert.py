@@ -100,6 +100,7 @@ def convert_model(model: nn.Module, recipe: str | Recipe, *, exclude=("lm_head",
         warnings.warn(f"adahop: recipe {recipe.name!r} cannot quantize these layers (dimensions not multiples of the "
                       f"block size, or not a power of two where the recipe rotates a whole dimension); they run BF16 "
                       f"GEMMs: {', '.join(unsupported)}", stacklevel=2)
+    controller.unquantizable = [u.split(" ")[0] for u in unsupported]  # reported by the run summary
     model._adahop_controller = controller
     return model
 

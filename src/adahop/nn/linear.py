@@ -30,6 +30,7 @@ class Controller:
         cal = recipe.calibration
         self.calibrator = Calibrator(table=cal.table, steps=cal.steps, threshold=cal.threshold) if cal and plan is None else None
         self._layers: list[weakref.ref] = []
+        self.unquantizable: list[str] = []  # layers the recipe cannot quantize (their shape): BF16 GEMMs
         # called with the Calibrator right before the plan freezes; data parallelism sets it to
         # merge every rank's observations, so that all ranks freeze the same plan
         self.agree = None

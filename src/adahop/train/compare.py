@@ -52,6 +52,8 @@ def format_table(summaries: dict[str, dict], baseline: str = "bf16") -> list[lis
         tps = s.get("tok_per_s")
         mem = s.get("peak_memory_bytes")
         saved = f"{s['saved_bytes'] / 2**20:.2f} ({s['saved_bytes_bf16'] / 2**20:.2f})" if s.get("saved_bytes_bf16") else "-"
+        if s.get("unquantizable_layers"):  # those layers ran BF16 GEMMs: the row is partly BF16's result
+            name = f"{name} ({s['unquantizable_layers']} layers BF16: shape)"
         rows.append([name, f"{vl:.4f}" if vl is not None else "-", gap, f"{s['final_val_bpb']:.4f}" if s.get("final_val_bpb") else "-",
                      f"{tps:,.0f}" if tps else "-", f"{mem / 2**20:,.0f}" if mem else "-", saved])
     return rows

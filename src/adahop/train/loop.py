@@ -205,7 +205,8 @@ def train(cfg: TrainConfig, *, rank: int = 0, world: int = 1) -> dict:
                    peak_memory_bytes=peak, peak_memory_bytes_per_rank=dp.gather_float(peak),
                    plan_frozen=_plan_frozen(model), plan_checked_on_ranks=plan_ranks, world_size=world,
                    graph_breaks_steady_state=breaks, saved_bytes=ours, saved_bytes_bf16=bf16,
-                   device=str(device), interrupted=stop["now"])
+                   unquantizable_layers=len(get_controller(model).unquantizable), device=str(device),
+                   interrupted=stop["now"])
     if is_main:
         (run / "summary.json").write_text(json.dumps(summary, indent=1))
         metrics.plot(run / "loss.png", title=f"{cfg.recipe} on {cfg.model}")
