@@ -93,6 +93,17 @@ def test_convert_exclude_patterns():
     assert type(seq[0]) is adahop.LowPrecisionLinear and type(seq[1]) is nn.Linear
 
 
+def test_auto_backend_is_decided_per_call_and_a_bad_backend_is_refused():
+    m = adahop.convert_model(nn.Sequential(nn.Linear(64, 64)), "mxfp4")
+    assert m[0].backend == "auto"  # a model converted on the CPU and moved to a GPU takes the fast path there
+    ref = adahop.convert_model(copy.deepcopy(nn.Sequential(nn.Linear(64, 64))), "mxfp4", backend="reference")
+    ref[0].weight, ref[0].bias = m[0].weight, m[0].bias
+    x = torch.randn(16, 64)
+    assert torch.equal(m(x), ref(x))  # on the CPU "auto" is the reference
+    with pytest.raises(ValueError, match="backend='cuda' is not supported; use one of"):
+        adahop.convert_model(nn.Sequential(nn.Linear(64, 64)), "mxfp4", backend="cuda")
+
+
 def test_convert_errors():
     with pytest.raises(ValueError, match="unknown recipe 'fp3'.*adahop-lv2"):
         adahop.convert_model(nn.Sequential(nn.Linear(32, 32)), "fp3")

@@ -52,8 +52,9 @@ def convert_model(model: nn.Module, recipe: str | Recipe, *, exclude=("lm_head",
             wildcards also matches as a name suffix (``"lm_head"`` matches ``"model.lm_head"``).
         seed: run seed for stochastic rounding and random signs.
         plan: a frozen AdaHOP plan (from ``plan.json`` or a checkpoint): calibration is skipped.
-        backend: ``"auto"`` (the fast path on CUDA, the reference elsewhere), ``"triton"`` or
-            ``"reference"``. It never changes the recipe's numerics.
+        backend: ``"auto"`` (the fast path on CUDA, the reference elsewhere, decided per call from
+            the input's device, so converting before or after ``.to("cuda")`` is the same),
+            ``"triton"`` or ``"reference"``. It never changes the recipe's numerics.
 
     Returns:
         ``model``, modified in place. The original Parameters are kept. Layers whose shape the
@@ -61,7 +62,7 @@ def convert_model(model: nn.Module, recipe: str | Recipe, *, exclude=("lm_head",
         the last ``recipe.bf16_last_layers`` / first ``bf16_first_layers`` transformer blocks.
 
     Raises:
-        ValueError: unknown recipe name (lists the known ones), a model already converted, or a
+        ValueError: unknown recipe name (lists the known ones) or backend, a model already converted, or a
             bare ``nn.Linear`` (wrap it in ``nn.Sequential``), or a ``plan`` without an entry for a
             converted layer.
     """
@@ -72,8 +73,10 @@ def convert_model(model: nn.Module, recipe: str | Recipe, *, exclude=("lm_head",
     if type(model) is nn.Linear:
         raise ValueError("convert_model swaps the nn.Linear layers *inside* a module and cannot replace the module "
                          "it is given; wrap a bare layer first: convert_model(nn.Sequential(linear), ...)")
-    from ..kernels import resolve_backend
+    from ..kernels import BACKENDS
 
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not supported; use one of {BACKENDS}")
     controller = Controller(recipe, seed=seed, plan=plan)
     names = [n for n, m in model.named_modules() if type(m) is nn.Linear and not _excluded(n, exclude)]
     blocks = sorted({int(m.group(1)) for n in names if (m := _BLOCK_RE.search(n))})
@@ -91,7 +94,7 @@ def convert_model(model: nn.Module, recipe: str | Recipe, *, exclude=("lm_head",
             unsupported.append(f"{name} ({lin.in_features}->{lin.out_features})")
         try:
             new = LowPrecisionLinear.from_linear(lin, recipe, name=name, layer_id=layer_id, controller=controller,
-                                                 backend=resolve_backend(backend, lin.weight.device), force_bf16=edge or not fits)
+                                                 backend=_layer_backend(backend, lin.weight.device), force_bf16=edge or not fits)
         except KeyError:  # a plan made for another model: say so before anything runs
             raise ValueError(f"the plan has no entry for layer {name!r}; it was made for another model (its layers: "
                              f"{list(plan.layers)[:3]}...). Calibrate this model instead, or pass its own plan") from None
@@ -103,6 +106,15 @@ def convert_model(model: nn.Module, recipe: str | Recipe, *, exclude=("lm_head",
     controller.unquantizable = [u.split(" ")[0] for u in unsupported]  # reported by the run summary
     model._adahop_controller = controller
     return model
+
+
+def _layer_backend(backend: str, device: torch.device) -> str:
+    """The layer's backend: "auto" stays "auto" (resolved per call from the input's device, so a model
+    converted on the CPU and moved to a GPU takes the fast path there); "triton" and "reference" are
+    checked now, so that a backend this machine cannot run fails at conversion."""
+    from ..kernels import resolve_backend
+
+    return "auto" if backend == "auto" else resolve_backend(backend, device)
 
 
 def _excluded(name: str, patterns) -> bool:
