@@ -212,6 +212,28 @@ def check_compile(dev, gen):
         ok, err = False, f"{type(e).__name__}: {str(e)[:200]}"
     record("torch.compile(fullgraph) fprop == eager", ok, **({"error": err} if err else {}))
 
+    # a whole converted layer, forward and backward, without a bias: torch 2.11 gave its gradient to a
+    # duplicate output of the traced autograd function (round 4's lost gradients, docs/benchmarks.md)
+    import adahop
+
+    def layer_grads(compiled: bool):
+        torch.manual_seed(0)
+        lin = adahop.convert_model(torch.nn.Sequential(torch.nn.Linear(512, 384, bias=False)).to(dev), "mxfp4-had")
+        xin = x.detach().float().requires_grad_(True)
+        f = torch.compile(lin, fullgraph=True) if compiled else lin
+        y = f(xin)
+        y.square().sum().backward()
+        return [y.detach(), xin.grad, lin[0].weight.grad]
+
+    try:
+        eager, comp = layer_grads(False), layer_grads(True)
+        errs = [float((c - e).norm() / e.norm()) if c is not None else float("inf") for e, c in zip(eager, comp)]
+        ok, err = max(errs) <= 1e-5 and all(e.norm() > 0 for e in eager), ""
+    except Exception as e:  # noqa: BLE001 - reported as a FAIL
+        ok, err, errs = False, f"{type(e).__name__}: {str(e)[:200]}", []
+    record("torch.compile converted layer (no bias): y, dX, dW == eager", ok,
+           **({"error": err} if err else {"rel_err_y_dx_dw": [f"{v:.1e}" for v in errs]}))
+
 
 SECTIONS = ("quantize", "outputs", "sweep", "fold", "sr", "gemm", "compile")
 
