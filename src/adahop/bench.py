@@ -244,8 +244,7 @@ def _bench_model_row(model: str, recipe: str, mode: str, seq_len: int, batch: in
             torch.cuda.synchronize()
         # progress on stderr: a compile can take minutes, and a row that times out prints nothing else
         print(f"{model} {recipe} {mode}: warm-up step {i}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-    if cuda:
-        torch.cuda.synchronize()
+    if cuda:  # synchronized by the last warm-up step
         torch.cuda.reset_peak_memory_stats()
     warmup_s = time.perf_counter() - t_warm
     times = []

@@ -73,15 +73,11 @@ def convert_model(model: nn.Module, recipe: str | Recipe, *, exclude=("lm_head",
     if type(model) is nn.Linear:
         raise ValueError("convert_model swaps the nn.Linear layers *inside* a module and cannot replace the module "
                          "it is given; wrap a bare layer first: convert_model(nn.Sequential(linear), ...)")
-    from ..kernels import BACKENDS
-
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is not supported; use one of {BACKENDS}")
     controller = Controller(recipe, seed=seed, plan=plan)
     names = [n for n, m in model.named_modules() if type(m) is nn.Linear and not _excluded(n, exclude)]
     blocks = sorted({int(m.group(1)) for n in names if (m := _BLOCK_RE.search(n))})
     n_blocks = (max(blocks) + 1) if blocks else 0
-    unsupported = []
+    unsupported: dict[str, str] = {}  # name -> in->out, of layers the recipe cannot quantize
     for layer_id, name in enumerate(names):
         parent, _, child = name.rpartition(".")
         owner = model.get_submodule(parent) if parent else model
@@ -91,7 +87,7 @@ def convert_model(model: nn.Module, recipe: str | Recipe, *, exclude=("lm_head",
         edge = blk is not None and (blk < recipe.bf16_first_layers or blk >= n_blocks - recipe.bf16_last_layers)
         fits = supports_shape(recipe, lin.in_features, lin.out_features)
         if not fits and not recipe.is_bf16:
-            unsupported.append(f"{name} ({lin.in_features}->{lin.out_features})")
+            unsupported[name] = f"{lin.in_features}->{lin.out_features}"
         try:
             new = LowPrecisionLinear.from_linear(lin, recipe, name=name, layer_id=layer_id, controller=controller,
                                                  backend=_layer_backend(backend, lin.weight.device), force_bf16=edge or not fits)
@@ -102,8 +98,8 @@ def convert_model(model: nn.Module, recipe: str | Recipe, *, exclude=("lm_head",
     if unsupported:
         warnings.warn(f"adahop: recipe {recipe.name!r} cannot quantize these layers (dimensions not multiples of the "
                       f"block size, or not a power of two where the recipe rotates a whole dimension); they run BF16 "
-                      f"GEMMs: {', '.join(unsupported)}", stacklevel=2)
-    controller.unquantizable = [u.split(" ")[0] for u in unsupported]  # reported by the run summary
+                      f"GEMMs: {', '.join(f'{n} ({io})' for n, io in unsupported.items())}", stacklevel=2)
+    controller.unquantizable = list(unsupported)  # reported by the run summary
     model._adahop_controller = controller
     return model
 
@@ -114,7 +110,8 @@ def _layer_backend(backend: str, device: torch.device) -> str:
     checked now, so that a backend this machine cannot run fails at conversion."""
     from ..kernels import resolve_backend
 
-    return "auto" if backend == "auto" else resolve_backend(backend, device)
+    resolved = resolve_backend(backend, device)  # checks every value, "auto" included
+    return "auto" if backend == "auto" else resolved
 
 
 def _excluded(name: str, patterns) -> bool:

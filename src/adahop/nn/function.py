@@ -14,7 +14,20 @@ import torch
 
 from ..gemm import draw_signs, gemm, multiply, prepare
 
-__all__ = ["LowPrecisionLinearFn"]
+__all__ = ["LowPrecisionLinearFn", "fprop"]
+
+
+def fprop(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, spec, generator, backend: str,
+          dtype: torch.dtype) -> torch.Tensor:
+    """The layer's fprop ``Y = X·Wᵀ + bias``: ``x`` [T, K] and ``w`` [N, K] in ``dtype``, ``bias`` [N]
+    or None, ``spec`` the fprop :class:`~adahop.recipes.spec.GemmSpec` or None (exactly
+    ``nn.Linear``: the bias joins the GEMM's accumulation, one rounding). Returns [T, N] in ``dtype``.
+    Shared by training (:class:`LowPrecisionLinearFn`) and forward-only calls, which must agree."""
+    b = None if bias is None else bias.to(dtype)
+    if spec is None:
+        return torch.nn.functional.linear(x, w, b)
+    y = gemm(x, w.t(), spec, generator=generator, out_dtype=dtype, backend=backend)
+    return y if b is None else y + b
 
 
 def _needs_hp_b(spec) -> bool:
@@ -44,12 +57,10 @@ class LowPrecisionLinearFn(torch.autograd.Function):
             ctx.specs = None
             ctx.save_for_backward(x, weight)
             layer.saved_bytes = x.numel() * x.element_size()
-            # exactly nn.Linear: the bias joins the GEMM's accumulation (one rounding, not two)
-            return torch.nn.functional.linear(x, w, None if bias is None else bias.to(dtype))
+            return fprop(x, w, bias, None, None, layer.backend, dtype)
         else:
             ctx.specs = specs
-            # fprop: Y = X·Wᵀ
-            y = gemm(x, w.t(), specs["fprop"], generator=layer.generator("fprop"), out_dtype=dtype, backend=layer.backend)
+            y = fprop(x, w, bias, specs["fprop"], layer.generator("fprop"), layer.backend, dtype)
             # save X for wgrad (B operand, contract T) and W for dgrad (B operand, contract N)
             wg, dg = specs["wgrad"], specs["dgrad"]
             gw, gd = layer.generator("wgrad"), layer.generator("dgrad")
@@ -66,9 +77,7 @@ class LowPrecisionLinearFn(torch.autograd.Function):
             layer.saved_bytes = x.numel() * x.element_size() if ctx.x_prep is None else ctx.x_prep.nbytes
             if ctx.w_prep is not None:
                 layer.saved_bytes += ctx.w_prep.nbytes
-        if bias is not None:
-            y = y + bias.to(dtype)
-        elif torch.compiler.is_compiling():
+        if bias is None and torch.compiler.is_compiling():
             # torch 2.11's dynamo returns every forward intermediate as an output of the traced
             # function; one of them is the very tensor y is (a no-op `.to`), and autograd binds y's
             # gradient to that later duplicate, so backward got dy = 0 (no gradient reached the

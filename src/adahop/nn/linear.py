@@ -8,13 +8,13 @@ import weakref
 import torch
 from torch import nn
 
-from ..gemm import gemm
 from ..patterns import Calibrator, Plan
 from ..recipes.spec import GEMMS, GemmSpec, Recipe
 from ..utils import mix_seed
-from .function import LowPrecisionLinearFn
+from .function import LowPrecisionLinearFn, fprop
 
 __all__ = ["LowPrecisionLinear", "Controller"]
+
 
 class Controller:
     """State shared by every converted layer of one model.
@@ -193,14 +193,10 @@ class LowPrecisionLinear(nn.Linear):
         # evaluation / no_grad: the training fprop, but nothing is observed by calibration, nothing
         # is prepared for a backward that never comes, and random bits come from the eval stream;
         # so an evaluation between steps leaves the plan and the training draws (and resume) as they were
-        w = self.weight.to(dtype)
-        b = None if self.bias is None else self.bias.to(dtype)
         specs = self.current_specs()
-        if specs is None:
-            return torch.nn.functional.linear(x2, w, b)
-        y = gemm(x2, w.t(), specs["fprop"], generator=self.generator("fprop", stream="eval"), out_dtype=dtype,
-                 backend=self.backend)
-        return y if b is None else y + b
+        spec = None if specs is None else specs["fprop"]
+        gen = None if spec is None else self.generator("fprop", stream="eval")
+        return fprop(x2, self.weight.to(dtype), self.bias, spec, gen, self.backend, dtype)
 
     def extra_repr(self) -> str:
         s = self.strategies()
