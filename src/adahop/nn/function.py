@@ -22,7 +22,11 @@ def fprop(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, spec, gen
     """The layer's fprop ``Y = X·Wᵀ + bias``: ``x`` [T, K] and ``w`` [N, K] in ``dtype``, ``bias`` [N]
     or None, ``spec`` the fprop :class:`~adahop.recipes.spec.GemmSpec` or None (exactly
     ``nn.Linear``: the bias joins the GEMM's accumulation, one rounding). Returns [T, N] in ``dtype``.
-    Shared by training (:class:`LowPrecisionLinearFn`) and forward-only calls, which must agree."""
+    Shared by training (:class:`LowPrecisionLinearFn`) and forward-only calls, which must agree.
+    Source: the fprop of `DESIGN.md` §2 under the strategies of `specs/adahop.md` §3–§5.
+
+    Raises:
+        ValueError: from :func:`adahop.gemm.gemm`, for shapes or options ``spec`` cannot take."""
     b = None if bias is None else bias.to(dtype)
     if spec is None:
         return torch.nn.functional.linear(x, w, b)
