@@ -24,6 +24,10 @@
 #      then bench model compiled of 4 blocks of Llama-3.1-8B; m: the same for Llama-3.2-1B; n: 4 blocks
 #      of Llama-3.1-8B compiled + CUDA graphs. One stage per call: on a new machine (cold compile
 #      caches) the first AdaHOP compile takes minutes
+#   r6a, r6b (round 6, one GPU): r6a: the full kernel validation (incl. the compiled bias-free layer),
+#      the quantizer microbenchmarks (the one-tile plan for 8192 < Kc <= 16384), bench linear with
+#      CUDA graphs, the BF16 step breakdown of the 8B-shaped model (scripts/profile_model.py);
+#      r6b: the BF16 step breakdown of Llama-3.2-1B, then bench model compiled of the 8B-shaped model
 # JOBS: the quality runs still to do, RECIPE:SEED,... (default: this session's list).
 # Needs .carry/{corpus_main.txt.xz,gpt2.tiktoken} and .whl/zstandard-*.whl (carried).
 set -u
@@ -103,6 +107,27 @@ elif [ "$STAGE" = l ] || [ "$STAGE" = m ] || [ "$STAGE" = n ]; then
   esac
   timeout $(( ${LIM:-580} - $(el) )) $CMD --json $OUT/bench_model_$NAME.json > $OUT/bench_model_$NAME.log 2>&1
   grep -E "warm-up|^row:" $OUT/bench_model_$NAME.log | cut -c1-600; grep -A4 "^model |" $OUT/bench_model_$NAME.log; echo "bench model done at $(el) s"
+elif [ "$STAGE" = r6a ]; then
+  export CUDA_VISIBLE_DEVICES=0
+  timeout 270 python3 scripts/validate_kernels.py --log $OUT/validate_r6a.json > $OUT/validate_r6a.log 2>&1
+  tail -1 $OUT/validate_r6a.log; grep -E "^FAIL|^PASS  (outputs|fold|gemm|compile)|16384|20480" $OUT/validate_r6a.log | cut -c1-230
+  echo "validate done at $(el) s"
+  timeout 100 python3 scripts/bench_kernels.py --sections ceil,quant --out $OUT > $OUT/bench_kernels_r6a.log 2>&1
+  grep -E "x14336 ax1|copy" $OUT/bench_kernels_r6a.log | grep -v reference | cut -c1-120; echo "bench kernels done at $(el) s"
+  timeout 110 python3 -m adahop bench linear --shapes llama3.1-8b --tokens 8192 --reps 20 --cuda-graphs \
+    --json $OUT/bench_linear_r6a.json > $OUT/bench_linear_r6a.log 2>&1
+  tail -21 $OUT/bench_linear_r6a.log | cut -c1-250; echo "bench linear done at $(el) s"
+  timeout $(( ${LIM:-585} - $(el) )) python3 scripts/profile_model.py --model llama3.1-8b --layers 4 --batch-size 2 --recipes bf16 \
+    --modes compiled --json $OUT/profile_model_8b4_r6a.json > $OUT/profile_model_8b4_r6a.log 2>&1
+  grep -v -i warn $OUT/profile_model_8b4_r6a.log | cut -c1-200; echo "profile done at $(el) s"
+elif [ "$STAGE" = r6b ]; then
+  export CUDA_VISIBLE_DEVICES=0
+  timeout 170 python3 scripts/profile_model.py --model llama3.2-1b --batch-size 4 --recipes bf16 \
+    --modes compiled --json $OUT/profile_model_1b_r6b.json > $OUT/profile_model_1b_r6b.log 2>&1
+  grep -v -i warn $OUT/profile_model_1b_r6b.log | cut -c1-200; echo "profile done at $(el) s"
+  timeout $(( ${LIM:-585} - $(el) )) python3 -m adahop bench model --model llama3.1-8b --layers 4 --recipes bf16,adahop-lv2 \
+    --seq-len 4096 --batch-size 2 --modes compiled --json $OUT/bench_model_8b4_r6b.json > $OUT/bench_model_8b4_r6b.log 2>&1
+  grep -E "warm-up|^row:" $OUT/bench_model_8b4_r6b.log | cut -c1-600; grep -A4 "^model |" $OUT/bench_model_8b4_r6b.log; echo "bench model done at $(el) s"
 elif [ "$STAGE" = i ]; then
   export CUDA_VISIBLE_DEVICES=0
   timeout 60 python3 scripts/profile_linear.py --kinds "adahop-lv2 fast (iht, wgrad oe_right)" > $OUT/profile_linear_i.log 2>&1

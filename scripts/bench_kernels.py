@@ -154,8 +154,7 @@ def _tiles(br, bk, w, vec):
 
 PLANS = {  # variants timed per case (kc -> plans); None is tq.default_plan
     4096: {"rows 1x4096 w4 (default)": None, "rows 2x4096 w8": _rows(2, 4096, 8)},
-    14336: {"loop 2x2048x7 w4 (default)": None, "loop 4x2048x7 w8": _rows(4, 2048, 8, 7),
-            "rows 1x16384 w16": _rows(1, 16384, 16)},
+    14336: {"rows 1x16384 w16 (default)": None, "loop 2x2048x7 w4": _rows(2, 2048, 4, 7)},
     1024: {"rows 8x1024 w8 (default)": None},
     "T": {"tiles vec2 64x128 w4 (default)": None,
           "tiles vec2 64x256 w8": _tiles(64, 256, 8, 2), "tiles vec2 64x512 w16": _tiles(64, 512, 16, 2)},}

@@ -265,7 +265,8 @@ def main() -> int:
         check_quantize("4096x1000 ax0 bf16 hb None (ragged rows)", mk((4096, 1000)), 0, hb=None)
         check_quantize("1000x4096 ax0 bf16 hb None (ragged Kc)", mk((1000, 4096)), 0, hb=None)
         check_quantize("4096x1000 ax1 fp32 hb None (ragged Kc)", mk((4096, 1000), f32), 1, hb=None)
-        check_quantize("8192x14336 ax1 bf16 hb32 (row loop 7x2048)", mk((8192, 14336)), 1)
+        check_quantize("8192x14336 ax1 bf16 hb32 (one 16384 tile, masked)", mk((8192, 14336)), 1)
+        check_quantize("1024x20480 ax1 bf16 hb32 (row loop 10x2048)", mk((1024, 20480)), 1)
         check_quantize("8192x4096 ax1 bf16 hb32 special values", mk((8192, 4096), special=True), 1)
         check_quantize("8192x4096 ax0 bf16 hb32 special values", mk((8192, 4096), special=True), 0)
         w = mk((14336, 4096))
@@ -287,7 +288,7 @@ def main() -> int:
         # --- what each operand writes (fp8 only / codes only) and OE's zeroed rows ------------------
         check_outputs("X 8192x4096 ax1 (fprop A)", mk((8192, 4096), special=True), 1)
         check_outputs("X 8192x4096 ax0 (saved for wgrad, OE-Right)", mk((8192, 4096), special=True), 0)
-        check_outputs("dY 8192x14336 ax1 (row loop)", mk((8192, 14336)), 1)
+        check_outputs("dY 8192x14336 ax1 (16384 tile)", mk((8192, 14336)), 1)
         check_outputs("4096x1000 ax0 (ragged rows)", mk((4096, 1000)), 0)
     if "sweep" in only:
         # --- every tile plan: contracted length × Hadamard block (a [64, 4, 32] tile once compiled wrong) --

@@ -300,6 +300,8 @@ CASES = [  # (shape, axis, hadamard_block, dtype, scale_rule, max_scale_range, s
     ((24, 128), 1, 64, torch.float32, "tseng", 8, True),
     ((50, 40), 0, None, torch.bfloat16, "floor", None, False),
     ((64, 96), 0, 32, torch.float32, "floor", 4, True),
+    ((4, 9024), 1, 32, torch.bfloat16, "floor", 8, False),  # one masked 16384 tile (8192 < kp <= 16384)
+    ((4, 17024), 1, 32, torch.bfloat16, "adahop", 8, False),  # the row loop (kp > 16384), read twice
 ]
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["add_arguments", "run", "bench_linear", "bench_model", "cuda_graph_time_ms", "LINEAR_SHAPES"]
+__all__ = ["add_arguments", "run", "bench_linear", "bench_model", "model_step", "cuda_graph_time_ms", "LINEAR_SHAPES"]
 
 #: (name, K=in_features, N=out_features) of the linear layers of each model.
 LINEAR_SHAPES = {
@@ -188,10 +188,19 @@ def bench_model(model: str = "llama3.2-1b", *, recipes=("bf16", "adahop-lv2", "m
     return rows
 
 
-def _bench_model_row(model: str, recipe: str, mode: str, seq_len: int, batch: int, layers: int | None, steps: int,
-                     device: str = "cuda") -> dict:
-    import time
+def model_step(model: str, recipe: str, mode: str, seq_len: int, batch: int, layers: int | None = None,
+               device: str = "cuda") -> tuple[torch.nn.Module, Callable[..., dict]]:
+    """The model of ``bench model`` and one training step of it: ``(model, step)``.
 
+    A ``transformers`` model of ``model``'s shapes (vocabulary 32768; the first ``layers`` blocks
+    when given) on ``device``, converted to ``recipe`` (BF16: left as it is), fused AdamW, random
+    token ids ``[batch, seq_len + 1]``. ``step(i, record=False)`` runs forward (bf16 autocast),
+    cross-entropy, backward and the optimizer step ``i`` (0-based); a calibrating recipe calibrates
+    for 2 steps eagerly and is compiled once its plan is frozen. With ``record=True`` it returns
+    what the step computed (``loss``, ``grad_norm``, ``params_with_grad``, ``params``,
+    ``grads_ok``), else ``{}``. ``mode`` is a key of :data:`COMPILE_MODES`. Used by
+    ``bench model`` (timing) and ``scripts/profile_model.py`` (kernel breakdown).
+    """
     import torch.nn.functional as F
 
     from .models import build_model
@@ -199,7 +208,6 @@ def _bench_model_row(model: str, recipe: str, mode: str, seq_len: int, batch: in
     from .recipes import get_recipe
 
     dev = torch.device(device)
-    cuda = dev.type == "cuda"
     torch.manual_seed(0)
     m = build_model(model, vocab_size=32768, max_seq_len=seq_len)
     if layers is not None:
@@ -218,10 +226,9 @@ def _bench_model_row(model: str, recipe: str, mode: str, seq_len: int, batch: in
     fwd = m if compile_mode is None or calibrating else torch.compile(m, mode=compile_mode)
     ids = torch.randint(0, 32768, (batch, seq_len + 1), device=dev)
 
-    check = {}
-
-    def step(i, record=False):
+    def step(i: int, record: bool = False) -> dict:
         nonlocal fwd
+        check = {}
         with torch.autocast(dev.type, dtype=torch.bfloat16):
             logits = fwd(input_ids=ids[:, :-1], use_cache=False).logits
         loss = F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
@@ -229,13 +236,23 @@ def _bench_model_row(model: str, recipe: str, mode: str, seq_len: int, batch: in
         if record:  # what the step computed: equal across modes, close to BF16's (a dropped backward shows here)
             grads = [p.grad for p in m.parameters() if p.grad is not None]
             n_with, n_all = sum(bool(g.any()) for g in grads), sum(1 for _ in m.parameters())
-            check.update(loss=loss.item(), grad_norm=torch.nn.utils.get_total_norm(grads).item(),
+            check = dict(loss=loss.item(), grad_norm=torch.nn.utils.get_total_norm(grads).item(),
                          params_with_grad=n_with, params=n_all, grads_ok=n_with == n_all)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if calibrating and on_step(m, i + 1) and compile_mode is not None:
             fwd = torch.compile(m, mode=compile_mode)
+        return check
 
+    return m, step
+
+
+def _bench_model_row(model: str, recipe: str, mode: str, seq_len: int, batch: int, layers: int | None, steps: int,
+                     device: str = "cuda") -> dict:
+    import time
+
+    m, step = model_step(model, recipe, mode, seq_len, batch, layers, device)
+    cuda = torch.device(device).type == "cuda"
     t_warm = time.perf_counter()
     for i in range(5):  # calibration (2 steps), the compile after the plan freeze, CUDA-graph recording
         t0 = time.perf_counter()
@@ -262,7 +279,7 @@ def _bench_model_row(model: str, recipe: str, mode: str, seq_len: int, batch: in
             times.append((time.perf_counter() - t0) * 1e3)
     ms = statistics.median(times)
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
-    step(5 + steps, record=True)  # untimed
+    check = step(5 + steps, record=True)  # untimed
     return dict(model=model, layers=layers or m.config.num_hidden_layers, recipe=recipe, mode=mode, step_ms=ms,
                 tok_per_s=batch * seq_len / ms * 1e3, peak_mem_gib=peak, warmup_s=warmup_s,
                 strategies=_strategy_counts(m), **check)

@@ -292,7 +292,9 @@ def default_plan(rows: int, kp: int, stride_r: int, stride_k: int, elem_size: in
 
     - K contiguous (or neither dim contiguous): programs own whole rows, one 32-block per thread;
       one tile of ``next_pow2(kp)`` up to 8192 (at least 256 with a Hadamard block ``hb`` above
-      32), else a loop over tiles of up to 2048 run twice (row maximum first; the re-read hits L2).
+      32) and 16384 with 16 warps at ``kp`` in (8192, 16384] (∇Y of a 14336-wide layer: 16-18% faster than
+      the loop on the H200, `docs/kernels_notes.md` §9), else a loop over tiles of up to 2048 run twice
+      (row maximum first; the re-read hits L2).
     - rows contiguous (``axis=0`` of a row-major x, the transposing case): two kernels (the row
       maximum needs all of K) over tiles of ``32·VEC`` rows × 128 K, one block per warp. (Round 4's sweep:
       64 × 256 with 8 warps is faster when codes and FP8 are both written, not when only the
@@ -306,6 +308,8 @@ def default_plan(rows: int, kp: int, stride_r: int, stride_k: int, elem_size: in
                 bk = max(bk, 256)  # gave wrong codes (the interpreter's were right); [32, 8, 32] is validated
             br = max(1, (4096 if bk >= 2048 else 8192) // bk)
             return dict(mode="rows", BR=br, BK=bk, NCHUNK=1, LAYOUT=0, VEC=vec, num_warps=max(1, min(16, br * bk // 1024)))
+        if kp <= 16384:  # one row per program, 32 elements per thread as above; masked up to the power of two
+            return dict(mode="rows", BR=1, BK=16384, NCHUNK=1, LAYOUT=0, VEC=vec, num_warps=16)
         bk = 2048
         while kp % bk and bk > 512:
             bk //= 2
