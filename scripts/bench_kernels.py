@@ -24,10 +24,10 @@ import time
 
 import torch
 import triton
-import triton.language as tl
 from triton.testing import do_bench
 
 from adahop.kernels import iht_quantize_mxfp4, mx_matmul, mx_matmul_reference, mx_transpose
+from adahop.kernels import _triton_baselines as _baselines
 from adahop.kernels import _triton_quantize as tq
 
 DEV = "cuda"
@@ -67,61 +67,12 @@ def rnd(*shape, dtype=torch.bfloat16):
 # ----------------------------------------------------------------------------- comparison kernels
 
 
-@triton.jit
-def _dequant_bf16_kernel(codes_ptr, scales_ptr, out_ptr, rows, KP, BR: tl.constexpr, BK: tl.constexpr):
-    """MXFP4 [rows, KP] (codes, E8M0) -> bf16 [rows, KP]: the torchao-style emulation's cast."""
-    r = tl.program_id(0) * BR + tl.arange(0, BR)
-    kh = tl.program_id(1) * (BK // 2) + tl.arange(0, BK // 2)
-    k = tl.program_id(1) * BK + tl.arange(0, BK)
-    m = (r[:, None] < rows) & (k < KP)[None, :]
-    byte = tl.load(codes_ptr + r[:, None].to(tl.int64) * (KP // 2) + kh[None, :],
-                   mask=(r[:, None] < rows) & (kh < KP // 2)[None, :], other=0).to(tl.int32)
-    c = tl.reshape(tl.join(byte & 15, byte >> 4), [BR, BK])  # even index in the low nibble
-    mag = c & 7
-    v = tl.where(mag == 5, 3.0, tl.where(mag == 6, 4.0, tl.where(mag == 7, 6.0, mag.to(tl.float32) * 0.5)))
-    v = tl.where((c & 8) != 0, -v, v)
-    sc = tl.load(scales_ptr + r[:, None].to(tl.int64) * (KP // 32) + (k // 32)[None, :], mask=m, other=127)
-    v = v * ((sc.to(tl.int32) << 23).to(tl.float32, bitcast=True))  # 2^(s-127); s=0/255 ignored here
-    tl.store(out_ptr + r[:, None].to(tl.int64) * KP + k[None, :], v.to(tl.bfloat16), mask=m)
-
-
 def dequant_bf16(q):
-    rows, kp = q.codes.shape[0], q.codes.shape[1] * 2
-    out = torch.empty(rows, kp, dtype=torch.bfloat16, device=q.codes.device)
-    _dequant_bf16_kernel[(triton.cdiv(rows, 32), triton.cdiv(kp, 128))](q.codes, q.scales, out, rows, kp, BR=32, BK=128)
-    return out
-
-
-@triton.jit
-def _dot_scaled_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, KP,
-                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr):
-    """C [M, N] bf16 = MXFP4 A [M, KP] · MXFP4 Bᵀ where B is stored like our codes [N, KP/2]."""
-    pid = tl.program_id(0)
-    n_m, n_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
-    group = pid // (GROUP * n_n)
-    pid_m = group * GROUP + (pid % (GROUP * n_n)) % GROUP
-    pid_n = (pid % (GROUP * n_n)) // GROUP
-    rm = pid_m * BM + tl.arange(0, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for k in range(0, KP, BK):
-        kk = k // 2 + tl.arange(0, BK // 2)
-        ks = k // 32 + tl.arange(0, BK // 32)
-        a = tl.load(a_ptr + rm[:, None].to(tl.int64) * (KP // 2) + kk[None, :])
-        b = tl.load(b_ptr + rn[None, :].to(tl.int64) * (KP // 2) + kk[:, None])
-        sa = tl.load(as_ptr + rm[:, None].to(tl.int64) * (KP // 32) + ks[None, :])
-        sb = tl.load(bs_ptr + rn[:, None].to(tl.int64) * (KP // 32) + ks[None, :])
-        acc = tl.dot_scaled(a, sa, "e2m1", b, sb, "e2m1", acc)
-    tl.store(c_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], acc.to(tl.bfloat16))
+    return _baselines.dequant_bf16(q.codes, q.scales)
 
 
 def dot_scaled_mm(qa, qb):
-    m, n, kp = qa.codes.shape[0], qb.codes.shape[0], qa.codes.shape[1] * 2
-    c = torch.empty(m, n, dtype=torch.bfloat16, device=qa.codes.device)
-    grid = (triton.cdiv(m, 128) * triton.cdiv(n, 128),)
-    _dot_scaled_kernel[grid](qa.codes, qa.scales, qb.codes, qb.scales, c, m, n, kp,
-                             BM=128, BN=128, BK=128, GROUP=8, num_warps=8, num_stages=3)
-    return c
+    return _baselines.dot_scaled_mm(qa.codes, qa.scales, qb.codes, qb.scales)
 
 
 # ----------------------------------------------------------------------------- sections

@@ -502,3 +502,28 @@ def test_folds_exactly_is_the_fold_range():
     from adahop.kernels import FOLD_RANGE, folds_exactly
 
     assert [folds_exactly(r) for r in (None, -1, 0, FOLD_RANGE, FOLD_RANGE + 1)] == [False, False, True, True, False]
+
+
+@interp
+def test_interp_emulated_mx_linear_matches_the_reference(how="dequant-bf16"):
+    """The torchao-style bench baseline computes MXFP4 GEMMs: y, dX and dW equal the reference
+    quantizer's dequantized operands multiplied in FP32 (floor rule, no range limit), to BF16 output
+    rounding. (The ``dot_scaled`` baseline is checked the same way on the GPU by
+    ``scripts/validate_kernels.py``: Triton 3.6's interpreter cannot run ``tl.dot_scaled``.)"""
+    from adahop.emulated import EmulatedMXLinear
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(128, 256, bias=False)
+    layer = EmulatedMXLinear(lin, how)
+    x = (torch.randn(128, 128) * 3).requires_grad_(True)
+    dy = torch.randn(128, 256)
+    y = layer(x)
+    y.backward(dy)
+    q = lambda t, axis: quantize_mxfp4(t.contiguous(), axis=axis).dequantize(torch.float32)  # noqa: E731
+    w = lin.weight.detach()
+    want = (q(x.detach(), 1) @ q(w, 1).t(), q(dy, 1) @ q(w, 0), q(dy, 0).t() @ q(x.detach(), 0))
+    for got, ref in zip((y.detach(), x.grad, lin.weight.grad), want):
+        assert got.shape == ref.shape
+        err = ((got.float() - ref).norm() / ref.norm()).item()
+        assert err < 3e-3, err  # the GEMMs round their outputs to BF16 (dequant-bf16 always)
+    assert layer.saved_bytes == (128 * 64 + 128 * 4) + (128 * 128 + 128 * 8)  # X along T, W along N: codes + scales

@@ -5,7 +5,9 @@ median of many repetitions, fresh random (never zero) inputs.
 
 - ``linear``: one layer's forward + backward at the Llama linear shapes, for BF16 ``nn.Linear``,
   the FP8-folded fast path (plain MXFP4, IHT, and IHT with OE-Right on wgrad as AdaHOP-Lv2 gives
-  the Column-pattern X), and MXFP4 emulated by dequantize-then-matmul (the reference backend).
+  the Column-pattern X), MXFP4 emulated the two ways Hopper allows (torchao-style dequantize to BF16
+  + BF16 GEMM, and Triton ``tl.dot_scaled``; `adahop.emulated`), and the reference backend
+  (PyTorch quantizer, dequantize, FP32 matmul).
 - ``model``: end-to-end training tokens/s and peak memory for BF16 and each recipe, eager and
   with ``torch.compile``.
 """
@@ -70,6 +72,10 @@ def cuda_graph_time_ms(fn, reps: int = 20) -> float:
     return cuda_time_ms(graph.replay, reps)
 
 
+#: ``bench linear`` rows of MXFP4 emulated the two ways Hopper allows (`adahop.emulated`)
+EMULATED_KINDS = {"mxfp4 dequant-to-bf16 (torchao-style)": "dequant-bf16", "mxfp4 tl.dot_scaled": "dot_scaled"}
+
+
 def _layer(kind: str, k: int, n: int, device) -> torch.nn.Module:
     from .nn import convert_model, get_controller
     from .patterns import Plan
@@ -77,6 +83,10 @@ def _layer(kind: str, k: int, n: int, device) -> torch.nn.Module:
     lin = torch.nn.Linear(k, n, bias=False, device=device)
     if kind == "bf16":
         return lin
+    if kind in EMULATED_KINDS:
+        from .emulated import EmulatedMXLinear
+
+        return EmulatedMXLinear(lin, EMULATED_KINDS[kind])
     wrapper = torch.nn.Sequential(lin)
     recipe, backend, strategies = {
         "mxfp4 fast": ("mxfp4", "auto", None),
@@ -95,7 +105,8 @@ def layer_step(kind: str, t: int, k: int, n: int, device) -> tuple[torch.nn.Modu
     ``t`` tokens, under bf16 autocast (what ``bench linear`` times and ``scripts/profile_linear.py`` profiles).
 
     ``kind`` is one of ``bench linear``'s rows (``"bf16"``, ``"mxfp4 fast"``, ``"iht fast"``,
-    ``"adahop-lv2 fast (iht, wgrad oe_right)"``, ``"mxfp4 emulated (dequantize + matmul)"``); the
+    ``"adahop-lv2 fast (iht, wgrad oe_right)"``, the keys of :data:`EMULATED_KINDS`,
+    ``"mxfp4 emulated (dequantize + matmul)"``); the
     step uses X ``[t, K]`` and ∇Y ``[t, N]``, both bfloat16, and accumulates X's and W's gradients.
 
     Raises:
@@ -119,10 +130,12 @@ def bench_linear(models=("llama3.1-8b",), tokens=(8192, 16384), reps: int = 20, 
     ``cuda_graphs``: also time each fast kind and BF16 replayed from a CUDA graph (``graph_ms``,
     ``graph_speedup_vs_bf16``): the device time without the host's launch cost.
     """
+    from .emulated import EmulatedMXLinear
     from .nn import LowPrecisionLinear
 
     dev = torch.device("cuda")
-    kinds = ["bf16", "mxfp4 fast", "iht fast", "adahop-lv2 fast (iht, wgrad oe_right)", "mxfp4 emulated (dequantize + matmul)"]
+    kinds = ["bf16", "mxfp4 fast", "iht fast", "adahop-lv2 fast (iht, wgrad oe_right)", *EMULATED_KINDS,
+             "mxfp4 emulated (dequantize + matmul)"]
     rows = []
     for model in models:
         for t in tokens:
@@ -132,7 +145,7 @@ def bench_linear(models=("llama3.1-8b",), tokens=(8192, 16384), reps: int = 20, 
                     layer, step = layer_step(kind, t, k, n, dev)
                     ms = cuda_time_ms(step, reps if "emulated" not in kind else max(3, reps // 4))
                     flops = 6 * t * k * n
-                    lp = next((m for m in layer.modules() if isinstance(m, LowPrecisionLinear)), None)
+                    lp = next((m for m in layer.modules() if isinstance(m, (LowPrecisionLinear, EmulatedMXLinear))), None)
                     saved = lp.saved_bytes if lp is not None else (t * k + n * k) * 2
                     base = base or ms
                     row = dict(model=model, layer=name, tokens=t, K=k, N=n, kind=kind, ms=ms,
