@@ -156,6 +156,7 @@ def bench_linear(models=("llama3.1-8b",), tokens=(8192, 16384), reps: int = 20, 
                         gbase = gbase or gms
                         row.update(graph_ms=gms, graph_speedup_vs_bf16=gbase / gms)
                     rows.append(row)
+                    print("row:", json.dumps(row), flush=True)  # a run cut short keeps the finished rows
                     del layer, step
                     torch.cuda.empty_cache()
     return rows
