@@ -49,10 +49,11 @@ def dequant_bf16(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 def _dot_scaled_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, KP: tl.constexpr,  # constexpr: the interpreter's loop bound
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr):
     pid = tl.program_id(0)
-    n_n = tl.cdiv(N, BN)
-    group = pid // (GROUP * n_n)
-    pid_m = group * GROUP + (pid % (GROUP * n_n)) % GROUP
-    pid_n = (pid % (GROUP * n_n)) // GROUP
+    n_m, n_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
+    first_m = (pid // (GROUP * n_n)) * GROUP  # GROUP row tiles share their B tiles in L2
+    size = tl.minimum(n_m - first_m, GROUP)  # the last group may be shorter (M/BM not a multiple of GROUP)
+    pid_m = first_m + (pid % (GROUP * n_n)) % size
+    pid_n = (pid % (GROUP * n_n)) // size
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
