@@ -12,7 +12,8 @@ and the rest (norms, activations, casts, loss: Inductor's fused kernels under co
 For the BF16 recipe it then splits the GEMM time between the converted linear layers and the LM
 head (which stays BF16, DESIGN.md §3) in proportion to their FLOPs, and prints the end-to-end
 speedup that a linear-layer speedup ``r`` allows (Amdahl): ``T / (T - L + L / r)``, where ``T`` is
-the step and ``L`` the linear layers' GEMM time. That says which e2e target a layer speedup can
+the step's kernel time (the sum over its kernels; the step's wall time is a little longer) and ``L``
+the linear layers' GEMM time. That says which e2e target a layer speedup can
 reach (`docs/benchmarks.md`).
 """
 
@@ -33,7 +34,7 @@ from adahop.models import model_config
 CLASSES = [
     ("attention", r"flash|fmha|attention|sdpa|cudnn"),
     ("GEMM FP8", r"qqtst|qqsss|_qq|f8f8|e4m3"),
-    ("GEMM BF16", r"nvjet|gemm|cutlass|xmma|sm90_|sm80_|ampere_|cublas"),
+    ("GEMM BF16", r"nvjet|gemm|cutlass|xmma|sm90_|sm80_|ampere_|cublas|^aten::(mm|addmm|bmm)$"),  # aten: --device cpu
     ("quantize + fold (adahop)", r"_mx_quantize|_mx_amax|_fold_kernel"),
     ("OE top-k / gather / scatter", r"topk|TopK|radixSort|index_copy|index_elementwise|scatter_gather|gatherTopK"),
     ("optimizer", r"adam|Adam"),
@@ -76,10 +77,10 @@ def profile_row(model, recipe, mode, seq_len, batch, layers, steps=3, device="cu
         if us > 0:
             c = classify(e.key)
             per_class[c] = per_class.get(c, 0.0) + us / 1e3 / steps
-            kernels[e.key[:100]] = (us / 1e3 / steps, c)
+            kernels[e.key] = (us / 1e3 / steps, c)
     row = dict(model=model, layers=layers, recipe=recipe, mode=mode, step_ms=step_ms,
                kernel_ms=sum(per_class.values()), classes=per_class,
-               top=sorted(((k, ms, c) for k, (ms, c) in kernels.items()), key=lambda t: -t[1])[:25])
+               top=sorted(((k[:100], ms, c) for k, (ms, c) in kernels.items()), key=lambda t: -t[1])[:25])
     if recipe == "bf16":
         f_lin, f_head = linear_and_head_flops(model, layers, seq_len * batch)
         gemm = per_class.get("GEMM BF16", 0.0)

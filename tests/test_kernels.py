@@ -527,3 +527,6 @@ def test_interp_emulated_mx_linear_matches_the_reference(how="dequant-bf16"):
         err = ((got.float() - ref).norm() / ref.norm()).item()
         assert err < 3e-3, err  # the GEMMs round their outputs to BF16 (dequant-bf16 always)
     assert layer.saved_bytes == (128 * 64 + 128 * 4) + (128 * 128 + 128 * 8)  # X along T, W along N: codes + scales
+    with torch.no_grad():  # the fprop alone: the same output, nothing saved
+        layer.saved_bytes = -1
+        assert torch.equal(layer(x), y.detach()) and layer.saved_bytes == -1

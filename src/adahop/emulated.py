@@ -55,14 +55,14 @@ class _EmulatedMXFn(torch.autograd.Function):
         dy = dy.contiguous()
         dx = _mm(_quantize(dy, 1), ctx.w_n, how, dy.dtype)  # dgrad: ∇Y·W, along N
         dw = _mm(_quantize(dy, 0), ctx.x_t, how, torch.float32)  # wgrad: ∇Yᵀ·X, along T
-        ctx.x_t = ctx.w_n = None
         return dx, dw.to(ctx.wdtype), None
 
 
 class EmulatedMXLinear(nn.Module):
     """A bias-free ``nn.Linear`` whose three GEMMs run as MXFP4 emulated by ``how`` (see the module
     docstring). Input ``[..., in_features]``; the GEMMs run in the autocast dtype when autocast is
-    on, else in the input's dtype. ``saved_bytes``: what the last training forward saved.
+    on, else in the input's dtype. ``saved_bytes``: what the last training forward saved (a
+    forward without gradients saves nothing and leaves it).
 
     Raises:
         ValueError: an unknown ``how``, or a linear with a bias."""
@@ -79,5 +79,9 @@ class EmulatedMXLinear(nn.Module):
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         x2 = x.reshape(-1, x.shape[-1]).to(dtype)
         with torch.autocast(device_type=x.device.type, enabled=False):
-            y = _EmulatedMXFn.apply(x2, self.weight, self)
+            if torch.is_grad_enabled() and (x2.requires_grad or self.weight.requires_grad):
+                y = _EmulatedMXFn.apply(x2, self.weight, self)
+            else:  # no backward: the fprop alone, nothing saved
+                w = self.weight.to(dtype)
+                y = _mm(_quantize(x2, 1), _quantize(w, 1), self.how, dtype)
         return y.reshape(*x.shape[:-1], y.shape[-1])

@@ -287,14 +287,17 @@ def _f32(v: float) -> float:
     return float(np.float32(v))
 
 
-def default_plan(rows: int, kp: int, stride_r: int, stride_k: int, elem_size: int, hb: int = 0) -> dict:
+def default_plan(rows: int, kp: int, stride_r: int, stride_k: int, elem_size: int, hb: int = 0,
+                 row_max: bool = True, stochastic: bool = False) -> dict:
     """Tiles, warps and passes for one problem (H200 timings in `docs/kernels_notes.md`).
 
     - K contiguous (or neither dim contiguous): programs own whole rows, one 32-block per thread;
       one tile of ``next_pow2(kp)`` up to 8192 (at least 256 with a Hadamard block ``hb`` above
-      32) and 16384 with 16 warps at ``kp`` in (8192, 16384] (∇Y of a 14336-wide layer: 16-18% faster than
-      the loop on the H200, `docs/kernels_notes.md` §9), else a loop over tiles of up to 2048 run twice
-      (row maximum first; the re-read hits L2).
+      32), and 16384 with 16 warps at ``kp`` in (8192, 16384] for a 32-block Hadamard, round to nearest and
+      a row maximum (∇Y of a 14336-wide layer: 16-18% faster than the loop on the H200; without the
+      row maximum, with SR or without a Hadamard the loop was faster or was not measured,
+      `docs/kernels_notes.md` §9); else a loop over tiles of up to 2048, run twice when the row
+      maximum is needed (row maximum first; the re-read hits L2).
     - rows contiguous (``axis=0`` of a row-major x, the transposing case): two kernels (the row
       maximum needs all of K) over tiles of ``32·VEC`` rows × 128 K, one block per warp. (Round 4's sweep:
       64 × 256 with 8 warps is faster when codes and FP8 are both written, not when only the
@@ -308,7 +311,8 @@ def default_plan(rows: int, kp: int, stride_r: int, stride_k: int, elem_size: in
                 bk = max(bk, 256)  # gave wrong codes (the interpreter's were right); [32, 8, 32] is validated
             br = max(1, (4096 if bk >= 2048 else 8192) // bk)
             return dict(mode="rows", BR=br, BK=bk, NCHUNK=1, LAYOUT=0, VEC=vec, num_warps=max(1, min(16, br * bk // 1024)))
-        if kp <= 16384:  # one row per program, 32 elements per thread as above; masked up to the power of two
+        if kp <= 16384 and hb == 32 and row_max and not stochastic:  # the measured case: one row per program,
+            # 32 elements per thread as above, masked up to the power of two; it saves the loop's second read
             return dict(mode="rows", BR=1, BK=16384, NCHUNK=1, LAYOUT=0, VEC=vec, num_warps=16)
         bk = 2048
         while kp % bk and bk > 512:
@@ -323,7 +327,7 @@ def _launch_config(rows, kc, stride_r, stride_k, elem_size, hb, has_signs, stoch
                    write_codes=True, want_fp8=True, zero_rows=False):
     """Everything about a launch that follows from shapes and options (cached: host time matters)."""
     kp = -(-kc // 32) * 32
-    p = dict(plan_items) if plan_items else default_plan(rows, kp, stride_r, stride_k, elem_size, hb)
+    p = dict(plan_items) if plan_items else default_plan(rows, kp, stride_r, stride_k, elem_size, hb, msr >= 0, stochastic)
     row_max, write_fp8 = msr >= 0, want_fp8 and folds_exactly(msr)
     br, bk = p["BR"], max(p["BK"], hb, 32)
     if p["mode"] == "rows":
