@@ -58,6 +58,17 @@ def linear_and_head_flops(model: str, layers: int | None, tokens: int) -> tuple[
     return 6.0 * per_block * n * tokens, 6.0 * h * cfg.vocab_size * tokens
 
 
+def e2e_speedup(total: float, linear: float, r: float) -> float:
+    """End-to-end speedup when ``linear`` of a step's ``total`` time runs ``r``× faster (Amdahl)."""
+    return total / (total - linear + linear / r)
+
+
+def linear_speedup_needed(total: float, linear: float, e2e: float) -> float:
+    """The linear-layer speedup giving an end-to-end ``e2e``; inf when even free linears fall short."""
+    rest = total - linear
+    return linear / (total / e2e - rest) if total / e2e > rest else float("inf")
+
+
 def profile_row(model, recipe, mode, seq_len, batch, layers, steps=3, device="cuda") -> dict:
     _, step = model_step(model, recipe, mode, seq_len, batch, layers, device)
     cuda = device == "cuda"
@@ -87,8 +98,8 @@ def profile_row(model, recipe, mode, seq_len, batch, layers, steps=3, device="cu
         lin = gemm * f_lin / (f_lin + f_head)
         t = row["kernel_ms"]
         row.update(linear_gemm_ms=lin, head_gemm_ms=gemm - lin, linear_share=lin / t,
-                   e2e_if_linear_x={str(r): t / (t - lin + lin / r) for r in (1.2, 1.45, 1.6, 1.78, 2.0)},
-                   linear_x_needed={str(e): lin / (t / e - (t - lin)) if t / e > t - lin else float("inf") for e in (1.2, 1.3)})
+                   e2e_if_linear_x={str(r): e2e_speedup(t, lin, r) for r in (1.2, 1.45, 1.6, 1.78, 2.0)},
+                   linear_x_needed={str(e): linear_speedup_needed(t, lin, e) for e in (1.2, 1.3)})
     return row
 
 

@@ -49,3 +49,34 @@ def test_layer_step_runs_forward_and_backward_of_each_kind_on_cpu():
         grads[kind] = next(layer.parameters()).grad.flatten().float()
     for kind in ("mxfp4 fast", "adahop-lv2 fast (iht, wgrad oe_right)"):
         assert torch.nn.functional.cosine_similarity(grads[kind], grads["bf16"], dim=0) > 0.95
+
+
+def _profile_model_script():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "profile_model.py"
+    spec = importlib.util.spec_from_file_location("profile_model", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_profile_model_flops_and_amdahl():
+    """The step breakdown's arithmetic: training FLOPs of the converted linears and of the LM head
+    (6 · params · tokens), Amdahl's end-to-end speedup and its inverse, and the kernel classes."""
+    pm = _profile_model_script()
+    # 4 blocks of Llama-3.1-8B: q, o 4096², k, v 4096·1024, gate, up, down 4096·14336; LM head 4096·32768
+    lin, head = pm.linear_and_head_flops("llama3.1-8b", 4, 8192)
+    assert lin == 6 * 4 * (2 * 4096**2 + 2 * 4096 * 1024 + 3 * 4096 * 14336) * 8192
+    assert head == 6 * 4096 * 32768 * 8192
+    assert pm.e2e_speedup(100.0, 50.0, 2.0) == 100.0 / 75.0
+    assert pm.e2e_speedup(100.0, 0.0, 5.0) == 1.0
+    r = pm.linear_speedup_needed(114.6, 55.85, 1.3)
+    assert abs(pm.e2e_speedup(114.6, 55.85, r) - 1.3) < 1e-12 and 1.89 < r < 1.91  # round 6's 8B-shaped figure
+    assert pm.linear_speedup_needed(100.0, 10.0, 1.2) == float("inf")  # 90 of 100 stay: at most 1.11x
+    assert pm.classify("nvjet_sm90_qqtst_128x128_128x6_1x1_h_bz_coopA_algo2_ovscale_TNT") == "GEMM FP8"
+    assert pm.classify("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "GEMM BF16"
+    assert pm.classify("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16") == "attention"
+    assert pm.classify("_mx_quantize_kernel") == "quantize + fold (adahop)"
+    assert pm.classify("triton_poi_fused_mul_silu_0").startswith("other")
