@@ -177,6 +177,11 @@ def test_sources_formats_agree(tmp_path):
     assert rows == shards("sub/r.jsonl.zst", "body") == shards("sub/r.parquet", "body")
     m = prepare([str(d / "sub")], tmp_path / "folder", tokenizer=GPT2, text_field="body")
     assert [Path(s.name).name for s in m.sources] == ["r.jsonl", "r.jsonl.zst", "r.parquet"]
+    from adahop.cli import main  # the command line takes the field too (its error messages point to it)
+
+    main(["data", "prepare", "--source", str(d / "sub" / "r.jsonl"), "--text-field", "body", "--tokenizer", GPT2,
+          "--val-fraction", "0.2", "--out", str(tmp_path / "cli")])
+    assert _bins(tmp_path / "cli") == rows
     assert m.train.documents + m.val.documents == 3 * len(docs)
 
 

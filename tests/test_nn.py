@@ -311,3 +311,78 @@ def test_the_readme_training_loop_runs_verbatim():
         exec(compile(block, "README.md", "exec"), {})
     table = out.getvalue()
     assert "model.layers.1.mlp.down_proj" in table and "calibrating" not in table and "iht" in table
+
+
+def test_a_plan_of_the_other_level_is_remapped_not_run_under_this_name():
+    """An Lv2 run's plan given to adahop-lv1 (e.g. `adahop compare --recipes adahop-lv1,adahop-lv2 --plan`):
+    the strategies come from Lv1's table applied to the plan's patterns, with a warning, never Lv2's
+    BF16 GEMMs under the Lv1 name."""
+    from adahop.nn import get_controller
+    from adahop.patterns import Plan
+
+    pats = {"0": {"x": "C", "w": "C", "dy": "C"}}
+    lv2, lv1 = Plan.from_patterns(pats, "lv2"), Plan.from_patterns(pats, "lv1")
+    gemms = ("fprop", "dgrad", "wgrad")
+    assert "bf16" in [lv2.layers["0"][g] for g in gemms] and "bf16" not in [lv1.layers["0"][g] for g in gemms]
+    m = nn.Sequential(nn.Linear(64, 64))
+    with pytest.warns(UserWarning, match="re-derived from the plan's patterns"):
+        adahop.convert_model(m, "adahop-lv1", plan=lv2)
+    assert m[0].strategies() == {g: lv1.layers["0"][g] for g in gemms}
+    m2 = adahop.convert_model(nn.Sequential(nn.Linear(64, 64)), "adahop-lv1")  # set_plan (checkpoints) likewise
+    with pytest.warns(UserWarning, match="re-derived"):
+        get_controller(m2).set_plan(lv2)
+    assert m2[0].strategies() == m[0].strategies() and get_controller(m2).plan.table == "lv1"
+
+
+def test_set_plan_for_another_model_leaves_the_controller_as_it_was():
+    from adahop.nn import get_controller
+    from adahop.patterns import Plan
+
+    m = adahop.convert_model(nn.Sequential(nn.Linear(64, 64)), "adahop-lv2")
+    ctrl = get_controller(m)
+    with pytest.raises(ValueError, match="no entry for layer '0'"):
+        ctrl.set_plan(Plan.from_patterns({"other.layer": {"x": "N", "w": "N", "dy": "N"}}))
+    assert ctrl.calibrating and ctrl.calibrator is not None and ctrl.plan is None
+
+
+def test_deepcopy_and_pickle_of_a_converted_model_keep_their_own_controller():
+    """A copy made during calibration calibrates and freezes its own plan (its controller used to
+    point at the original's layers, so the copy ran BF16 for good); torch.save of the whole model works."""
+    import io
+
+    from adahop.nn import get_controller
+
+    torch.manual_seed(0)
+    m = adahop.convert_model(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64)), "adahop-lv2")
+    c = copy.deepcopy(m)
+    x = torch.randn(32, 64)
+    for s in range(30):
+        c(x).sum().backward()
+        adahop.on_step(c, s + 1)
+    assert get_controller(c).plan is not None and all("calibrating" not in l.strategies().values() for l in (c[0], c[2]))
+    assert get_controller(m).calibrating and [l.name for l in get_controller(c).layers] == ["0", "2"]
+    buf = io.BytesIO()
+    torch.save(c, buf)
+    buf.seek(0)
+    d = torch.load(buf, weights_only=False)
+    assert get_controller(d).layers == [d[0], d[2]] and torch.equal(d(x), c(x))
+
+
+def test_second_backward_through_a_quantized_layer_says_why_it_cannot():
+    m = adahop.convert_model(nn.Sequential(nn.Linear(64, 64)), "mxfp4")
+    y = m(torch.randn(32, 64)).square().sum()
+    y.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        y.backward()
+
+
+def test_convert_refuses_a_model_it_would_leave_unconverted():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=1, n_head=2, vocab_size=128, bos_token_id=0, eos_token_id=0))
+    with pytest.raises(ValueError, match="Conv1D"):
+        adahop.convert_model(gpt2, "mxfp4")
+    with pytest.raises(ValueError, match="no nn.Linear layer"):
+        adahop.convert_model(nn.Sequential(nn.Linear(64, 64)), "mxfp4", exclude=("0",))
+    m = adahop.convert_model(nn.Sequential(nn.Linear(64, 64)), "mxfp4", exclude=None)  # None: exclude nothing
+    assert type(m[0]).__name__ == "LowPrecisionLinear"

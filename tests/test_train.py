@@ -94,6 +94,29 @@ def test_export_loads_with_transformers(data_dir, tmp_path, single_thread):
     cfg = json.loads((tmp_path / "r" / "config.json").read_text())
     assert cfg["adahop"]["config"]["recipe"] == "mxfp4"
     assert model.dtype == torch.bfloat16  # the weights are BF16 and config.json says so (dtype and torch_dtype)
+    from adahop.data import Manifest
+
+    eos = Manifest.load(data_dir).tokenizer.eos_id  # generate() must stop where the training documents ended
+    assert model.config.eos_token_id == model.config.bos_token_id == model.generation_config.eos_token_id == eos
+
+
+def test_gpt2_config_tied_embeddings_checkpoint_and_resume(data_dir, tmp_path, single_thread):
+    """A transformers config whose tied weights are not Llama's (GPT-2: transformer.wte / lm_head)
+    checkpoints, resumes and exports (the tie used to be found by name only: a safetensors error at
+    the first checkpoint); and a quantizing recipe on GPT-2's Conv1D layers is refused, not run as BF16."""
+    from transformers import AutoModelForCausalLM
+
+    gpt2 = tmp_path / "gpt2.json"
+    gpt2.write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 2, "n_positions": 64,
+                                "vocab_size": 512}))
+    kw = dict(recipe="bf16", model_config=str(gpt2), steps=4, ckpt_every=2, eval_every=0)
+    train(_cfg(data_dir, tmp_path / "g", **kw))
+    s = train(_cfg(data_dir, tmp_path / "g", **dict(kw, steps=6), resume=True))
+    assert s["steps"] == 6
+    m = AutoModelForCausalLM.from_pretrained(tmp_path / "g")
+    assert m.lm_head.weight.data_ptr() == m.transformer.wte.weight.data_ptr()  # still tied after the export
+    with pytest.raises(ValueError, match="Conv1D"):
+        train(_cfg(data_dir, tmp_path / "h", **dict(kw, recipe="mxfp4")))
 
 
 def test_divergence_stops_and_keeps_last_good_checkpoint(data_dir, tmp_path, single_thread, monkeypatch):
@@ -121,6 +144,8 @@ def test_divergence_stops_and_keeps_last_good_checkpoint(data_dir, tmp_path, sin
 def test_bad_options_fail_before_training(data_dir, tmp_path):
     with pytest.raises(ValueError, match="--grad-accum"):
         _cfg(data_dir, tmp_path, batch_size=4, grad_accum=3)
+    with pytest.raises(ValueError, match=r"--beta2: must be in \[0, 1\)"):
+        _cfg(data_dir, tmp_path, beta2=1.5)
     with pytest.raises(ValueError, match="unknown recipe"):
         train(_cfg(data_dir, tmp_path / "x", recipe="nope"))
     with pytest.raises(ValueError, match="seq"):

@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--tokenizer", default="bpe", help="bpe (trained on the corpus), gpt2, tiktoken:PATH, hf:NAME")
     prep.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary size")
     prep.add_argument("--val-fraction", type=float, default=0.01, help="held-out share, spread across the corpus")
+    prep.add_argument("--text-field", default="text", help="the JSONL field / Parquet or dataset column holding the text")
     prep.add_argument("--seed", type=int, default=0)
 
     tr = sub.add_parser("train", help="pretrain a model from scratch with a recipe")
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             from .data import prepare
 
             m = prepare(args.source, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
-                        val_fraction=args.val_fraction, seed=args.seed)
+                        val_fraction=args.val_fraction, seed=args.seed, text_field=args.text_field)
             print(f"wrote {args.out}: train {m.train.tokens:,} tokens, val {m.val.tokens:,} tokens, "
                   f"tokenizer {m.tokenizer.name} (vocab {m.tokenizer.vocab_size})")
         elif args.cmd == "train":

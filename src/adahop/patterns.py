@@ -176,6 +176,19 @@ class Plan:
         """Read a plan written by :meth:`save` (ValueError if it is not one)."""
         return cls.from_json(Path(path).read_text())
 
+    def with_table(self, table: str) -> "Plan":
+        """This plan's voted patterns mapped through ``table`` (e.g. an Lv2 run's plan for an Lv1 recipe).
+
+        Raises:
+            ValueError: an entry without its patterns (x, w, dy), so there is nothing to re-map."""
+        if table == self.table:
+            return self
+        missing = [n for n, e in self.layers.items() if not all(k in e for k in ("x", "w", "dy"))]
+        if missing:
+            raise ValueError(f"the plan was frozen with table {self.table!r} and its layer {missing[0]!r} has no patterns "
+                             f"(x, w, dy) to re-map through table {table!r}; use a plan made with table {table!r}")
+        return Plan.from_patterns({n: {k: e[k] for k in ("x", "w", "dy")} for n, e in self.layers.items()}, table)
+
     @classmethod
     def from_patterns(cls, patterns: dict[str, dict[str, str]], table: str = "lv2") -> "Plan":
         """Build a plan from voted patterns ``{layer: {"x": "R"|"C"|"N", "w": ..., "dy": ...}}``."""

@@ -54,7 +54,7 @@ def _scan(sources: Sequence[Source], text_field: str) -> tuple[list[SourceInfo],
                 chars += len(chunk)
                 has_text = has_text or not chunk.isspace()
         if not has_text:
-            hint = "" if getattr(src, "kind", None) == "text" else f", or check --text-field ({text_field!r})"
+            hint = "" if getattr(src, "kind", None) == "text" else f", or check `adahop data prepare --text-field` ({text_field!r})"
             raise ValueError(f"source {src.name} holds no text; remove it{hint}")
         infos.append(src.info(text_field))
         total += chars

@@ -209,7 +209,8 @@ class FileSource(Source):
                 text = row.get(text_field) if isinstance(row, dict) else None
                 if not isinstance(text, str):
                     raise ValueError(f"{self.path}, line {lineno}: no string field {text_field!r}; "
-                                     "pass the right field name with --text-field")
+                                     "prepare it with `adahop data prepare --source ... --text-field NAME --out DIR`, "
+                                     "then train with --data DIR")
                 if text:
                     yield iter((text,))
 
@@ -224,7 +225,7 @@ class FileSource(Source):
         columns = pf.schema_arrow.names
         if text_field not in columns:
             raise ValueError(f"{self.path}: no column {text_field!r} (columns: {columns}); "
-                             "pass the right column with --text-field")
+                             "pass the right column with `adahop data prepare --text-field NAME`")
         try:
             for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
                 for text in batch.column(0).to_pylist():
@@ -250,7 +251,7 @@ class HFSource(Source):
             self._ds = datasets.load_dataset(self._ds_name, self._config, split=self._split)
         if text_field not in self._ds.column_names:
             raise ValueError(f"{self.name}: no column {text_field!r} (columns: {self._ds.column_names}); "
-                             "pass the right column with --text-field")
+                             "pass the right column with `adahop data prepare --text-field NAME`")
         return self._ds
 
     def documents(self, text_field: str) -> Iterator[Document]:

@@ -49,7 +49,8 @@ def convert_model(model: nn.Module, recipe: str | Recipe, *, exclude=("lm_head",
         model: any module built of ``nn.Linear`` (Hugging Face Llama/Qwen3, ``nn.Sequential``...).
         recipe: a preset name (see :func:`adahop.list_recipes`) or a :class:`Recipe`.
         exclude: fnmatch patterns of qualified names to keep as they are; a pattern without
-            wildcards also matches as a name suffix (``"lm_head"`` matches ``"model.lm_head"``).
+            wildcards also matches as a name suffix (``"lm_head"`` matches ``"model.lm_head"``);
+            None or ``()`` excludes nothing.
         seed: run seed for stochastic rounding and random signs.
         plan: a frozen AdaHOP plan (from ``plan.json`` or a checkpoint): calibration is skipped.
         backend: ``"auto"`` (the fast path on CUDA, the reference elsewhere, decided per call from
@@ -62,9 +63,10 @@ def convert_model(model: nn.Module, recipe: str | Recipe, *, exclude=("lm_head",
         the last ``recipe.bf16_last_layers`` / first ``bf16_first_layers`` transformer blocks.
 
     Raises:
-        ValueError: unknown recipe name (lists the known ones) or backend, a model already converted, or a
-            bare ``nn.Linear`` (wrap it in ``nn.Sequential``), or a ``plan`` without an entry for a
-            converted layer.
+        ValueError: unknown recipe name (lists the known ones) or backend, a model already converted, a
+            bare ``nn.Linear`` (wrap it in ``nn.Sequential``), a model with no ``nn.Linear`` left to
+            convert (e.g. GPT-2's ``Conv1D`` layers) under a quantizing recipe, or a ``plan`` without
+            an entry for a converted layer.
     """
     if isinstance(recipe, str):
         recipe = get_recipe(recipe)
@@ -73,8 +75,16 @@ def convert_model(model: nn.Module, recipe: str | Recipe, *, exclude=("lm_head",
     if type(model) is nn.Linear:
         raise ValueError("convert_model swaps the nn.Linear layers *inside* a module and cannot replace the module "
                          "it is given; wrap a bare layer first: convert_model(nn.Sequential(linear), ...)")
-    controller = Controller(recipe, seed=seed, plan=plan)
+    if exclude is None:
+        exclude = ()
     names = [n for n, m in model.named_modules() if type(m) is nn.Linear and not _excluded(n, exclude)]
+    if not names and not recipe.is_bf16:  # nothing would run the recipe: the "MXFP4" run would be BF16
+        conv1d = sum(type(m).__name__ == "Conv1D" for m in model.modules())
+        why = (f"its {conv1d} linear maps are transformers Conv1D modules (GPT-2 style, weight stored [in, out]), "
+               "which adahop does not convert; use a model built of nn.Linear (Llama, Qwen, GPT-NeoX, ...)") if conv1d \
+            else f"exclude={tuple(exclude)!r} leaves none, or it has none"
+        raise ValueError(f"convert_model: the model has no nn.Linear layer to run recipe {recipe.name!r}: {why}")
+    controller = Controller(recipe, seed=seed, plan=plan)
     blocks = sorted({int(m.group(1)) for n in names if (m := _BLOCK_RE.search(n))})
     n_blocks = (max(blocks) + 1) if blocks else 0
     unsupported: dict[str, str] = {}  # name -> in->out, of layers the recipe cannot quantize

@@ -102,6 +102,11 @@ class LowPrecisionLinearFn(torch.autograd.Function):
             dw = dy.t() @ x  # wgrad
             return dx, dw.to(weight.dtype), grad_bias, None, None
 
+        if ctx.x_prep is None and x is None:  # only X's packed MXFP4 was saved, and the first backward freed it
+            raise RuntimeError("adahop: a second backward through a converted layer (retain_graph=True) is not supported: "
+                               "the first backward frees the saved MXFP4 copy of its input to save memory. Run the "
+                               "forward again for each backward (double backward, create_graph=True, is not supported "
+                               "either)")
         gd, gw = ctx.gens
         # operands not saved prepared (they need high precision) are prepared now, with the signs
         # drawn in forward, so both GEMMs always run as prepare(A) · saved-or-prepared(B)

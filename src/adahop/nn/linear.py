@@ -26,6 +26,7 @@ class Controller:
     """
 
     def __init__(self, recipe: Recipe, *, seed: int = 0, plan: Plan | None = None):
+        plan = self._for_recipe(recipe, plan)
         self.recipe, self.seed, self.step, self.plan = recipe, seed, 0, plan
         cal = recipe.calibration
         self.calibrator = Calibrator(table=cal.table, steps=cal.steps, threshold=cal.threshold) if cal and plan is None else None
@@ -34,6 +35,28 @@ class Controller:
         # called with the Calibrator right before the plan freezes; data parallelism sets it to
         # merge every rank's observations, so that all ranks freeze the same plan
         self.agree = None
+
+    @staticmethod
+    def _for_recipe(recipe: Recipe, plan: Plan | None) -> Plan | None:
+        """``plan`` under ``recipe``'s strategy table: a plan frozen with another table (an Lv2 run's
+        plan given to an Lv1 recipe) is re-mapped from its voted patterns, with a warning, rather
+        than run as the other level's strategies under this recipe's name."""
+        cal = recipe.calibration
+        if plan is None or cal is None or plan.table == cal.table:
+            return plan
+        import warnings
+
+        warnings.warn(f"adahop: the plan was frozen with strategy table {plan.table!r}; recipe {recipe.name!r} uses table "
+                      f"{cal.table!r}, so its strategies are re-derived from the plan's patterns", stacklevel=3)
+        return plan.with_table(cal.table)
+
+    def __getstate__(self) -> dict:
+        # copy.deepcopy / pickle of a converted model: the weak references to the layers are not
+        # copied (each copied layer registers with the copied controller as it is restored, see
+        # LowPrecisionLinear.__setstate__), nor is the data-parallel hook, which belongs to one run
+        state = self.__dict__.copy()
+        state["_layers"], state["agree"] = [], None
+        return state
 
     @property
     def layers(self) -> list["LowPrecisionLinear"]:
@@ -61,7 +84,18 @@ class Controller:
         return False
 
     def set_plan(self, plan: Plan) -> None:
-        """Adopt ``plan`` (frozen by calibration, loaded from a checkpoint or ``plan.json``)."""
+        """Adopt ``plan`` (frozen by calibration, loaded from a checkpoint or ``plan.json``).
+
+        Raises:
+            ValueError: ``plan`` has no entry for a converted layer (made for another model); the
+                controller is left as it was (still calibrating, or with its old plan)."""
+        plan = self._for_recipe(self.recipe, plan)
+        if self.recipe.calibration is not None:
+            missing = [l.name for l in self.layers if not l.force_bf16 and l.name not in plan.layers]
+            if missing:
+                raise ValueError(f"the plan has no entry for layer {missing[0]!r} ({len(missing)} missing); it was made for "
+                                 f"another model (its layers: {list(plan.layers)[:3]}...). Calibrate this model instead, "
+                                 "or pass its own plan")
         self.plan = plan
         self.calibrator = None
         for layer in self.layers:
@@ -91,6 +125,12 @@ class LowPrecisionLinear(nn.Linear):
         controller.register(new)
         new.resolve_specs()
         return new
+
+    def __setstate__(self, state: dict) -> None:
+        # restored by copy.deepcopy or pickle: join the (copied) controller, which does not copy its
+        # weak references to the original's layers
+        super().__setstate__(state)
+        self.controller.register(self)
 
     # -- plan and specs ----------------------------------------------------------------------
     def resolve_specs(self) -> None:

@@ -43,8 +43,9 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, opt: torch
     tmp = root / f".tmp_step_{step:07d}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    state = {k: v for k, v in state.items() if not _is_alias(k, state)}
+    full = model.state_dict()
+    tied = tied_keys(full)
+    state = {k: v.detach().cpu().contiguous() for k, v in full.items() if k not in tied}
     save_file(state, tmp / "model.safetensors")
     tensors, meta = _optim_tensors(opt)
     save_file(tensors, tmp / "optimizer.safetensors")
@@ -71,12 +72,19 @@ def publish_checkpoint(tmp: Path, final: Path, keep: int) -> Path:
     return final
 
 
-def _is_alias(key: str, state: dict) -> bool:
-    """Tied weights (lm_head = embeddings) share storage; safetensors stores one of them."""
-    if key != "lm_head.weight":
-        return False
-    emb = next((v for k, v in state.items() if k.endswith("embed_tokens.weight")), None)
-    return emb is not None and emb.data_ptr() == state[key].data_ptr()
+def tied_keys(state: dict[str, torch.Tensor]) -> set[str]:
+    """Keys of ``state`` (a model's own ``state_dict()``, before any copy) whose tensor is the same
+    memory as an earlier key's: tied weights (the LM head and the embeddings, whatever their names).
+    Safetensors stores one of each; loading restores the rest through the tie."""
+    seen, tied = set(), set()
+    for k, v in state.items():
+        if v.numel() == 0 or v.device.type == "meta":
+            continue
+        key = (v.data_ptr(), tuple(v.shape), tuple(v.stride()), v.dtype)
+        if key in seen:
+            tied.add(k)
+        seen.add(key)
+    return tied
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -91,7 +99,8 @@ def load_checkpoint(path: Path, model: torch.nn.Module, opt: torch.optim.Optimiz
     meta = json.loads((path / "state.json").read_text())
     weights = load_file(path / "model.safetensors")
     missing, unexpected = model.load_state_dict(weights, strict=False)
-    missing = [k for k in missing if k != "lm_head.weight"]  # tied weights come back through the embedding
+    tied = tied_keys(model.state_dict())
+    missing = [k for k in missing if k not in tied]  # tied weights come back through the one stored
     if missing or unexpected:
         raise ValueError(f"checkpoint {path} does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
     if opt is not None:

@@ -97,6 +97,9 @@ class TrainConfig:
             bad("grad_accum", f"--batch-size {self.batch_size} is not divisible by --grad-accum {self.grad_accum}")
         if not self.lr > 0:
             bad("lr", f"must be > 0, got {self.lr}")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                bad(name, f"must be in [0, 1), got {getattr(self, name)}")
         if not 0 <= self.min_lr_ratio <= 1:
             bad("min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

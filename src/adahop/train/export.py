@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 from .. import __version__
 from ..utils import atomic_write_text
-from .checkpoint import _is_alias
+from .checkpoint import tied_keys
 from .config import TrainConfig
 
 __all__ = ["write_config", "export_hf", "git_revision"]
@@ -43,7 +43,8 @@ def write_config(run: Path, cfg: TrainConfig, model, data_dir: Path, recipe) -> 
 def export_hf(run: Path, model, data_dir: Path) -> None:
     """Write the BF16 master weights as model.safetensors and the tokenizer beside config.json."""
     full = model.state_dict()
-    state = {k: v.detach().to(torch.bfloat16).cpu().contiguous() for k, v in full.items() if not _is_alias(k, full)}
+    tied = tied_keys(full)
+    state = {k: v.detach().to(torch.bfloat16).cpu().contiguous() for k, v in full.items() if k not in tied}
     tmp = run / ".model.safetensors.tmp"
     save_file(state, tmp, metadata={"format": "pt"})
     tmp.replace(run / "model.safetensors")

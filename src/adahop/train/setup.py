@@ -158,12 +158,18 @@ def make_streams(cfg: TrainConfig, data_dir: Path, rank: int = 0, world: int = 1
 
 
 def make_model(cfg: TrainConfig, manifest: Manifest, device: torch.device) -> torch.nn.Module:
-    """The model in FP32 master weights, initialized from ``cfg.seed`` (same init for every recipe)."""
+    """The model in FP32 master weights, initialized from ``cfg.seed`` (same init for every recipe).
+    Its config's BOS/EOS ids are the data's end-of-text token (the document separator), so that the
+    exported model's ``generate`` stops where the training documents ended."""
     vocab = manifest.tokenizer.vocab_size
     torch.manual_seed(cfg.seed)
     model = build_model(None if cfg.model_config else cfg.model, config_path=cfg.model_config, vocab_size=vocab,
                         max_seq_len=cfg.seq_len)
     check_compat(model.config, vocab_size=vocab, seq_len=cfg.seq_len)
+    eos = manifest.tokenizer.eos_id
+    model.config.bos_token_id = model.config.eos_token_id = eos
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.bos_token_id = model.generation_config.eos_token_id = eos
     return model.to(device)
 
 
