@@ -262,3 +262,72 @@ def test_compiled_run_reports_no_graph_break_after_the_plan_freeze(data_dir, tmp
     before = _graph_breaks()
     torch.compile(f, backend="eager")(torch.ones(3))
     assert _graph_breaks() == before + 1  # the counter the summary reads sees a real break
+
+
+def test_nan_gradient_with_a_finite_loss_is_a_divergence(data_dir, tmp_path, single_thread, monkeypatch):
+    """A step whose gradient norm is NaN while its loss is still finite (lr far too high) stops the
+    run before that step is checkpointed: the kept checkpoint is the one before, all finite."""
+    real = torch.nn.utils.clip_grad_norm_
+    calls = {"n": 0}
+
+    def poisoned(params, max_norm, *a, **k):  # the 3rd step's gradients turn NaN
+        params = list(params)
+        calls["n"] += 1
+        if calls["n"] == 3:
+            params[0].grad.fill_(float("nan"))
+        return real(params, max_norm, *a, **k)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", poisoned)
+    with pytest.raises(Diverged, match="gradient norm became non-finite"):
+        train(_cfg(data_dir, tmp_path / "r", steps=6, recipe="bf16", ckpt_every=1, keep_ckpts=1, eval_every=0))
+    kept = sorted((tmp_path / "r" / "checkpoints").glob("step_*"))
+    assert [p.name for p in kept] == ["step_0000002"]
+    from safetensors.torch import load_file
+
+    assert all(torch.isfinite(v).all() for v in load_file(kept[0] / "model.safetensors").values())
+
+
+def test_resume_repairs_what_an_interruption_left(data_dir, tmp_path, single_thread):
+    """The export missing after the final checkpoint: --resume writes it. A damaged newest checkpoint:
+    the error names it and the older one to fall back to. Changed optimizer settings are refused.
+    Files are written with the umask's mode (not mkstemp's 0600)."""
+    import os
+
+    run = tmp_path / "r"
+    cfg = _cfg(data_dir, run, recipe="bf16", steps=4, ckpt_every=2, eval_every=0)
+    train(cfg)
+    (run / "model.safetensors").unlink()
+    s = train(dataclasses.replace(cfg, resume=True))
+    assert s["steps"] == 4 and (run / "model.safetensors").exists()
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (run / "config.json").stat().st_mode & 0o777 == 0o666 & ~umask
+    with pytest.raises(ValueError, match=r"--lr 0.003 → 0.01"):
+        train(dataclasses.replace(cfg, resume=True, steps=6, lr=1e-2))
+    newest = run / "checkpoints" / "step_0000004" / "model.safetensors"
+    newest.write_bytes(newest.read_bytes()[:100])
+    with pytest.raises(ValueError, match=r"step_0000004 cannot be read .*resume from step_0000002"):
+        train(dataclasses.replace(cfg, resume=True, steps=6))
+
+
+def test_compare_csv_quotes_cells_with_commas(tmp_path):
+    import csv
+
+    from adahop.train.compare import write_csv
+
+    rows = [["bf16", "5.4426", "+0.00", "1.6897", "1,663", "1,775", "18.00 (19.50)"]]
+    write_csv(tmp_path / "c.csv", rows)
+    with open(tmp_path / "c.csv", newline="") as f:
+        got = list(csv.reader(f))
+    assert got == [list(COLUMNS), rows[0]]
+
+
+def test_a_given_plan_of_the_other_level_is_saved_as_it_ran(data_dir, tmp_path, single_thread):
+    from adahop.patterns import Plan
+
+    lv2 = train(_cfg(data_dir, tmp_path / "lv2", steps=4, calib_steps=3, eval_every=0, ckpt_every=0))
+    assert lv2["plan_frozen"] is True
+    with pytest.warns(UserWarning, match="re-derived"):
+        train(_cfg(data_dir, tmp_path / "lv1", recipe="adahop-lv1", steps=1, eval_every=0, ckpt_every=0,
+                   plan=str(tmp_path / "lv2" / "plan.json")))
+    assert Plan.load(tmp_path / "lv1" / "plan.json").table == "lv1"

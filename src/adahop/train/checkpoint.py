@@ -88,8 +88,9 @@ def tied_keys(state: dict[str, torch.Tensor]) -> set[str]:
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint folder of ``run_dir``, or None."""
-    found = sorted((Path(run_dir) / "checkpoints").glob("step_*"))
+    """The newest complete checkpoint folder of ``run_dir`` (one with its ``state.json``, which is written
+    last), or None."""
+    found = sorted(p for p in (Path(run_dir) / "checkpoints").glob("step_*") if (p / "state.json").exists())
     return found[-1] if found else None
 
 

@@ -6,6 +6,7 @@ peak memory and speed are its own and one failing recipe does not take the other
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import json
 import subprocess
@@ -59,6 +60,12 @@ def format_table(summaries: dict[str, dict], baseline: str = "bf16") -> list[lis
     return rows
 
 
+def write_csv(path: Path, rows: list[list[str]]) -> None:
+    """The table as CSV, header :data:`COLUMNS`; cells holding a comma (``1,663`` tokens/s) are quoted."""
+    with open(path, "w", newline="") as f:
+        csv.writer(f).writerows([list(COLUMNS), *rows])
+
+
 def _markdown(rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
@@ -88,13 +95,16 @@ def compare(recipes: list[str], cfg: TrainConfig, out: Path) -> dict[str, dict]:
             raise ValueError(f"compare: {out / r} holds a {r} run with other settings ({'; '.join(diff)}); its results "
                              f"would not be comparable. Use a new --out, or delete {out / r}")
     out.mkdir(parents=True, exist_ok=True)
+    if cfg.parallel != "none":
+        raise ValueError(f"--parallel {cfg.parallel}: adahop compare runs each recipe as one process; for data-parallel "
+                         "runs launch `torchrun ... -m adahop train --recipe R --out OUT/R` per recipe")
     data_dir = resolve_data(cfg)  # prepare once, before the recipes run
     summaries, curves = {}, {}
     for r in recipes:
         run_cfg = dataclasses.replace(cfg, recipe=r, out=str(out / r), data=str(data_dir))
         summary_path = out / r / "summary.json"
         done = read_json(summary_path, "the run summary") if summary_path.exists() else {}
-        if done.get("steps") == cfg.steps and not done.get("interrupted"):
+        if done.get("steps") == cfg.steps and not done.get("interrupted") and (out / r / "model.safetensors").exists():
             print(f"=== {r}: trained earlier in {out / r} with the same settings; its results are reused ===", flush=True)
             summaries[r], curves[r] = done, read_metrics(out / r / "metrics.jsonl")
             continue
@@ -113,7 +123,7 @@ def compare(recipes: list[str], cfg: TrainConfig, out: Path) -> dict[str, dict]:
     rows = format_table(summaries)
     md = _markdown(rows)
     (out / "compare.md").write_text(md + "\n")
-    (out / "compare.csv").write_text("\n".join(",".join(x) for x in [list(COLUMNS), *rows]) + "\n")
+    write_csv(out / "compare.csv", rows)
     (out / "compare.json").write_text(json.dumps(summaries, indent=1))
     plot_compare(curves, out, title=f"{cfg.model}, {cfg.steps} steps x {cfg.batch_size * cfg.seq_len} tokens")
     print(md)

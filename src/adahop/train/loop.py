@@ -105,13 +105,21 @@ def train(cfg: TrainConfig, *, rank: int = 0, world: int = 1) -> dict:
     opt = build_optimizer(cfg, model)
     start = 0
     if cfg.resume and (ck := latest_checkpoint(run)) is not None:
-        start = dp.resume(ck, model, opt, cfg.parallel)["step"]
+        try:
+            start = dp.resume(ck, model, opt, cfg.parallel)["step"]
+        except Exception as e:  # a damaged file: say which checkpoint, and how to fall back to the one before
+            if type(e) is ValueError:  # ours: the checkpoint does not fit this model or --parallel (already explained)
+                raise
+            older = sorted(p.name for p in ck.parent.glob("step_*") if p < ck and (p / "state.json").exists())
+            raise ValueError(f"--resume: the newest checkpoint {ck} cannot be read ({type(e).__name__}: {str(e)[:200]}); "
+                             f"if it is damaged, delete that folder to resume from "
+                             f"{older[-1] if older else 'the start (no older checkpoint is left)'}") from e
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     is_main = rank == 0
     if is_main:
         write_config(run, cfg, model, data_dir, recipe)
-        if plan is not None:  # a given plan belongs in the run folder as much as a calibrated one
-            plan.save(run / "plan.json")
+        if plan is not None:  # the plan that runs (re-mapped if it came from the other level) belongs in the run folder
+            get_controller(model).plan.save(run / "plan.json")
     metrics = Metrics(run / "metrics.jsonl", resume_from=start if cfg.resume else None, enabled=is_main)
     micro = cfg.batch_size // world // cfg.grad_accum
     tokens_per_step = cfg.batch_size * cfg.seq_len
@@ -146,7 +154,10 @@ def train(cfg: TrainConfig, *, rank: int = 0, world: int = 1) -> dict:
             with dp.grad_sync(fwd, i == cfg.grad_accum - 1):  # reduce gradients across ranks once per step
                 loss.backward()
             loss_sum += loss.detach()
-        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip) if cfg.grad_clip else torch.zeros(())
+        # the norm is computed without clipping too: a non-finite gradient is a divergence even while
+        # the loss is finite, and its step must not reach a checkpoint as the "last good" one
+        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))
+        gnorm = gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm  # FSDP2: a DTensor
         opt.step()
         opt.zero_grad(set_to_none=True)
         if on_step(model, step + 1):  # every rank freezes the same plan (dp.agree_on_plan)
@@ -157,7 +168,7 @@ def train(cfg: TrainConfig, *, rank: int = 0, world: int = 1) -> dict:
             if cfg.compile:  # recompile once, with the frozen plan, as whole graphs
                 torch.compiler.reset()
                 breaks_from = _graph_breaks()
-        bad |= ~torch.isfinite(loss_sum)  # checked on the device; synced only at log/checkpoint time
+        bad |= ~(torch.isfinite(loss_sum) & torch.isfinite(gnorm))  # on the device; synced only at log/checkpoint time
         if device.type == "cuda":
             torch.cuda.synchronize()
         step_s = time.perf_counter() - t0
@@ -170,7 +181,7 @@ def train(cfg: TrainConfig, *, rank: int = 0, world: int = 1) -> dict:
         if done % cfg.log_every == 0 or last or stop["now"]:
             if dp.any_rank(bad):
                 bar.close()
-                raise Diverged(f"loss became non-finite at or before step {done}; stopped. {_kept(run, last_good)} "
+                raise Diverged(f"loss or gradient norm became non-finite at or before step {done}; stopped. {_kept(run, last_good)} "
                                f"Lower --lr or use a safer recipe.")
             tps = timed_tokens / clock if clock else 0.0
             loss_val = dp.mean_over_ranks(loss_sum).item()
@@ -182,7 +193,7 @@ def train(cfg: TrainConfig, *, rank: int = 0, world: int = 1) -> dict:
             metrics.log(step=done, val_loss=vl, val_bpb=val_s.bits_per_byte(vl))
         if (cfg.ckpt_every and done % cfg.ckpt_every == 0) or last or stop["now"]:
             if dp.any_rank(bad):
-                raise Diverged(f"loss became non-finite before step {done}; stopped. {_kept(run, last_good)} "
+                raise Diverged(f"loss or gradient norm became non-finite before step {done}; stopped. {_kept(run, last_good)} "
                                f"Lower --lr or use a safer recipe.")
             (save_checkpoint if cfg.parallel == "none" else dp.save_sharded)(run, done, model, opt, keep=cfg.keep_ckpts)
             last_good = done

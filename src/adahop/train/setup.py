@@ -24,7 +24,9 @@ __all__ = ["resolve_device", "resolve_data", "prepared_path", "settings_diff", "
 #: Settings a resumed run must share with the run that wrote the checkpoint (the model, the
 #: numerics and the data order); others (--steps, --eval-every, --out...) may change.
 RESUME_KEYS = ("recipe", "model", "model_config", "seq_len", "batch_size", "grad_accum", "seed", "data", "vocab_size",
-               "tokenizer", "calib_steps", "plan", "backend")
+               "tokenizer", "calib_steps", "plan", "backend",
+               # the optimizer and its schedule: a resumed run continues the same one (--steps may grow)
+               "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "grad_clip", "beta1", "beta2")
 
 #: Settings that do not change a finished run's results (`adahop compare` reuses a run whose other
 #: settings all equal the new ones).
@@ -97,9 +99,9 @@ def check_run_dir(cfg: TrainConfig, run: Path) -> int | None:
     if diff:
         raise ValueError(f"--resume: these settings differ from the checkpointed run in {run}: {'; '.join(diff)}. "
                          f"Resume with the run's own settings, or start a new run with a new --out")
-    if cfg.steps <= step:
+    if cfg.steps < step or (cfg.steps == step and (run / "model.safetensors").exists()):
         raise ValueError(f"--resume: the run in {run} is already at step {step}; pass --steps above {step} to train further")
-    return step
+    return step  # == --steps: the run ended before its export was written; resuming writes it
 
 
 def resolve_device(spec: str) -> torch.device:
