@@ -331,3 +331,22 @@ def test_a_given_plan_of_the_other_level_is_saved_as_it_ran(data_dir, tmp_path, 
         train(_cfg(data_dir, tmp_path / "lv1", recipe="adahop-lv1", steps=1, eval_every=0, ckpt_every=0,
                    plan=str(tmp_path / "lv2" / "plan.json")))
     assert Plan.load(tmp_path / "lv1" / "plan.json").table == "lv1"
+
+
+def test_a_second_run_into_the_same_out_is_refused_while_the_first_runs(data_dir, tmp_path, monkeypatch):
+    import adahop.train.loop as loop
+
+    seen = {}
+
+    def nested(cfg, rank, world):  # while the run holds its folder, start another into it
+        with pytest.raises(ValueError, match="another adahop run is writing to this folder"):
+            train(cfg)
+        seen["refused"] = True
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(loop, "_train", nested)
+    with pytest.raises(RuntimeError, match="stop here"):
+        train(_cfg(data_dir, tmp_path / "r"))
+    assert seen["refused"]
+    monkeypatch.undo()
+    assert train(_cfg(data_dir, tmp_path / "r", recipe="bf16", steps=1, eval_every=0, ckpt_every=0))["steps"] == 1  # released

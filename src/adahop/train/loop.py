@@ -76,11 +76,43 @@ def train(cfg: TrainConfig, *, rank: int = 0, world: int = 1) -> dict:
 
     ``rank`` / ``world``: this process among ``world`` data-parallel processes (``torchrun``, with
     the process group joined by :func:`adahop.train.distributed.init_from_env`). Every rank runs
-    this function; rank 0 alone writes files and shows progress.
+    this function; rank 0 alone writes files and shows progress, and holds a lock on ``--out`` for
+    the run's duration (``<out>/.lock``), so that a second run into the same folder is refused.
 
     Raises:
-        ValueError: a bad option, before any training starts. Diverged: non-finite loss.
+        ValueError: a bad option, or ``--out`` in use by another run, before any training starts.
+        Diverged: non-finite loss or gradient norm.
     """
+    lock = _lock_run_dir(Path(cfg.out)) if rank == 0 else None
+    try:
+        return _train(cfg, rank, world)
+    finally:
+        if lock is not None:
+            lock.close()  # releases the lock (also when the run fails)
+
+
+def _lock_run_dir(run: Path):
+    """An exclusive lock on ``run/.lock`` (the open file; closing it releases the lock), or None where
+    the folder cannot be created yet (check_run_dir explains why) or file locks are unavailable."""
+    try:
+        import fcntl
+
+        run.mkdir(parents=True, exist_ok=True)
+        f = open(run / ".lock", "w")
+    except (ImportError, OSError):
+        return None
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise ValueError(f"--out {run}: another adahop run is writing to this folder; wait for it to end, or pass "
+                         "another --out") from None
+    except OSError:  # a filesystem without flock: run unlocked
+        pass
+    return f
+
+
+def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
     # ---- setup ---------------------------------------------------------------------------------
     if world > 1 and cfg.parallel == "none":
         raise ValueError(f"--parallel none under torchrun with {world} processes; pass --parallel ddp or fsdp")
