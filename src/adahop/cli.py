@@ -114,7 +114,9 @@ def main(argv: list[str] | None = None) -> int:
                 return 130
             if d.is_main:
                 tps = f"{s['tok_per_s']:,.0f} tokens/s" if s["tok_per_s"] else "tokens/s not measured (too few steps after warm-up)"
-                print(f"final val loss {s['final_val_loss']}, val bpb {s['final_val_bpb']}, {tps}")
+                val = (f"final val loss {s['final_val_loss']}, val bpb {s['final_val_bpb']}" if s["final_val_loss"] is not None
+                       else "no validation (--eval-every 0)")
+                print(f"{val}, {tps}")
         elif args.cmd == "compare":
             from pathlib import Path
 
