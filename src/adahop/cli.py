@@ -118,8 +118,6 @@ def main(argv: list[str] | None = None) -> int:
                        else "no validation (--eval-every 0)")
                 print(f"{val}, {tps}")
         elif args.cmd == "compare":
-            from pathlib import Path
-
             from .train import TrainConfig
             from .train.compare import compare
 

@@ -39,11 +39,16 @@ def _mm(a, b, how: str, out_dtype: torch.dtype) -> torch.Tensor:
     return (dequant_bf16(*a) @ dequant_bf16(*b).t()).to(out_dtype)
 
 
+def _fprop(x: torch.Tensor, w: torch.Tensor, how: str) -> torch.Tensor:
+    """``X·Wᵀ`` [T, N] in ``x``'s dtype, both operands quantized along K."""
+    return _mm(_quantize(x, 1), _quantize(w, 1), how, x.dtype)
+
+
 class _EmulatedMXFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, layer):
         w = weight.to(x.dtype)
-        y = _mm(_quantize(x, 1), _quantize(w, 1), layer.how, x.dtype)  # fprop: X·Wᵀ, along K
+        y = _fprop(x, w, layer.how)
         ctx.x_t, ctx.w_n = _quantize(x, 0), _quantize(w, 0)  # X along T (wgrad), W along N (dgrad)
         ctx.layer, ctx.wdtype = layer, weight.dtype
         layer.saved_bytes = sum(t.numel() for t in (*ctx.x_t, *ctx.w_n))  # uint8 tensors
@@ -82,6 +87,5 @@ class EmulatedMXLinear(nn.Module):
             if torch.is_grad_enabled() and (x2.requires_grad or self.weight.requires_grad):
                 y = _EmulatedMXFn.apply(x2, self.weight, self)
             else:  # no backward: the fprop alone, nothing saved
-                w = self.weight.to(dtype)
-                y = _mm(_quantize(x2, 1), _quantize(w, 1), self.how, dtype)
+                y = _fprop(x2, self.weight.to(dtype), self.how)
         return y.reshape(*x.shape[:-1], y.shape[-1])

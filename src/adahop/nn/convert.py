@@ -12,7 +12,7 @@ from torch import nn
 from ..patterns import Plan
 from ..recipes import Recipe, get_recipe
 from ..utils import mix_seed
-from .linear import Controller, LowPrecisionLinear
+from .linear import Controller, LowPrecisionLinear, plan_for_another_model
 
 __all__ = ["convert_model", "on_step", "get_controller", "describe", "saved_bytes", "seed_compiled_rng", "supports_shape"]
 
@@ -102,8 +102,7 @@ def convert_model(model: nn.Module, recipe: str | Recipe, *, exclude=("lm_head",
             new = LowPrecisionLinear.from_linear(lin, recipe, name=name, layer_id=layer_id, controller=controller,
                                                  backend=_layer_backend(backend, lin.weight.device), force_bf16=edge or not fits)
         except KeyError:  # a plan made for another model: say so before anything runs
-            raise ValueError(f"the plan has no entry for layer {name!r}; it was made for another model (its layers: "
-                             f"{list(plan.layers)[:3]}...). Calibrate this model instead, or pass its own plan") from None
+            raise plan_for_another_model(name, controller.plan) from None
         setattr(owner, child, new)
     if unsupported:
         warnings.warn(f"adahop: recipe {recipe.name!r} cannot quantize these layers (dimensions not multiples of the "

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import torch
@@ -14,6 +15,13 @@ from ..utils import mix_seed
 from .function import LowPrecisionLinearFn, fprop
 
 __all__ = ["LowPrecisionLinear", "Controller"]
+
+
+def plan_for_another_model(name: str, plan: Plan, missing: int = 1) -> ValueError:
+    """The error for a ``plan`` without an entry for converted layer ``name`` (``missing`` such layers)."""
+    return ValueError(f"the plan has no entry for layer {name!r}" + (f" ({missing} missing)" if missing > 1 else "")
+                      + f"; it was made for another model (its layers: {list(plan.layers)[:3]}...). Calibrate this "
+                      "model instead, or pass its own plan")
 
 
 class Controller:
@@ -44,8 +52,6 @@ class Controller:
         cal = recipe.calibration
         if plan is None or cal is None or plan.table == cal.table:
             return plan
-        import warnings
-
         warnings.warn(f"adahop: the plan was frozen with strategy table {plan.table!r}; recipe {recipe.name!r} uses table "
                       f"{cal.table!r}, so its strategies are re-derived from the plan's patterns", stacklevel=3)
         return plan.with_table(cal.table)
@@ -93,9 +99,7 @@ class Controller:
         if self.recipe.calibration is not None:
             missing = [l.name for l in self.layers if not l.force_bf16 and l.name not in plan.layers]
             if missing:
-                raise ValueError(f"the plan has no entry for layer {missing[0]!r} ({len(missing)} missing); it was made for "
-                                 f"another model (its layers: {list(plan.layers)[:3]}...). Calibrate this model instead, "
-                                 "or pass its own plan")
+                raise plan_for_another_model(missing[0], plan, len(missing))
         self.plan = plan
         self.calibrator = None
         for layer in self.layers:

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from ..nn import get_controller
 from ..patterns import Plan
 
-__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "publish_checkpoint"]
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "complete_checkpoints", "publish_checkpoint"]
 
 
 def _optim_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
@@ -87,10 +87,15 @@ def tied_keys(state: dict[str, torch.Tensor]) -> set[str]:
     return tied
 
 
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    """The complete checkpoint folders of ``run_dir`` (those with their ``state.json``, which is written
+    last), oldest first."""
+    return sorted(p for p in (Path(run_dir) / "checkpoints").glob("step_*") if (p / "state.json").exists())
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint folder of ``run_dir`` (one with its ``state.json``, which is written
-    last), or None."""
-    found = sorted(p for p in (Path(run_dir) / "checkpoints").glob("step_*") if (p / "state.json").exists())
+    """The newest complete checkpoint folder of ``run_dir``, or None."""
+    found = complete_checkpoints(run_dir)
     return found[-1] if found else None
 
 

@@ -85,6 +85,9 @@ def compare(recipes: list[str], cfg: TrainConfig, out: Path) -> dict[str, dict]:
     """
     if not recipes:
         raise ValueError("compare: no recipes given; pass --recipes bf16,adahop-lv2,...")
+    if cfg.parallel != "none":
+        raise ValueError(f"--parallel {cfg.parallel}: adahop compare runs each recipe as one process; for data-parallel "
+                         "runs launch `torchrun ... -m adahop train --recipe R --out OUT/R` per recipe")
     for r in recipes:
         get_recipe(r)
     out = Path(out)
@@ -95,9 +98,6 @@ def compare(recipes: list[str], cfg: TrainConfig, out: Path) -> dict[str, dict]:
             raise ValueError(f"compare: {out / r} holds a {r} run with other settings ({'; '.join(diff)}); its results "
                              f"would not be comparable. Use a new --out, or delete {out / r}")
     out.mkdir(parents=True, exist_ok=True)
-    if cfg.parallel != "none":
-        raise ValueError(f"--parallel {cfg.parallel}: adahop compare runs each recipe as one process; for data-parallel "
-                         "runs launch `torchrun ... -m adahop train --recipe R --out OUT/R` per recipe")
     data_dir = resolve_data(cfg)  # prepare once, before the recipes run
     summaries, curves = {}, {}
     for r in recipes:

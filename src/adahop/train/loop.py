@@ -18,7 +18,7 @@ from tqdm import tqdm
 from ..kernels import resolve_backend
 from ..nn import convert_model, get_controller, on_step, saved_bytes, seed_compiled_rng
 from . import distributed as dp
-from .checkpoint import latest_checkpoint, save_checkpoint
+from .checkpoint import complete_checkpoints, latest_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .export import write_config
 from .metrics import Metrics, peak_memory, reset_peak_memory
@@ -142,10 +142,10 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
         except Exception as e:  # a damaged file: say which checkpoint, and how to fall back to the one before
             if type(e) is ValueError:  # ours: the checkpoint does not fit this model or --parallel (already explained)
                 raise
-            older = sorted(p.name for p in ck.parent.glob("step_*") if p < ck and (p / "state.json").exists())
+            older = complete_checkpoints(run)[:-1]
             raise ValueError(f"--resume: the newest checkpoint {ck} cannot be read ({type(e).__name__}: {str(e)[:200]}); "
                              f"if it is damaged, delete that folder to resume from "
-                             f"{older[-1] if older else 'the start (no older checkpoint is left)'}") from e
+                             f"{older[-1].name if older else 'the start (no older checkpoint is left)'}") from e
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     is_main = rank == 0
     if is_main:
