@@ -177,7 +177,9 @@ class Plan:
         return cls.from_json(Path(path).read_text())
 
     def with_table(self, table: str) -> "Plan":
-        """This plan's voted patterns mapped through ``table`` (e.g. an Lv2 run's plan for an Lv1 recipe).
+        """This plan's voted patterns mapped through ``table`` (e.g. an Lv2 run's plan for an Lv1 recipe):
+        a new Plan, or this one when the table is already ``table``. Source: the Lv1/Lv2 strategy tables
+        of `specs/adahop.md` §5 (the patterns are the measurement, the table is the recipe's).
 
         Raises:
             ValueError: an entry without its patterns (x, w, dy), so there is nothing to re-map."""

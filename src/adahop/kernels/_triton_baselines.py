@@ -38,7 +38,9 @@ def _dequant_bf16_kernel(codes_ptr, scales_ptr, out_ptr, rows, KP, BR: tl.conste
 
 
 def dequant_bf16(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """MXFP4 ``codes`` [rows, kp/2], ``scales`` [rows, kp/32] → bfloat16 [rows, kp]."""
+    """MXFP4 ``codes`` [rows, kp/2] uint8 (packed E2M1), ``scales`` [rows, kp/32] uint8 (E8M0) → bfloat16
+    [rows, kp] (the OCP MX decode, `specs/baselines.md`; E8M0 0 and 255 are not kept). CUDA or the
+    Triton interpreter; raises what Triton raises for other devices."""
     rows, kp = codes.shape[0], codes.shape[1] * 2
     out = torch.empty(rows, kp, dtype=torch.bfloat16, device=codes.device)
     _dequant_bf16_kernel[(triton.cdiv(rows, 32), triton.cdiv(kp, 128))](codes, scales, out, rows, kp, BR=32, BK=128)
@@ -71,7 +73,8 @@ def _dot_scaled_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, KP: tl.constex
 def dot_scaled_mm(a_codes: torch.Tensor, a_scales: torch.Tensor, b_codes: torch.Tensor, b_scales: torch.Tensor,
                   out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """``C = A·Bᵀ`` [M, N] in ``out_dtype``, FP32 accumulation, for MXFP4 A [M, kp] and B [N, kp], both
-    blocked along kp (the contracted dimension) and stored as the quantizer writes them.
+    blocked along kp (the contracted dimension) and stored as the quantizer writes them (codes
+    [rows, kp/2] uint8, E8M0 scales [rows, kp/32] uint8). The `tl.dot_scaled` baseline of `DESIGN.md` §4.
 
     Raises:
         ValueError: M, N or kp not a multiple of 128, or A and B of different kp."""

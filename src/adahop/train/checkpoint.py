@@ -89,7 +89,7 @@ def tied_keys(state: dict[str, torch.Tensor]) -> set[str]:
 
 def complete_checkpoints(run_dir: Path) -> list[Path]:
     """The complete checkpoint folders of ``run_dir`` (those with their ``state.json``, which is written
-    last), oldest first."""
+    last), oldest first; empty when there are none."""
     return sorted(p for p in (Path(run_dir) / "checkpoints").glob("step_*") if (p / "state.json").exists())
 
 

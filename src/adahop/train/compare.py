@@ -61,7 +61,9 @@ def format_table(summaries: dict[str, dict], baseline: str = "bf16") -> list[lis
 
 
 def write_csv(path: Path, rows: list[list[str]]) -> None:
-    """The table as CSV, header :data:`COLUMNS`; cells holding a comma (``1,663`` tokens/s) are quoted."""
+    """Write ``rows`` (lists of cell strings, as :func:`format_table` makes) to ``path`` as CSV under the
+    header :data:`COLUMNS`; cells holding a comma (``1,663`` tokens/s) are quoted. Raises OSError
+    for a path that cannot be written."""
     with open(path, "w", newline="") as f:
         csv.writer(f).writerows([list(COLUMNS), *rows])
 
