@@ -66,6 +66,15 @@ def test_resume_with_another_val_fraction_is_refused_before_preparing(text, tmp_
                                          r"val_fraction 0\.05 → 0\.1\. To fix: pass --data .*"):
         train(dataclasses.replace(cfg, resume=True, steps=4, val_fraction=0.1))
     assert _entries(cache) == made  # nothing was prepared for the refused value
+    # a run of an adahop that recorded no identity is checked against its prepared folder's manifest
+    conf = tmp_path / "run" / "config.json"
+    saved = conf.read_text()
+    older = json.loads(saved)
+    del older["adahop"]["data_identity"]
+    conf.write_text(json.dumps(older))
+    with pytest.raises(ValueError, match=r"val_fraction 0\.05 → 0\.1\. To fix"):
+        train(dataclasses.replace(cfg, resume=True, steps=4, val_fraction=0.1))
+    conf.write_text(saved)
     assert train(dataclasses.replace(cfg, resume=True, steps=4))["steps"] == 4
     identity = json.loads((tmp_path / "run" / "config.json").read_text())["adahop"]["data_identity"]
     m = Manifest.load(cache / made[0])
@@ -87,7 +96,8 @@ def test_an_edited_source_is_new_data_refused_on_resume_and_on_reuse(text, tmp_p
     old = train(cfg)
     src.write_text(text.replace(" the ", " a "))  # a real edit, in place
     change = rf"source {src}: sha256 [0-9a-f]{{12}}… → [0-9a-f]{{12}}…, 40,000 → \d\d,\d{{3}} bytes"
-    with pytest.raises(ValueError, match=r"--resume: the data differs from the checkpointed run's .*" + change):
+    with pytest.raises(ValueError, match=r"--resume: the data differs from the checkpointed run's .*" + change +
+                       r"\. To fix: pass --data .*prepared.*\(the run's prepared data, still there\)"):
         train(dataclasses.replace(cfg, resume=True, steps=4))
     with pytest.raises(ValueError, match=r"compare: .*bf16 holds a bf16 run trained on other data \(" + change):
         compare(["bf16"], dataclasses.replace(cfg, out=str(tmp_path / "cmp")), tmp_path / "cmp")
@@ -97,6 +107,8 @@ def test_an_edited_source_is_new_data_refused_on_resume_and_on_reuse(text, tmp_p
     assert Manifest.load(new_dir).sources[0].sha256 == hashlib.sha256(src.read_bytes()).hexdigest()
     assert (new_dir / "train_000.bin").read_bytes() != (old_dir / "train_000.bin").read_bytes()
     assert new["final_train_loss"] != old["final_train_loss"]
+    # the fix the refusal names: the run's own prepared folder, still in the cache, resumes it
+    assert train(dataclasses.replace(cfg, resume=True, steps=4, data=str(old_dir)))["steps"] == 4
     # the same content under another name is the same data: the cache entry is reused
     twin = tmp_path / "twin.txt"
     twin.write_bytes(src.read_bytes())

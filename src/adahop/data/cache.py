@@ -103,7 +103,7 @@ def prepare_cached(specs: Sequence[str], *, tokenizer: str, vocab_size: int, val
             if changed:  # the key names content the folder does not hold: never publish it
                 raise ValueError(f"--data: a source changed while it was being prepared ({'; '.join(changed)}); "
                                  "run again once the files stay as they are")
-            if out.exists():  # an entry without a manifest: an older adahop was interrupted preparing in place
+            if out.exists():  # a folder there without its manifest is no entry (damaged): replace it
                 shutil.rmtree(out)
             os.rename(tmp, out)  # the entry appears complete, or not at all
         finally:
