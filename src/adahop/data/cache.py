@@ -92,7 +92,7 @@ def prepare_cached(specs: Sequence[str], *, tokenizer: str, vocab_size: int, val
     with file_lock(out.with_name(out.name + ".lock"), str(out)):
         if (out / "manifest.json").is_file():  # another process made it while this one waited
             return out
-        for stale in out.parent.glob(f".{out.name}.tmp-*"):  # left by a killed process (only the lock holder writes them)
+        for stale in out.parent.glob(f".{out.name}.tmp-*"):  # a killed process's (only the lock holder makes them)
             shutil.rmtree(stale, ignore_errors=True)
         tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
         tmp.mkdir()  # with the umask's mode, like the folders prepare makes

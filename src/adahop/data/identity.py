@@ -53,8 +53,8 @@ def planned_identity(sources: Sequence[Source], *, tokenizer, val_fraction: floa
             if isinstance(s, FileSource) else {"name": s.name, "sha256": None, "bytes": None} for s in sources]
     tok = ({"name": "bpe", "vocab_size": None, "sha256": None} if tokenizer == "bpe" else
            {"name": tokenizer.name, "vocab_size": tokenizer.vocab_size, "sha256": tokenizer.fingerprint()})
-    return {"sources": srcs, "tokenizer": tok, "split": {"val_fraction": val_fraction, "seed": seed, "text_field": text_field},
-            "prepare_revision": PREPARE_REVISION}
+    split = {"val_fraction": val_fraction, "seed": seed, "text_field": text_field}
+    return {"sources": srcs, "tokenizer": tok, "split": split, "prepare_revision": PREPARE_REVISION}
 
 
 def _known_differ(a, b) -> bool:
@@ -84,7 +84,8 @@ def identity_changes(old: dict, new: dict) -> list[str]:
     else:
         for s, t in zip(a, b):
             if _known_differ(s["sha256"], t["sha256"]):
-                size = f", {s['bytes']:,} → {t['bytes']:,} bytes" if _known_differ(s["bytes"], t["bytes"]) else ", same size"
+                size = (f", {s['bytes']:,} → {t['bytes']:,} bytes" if _known_differ(s["bytes"], t["bytes"])
+                        else ", same size")
                 out.append(f"source {t['name']}: sha256 {_short(s['sha256'])} → {_short(t['sha256'])}{size}")
     ta, tb = old.get("tokenizer", {}), new.get("tokenizer", {})
     if _known_differ(ta.get("name"), tb.get("name")):
