@@ -10,7 +10,9 @@ Typical use::
 Modules: :mod:`~adahop.data.sources` (files, folders, ``hf:``, ``default``),
 :mod:`~adahop.data.default_corpus` (the npm-fetched default corpus), :mod:`~adahop.data.tokenizer`,
 :mod:`~adahop.data.blocks` (blocking and the train/val rule), :mod:`~adahop.data.shards` (``prepare``),
-:mod:`~adahop.data.manifest`, :mod:`~adahop.data.stream` (``TokenStream``).
+:mod:`~adahop.data.manifest`, :mod:`~adahop.data.identity` (what makes two preparations the same data),
+:mod:`~adahop.data.cache` (``--data`` text files prepared once per content), :mod:`~adahop.data.stream`
+(``TokenStream``).
 """
 
 from adahop.data.default_corpus import cache_dir, default_corpus_path

@@ -19,7 +19,10 @@ from adahop.utils import read_json
 
 __all__ = ["Manifest", "ShardInfo", "SplitInfo", "TokenizerInfo", "MANIFEST_FORMAT", "SPLITS"]
 
-MANIFEST_FORMAT = 1
+#: 2 added the tokenizer's fingerprint, ``text_field`` and ``prepare_revision``; format 1 still loads
+#: (those read as None: unknown, so never compared)
+MANIFEST_FORMAT = 2
+_READS = (1, 2)
 SPLITS = ("train", "val")
 
 
@@ -51,6 +54,8 @@ class TokenizerInfo:
     """The ``--tokenizer`` given to prepare (``bpe`` for a trained one)."""
     vocab_size: int
     eos_id: int
+    sha256: str | None = None
+    """:meth:`adahop.data.tokenizer.Tokenizer.fingerprint`: the vocabulary and merges (None in format 1)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -71,6 +76,10 @@ class Manifest:
     """Size of the blocks the corpus was cut into before assigning them to a split."""
     train: SplitInfo
     val: SplitInfo
+    text_field: str | None = None
+    """The JSONL field / Parquet column read (None in format 1)."""
+    prepare_revision: int | None = None
+    """:data:`adahop.data.shards.PREPARE_REVISION` of the adahop that prepared it (None in format 1)."""
 
     def split(self, name: str) -> SplitInfo:
         """The :class:`SplitInfo` of ``name`` (``train`` or ``val``); ValueError for any other name."""
@@ -103,7 +112,7 @@ class Manifest:
             raise FileNotFoundError(f"{path} not found; prepare the data first: "
                                     f"adahop data prepare --source ... --out {data_dir}")
         raw = read_json(path, "the data manifest")
-        if raw.get("format") != MANIFEST_FORMAT:
+        if raw.get("format") not in _READS:
             raise ValueError(f"{path}: manifest format {raw.get('format')!r}, this adahop reads {MANIFEST_FORMAT}; "
                              "prepare the data again with adahop data prepare")
 

@@ -10,7 +10,9 @@ Passes over the corpus, each streaming (memory stays at a few batches of text):
 Documents are followed by the EOS id. Shards are raw arrays of ``uint16`` (every id < 65536) or
 ``uint32``, little-endian, at most ``shard_tokens`` ids each. Each shard, the tokenizer files and
 the manifest are written to a temporary name and moved into place with ``os.replace``; the old
-manifest is removed first, so an interrupted run never leaves a manifest that lies.
+manifest is removed first, so an interrupted run never leaves a manifest that lies. One process
+at a time writes a folder: a second ``prepare`` of it waits for the first (a lock on
+``.prepare.lock`` inside it).
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ import logging
 import math
 import os
 import re
+import sys
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -30,7 +34,7 @@ from adahop.data.manifest import MANIFEST_FORMAT, SPLITS, Manifest, ShardInfo, S
 from adahop.data.sources import Source, SourceInfo, resolve_sources
 from adahop.data.tokenizer import Tokenizer, check_bpe_vocab_size, load_tokenizer, train_bpe
 
-__all__ = ["prepare"]
+__all__ = ["prepare", "file_lock"]
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +146,27 @@ def _adahop_version() -> str:
             return "unknown"
 
 
+@contextmanager
+def file_lock(path: Path, what: str):
+    """Hold an exclusive ``fcntl.flock`` on ``path`` (created if missing) for the ``with`` block,
+    waiting for another process that holds it (and saying so on stderr, naming ``what``). Where
+    file locks are unavailable (no ``fcntl``, or a filesystem without them) the block runs unlocked."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(path, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another process that prepares {what} ...", file=sys.stderr, flush=True)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        except OSError as e:  # a filesystem without flock (some network mounts)
+            log.warning("no file lock on %s (%s); preparing unlocked", path, e)
+        yield  # closing the file releases the lock
+
+
 def _remove_stale(out_dir: Path, keep: set[str]) -> None:
     """Delete shard files of an earlier prepare in ``out_dir`` that the new manifest does not list."""
     pattern = re.compile(r"(train|val)_\d{3,}\.bin(\.tmp)?")
@@ -200,35 +225,38 @@ def prepare(sources: str | Path | Sequence[str | Path], out_dir: str | Path, *, 
              total_chars, len(srcs), n_blocks, block_chars, is_val.m)
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "manifest.json").unlink(missing_ok=True)
-    if tok is None:
-        tok = _train_tokenizer(vocab_size, iter_blocks(_documents(srcs, text_field), block_chars), is_val, total_chars)
-    tok_spec = tok.save(out_dir)
-    dtype = np.dtype("<u2" if tok.vocab_size <= 1 << 16 else "<u4")
-    writers = {s: _SplitWriter(out_dir, s, dtype, shard_tokens) for s in SPLITS}
-    eos = np.array([tok.eos_id], dtype=dtype)
-    done_chars = 0
-    for batch in _batches(iter_blocks(_documents(srcs, text_field), block_chars)):
-        ids = iter(tok.encode_batch([text for _, block in batch for text, _ in block]))
-        for b, block in batch:
-            parts = []
-            for text, ends_doc in block:
-                parts.append(np.asarray(next(ids), dtype=dtype))
-                if ends_doc:
-                    parts.append(eos)
-            writers["val" if is_val(b) else "train"].write(
-                np.concatenate(parts), text_bytes=sum(len(t.encode("utf-8")) for t, _ in block),
-                documents=sum(e for _, e in block))
-            done_chars += sum(len(t) for t, _ in block)
-        log.info("tokenized %.1f%%", 100 * done_chars / total_chars)
-    splits = {s: w.finish() for s, w in writers.items()}
-    _remove_stale(out_dir, {sh.file for s in splits.values() for sh in s.shards})
+    with file_lock(out_dir / ".prepare.lock", str(out_dir)):  # one writer at a time
+        (out_dir / "manifest.json").unlink(missing_ok=True)
+        if tok is None:
+            tok = _train_tokenizer(vocab_size, iter_blocks(_documents(srcs, text_field), block_chars), is_val, total_chars)
+        tok_spec = tok.save(out_dir)
+        dtype = np.dtype("<u2" if tok.vocab_size <= 1 << 16 else "<u4")
+        writers = {s: _SplitWriter(out_dir, s, dtype, shard_tokens) for s in SPLITS}
+        eos = np.array([tok.eos_id], dtype=dtype)
+        done_chars = 0
+        for batch in _batches(iter_blocks(_documents(srcs, text_field), block_chars)):
+            ids = iter(tok.encode_batch([text for _, block in batch for text, _ in block]))
+            for b, block in batch:
+                parts = []
+                for text, ends_doc in block:
+                    parts.append(np.asarray(next(ids), dtype=dtype))
+                    if ends_doc:
+                        parts.append(eos)
+                writers["val" if is_val(b) else "train"].write(
+                    np.concatenate(parts), text_bytes=sum(len(t.encode("utf-8")) for t, _ in block),
+                    documents=sum(e for _, e in block))
+                done_chars += sum(len(t) for t, _ in block)
+            log.info("tokenized %.1f%%", 100 * done_chars / total_chars)
+        splits = {s: w.finish() for s, w in writers.items()}
+        _remove_stale(out_dir, {sh.file for s in splits.values() for sh in s.shards})
 
-    manifest = Manifest(
-        format=MANIFEST_FORMAT, adahop_version=_adahop_version(),
-        created=datetime.now(timezone.utc).isoformat(timespec="seconds"), sources=tuple(infos),
-        tokenizer=TokenizerInfo(spec=tok_spec, name=tokenizer, vocab_size=tok.vocab_size, eos_id=tok.eos_id),
-        dtype=np.dtype(dtype).name, val_fraction=val_fraction, seed=seed, block_chars=block_chars, **splits)
-    manifest.save(out_dir)
+        manifest = Manifest(
+            format=MANIFEST_FORMAT, adahop_version=_adahop_version(),
+            created=datetime.now(timezone.utc).isoformat(timespec="seconds"), sources=tuple(infos),
+            tokenizer=TokenizerInfo(spec=tok_spec, name=tokenizer, vocab_size=tok.vocab_size, eos_id=tok.eos_id,
+                                    sha256=tok.fingerprint()),
+            dtype=np.dtype(dtype).name, val_fraction=val_fraction, seed=seed, block_chars=block_chars, **splits,
+            text_field=text_field, prepare_revision=PREPARE_REVISION)
+        manifest.save(out_dir)
     log.info("wrote %s: train %d tokens, val %d tokens", out_dir, manifest.train.tokens, manifest.val.tokens)
     return manifest

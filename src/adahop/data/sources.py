@@ -26,6 +26,7 @@ import hashlib
 import io
 import json
 import lzma
+import os
 import zlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -34,7 +35,7 @@ from pathlib import Path
 
 import zstandard
 
-__all__ = ["SourceInfo", "Source", "FileSource", "HFSource", "resolve_sources"]
+__all__ = ["SourceInfo", "Source", "FileSource", "HFSource", "resolve_sources", "sha256_file"]
 
 TEXT_SUFFIXES = (".txt", ".text", ".md")
 COMPRESSED_SUFFIXES = (".gz", ".xz", ".zst")
@@ -49,7 +50,7 @@ class SourceInfo:
     """What a prepared corpus was made from; one entry per file (or dataset) in ``manifest.json``."""
 
     name: str
-    """The file path, or the ``hf:`` / ``default`` spec."""
+    """The file's absolute path, or the ``hf:`` / ``default`` spec."""
     sha256: str
     """Hex sha256 of the file's raw bytes as stored (compressed, if it is); for a Hugging Face
     dataset, of the UTF-8 text of its documents, each followed by a NUL byte."""
@@ -149,12 +150,26 @@ def _file_kind(path: Path) -> str | None:
     return None
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
+_hashed: dict[tuple, str] = {}  # (path, device, inode, size, mtime, ctime) -> sha256, for this process
+
+
+def sha256_file(path: str | Path) -> str:
+    """Hex sha256 of the file's raw bytes. Within one process a file is read once while its size,
+    mtime and ctime stay the same (any write changes them): a run start asks for the hash of each
+    source several times (cache key, resume check, manifest).
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    st = os.stat(path)
+    key = (os.path.abspath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    if key not in _hashed:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
+        _hashed[key] = h.hexdigest()
+    return _hashed[key]
 
 
 class FileSource(Source):
@@ -163,16 +178,17 @@ class FileSource(Source):
     Args:
         path: the file.
         kind: how to read it (see :func:`resolve_sources` for how the kind follows the suffix).
-        label: name recorded in the manifest; defaults to the path.
+        label: name recorded in the manifest; defaults to the absolute path (so that a check of
+            the sources finds the same file from any working directory).
     """
 
     def __init__(self, path: Path, kind: str, label: str | None = None):
         self.path = path
         self.kind = kind
-        self.name = label or str(path)
+        self.name = label or os.path.abspath(path)
 
     def info(self, text_field: str) -> SourceInfo:
-        return SourceInfo(name=self.name, sha256=_sha256_file(self.path), bytes=self.path.stat().st_size)
+        return SourceInfo(name=self.name, sha256=sha256_file(self.path), bytes=self.path.stat().st_size)
 
     def documents(self, text_field: str) -> Iterator[Document]:
         if self.kind == "text":

@@ -20,6 +20,7 @@ EOS id separating documents in the shards is added by :mod:`adahop.data.shards`,
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -71,6 +72,13 @@ class Tokenizer:
         """
         raise NotImplementedError
 
+    def fingerprint(self) -> str:
+        """Hex sha256 (64 characters) of the vocabulary in id order and the merges (tiktoken: the
+        token bytes in id order and the split pattern). Equal fingerprints mean that every id
+        stands for the same token; ``manifest.json`` records it, so that a retrained or edited
+        vocabulary is never taken for the one a run trained on."""
+        raise NotImplementedError
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, vocab_size={self.vocab_size}, eos_id={self.eos_id})"
 
@@ -100,12 +108,29 @@ class BPETokenizer(Tokenizer):
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
 
+    def fingerprint(self) -> str:
+        return _tokenizers_fingerprint(self._tok)
+
     def save(self, directory: str | Path) -> str:
         path = Path(directory) / "tokenizer.json"
         tmp = path.with_name(path.name + ".tmp")
         self._tok.save(str(tmp))
         os.replace(tmp, path)
         return "bpe:tokenizer.json"
+
+
+def _digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")).hexdigest()
+
+
+def _tokenizers_fingerprint(tok) -> str:
+    """Fingerprint of a ``tokenizers.Tokenizer``: its tokens in id order (added tokens included) and
+    its model's merges. Read from the parsed JSON, not its text, whose layout moves between
+    ``tokenizers`` versions (merges were "a b" strings, now pairs)."""
+    vocab = sorted(tok.get_vocab(with_added_tokens=True).items(), key=lambda kv: kv[1])
+    merges = json.loads(tok.to_str()).get("model", {}).get("merges", [])
+    merges = [m.split(" ", 1) if isinstance(m, str) else list(m) for m in merges]
+    return _digest({"vocab": vocab, "merges": merges})
 
 
 def check_bpe_vocab_size(vocab_size: int) -> None:
@@ -181,6 +206,16 @@ class TiktokenTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int]) -> str:
         return self._enc.decode(list(ids))
 
+    def fingerprint(self) -> str:
+        # tiktoken's merges are its ranks: the token bytes in id order define them, the pattern the split
+        h = hashlib.sha256(getattr(self._enc, "_pat_str", "").encode() + b"\0")
+        for i in range(self._enc.n_vocab):
+            try:
+                h.update(self._enc.decode_single_token_bytes(i).hex().encode() + b",")
+            except KeyError:  # an id between the ranks and the special tokens that maps to nothing
+                h.update(b"-,")
+        return h.hexdigest()
+
     def save(self, directory: str | Path) -> str:
         if self._path is None:
             return "gpt2"
@@ -217,6 +252,11 @@ class HFTokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids))
+
+    def fingerprint(self) -> str:
+        if getattr(self._tok, "is_fast", False):
+            return _tokenizers_fingerprint(self._tok.backend_tokenizer)
+        return _digest({"vocab": sorted(self._tok.get_vocab().items(), key=lambda kv: kv[1])})  # a slow tokenizer
 
     def save(self, directory: str | Path) -> str:
         self._tok.save_pretrained(str(Path(directory) / "hf_tokenizer"))

@@ -19,7 +19,7 @@ from ..utils import read_json
 from .checkpoint import latest_checkpoint
 from .config import TrainConfig
 from .metrics import read_metrics
-from .setup import ERROR_FILE, RESULT_NEUTRAL_KEYS, resolve_data, settings_diff
+from .setup import ERROR_FILE, RESULT_NEUTRAL_KEYS, data_changes, resolve_data, settings_diff
 
 __all__ = ["compare", "format_table", "COLUMNS"]
 
@@ -83,7 +83,7 @@ def compare(recipes: list[str], cfg: TrainConfig, out: Path) -> dict[str, dict]:
 
     Raises:
         ValueError: no recipes or an unknown recipe name, or a run in ``out/<recipe>`` made with other
-            settings (listed; its results would not be comparable) — all before anything trains.
+            settings or other data (listed; its results would not be comparable) — all before anything trains.
     """
     if not recipes:
         raise ValueError("compare: no recipes given; pass --recipes bf16,adahop-lv2,...")
@@ -99,6 +99,10 @@ def compare(recipes: list[str], cfg: TrainConfig, out: Path) -> dict[str, dict]:
         if diff:
             raise ValueError(f"compare: {out / r} holds a {r} run with other settings ({'; '.join(diff)}); its results "
                              f"would not be comparable. Use a new --out, or delete {out / r}")
+        changes, fix = data_changes(cfg, out / r)  # by content: an edited source is other data under the same name
+        if changes:
+            raise ValueError(f"compare: {out / r} holds a {r} run trained on other data ({'; '.join(changes)}); its "
+                             f"results would not be comparable. To fix: {fix}; or use a new --out, or delete {out / r}")
     out.mkdir(parents=True, exist_ok=True)
     data_dir = resolve_data(cfg)  # prepare once, before the recipes run
     summaries, curves = {}, {}

@@ -13,6 +13,8 @@ import torch
 from safetensors.torch import save_file
 
 from .. import __version__
+from ..data import Manifest
+from ..data.identity import manifest_identity
 from ..utils import atomic_write_text
 from .checkpoint import tied_keys
 from .config import TrainConfig
@@ -31,11 +33,13 @@ def git_revision() -> str | None:
 
 def write_config(run: Path, cfg: TrainConfig, model, data_dir: Path, recipe) -> None:
     """config.json = the model's transformers config + an "adahop" section (run config, recipe,
-    data folder, version, git revision)."""
+    data folder and the data's identity (:mod:`adahop.data.identity`: what --resume and compare
+    check), version, git revision)."""
     run.mkdir(parents=True, exist_ok=True)
     d = model.config.to_dict()
     d["torch_dtype"] = d["dtype"] = "bfloat16"  # the exported weights are BF16 (transformers 5 reads "dtype")
-    d["adahop"] = dict(config=cfg.to_dict(), recipe=repr(recipe), data_dir=str(data_dir), version=__version__,
+    d["adahop"] = dict(config=cfg.to_dict(), recipe=repr(recipe), data_dir=str(data_dir),
+                       data_identity=manifest_identity(Manifest.load(data_dir)), version=__version__,
                        git_revision=git_revision())
     atomic_write_text(run / "config.json", json.dumps(d, indent=1, default=str))
 

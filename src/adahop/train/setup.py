@@ -3,22 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 import os
 from pathlib import Path
 
 import torch
 
-from ..data import Manifest, TokenStream, prepare
-from ..data.default_corpus import cache_dir
-from ..data.shards import PREPARE_REVISION
+from ..data import Manifest, TokenStream
+from ..data.cache import cached_path, is_cached, prepare_cached
+from ..data.identity import changed_sources, identity_changes, manifest_identity
 from ..models import build_model, check_compat
 from ..patterns import Plan
 from ..recipes import get_recipe
 from .config import TrainConfig
 
-__all__ = ["resolve_device", "resolve_data", "prepared_path", "settings_diff", "resolve_recipe", "build_optimizer", "lr_at", "make_streams", "make_model"]
+__all__ = ["resolve_device", "resolve_data", "prepared_path", "settings_diff", "data_changes", "resolve_recipe", "build_optimizer", "lr_at", "make_streams", "make_model"]
 
 
 #: Settings a resumed run must share with the run that wrote the checkpoint (the model, the
@@ -35,9 +34,9 @@ RESULT_NEUTRAL_KEYS = ("out", "resume", "log_every", "ckpt_every", "keep_ckpts")
 
 def settings_diff(cfg: TrainConfig, run: Path, keys) -> list[str]:
     """The settings among ``keys`` in which ``cfg`` differs from the run saved in ``run/config.json``,
-    as ``--flag old → new`` strings (empty if the folder holds no config). ``--data`` is compared as
-    the prepared folder it names, so ``default`` and its cache path, or two spellings of one path,
-    are the same data.
+    as ``--flag old → new`` strings (empty if the folder holds no config). ``--data`` is left to
+    :func:`data_changes`, which compares the data by content, where the run recorded its data's
+    identity; for a run of an older adahop it is compared as the prepared folder it names.
 
     Raises:
         ValueError: ``run/config.json`` is not valid JSON, or ``cfg.data`` names a missing path.
@@ -52,7 +51,8 @@ def settings_diff(cfg: TrainConfig, run: Path, keys) -> list[str]:
     for k in keys:
         if k not in saved or saved[k] == now.get(k):
             continue
-        if k == "data" and "data_dir" in section and _same_path(section["data_dir"], prepared_path(cfg)):
+        if k == "data" and ("data_identity" in section or
+                            "data_dir" in section and _same_path(section["data_dir"], prepared_path(cfg))):
             continue
         diff.append(f"--{k.replace('_', '-')} {saved[k]!r} → {now.get(k)!r}")
     return diff
@@ -60,6 +60,46 @@ def settings_diff(cfg: TrainConfig, run: Path, keys) -> list[str]:
 
 def _same_path(a, b) -> bool:
     return Path(a).resolve() == Path(b).resolve()
+
+
+def data_changes(cfg: TrainConfig, run: Path) -> tuple[list[str], str]:
+    """How the data ``cfg.data`` gives now differs from the data the run in ``run`` trained on
+    (:func:`adahop.data.identity.identity_changes` of the identity recorded in its config.json and
+    the current one: the sources' sha256 and size, the tokenizer's vocabulary, the split settings),
+    and a hint how to fix it. Nothing is prepared to find out: data not prepared yet is compared
+    by its planned identity. Empty when the folder holds no config, or a config of an adahop that
+    recorded neither identity nor a prepared folder that still exists.
+
+    Raises:
+        ValueError: ``run/config.json`` is not valid JSON, or ``cfg.data`` names a missing path.
+    """
+    from ..utils import read_json
+
+    if not (run / "config.json").exists():
+        return [], ""
+    section = read_json(run / "config.json", "the run's config").get("adahop", {})
+    old, kept = section.get("data_identity"), section.get("data_dir")
+    kept_ok = kept is not None and (Path(kept) / "manifest.json").is_file()
+    if old is None:  # a run of an adahop before data identities: its prepared folder tells, if still there
+        if not kept_ok:
+            return [], ""
+        old = manifest_identity(Manifest.load(kept))
+    changes = identity_changes(old, _data_identity(cfg))
+    if kept_ok and not identity_changes(old, manifest_identity(Manifest.load(kept))):
+        fix = f"pass --data {kept} (the run's prepared data, still there)"
+    else:
+        fix = "pass the run's own --data, --val-fraction and --tokenizer with its source files as they were"
+    return changes, fix
+
+
+def _data_identity(cfg: TrainConfig) -> dict:
+    """The identity of the data ``cfg.data`` gives now, without preparing it."""
+    p = Path(cfg.data)
+    if p.is_dir() and (p / "manifest.json").exists():
+        return manifest_identity(Manifest.load(p))
+    folder, planned = cached_path(_sources(cfg), tokenizer=cfg.tokenizer, vocab_size=cfg.vocab_size,
+                                  val_fraction=cfg.val_fraction)
+    return manifest_identity(Manifest.load(folder)) if (folder / "manifest.json").is_file() else planned
 
 
 #: where a failed ``adahop train`` leaves its error (``compare`` points there); a new attempt removes it
@@ -99,6 +139,10 @@ def check_run_dir(cfg: TrainConfig, run: Path) -> int | None:
     if diff:
         raise ValueError(f"--resume: these settings differ from the checkpointed run in {run}: {'; '.join(diff)}. "
                          f"Resume with the run's own settings, or start a new run with a new --out")
+    changes, fix = data_changes(cfg, run)
+    if changes:
+        raise ValueError(f"--resume: the data differs from the checkpointed run's in {run}: {'; '.join(changes)}. "
+                         f"To fix: {fix}; or start a new run with a new --out")
     if cfg.steps < step or (cfg.steps == step and (run / "model.safetensors").exists()):
         raise ValueError(f"--resume: the run in {run} is already at step {step}; pass --steps above {step} to train further")
     return step  # == --steps: the run ended before its export was written; resuming writes it
@@ -115,8 +159,8 @@ def resolve_device(spec: str) -> torch.device:
 
 def prepared_path(cfg: TrainConfig) -> Path:
     """The prepared data folder ``cfg.data`` names, without preparing it: ``cfg.data`` itself when it
-    holds manifest.json, otherwise a cache folder keyed by the sources, the tokenizer settings and
-    :data:`adahop.data.shards.PREPARE_REVISION`.
+    holds manifest.json, otherwise a cache folder keyed by the sources' content and the settings
+    (:func:`adahop.data.cache.cached_path`).
 
     Raises:
         ValueError: empty ``--data`` or a source path that does not exist.
@@ -124,29 +168,41 @@ def prepared_path(cfg: TrainConfig) -> Path:
     p = Path(cfg.data)
     if p.is_dir() and (p / "manifest.json").exists():
         return p
-    sources = _sources(cfg)
+    return cached_path(_sources(cfg), tokenizer=cfg.tokenizer, vocab_size=cfg.vocab_size,
+                       val_fraction=cfg.val_fraction)[0]
+
+
+def _sources(cfg: TrainConfig) -> list[str]:
+    """The ``--data`` sources, once each exists (ValueError naming the first that does not)."""
+    sources = [s for s in cfg.data.split(",") if s]
     if not sources:
         raise ValueError("--data is empty; pass 'default', a prepared folder or text files")
     for s in sources:
         if s != "default" and not s.startswith("hf:") and not Path(s).exists():
             raise ValueError(f"--data: {s!r} does not exist; pass 'default', a folder made by "
                              "`adahop data prepare`, or text files (.txt, .jsonl, .parquet, .xz, .gz, .zst)")
-    key = hashlib.sha256(repr((sorted(str(Path(s).resolve()) if Path(s).exists() else s for s in sources),
-                               cfg.tokenizer, cfg.vocab_size, cfg.val_fraction, PREPARE_REVISION)).encode()).hexdigest()[:12]
-    name = "default" if sources == ["default"] else "data"
-    return cache_dir() / "prepared" / f"{name}-{cfg.tokenizer.replace('/', '_').replace(':', '_')}-{cfg.vocab_size}-{key}"
-
-
-def _sources(cfg: TrainConfig) -> list[str]:
-    return [s for s in cfg.data.split(",") if s]
+    return sources
 
 
 def resolve_data(cfg: TrainConfig) -> Path:
-    """The prepared data folder for ``cfg.data`` (:func:`prepared_path`), prepared once if missing."""
-    out = prepared_path(cfg)
-    if not (out / "manifest.json").exists():
-        prepare(_sources(cfg), out, tokenizer=cfg.tokenizer, vocab_size=cfg.vocab_size, val_fraction=cfg.val_fraction)
-    return out
+    """The prepared data folder for ``cfg.data`` (:func:`prepared_path`), prepared once if missing
+    (safe when several runs need it at once). A prepared folder given as ``--data`` is refused when
+    a source it was made from has changed since (checked where the file is still found).
+
+    Raises:
+        ValueError: a source missing or changed (named, with the fix), or as :func:`adahop.data.prepare`.
+    """
+    p = Path(cfg.data)
+    if p.is_dir() and (p / "manifest.json").exists():
+        changed = [] if is_cached(p) else changed_sources(Manifest.load(p))  # a cache entry is its content
+        if changed:
+            raise ValueError(f"--data {p}: the files it was prepared from have changed since: {'; '.join(changed)}. "
+                             f"Its tokens are of the old text. To fix: prepare it again (adahop data prepare "
+                             f"--source ... --out {p}), pass the changed files themselves as --data (prepared once "
+                             f"per content), or restore them")
+        return p
+    return prepare_cached(_sources(cfg), tokenizer=cfg.tokenizer, vocab_size=cfg.vocab_size,
+                          val_fraction=cfg.val_fraction)
 
 
 def make_streams(cfg: TrainConfig, data_dir: Path, rank: int = 0, world: int = 1) -> tuple[TokenStream, TokenStream]:
