@@ -9,6 +9,10 @@ run one step eagerly and one step under ``torch.compile`` from the same weights 
 bf16 autocast, and print the loss, how many parameters got a nonzero gradient, and the relative
 gradient error of compiled against eager. Variants: ``--force-outputs all`` makes every operand
 write codes and FP8 (isolates the quantizer's ``outputs=``).
+
+``--projection`` checks the stochastic recipes instead (issue 24 §0): one converted layer, the mean
+dW over ``--draws`` fresh draws projected on the exact dYᵀX, eager and compiled; unbiased is 1
+(before the fix tseng's compiled projection was ~0).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch.nn.functional as F
 
 import adahop.gemm as gemm_mod
 from adahop.models import build_model
-from adahop.nn import convert_model, on_step
+from adahop.nn import convert_model, on_step, seed_compiled_rng
 from adahop.recipes import get_recipe
 
 
@@ -64,6 +68,29 @@ def check(model_name: str, recipe: str, device: str = "cuda", backend: str = "au
     torch.compiler.reset()
 
 
+def projection(recipe: str, device: str, backend: str, compile_backend: str, draws: int = 32,
+               tokens: int = 256, k: int = 512) -> tuple[float, float]:
+    """(eager, compiled) projection of the mean dW over ``draws`` on dYᵀX for one [k, k] layer."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(k, k, bias=False)).to(device)
+    convert_model(m, recipe, backend=backend)
+    x0, dy = torch.randn(tokens, k, device=device), torch.randn(tokens, k, device=device)
+    exact = dy.t() @ x0
+    out = []
+    for fn in (m, torch.compile(m, fullgraph=True, backend=compile_backend)):
+        acc = torch.zeros_like(exact)
+        for i in range(draws):
+            on_step(m, 100 + i)
+            seed_compiled_rng(m, 100 + i)
+            m.zero_grad(set_to_none=True)
+            fn(x0.clone().requires_grad_()).backward(dy)
+            acc += m[0].weight.grad.float()
+        mean = acc / draws
+        out.append(((mean * exact).sum() / exact.square().sum()).item())
+    torch.compiler.reset()
+    return out[0], out[1]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama-20m")
@@ -74,7 +101,17 @@ def main() -> None:
     ap.add_argument("--compile-backend", default="inductor", help="torch.compile backend: inductor, aot_eager, eager")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--projection", action="store_true", help="SR recipes: mean dW projected on dY^T X, eager and compiled")
+    ap.add_argument("--draws", type=int, default=32)
     args = ap.parse_args()
+    if args.projection:
+        bad = 0
+        for recipe in args.recipes.split(","):
+            e, c = projection(recipe, args.device, args.backend, args.compile_backend, args.draws)
+            ok = abs(e - 1) < 0.05 and abs(c - 1) < 0.05
+            bad += not ok
+            print(f"projection {recipe}: eager {e:.4f} compiled ({args.compile_backend}) {c:.4f} {'ok' if ok else 'FAIL'}", flush=True)
+        raise SystemExit(1 if bad else 0)
     if args.force_outputs:
         orig = gemm_mod._quantize
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .formats import MXTensor, NVFP4Tensor, quantize_nvfp4
-from .hadamard import block_hadamard, random_signs
+from .hadamard import block_hadamard, hashed_signs, random_signs
 from .recipes.spec import GemmSpec, OperandSpec, Transform
 
 __all__ = ["Prepared", "prepare", "multiply", "gemm", "lowp_matmul", "draw_signs", "without_quantization"]
@@ -67,15 +67,30 @@ def _kernels():
     return kernels
 
 
-def draw_signs(spec: GemmSpec, generator: torch.Generator | None, device) -> torch.Tensor | None:
-    """The ±1 signs of this GEMM call's inner transform (None when it has none)."""
+@torch.compiler.assume_constant_result
+def _fixed_signs(n: int, seed: int) -> tuple[int, ...]:
+    # a constant to the compiler: a torch.Generator cannot be created inside a traced graph
+    return tuple(int(v) for v in random_signs(n, generator=torch.Generator().manual_seed(seed)))
+
+
+def draw_signs(spec: GemmSpec, generator: torch.Generator | None, device, *, seed: torch.Tensor | None = None,
+               salt: int = 0) -> torch.Tensor | None:
+    """The ±1 signs (float32 ``[block_size]``) of this GEMM call's inner transform, or None when it has none.
+
+    ``fixed`` signs are one vector per ``sign_seed``. ``per_call`` signs come from ``generator``
+    (eager mode), or, given ``seed`` (a 0-d int64 tensor, the compiled path), are
+    :func:`~adahop.hadamard.hashed_signs` of (``seed``, ``salt``): a pure function of a graph input,
+    so that a compiled backward that recomputes them gets the forward's vector."""
     t = spec.transform
     if t is None or t.signs == "none":
         return None
     n = t.block_size
     if t.signs == "fixed":  # one vector for every layer and step
-        g = torch.Generator().manual_seed(t.sign_seed)
-        return random_signs(n, generator=g).to(device)
+        return torch.tensor(_fixed_signs(n, t.sign_seed), dtype=torch.float32, device=device)
+    if seed is not None:
+        s = hashed_signs(seed, n, salt=salt)
+        # no no-op .to(): under torch.compile an alias of a saved tensor breaks the autograd.Function's capture
+        return s if s.device == torch.device(device) else s.to(device)
     return random_signs(n, generator=generator, device=generator.device if generator is not None else device)
 
 
@@ -145,7 +160,8 @@ def _quantize(t: torch.Tensor, axis: int, op: OperandSpec, tr: Transform | None,
     if op.fmt == "none":
         if tr is not None:
             t = block_hadamard(t.float(), block_size=tr.block_size, axis=axis, signs=signs)
-        return Unquantized(t.float(), tuple(t.shape))
+        # a copy of its own: an alias of the input (a no-op .float()) saved for backward breaks torch.compile's capture
+        return Unquantized(t.to(torch.float32, copy=True), tuple(t.shape))
     if tr is not None:
         t = block_hadamard(t.float(), block_size=tr.block_size, axis=axis, signs=signs)
     return quantize_nvfp4(t, axis=axis, **op.quant_kwargs(), generator=generator)
@@ -189,7 +205,7 @@ def prepare(
     elif spec.mean_split == "inner":  # Averis wgrad: token means over Kc
         mu = t.float().mean(dim=kc_axis, keepdim=True)
         t = t.float() - mu
-        prep.mean = mu.flatten()
+        prep.mean = mu.flatten().clone()  # a vector of its own: a view saved for backward breaks torch.compile's capture
 
     t = _outer(t, spec.outer_a if side == "a" else spec.outer_b, outer_axis, f"operand {side.upper()}")
     own_oe = "iht+oe_left" if side == "a" else "iht+oe_right"
@@ -212,14 +228,25 @@ def prepare(
         if op.fmt != "none":
             from .formats import fake_quantize
 
-            prep.mean = fake_quantize(prep.mean, op.fmt, **op.quant_kwargs(), generator=generator)
+            prep.mean = fake_quantize(prep.mean, op.fmt, **op.quant_kwargs(), generator=generator).clone()
     return prep
+
+
+def _own(c: torch.Tensor, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """``c[:rows, :cols]`` in ``dtype`` as a tensor of its own, never a view or a no-op alias: the
+    layer's output must take in-place ops as ``nn.Linear``'s does, and under torch.compile an
+    alias of an intermediate lost its gradient (dynamo bound dY to the duplicate)."""
+    if c.shape != (rows, cols):
+        c = c[:rows, :cols]
+        return c.to(dtype) if c.dtype != dtype else c.clone()
+    return c.to(dtype) if c.dtype != dtype else c
 
 
 def multiply(pa: Prepared, pb: Prepared, spec: GemmSpec, *, out_dtype: torch.dtype = torch.float32, backend: str = "reference") -> torch.Tensor:
     """``C = A·B`` from prepared operands, FP32 accumulation, returned as ``out_dtype`` ``[M, N]``."""
     if spec.strategy == "bf16":
-        return (pa.hp @ pb.hp).to(out_dtype)
+        c = pa.hp @ pb.hp
+        return c if c.dtype == out_dtype else c.to(out_dtype)
     if pa.q is None or pb.q is None or pa.Kc != pb.Kc:
         raise ValueError(f"operands were not prepared for the same GEMM (Kc {pa.Kc} vs {pb.Kc})")
     # No term to add after the GEMM except OE's: the GEMM writes out_dtype itself (no FP32 round
@@ -231,12 +258,12 @@ def multiply(pa: Prepared, pb: Prepared, spec: GemmSpec, *, out_dtype: torch.dty
     else:
         c = pa.q.dequantize(torch.float32) @ pb.q.dequantize(torch.float32)
     if oe_only:
-        c = c[: pa.rows, : pb.rows]
+        c = _own(c, pa.rows, pb.rows, c.dtype)
         if pa.oe_idx is not None:  # OE-Left: C[idx, :] = A_slab · B  (high precision)
             c.index_copy_(0, pa.oe_idx, (pa.oe_slab @ pb.hp).to(c.dtype))
         if pb.oe_idx is not None:  # OE-Right: C[:, idx] = A · B_slab
             c.index_copy_(1, pb.oe_idx, (pa.hp @ pb.oe_slab).to(c.dtype))
-        return c.to(out_dtype)
+        return _own(c, pa.rows, pb.rows, out_dtype)
     # undo the outer transforms (HALO): Hadamards without signs are their own inverse
     if spec.outer_a is not None:
         c = _outer(c, spec.outer_a, 0, "output")
@@ -251,18 +278,19 @@ def multiply(pa: Prepared, pb: Prepared, spec: GemmSpec, *, out_dtype: torch.dty
             ra = pa.q.dequantize(torch.float32).sum(dim=1)  # Q(R_A)·1
             rb = pb.q.dequantize(torch.float32).sum(dim=0)  # 1ᵀ·Q(R_B)
             c = c + torch.outer(ra, pb.mean) + torch.outer(pa.mean, rb)
-    c = c[: pa.rows, : pb.rows]
+    c = _own(c, pa.rows, pb.rows, c.dtype)
     if pa.oe_idx is not None:  # OE-Left with an outer transform or a mean split: C[idx, :] += A_slab · B
         c = c.index_add(0, pa.oe_idx, (pa.oe_slab @ pb.hp).float())
     if pb.oe_idx is not None:  # OE-Right, likewise: C[:, idx] += A · B_slab
         c = c.index_add(1, pb.oe_idx, (pa.hp @ pb.oe_slab).float())
-    return c.to(out_dtype)
+    return _own(c, pa.rows, pb.rows, out_dtype)
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, spec: GemmSpec, *, generator: torch.Generator | None = None,
-         out_dtype: torch.dtype | None = None, backend: str = "reference") -> torch.Tensor:
-    """``A·B`` under ``spec``: prepare both operands (sharing one sign draw) and multiply."""
-    signs = draw_signs(spec, generator, a.device)
+         out_dtype: torch.dtype | None = None, backend: str = "reference", seed: torch.Tensor | None = None, salt: int = 0) -> torch.Tensor:
+    """``A·B`` under ``spec``: prepare both operands (sharing one sign draw, see :func:`draw_signs`
+    for ``seed`` and ``salt``) and multiply."""
+    signs = draw_signs(spec, generator, a.device, seed=seed, salt=salt)
     pa = prepare(a, "a", spec, signs=signs, generator=generator, backend=backend, outputs="fp8")
     pb = prepare(b, "b", spec, signs=signs, generator=generator, backend=backend, outputs="fp8")
     return multiply(pa, pb, spec, out_dtype=out_dtype or a.dtype, backend=backend)

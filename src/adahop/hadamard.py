@@ -16,7 +16,7 @@ import torch
 
 from .formats.common import check_float_input
 
-__all__ = ["SUPPORTED_SIZES", "hadamard_matrix", "block_hadamard", "random_signs", "check_block_size"]
+__all__ = ["SUPPORTED_SIZES", "hadamard_matrix", "block_hadamard", "random_signs", "hashed_signs", "check_block_size"]
 
 #: Hadamard sizes supported: the powers of two from 1 to 2^15 (Sylvester construction). Sizes
 #: above 256 are applied with a fast Walsh–Hadamard butterfly instead of a dense matrix.
@@ -59,6 +59,45 @@ def random_signs(n: int, *, generator: torch.Generator | None = None, device: to
         raise ValueError(f"random_signs needs n >= 1, got {n}")
     bits = torch.randint(0, 2, (n,), generator=generator, device=device)
     return bits.float() * 2 - 1
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finalizer (xor-shift-multiply; every product stays below 2^63)."""
+    for _ in range(2):
+        x = ((x ^ (x >> 16)) * 0x45D9F3B) & _M32
+    return x ^ (x >> 16)
+
+
+def hashed_signs(seed: torch.Tensor, n: int, *, salt: int = 0) -> torch.Tensor:
+    """``n`` ±1 signs that are a pure function of ``seed`` (a 0-d int64 tensor) and ``salt``.
+
+    The compiled path's random signs: no random-number op is traced, so a graph that computes
+    them twice (the backward recomputing a forward value) gets the same vector both times
+    (issue 24 §0). Each sign is a bit of a 32-bit integer hash of (seed, salt, index); over
+    seeds the bits are balanced and uncorrelated across indices, which is what the RHT's
+    unbiasedness argument needs (`specs/baselines.md` §2, Tseng et al.).
+
+    Args:
+        seed: 0-d (or 1-element) integer tensor; only its low 32 bits matter. Its device is the
+            result's. n: length (>= 1). salt: a small int separating streams drawn from one seed.
+
+    Returns:
+        float32 tensor ``[n]`` of ±1.
+
+    Raises:
+        ValueError: ``n < 1`` or a non-integer ``seed``.
+    """
+    if n <= 0:
+        raise ValueError(f"hashed_signs needs n >= 1, got {n}")
+    if seed.dtype.is_floating_point or seed.dtype.is_complex or seed.numel() != 1:
+        raise ValueError(f"hashed_signs needs a one-element integer seed tensor, got {seed.dtype} of shape {tuple(seed.shape)}")
+    s = _mix32((seed.reshape(()).to(torch.int64) & _M32) ^ ((salt * 0x27D4EB2F) & _M32))
+    i = torch.arange(n, device=seed.device, dtype=torch.int64)
+    bits = _mix32(((s * 0x61C88647) + i * 0x165667B1) & _M32) >> 15 & 1
+    return 1.0 - 2.0 * bits.to(torch.float32)
 
 
 def _fwht(x: torch.Tensor) -> torch.Tensor:

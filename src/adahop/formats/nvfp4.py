@@ -127,7 +127,7 @@ def quantize_nvfp4(
     return NVFP4Tensor(
         codes=pack_e2m1(codes.flatten(-2)),
         scales=scales,
-        global_scale=s_global.float(),
+        global_scale=s_global,  # float32 already (xm is): a no-op .float() alias breaks torch.compile capture
         shape=tuple(x.shape),
         axis=axis,
         tile_2d=tile_2d,

@@ -143,27 +143,36 @@ def on_step(model: nn.Module, step: int) -> bool:
     return get_controller(model).on_step(step)
 
 
-def seed_compiled_rng(model: nn.Module, step: int) -> None:
-    """Seed PyTorch's default generators for ``step`` of a ``torch.compile``d model.
+def seed_compiled_rng(model: nn.Module, step: int, micro: int = 0) -> None:
+    """Seed the random draws of micro-batch ``micro`` of ``step`` of a ``torch.compile``d model.
 
-    Compiled converted layers draw their stochastic-rounding bits and random signs from the
-    default generator (a ``torch.Generator`` per GEMM call, as eager mode uses, cannot be traced).
-    Calling this at the start of every optimizer step makes those draws a function of (the
-    model's seed, which ``adahop train`` makes per rank, and the step): reproducible, resumable,
-    different across ranks and steps. It reseeds the global RNG, so call it only for compiled
-    runs of recipes that draw random bits (it does nothing for the others). The draws stay the
-    unbiased stochastic rounding / random Hadamard signs of `specs/baselines.md` §2; only their
-    random stream differs from eager mode's.
+    Compiled converted layers cannot create a ``torch.Generator`` per GEMM call as eager mode
+    does (dynamo cannot trace one). Their stochastic-rounding bits come from PyTorch's default
+    generator, and their per-call random Hadamard signs are hashed from the controller's
+    ``sign_seed`` tensor (:func:`adahop.hadamard.hashed_signs`), a graph input: unlike a traced
+    RNG op, a value the compiled backward recomputes from it is the forward's, so X and dY of a
+    wgrad are rotated with the same signs (issue 24 §0). This sets both from (the model's seed,
+    which ``adahop train`` makes per rank, ``step``, ``micro``): reproducible, resumable,
+    different across ranks, steps and micro-batches. It reseeds the global RNG, so call it only
+    for compiled runs of recipes that draw random bits (it does nothing for the others). The
+    draws stay the unbiased stochastic rounding / random signs of `specs/baselines.md` §2; only
+    their random stream differs from eager mode's.
 
     Args:
         model: a converted model. step: the optimizer step about to run (0-based).
+        micro: the gradient-accumulation micro-batch within the step (0-based).
 
     Raises:
         ValueError: ``model`` is not converted.
     """
     ctrl = get_controller(model)
     if ctrl.recipe.draws_random_bits:
-        torch.manual_seed(mix_seed(ctrl.seed, step, "compiled"))
+        parts = (ctrl.seed, step, "compiled") + ((micro,) if micro else ())  # micro 0: the seeds of earlier versions
+        torch.manual_seed(mix_seed(*parts))
+        device = next((l.weight.device for l in ctrl.layers), ctrl.sign_seed.device)
+        if ctrl.sign_seed.device != device:  # once: the seed lives beside the layers
+            ctrl.sign_seed = ctrl.sign_seed.to(device)
+        ctrl.sign_seed.fill_(mix_seed(*parts, "signs") & 0xFFFFFFFF)
 
 
 def saved_bytes(model: nn.Module) -> tuple[int, int]:

@@ -17,11 +17,22 @@ from ..gemm import draw_signs, gemm, multiply, prepare
 __all__ = ["LowPrecisionLinearFn", "fprop"]
 
 
+SALTS = {"fprop": 0, "dgrad": 1, "wgrad": 2}
+"""Stream of each GEMM's signs drawn from the compiled-path seed (see :func:`adahop.gemm.draw_signs`);
+layer ``i`` uses ``SALTS[g] + 3 * i``."""
+
+
+def salt(layer, gemm: str) -> int:
+    """The sign stream of ``gemm`` of ``layer`` (a :class:`~adahop.nn.LowPrecisionLinear`)."""
+    return SALTS[gemm] + 3 * layer.layer_id
+
+
 def fprop(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, spec, generator, backend: str,
-          dtype: torch.dtype) -> torch.Tensor:
+          dtype: torch.dtype, seed: torch.Tensor | None = None, sign_salt: int = 0) -> torch.Tensor:
     """The layer's fprop ``Y = X·Wᵀ + bias``: ``x`` [T, K] and ``w`` [N, K] in ``dtype``, ``bias`` [N]
     or None, ``spec`` the fprop :class:`~adahop.recipes.spec.GemmSpec` or None (exactly
-    ``nn.Linear``: the bias joins the GEMM's accumulation, one rounding). Returns [T, N] in ``dtype``.
+    ``nn.Linear``: the bias joins the GEMM's accumulation, one rounding), ``seed`` the compiled
+    path's sign seed and ``sign_salt`` its stream (:func:`adahop.gemm.draw_signs`). Returns [T, N] in ``dtype``, a fresh tensor.
     Shared by training (:class:`LowPrecisionLinearFn`) and forward-only calls, which must agree.
     Source: the fprop of `DESIGN.md` §2 under the strategies of `specs/adahop.md` §3–§5.
 
@@ -30,7 +41,7 @@ def fprop(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, spec, gen
     b = None if bias is None else bias.to(dtype)
     if spec is None:
         return torch.nn.functional.linear(x, w, b)
-    y = gemm(x, w.t(), spec, generator=generator, out_dtype=dtype, backend=backend)
+    y = gemm(x, w.t(), spec, generator=generator, out_dtype=dtype, backend=backend, seed=seed, salt=sign_salt)
     return y if b is None else y + b
 
 
@@ -44,11 +55,13 @@ class LowPrecisionLinearFn(torch.autograd.Function):
 
     Inputs: ``x`` [T, K] in the compute dtype, ``weight`` [N, K] (the master parameter, any float
     dtype), ``bias`` [N] or None, ``layer`` (the owning :class:`~adahop.nn.LowPrecisionLinear`,
-    which resolves specs, generators and calibration), ``dtype`` (compute dtype).
+    which resolves specs, generators and calibration), ``dtype`` (compute dtype), ``seed`` (None
+    in eager mode; under torch.compile the 0-d int64 tensor the per-call signs are hashed from).
+    Returns ``y`` [T, N], never a view (in-place ops on it work as on ``nn.Linear``'s output).
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, layer, dtype):
+    def forward(ctx, x, weight, bias, layer, dtype, seed=None):
         w = weight.to(dtype)
         ctx.layer, ctx.dtype = layer, dtype
         ctx.has_bias = bias is not None
@@ -64,13 +77,14 @@ class LowPrecisionLinearFn(torch.autograd.Function):
             return fprop(x, w, bias, None, None, layer.backend, dtype)
         else:
             ctx.specs = specs
-            y = fprop(x, w, bias, specs["fprop"], layer.generator("fprop"), layer.backend, dtype)
+            y = fprop(x, w, bias, specs["fprop"], layer.generator("fprop"), layer.backend, dtype, seed, salt(layer, "fprop"))
             # save X for wgrad (B operand, contract T) and W for dgrad (B operand, contract N)
             wg, dg = specs["wgrad"], specs["dgrad"]
             gw, gd = layer.generator("wgrad"), layer.generator("dgrad")
             ctx.gens = (gd, gw)
-            ctx.signs_w = draw_signs(wg, gw, x.device)
-            ctx.signs_d = draw_signs(dg, gd, x.device)
+            # drawn once here and saved: backward never draws them again (compiled: hashed from seed)
+            ctx.signs_w = draw_signs(wg, gw, x.device, seed=seed, salt=salt(layer, "wgrad"))
+            ctx.signs_d = draw_signs(dg, gd, x.device, seed=seed, salt=salt(layer, "dgrad"))
             # saved operands hold only the packed MXFP4 (4.25 bits/element; backward unpacks it straight
             # to FP8, `DESIGN.md` §3); the GEMMs' own operands only the FP8 fold
             ctx.x_prep = None if _needs_hp_b(wg) else prepare(x, "b", wg, signs=ctx.signs_w, generator=gw,
@@ -81,12 +95,6 @@ class LowPrecisionLinearFn(torch.autograd.Function):
             layer.saved_bytes = x.numel() * x.element_size() if ctx.x_prep is None else ctx.x_prep.nbytes
             if ctx.w_prep is not None:
                 layer.saved_bytes += ctx.w_prep.nbytes
-        if bias is None and torch.compiler.is_compiling():
-            # torch 2.11's dynamo returns every forward intermediate as an output of the traced
-            # function; one of them is the very tensor y is (a no-op `.to`), and autograd binds y's
-            # gradient to that later duplicate, so backward got dy = 0 (no gradient reached the
-            # layer or anything before it). A view is a distinct output that keeps dy.
-            y = y.view_as(y)
         return y
 
     @staticmethod
@@ -100,7 +108,7 @@ class LowPrecisionLinearFn(torch.autograd.Function):
             w = weight.to(dtype)
             dx = dy @ w  # dgrad
             dw = dy.t() @ x  # wgrad
-            return dx, dw.to(weight.dtype), grad_bias, None, None
+            return dx, dw.to(weight.dtype), grad_bias, None, None, None
 
         if ctx.x_prep is None and x is None:  # only X's packed MXFP4 was saved, and the first backward freed it
             raise RuntimeError("adahop: a second backward through a converted layer (retain_graph=True) is not supported: "
@@ -121,4 +129,4 @@ class LowPrecisionLinearFn(torch.autograd.Function):
         pa = prepare(dy.t(), "a", specs["wgrad"], signs=ctx.signs_w, generator=gw, backend=be, outputs="fp8")
         dw = multiply(pa, x_prep, specs["wgrad"], out_dtype=torch.float32, backend=be)
         ctx.x_prep = ctx.w_prep = None
-        return dx, dw.to(weight.dtype), grad_bias, None, None
+        return dx, dw.to(weight.dtype), grad_bias, None, None, None

@@ -12,7 +12,7 @@ from torch import nn
 from ..patterns import Calibrator, Plan
 from ..recipes.spec import GEMMS, GemmSpec, Recipe
 from ..utils import mix_seed
-from .function import LowPrecisionLinearFn, fprop
+from .function import LowPrecisionLinearFn, fprop, salt
 
 __all__ = ["LowPrecisionLinear", "Controller"]
 
@@ -43,6 +43,11 @@ class Controller:
         # called with the Calibrator right before the plan freezes; data parallelism sets it to
         # merge every rank's observations, so that all ranks freeze the same plan
         self.agree = None
+        # under torch.compile, per-call random signs are hashed from this seed and the layer (a graph
+        # input that only seed_compiled_rng changes, between calls): the compiled backward may
+        # recompute forward values, and a traced RNG op or a counter mutated in the graph then gave
+        # dY other signs than X (issue 24 §0)
+        self.sign_seed = torch.zeros((), dtype=torch.int64)
 
     @staticmethod
     def _for_recipe(recipe: Recipe, plan: Plan | None) -> Plan | None:
@@ -228,10 +233,23 @@ class LowPrecisionLinear(nn.Linear):
                 return torch.nn.functional.linear(x2, self.weight.to(dtype), b).reshape(*x.shape[:-1], self.out_features)
             params_grad = self.weight.requires_grad or (self.bias is not None and self.bias.requires_grad)
             if torch.is_grad_enabled() and (x2.requires_grad or params_grad):
-                y = LowPrecisionLinearFn.apply(x2, self.weight, self.bias, self, dtype)
+                y = LowPrecisionLinearFn.apply(x2, self.weight, self.bias, self, dtype, self._sign_seed(GEMMS))
             else:
                 y = self._forward_only(x2, dtype)
-        return y.reshape(*x.shape[:-1], self.out_features)
+        if x.ndim == 2:
+            return y
+        # not a view of y, as nn.Linear's output is not: FSDP2 warns of modules returning views
+        return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], self.out_features))
+
+    def _sign_seed(self, gemms) -> torch.Tensor | None:
+        """The compiled path's seed for this call's per-call signs (None in eager mode, or when none
+        of ``gemms`` draws signs per call); :data:`~adahop.nn.function.SALTS` and the layer id
+        separate the streams drawn from it."""
+        if not torch.compiler.is_compiling() or self._specs is None:
+            return None
+        if not any(self._specs[g].transform is not None and self._specs[g].transform.signs == "per_call" for g in gemms):
+            return None
+        return self.controller.sign_seed
 
     def _forward_only(self, x2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         # evaluation / no_grad: the training fprop, but nothing is observed by calibration, nothing
@@ -240,7 +258,8 @@ class LowPrecisionLinear(nn.Linear):
         specs = self.current_specs()
         spec = None if specs is None else specs["fprop"]
         gen = None if spec is None else self.generator("fprop", stream="eval")
-        return fprop(x2, self.weight.to(dtype), self.bias, spec, gen, self.backend, dtype)
+        seed = None if spec is None else self._sign_seed(("fprop",))
+        return fprop(x2, self.weight.to(dtype), self.bias, spec, gen, self.backend, dtype, seed, salt(self, "fprop"))
 
     def extra_repr(self) -> str:
         s = self.strategies()

@@ -176,10 +176,10 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
         for g in opt.param_groups:
             g["lr"] = lr
         x, y = train_s.batch(step)
-        if cfg.compile:  # compiled layers draw SR bits from the default generator: seed it per step and rank
-            seed_compiled_rng(model, step)
         loss_sum = torch.zeros((), device=device)
         for i, (xm, ym) in enumerate(zip(x.split(micro), y.split(micro))):
+            if cfg.compile:  # compiled layers' random draws: seeded per step, micro-batch and rank
+                seed_compiled_rng(model, step, i)
             with autocast:  # no KV cache in training: it costs memory and makes dynamo recompile per layer
                 logits = fwd(input_ids=xm.to(device), use_cache=False).logits
             loss = F.cross_entropy(logits.float().flatten(0, 1), ym.to(device).flatten()) / cfg.grad_accum
