@@ -28,6 +28,15 @@
 #      the quantizer microbenchmarks (the one-tile plan for 8192 < Kc <= 16384), bench linear with
 #      CUDA graphs, the BF16 step breakdown of the 8B-shaped model (scripts/profile_model.py);
 #      r6b: the BF16 step breakdown of Llama-3.2-1B, then bench model compiled of the 8B-shaped model
+#   i19c (issue 19, one GPU): the pattern census at the paper's settings (lr 4e-4, 200 warm-up steps, vote
+#      over steps 1-30, every step recorded; the figure every 10 of 300), llama-125m then llama-350m;
+#      census folders come back in $OUT/census/
+#   i19q (issue 19, one GPU, repeat until done): one <= 10-minute chunk of the 20M-token quality table
+#      (TABLES, default issue19,ablation,msr: experiments/quality/run.py --table), CONC runs at once,
+#      compiled; run folders with checkpoints stay in runs/issue19/q (ignored, kept while the machine
+#      is warm; on a fresh machine unfinished runs restart), runs already in docs/results/runs/q20m are
+#      skipped, every run's small files come back in $OUT/runs/ (copy the finished ones to
+#      docs/results/runs/q20m/ before the next launch)
 # JOBS: the quality runs still to do, RECIPE:SEED,... (default: this session's list).
 # Needs .carry/{corpus_main.txt.xz,gpt2.tiktoken} and .whl/zstandard-*.whl (carried).
 set -u
@@ -40,6 +49,30 @@ export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 ADAHOP_CACHE=/tmp/adahop
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())"
+if [ "${STAGE#i19}" != "$STAGE" ]; then  # issue 19: data and compile caches in an ignored folder that outlives the call
+  mkdir -p runs/issue19
+  export TORCHINDUCTOR_CACHE_DIR=$PWD/runs/issue19/inductor TRITON_CACHE_DIR=$PWD/runs/issue19/triton ADAHOP_CACHE=$PWD/runs/issue19/adahop
+  [ -f runs/issue19/main/manifest.json ] || python3 -m adahop data prepare --source .carry/corpus_main.txt.xz \
+    --tokenizer tiktoken:.carry/gpt2.tiktoken --out runs/issue19/main > $OUT/prepare.log 2>&1
+  echo "data ready at $(el) s"
+fi
+if [ "$STAGE" = i19c ]; then
+  export CUDA_VISIBLE_DEVICES=0
+  for M in llama-125m llama-350m; do
+    timeout $(( ${LIM:-570} - $(el) )) python3 -m adahop analyze --model $M --data runs/issue19/main --seq-len 1024 \
+      --batch-size 16 --lr 4e-4 --warmup-steps 200 --steps 300 --calib-steps 30 --record-every 10 \
+      --out $OUT/census/$M > $OUT/census_$M.log 2>&1
+    echo "census $M: exit $? at $(el) s"; grep -A14 "^| pair" $OUT/census/$M/census.md | head -16
+  done
+  echo "stage $STAGE done at $(el) s"; exit 0
+elif [ "$STAGE" = i19q ]; then
+  export CUDA_VISIBLE_DEVICES=0
+  python3 experiments/quality/run.py --data runs/issue19/main --out runs/issue19/q --table ${TABLES:-issue19,ablation,msr} \
+    --steps ${STEPS:-1221} --eval-every 100 --ckpt-every 100 --compile --concurrent ${CONC:-4} \
+    --budget-s $(( ${LIM:-510} - $(el) )) --grace-s 45 --keep docs/results/runs/q20m --collect $OUT/runs 2>&1 | tee $OUT/quality_i19.log | tail -30
+  tail -c 3000 runs/issue19/q/*.log > $OUT/quality_i19_runs_tail.log 2>/dev/null
+  echo "stage $STAGE done at $(el) s"; exit 0
+fi
 case $STAGE in a|b|c) python3 -m adahop data prepare --source .carry/corpus_main.txt.xz --tokenizer tiktoken:.carry/gpt2.tiktoken --out /tmp/main > $OUT/prepare.log 2>&1 &
   PREP=$! ;; *) PREP= ;; esac  # only the training stages need the corpus
 if [ "$STAGE" = c ]; then timeout 120 python3 scripts/diag_gemm.py > $OUT/diag_gemm.log 2>&1; cat $OUT/diag_gemm.log | cut -c1-200; fi

@@ -15,8 +15,8 @@ from torch import nn
 import adahop
 from adahop.analysis import census as cs
 from adahop.analysis import figures, report
-from adahop.analysis.cli import add_arguments, capture_layers, pick_layer, record_steps, run
-from adahop.analysis.recorder import PatternRecorder, classify, linear_names
+from adahop.analysis.cli import add_arguments, capture_layers, pick_layer, record_steps, run, vote_window
+from adahop.analysis.recorder import PatternRecorder, linear_names
 from adahop.hadamard import block_hadamard
 from adahop.models import build_model
 from adahop.nn import LowPrecisionLinear
@@ -105,14 +105,68 @@ def test_plan_round_trip_matches_a_converted_model(tmp_path):
 # ---- recorder ----------------------------------------------------------------------------------
 
 
-def test_classify_agrees_with_detect_pattern(gen):
-    for i in range(30):
-        t = torch.randn(64, 96, generator=gen)
+@pytest.mark.parametrize("kw", [{}, {"rule": "significance"}, {"floor": 3.0, "min_peak": 2.0}], ids=str)
+def test_recorder_classifies_as_detect_pattern(gen, kw):
+    """The recorder computes each tensor's statistics once and classifies them with the training
+    detector: same pattern as detect_pattern, under every rule and gate."""
+    model = nn.Sequential(nn.Linear(96, 64))
+    rec = PatternRecorder(model, **kw)
+    for i in range(12):
+        x = torch.randn(64, 96, generator=gen)
         if i % 3 == 0:
-            t[:, i % 96] *= 1 + i
+            x[:, i % 96] *= 1 + i
         elif i % 3 == 1:
-            t[i % 64] *= 1 + i
-        assert classify(*pattern_stats(t)) == str(detect_pattern(t)), i
+            x[i % 64] *= 1 + i
+        rec.start(i + 1)
+        model(x).sum().backward()
+        rec.stop()
+        r = [r for r in rec.records if r.step == i + 1 and r.tensor == "x"][0]
+        assert r.pattern == str(detect_pattern(x, **kw)), i
+        assert (r.cv_row, r.cv_col) == pytest.approx(pattern_stats(x)) and r.row_peak >= 1 and r.col_peak >= 1
+
+
+def test_recorder_records_no_call_without_tokens(gen):
+    """An empty call (an MoE expert that got no tokens) records nothing, not even W; the step's
+    next call with tokens is its observation."""
+    model = nn.Sequential(nn.Linear(64, 32))
+    rec = PatternRecorder(model)
+    rec.start(1)
+    model(torch.empty(0, 64, requires_grad=True)).sum().backward()
+    assert rec.records == []
+    x = torch.randn(50, 64, generator=gen)
+    x[:, 3] *= 30
+    model(x).square().sum().backward()
+    rec.stop()
+    assert sorted(r.tensor for r in rec.records) == ["dy", "w", "x"]
+    assert [r.pattern for r in rec.records if r.tensor == "x"] == ["C"]
+
+
+def test_census_votes_over_the_window_not_the_first_recorded_steps(gen):
+    """Steps 1-3 carry column-outlier inputs, steps 4-10 row-outlier ones. With the figure sampled
+    every 5 steps the window 1-3 is still recorded in full and votes C; voting over the first 3
+    *recorded* steps of the figure (1, 5, 10), as the census once did, would say R."""
+    model = nn.Sequential(nn.Linear(64, 32))
+    rec = PatternRecorder(model)
+    figure, window = record_steps(10, 5, None), vote_window(10, 3)
+    assert figure == [1, 5, 10] and window == [1, 2, 3] and vote_window(2, 30) == [1, 2]
+    for step in range(1, 11):
+        x = torch.randn(128, 64, generator=gen)
+        if step <= 3:
+            x[:, 5] *= 40
+        else:
+            x[7] *= 40
+        if step in set(figure) | set(window):
+            rec.start(step)
+        model(x).square().sum().backward()
+        rec.stop()
+    steps, in_window = rec.history(window)
+    assert steps == [1, 2, 3] and cs.vote(in_window, len(window))["0"]["x"] == "C"
+    fsteps, fig_hist = rec.history(figure)
+    assert fsteps == figure and fig_hist["0"]["x"] == ["C", "R", "R"]
+    assert cs.vote(rec.history()[1], 3)["0"]["x"] == "C"
+    assert cs.vote(fig_hist, 3)["0"]["x"] == "R"  # the old protocol
+    with pytest.raises(ValueError, match="calib-steps"):
+        vote_window(10, 0)
 
 
 def test_recorder_hooks_x_w_dy_in_storage_layout(gen, tmp_path):
@@ -255,6 +309,30 @@ def test_end_to_end_writes_every_output(data_dir, tmp_path, single_thread, capsy
     assert "](census.md)" in rep and "](patterns_over_steps.png)" in rep and "mean stability" in rep
     assert len((out / "records.csv").read_text().splitlines()) == 1 + 3 * 14 * 3
     assert "Outlier-pattern pair census" in capsys.readouterr().out
+
+
+def test_end_to_end_census_window_is_recorded_in_full(data_dir, tmp_path, single_thread):
+    """--record-every governs only the figure: the vote window (steps 1-3) is recorded every step,
+    the vote is over it, and plan.json, census.md and analysis.json say so."""
+    out = tmp_path / "an_window"
+    run(_args(*TINY, "--data", str(data_dir), "--steps", "6", "--record-every", "5", "--calib-steps", "3",
+              "--gain-layers", "2", "--out", str(out)))
+    meta = json.loads((out / "analysis.json").read_text())
+    assert meta["recorded_steps"] == [1, 2, 3, 5, 6] and meta["figure_steps"] == [1, 5, 6]
+    assert meta["vote_window"] == [1, 3]
+    rows = [line.split(",") for line in (out / "records.csv").read_text().splitlines()]
+    assert rows[0] == ["step", "layer", "tensor", "pattern", "cv_row", "cv_col", "row_peak", "col_peak"]
+    assert sorted({int(r[0]) for r in rows[1:]}) == [1, 2, 3, 5, 6]
+    history: dict = {}
+    for r in rows[1:]:
+        if int(r[0]) <= 3:
+            history.setdefault(r[1], {}).setdefault(r[2], []).append(r[3])
+    plan = Plan.load(out / "plan.json")
+    assert {n: {k: e[k] for k in ("x", "w", "dy")} for n, e in plan.layers.items()} == cs.vote(history, 3)
+    assert plan.calibration["steps"] == [1, 3] and plan.calibration["rule"] == "ratio"
+    md = (out / "census.md").read_text()
+    assert "Voted over optimizer steps 1–3, every step recorded" in md and "rule ratio, τ = 2.0, no gates" in md
+    assert "Voted over optimizer steps 1–3" in (out / "report.md").read_text()
 
 
 def test_run_folder_continues_from_its_checkpoint(data_dir, tmp_path, single_thread):

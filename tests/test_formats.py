@@ -89,14 +89,18 @@ def test_decode_e2m1_all_16_codes():
 def test_encode_decode_round_trip_all_codes():
     codes = torch.arange(16, dtype=torch.uint8)
     back = encode_e2m1(decode_e2m1(codes))
-    expected = codes.clone()
-    expected[8] = 0  # -0 encodes as +0
-    assert back.tolist() == expected.tolist()
+    assert back.tolist() == codes.tolist()  # -0 (code 8) included
 
 
-def test_e2m1_signed_zero_and_nan_encode_to_plus_zero():
-    v = torch.tensor([-0.0, 0.0, -0.1, -0.25, NAN])
-    assert encode_e2m1(v).tolist() == [0, 0, 0, 0, 0]
+def test_e2m1_keeps_the_sign_of_values_that_round_to_zero():
+    """The official AdaHOP encoder (and torchao, ml_dtypes, the hardware conversion) keeps the sign
+    bit: a negative value that rounds to zero, and -0, are code 8. NaN is +0 (its block is marked
+    through the scale)."""
+    v = torch.tensor([-0.0, 0.0, -0.1, -0.25, 0.25, -1e-30, NAN, -NAN, -0.26])
+    assert encode_e2m1(v).tolist() == [8, 0, 8, 8, 0, 8, 0, 0, 9]
+    g = torch.Generator().manual_seed(0)
+    sr = encode_e2m1(torch.full((1000,), -0.2), rounding="stochastic", generator=g)
+    assert set(sr.tolist()) == {8, 9}  # rounded down to -0 or up to -0.5, never +0
 
 
 def test_decode_e8m0_all_256_codes():
@@ -142,6 +146,21 @@ def test_pack_unpack_round_trip(gen):
     assert torch.equal(unpack_e2m1(packed), codes)
     all_bytes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     assert torch.equal(pack_e2m1(unpack_e2m1(all_bytes)), all_bytes)
+
+
+def test_packed_bytes_follow_the_official_encoder():
+    """Byte-level reference vector (`specs/adahop.md` §6.1): the sign of a value that rounds to
+    zero is kept (code 8), and under the adahop rule an all-zero block has scale code 1."""
+    x = torch.zeros(3, 32)
+    x[0, :5] = torch.tensor([4.0, -0.1, -0.0, 0.1, 6.0])  # amax 6: exponent 0 under both rules
+    x[2] = -0.0
+    want = [0x86, 0x08, 0x07] + [0] * 13 + [0] * 16 + [0x88] * 16
+    for rule, zero_code in (("adahop", 1), ("floor", 0)):
+        q = quantize_mxfp4(x.reshape(1, 96), scale_rule=rule)
+        assert q.codes.flatten().tolist() == want, rule
+        assert q.scales.tolist() == [[127, zero_code, zero_code]], rule
+        dq = q.dequantize()[0]
+        assert torch.signbit(dq[[1, 2, 64]]).all() and not torch.signbit(dq[[3, 32]]).any()
 
 
 def test_pack_rejects_odd_length():
@@ -206,9 +225,11 @@ def test_encode_matches_ml_dtypes_oracle(gen):
     special = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0] + E2M1_VALUES.tolist())
     special = torch.cat((special, torch.nextafter(special, special + 1), torch.nextafter(special, special - 1)))
     v = torch.cat((v, special, -special))
-    ours = decode_e2m1(encode_e2m1(v))
-    oracle = torch.from_numpy(v.numpy().astype(ml_dtypes.float4_e2m1fn).astype(np.float32))
-    assert torch.equal(ours, oracle)  # == treats -0 and +0 as equal; ours encodes -0 as +0
+    v = torch.cat((v, torch.tensor([-0.0, -0.1, -0.25, 0.1])))
+    codes = encode_e2m1(v)
+    oracle = v.numpy().astype(ml_dtypes.float4_e2m1fn)
+    assert torch.equal(codes, torch.from_numpy(oracle.view(np.uint8)))  # the codes, signed zeros included
+    assert torch.equal(decode_e2m1(codes), torch.from_numpy(oracle.astype(np.float32)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -268,7 +289,7 @@ def test_block_exponents_zero_and_range():
     for rule in SCALE_RULES:
         e = block_exponents(amax, rule)
         assert e.dtype == torch.int32
-        assert e[0].item() == -127  # zero block -> code 0
+        assert e[0].item() == (-126 if rule == "adahop" else -127)  # zero block -> code 0 (adahop: 1)
         assert (e >= -127).all() and (e <= 127).all()
     assert block_exponents(amax[-1:], "floor").item() == 125  # 2^127·1.99.. -> 127 - 2
     assert block_exponents(amax[-1:], "ceil").item() == 126
@@ -314,9 +335,12 @@ def test_clipping_fraction_and_mse_regression(rule, gen):
 
 @pytest.mark.parametrize("rule", SCALE_RULES)
 def test_all_zero_block(rule):
+    """Scale code 0 (OCP, torchao), except under the adahop rule: code 1, as the official encoder
+    (it clamps every scale code to >= 1)."""
     x = torch.zeros(2, 64)
     q = quantize_mxfp4(x, scale_rule=rule)
-    assert q.scales.tolist() == [[0, 0], [0, 0]]
+    c = 1 if rule == "adahop" else 0
+    assert q.scales.tolist() == [[c, c], [c, c]]
     dq = q.dequantize()
     assert torch.isfinite(dq).all() and (dq == 0).all()
     assert math.isfinite(decode_e8m0(q.scales).min().item())

@@ -2,8 +2,12 @@
 
 torchao is a test-only dependency; without it this file skips. Pairs compared: our "floor" with
 ``ScaleCalculationMode.FLOOR`` (OCP §6.3) and our "ceil" with ``ScaleCalculationMode.RCEIL``
-(smallest power of two with amax/scale ≤ 6). Both sides must give identical E8M0 codes and
-identical dequantized values, bit for bit.
+(smallest power of two with amax/scale ≤ 6). Both sides must give identical E8M0 codes, identical
+packed E2M1 bytes (signed zeros included: both keep the sign of a value that rounds to zero, code
+8, as the official AdaHOP encoder does) and identical dequantized values, bit for bit.
+
+Our "adahop" rule is not compared: it is the official AdaHOP encoder's, which gives an all-zero
+block scale code 1 (torchao, like OCP, writes 0); tests/test_formats.py pins it.
 
 Known, deliberate divergences (we follow `specs/baselines.md` §1.2–§1.3, T-SCALE2, and the OCP
 reference code microsoft/microxcaling, which turns an overflowing shared exponent into NaN); each
@@ -43,18 +47,22 @@ PAIRS = [("floor", SCM.FLOOR), ("ceil", SCM.RCEIL)]
 PAIR_IDS = ["floor-FLOOR", "ceil-RCEIL"]
 
 
-def torchao_mx(x: torch.Tensor, mode) -> tuple[torch.Tensor, torch.Tensor]:
-    """torchao's E8M0 codes (uint8) and dequantized float32 values, blocks of 32 along the last dim."""
+def torchao_mx(x: torch.Tensor, mode, packed: bool = False):
+    """torchao's E8M0 codes (uint8) and dequantized float32 values, blocks of 32 along the last dim;
+    with ``packed`` also its packed E2M1 bytes (uint8, even index in the low nibble, as ours)."""
     scale, data = mx_tensor.to_mx(x.contiguous(), F4, 32, mode)
     dq = mx_tensor.to_dtype(data, scale, F4, 32, torch.float32)
-    return scale.view(torch.uint8), dq
+    return (scale.view(torch.uint8), dq, data.view(torch.uint8)) if packed else (scale.view(torch.uint8), dq)
 
 
 def assert_same(x: torch.Tensor, rule: str, mode) -> None:
     ours = quantize_mxfp4(x, scale_rule=rule)
-    codes, dq = torchao_mx(x, mode)
+    codes, dq, data = torchao_mx(x, mode, packed=True)
     assert torch.equal(ours.scales, codes.reshape(ours.scales.shape)), "E8M0 codes differ"
+    finite = (ours.scales != 255).repeat_interleave(16, dim=-1)  # NaN blocks: the scale decides, not the codes
+    assert torch.equal(ours.codes[finite], data.reshape(ours.codes.shape)[finite]), "packed E2M1 bytes differ"
     torch.testing.assert_close(ours.dequantize(), dq.reshape(x.shape), atol=0, rtol=0, equal_nan=True)
+    assert torch.equal(torch.signbit(ours.dequantize()), torch.signbit(dq.reshape(x.shape))), "signed zeros differ"
 
 
 @pytest.mark.parametrize("rule, mode", PAIRS, ids=PAIR_IDS)
@@ -95,6 +103,7 @@ def test_ties_and_grid_points_match(rule, mode, k):
 SPECIAL = {
     "zeros": [0.0] * 32,
     "neg-zeros": [-0.0] * 32,
+    "round-to-minus-zero": [-0.01, 0.01, -0.0, 0.0] * 7 + [6.0, -6.0, -0.2, 0.2],
     "one-nan": [NAN] + [1.0] * 31,
     "all-nan": [NAN] * 32,
     "subnormal-1e-40": [1e-40] * 16 + [-3e-41] * 16,

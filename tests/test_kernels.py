@@ -401,6 +401,34 @@ def test_interp_round_to_nearest_ties():
 
 
 @interp
+@pytest.mark.parametrize("rule", ["floor", "adahop", "ceil"])
+def test_interp_signed_zeros_and_zero_blocks_match_the_reference(rule):
+    """The official encoder's byte conventions in the kernel: a negative value that rounds to zero
+    and an input -0 are code 8 (no Hadamard); an exact zero out of the Hadamard is +0; an all-zero
+    block has scale code 1 under the adahop rule, 0 under the others."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 96, generator=g)
+    x[:, 1::7] *= -1e-4  # tiny values, half of them negative: they round to ±0
+    x[5] = -0.0  # a row of -0: zero blocks (and zero Hadamard groups)
+    x[9, :32] = -0.0
+    x[11, 32:64] = 0.0
+    x[13, 3:40] = -0.0
+    for hb, axis in ((None, 1), (32, 1), (None, 0), (16, 0)):
+        xx = x if axis == 1 else x.t().contiguous()
+        kw = dict(axis=axis, hadamard_block=hb, scale_rule=rule, max_scale_range=8)
+        qt = iht_quantize_mxfp4(xx, backend="triton", **kw)
+        qr = iht_quantize_mxfp4(xx, backend="reference", **kw)
+        assert torch.equal(qt.codes, qr.codes) and torch.equal(qt.scales, qr.scales), (hb, axis)
+        assert torch.equal(qt.fp8[0].view(torch.uint8), fold_to_fp8(qr)[0].view(torch.uint8)), (hb, axis)
+        nibbles = torch.cat((qr.codes & 15, qr.codes >> 4))
+        assert (nibbles == 8).any(), (hb, axis)  # -0 codes occur
+        if hb is None and axis == 1:
+            assert qr.codes[5].tolist() == [0x88] * 48 and qr.scales[5].tolist() == [1 if rule == "adahop" else 0] * 3
+        if hb is not None and axis == 1:
+            assert qr.codes[5].tolist() == [0] * 48  # the Hadamard of a -0 row is +0
+
+
+@interp
 def test_interp_quantizer_writes_every_output():
     """Poisoned output buffers: two different poisons give the same, reference, result."""
     from adahop.kernels import _triton_quantize

@@ -5,6 +5,7 @@ tables, the calibration vote, plan JSON, and a resumed run that skips calibratio
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -12,8 +13,9 @@ from torch import nn
 
 import adahop
 from adahop.analysis.synthetic import LOWP_STRATEGIES, PAIRS, figure3_table
-from adahop.patterns import (STRATEGY_TABLES, Calibrator, Pattern, Plan, detect_pattern, gemm_pairs, pattern_stats,
-                             strategy_for)
+from adahop.patterns import (STRATEGY_TABLES, Calibrator, Pattern, Plan, classify, detect_pattern, gemm_pairs,
+                             pattern_stats, peak_ratios, strategy_for)
+from adahop.recipes.spec import CalibSpec
 
 R, C, N = Pattern.ROW, Pattern.COLUMN, Pattern.NONE
 SEEDS = range(40)
@@ -40,11 +42,104 @@ def _planted(shape, pattern: Pattern, seed: int) -> torch.Tensor:
 # ---- detector -------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("rule", ["ratio", "significance"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("pattern", [R, C], ids=str)
-def test_detects_planted_rows_and_columns(shape, pattern):
-    hits = sum(detect_pattern(_planted(shape, pattern, seed)) is pattern for seed in SEEDS)
+def test_detects_planted_rows_and_columns(shape, pattern, rule):
+    hits = sum(detect_pattern(_planted(shape, pattern, seed), rule=rule) is pattern for seed in SEEDS)
     assert hits >= 0.95 * len(SEEDS), f"{pattern} detected in {hits}/{len(SEEDS)} seeds on {shape}"
+
+
+def _smooth(rows: int, cols: int, seed: int, spread: float = 0.1) -> torch.Tensor:
+    """N(0,1) times a smooth scale per row and per column, each ~N(1, spread): no outliers, the look
+    of a trained weight."""
+    g = torch.Generator().manual_seed(seed)
+    r = 1 + spread * torch.randn(rows, 1, generator=g)
+    c = 1 + spread * torch.randn(1, cols, generator=g)
+    return torch.randn(rows, cols, generator=g) * r * c
+
+
+def test_symmetric_smooth_spread_is_none_under_the_ratio_test():
+    found = [detect_pattern(_smooth(512, 512, s)) for s in range(20)]
+    assert found == [N] * 20, [str(p) for p in found]
+    # both statistics are far above 2 (significant structure), so the old rule calls it R or C
+    stats = [pattern_stats(_smooth(512, 512, s)) for s in range(20)]
+    assert min(min(st) for st in stats) > 2.0, stats
+    old = [detect_pattern(_smooth(512, 512, s), rule="significance") for s in range(20)]
+    assert N not in old and {R, C} == set(old), [str(p) for p in old]
+
+
+def test_column_outliers_over_a_mild_row_spread_are_column():
+    for s in range(10):
+        t = _smooth(1024, 512, s)
+        t[:, torch.randperm(512, generator=torch.Generator().manual_seed(s))[:8]] *= 10
+        cv_row, cv_col = pattern_stats(t)
+        assert cv_row > 2.0 and cv_col > 10 * cv_row, (cv_row, cv_col)  # the rows are significant too
+        assert detect_pattern(t) is C
+
+
+def test_loud_rows_and_loud_columns_together_are_none_under_the_ratio_test():
+    for s in range(10):
+        g = torch.Generator().manual_seed(s)
+        t = torch.randn(1024, 1024, generator=g)
+        t[torch.randperm(1024, generator=g)[:16]] *= 10
+        t[:, torch.randperm(1024, generator=g)[:16]] *= 10
+        cv_row, cv_col = pattern_stats(t)
+        assert min(cv_row, cv_col) > 20, (cv_row, cv_col)
+        assert detect_pattern(t) is N
+        assert detect_pattern(t, rule="significance") is not N  # the old rule picks whichever is larger
+
+
+def test_ratio_rule_exact_boundaries_and_degenerate_stats():
+    assert classify(2.0 * (1 + 1e-6), 1.0) is R and classify(2.0, 1.0) is N  # strictly greater than τ
+    assert classify(1.0, 2.0 * (1 + 1e-6)) is C and classify(1.0, 2.0) is N
+    assert classify(3.0, 1.0, threshold=3.5) is N and classify(3.0, 1.0, threshold=2.9) is R
+    assert classify(0.0, 0.0) is N  # a constant tensor
+    assert classify(1e-3, 0.0) is R  # cv_col == 0: the official guard 1e-8 decides
+    assert classify(1e-9, 0.0) is N
+    assert classify(float("nan"), 1.0) is N
+    assert detect_pattern(torch.ones(64, 64)) is N and detect_pattern(torch.randn(1, 64)) is N
+    with pytest.raises(ValueError, match="unknown detector rule 'max'"):
+        classify(1.0, 1.0, rule="max")
+
+
+def test_rms_normalized_input_is_column_without_a_floor_and_the_gates_turn_it_off():
+    """The official test has no floor: rows normalized to unit RMS (q/k/v inputs after RMSNorm) have
+    cv_row ≈ 0, so pure noise between them reads Column. The optional gates (ours) say None."""
+    x = torch.randn(2048, 512, generator=torch.Generator().manual_seed(0))
+    x = x / x.square().mean(dim=1, keepdim=True).sqrt()
+    cv_row, cv_col = pattern_stats(x)
+    assert cv_row < 0.2 and 0.7 < cv_col < 1.3, (cv_row, cv_col)
+    assert detect_pattern(x) is C
+    assert detect_pattern(x, floor=2.0) is N
+    row_peak, col_peak = peak_ratios(x)
+    assert 1.0 <= col_peak < 1.3 and row_peak == pytest.approx(1.0, abs=1e-3), (row_peak, col_peak)
+    assert detect_pattern(x, min_peak=3.0) is N
+    planted = _planted((2048, 512), C, seed=3)
+    assert detect_pattern(planted, floor=2.0) is C and detect_pattern(planted, min_peak=3.0) is C
+    with pytest.raises(ValueError, match="min_peak needs the peak ratios"):
+        classify(0.0, 5.0, min_peak=3.0)
+
+
+def test_peak_ratios_values():
+    t = torch.ones(4, 8)
+    t[1] *= 4  # row 1 RMS 4, the others 1: median of (1, 4, 1, 1) is 1
+    assert peak_ratios(t) == (4.0, 1.0)
+    assert peak_ratios(torch.zeros(3, 3)) == (1.0, 1.0)
+    z = torch.zeros(3, 4)
+    z[0, 0] = 1.0
+    assert peak_ratios(z) == (math.inf, math.inf)
+
+
+def test_calib_spec_detector_fields_are_validated():
+    assert (CalibSpec().rule, CalibSpec().threshold, CalibSpec().floor, CalibSpec().min_peak) == ("ratio", 2.0, None, None)
+    for kw, msg in [({"rule": "max"}, "rule='max'"), ({"threshold": 0.5}, "threshold=0.5 must be >= 1"),
+                    ({"floor": 0.0}, "floor=0.0"), ({"min_peak": 0.5}, "min_peak=0.5")]:
+        with pytest.raises(ValueError, match=msg):
+            CalibSpec(**kw).validate("spec")
+    CalibSpec(rule="significance", threshold=0.5).validate("spec")  # τ on a CV may be below 1
+    with pytest.raises(ValueError, match="Calibrator: rule='max'"):
+        Calibrator(rule="max")
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
@@ -136,6 +231,58 @@ def test_calibrator_majority_tie_and_missing():
         Calibrator(table="lv9")
 
 
+def test_calibrator_one_observation_per_step():
+    row, col = _planted((256, 128), R, 1), _planted((256, 128), C, 2)
+    cal = Calibrator()
+    assert cal.observe("a", "x", row, step=0) is R
+    assert cal.observe("a", "x", col, step=0) is None  # a second micro-batch of step 0: no vote
+    assert cal.observe("a", "w", col, step=0) is C  # another tensor of the same step still counts
+    assert cal.observe("a", "x", col, step=1) is C
+    assert cal.observe("a", "x", torch.empty(0, 128), step=2) is None  # empty: nothing recorded
+    assert cal.history == {"a": {"x": ["R", "C"], "w": ["C"]}}
+    assert cal.observe("a", "x", row, step=2) is R  # the empty call did not use up step 2
+
+
+def _calibrating_model(steps: int = 3):
+    import dataclasses
+
+    r = adahop.get_recipe("adahop-lv2")
+    recipe = dataclasses.replace(r, calibration=dataclasses.replace(r.calibration, steps=steps))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(128, 64))
+    return adahop.convert_model(model, recipe)
+
+
+def test_calibration_votes_once_per_optimizer_step():
+    """Gradient accumulation (two micro-batches), an evaluation call and an empty call inside one
+    step add no votes: one observation of X, W and ∇Y per step, from the step's first call."""
+    model = _calibrating_model(steps=3)
+    cal = adahop.get_controller(model).calibrator
+    rows, cols = _planted((256, 128), R, 4), _planted((256, 128), C, 5)
+    for step in range(3):
+        first, second = (rows, cols) if step < 2 else (cols, rows)
+        for x in (first, second):  # two micro-batches
+            model(x.clone().requires_grad_()).square().sum().backward()
+        with torch.no_grad():
+            model(cols)  # evaluation
+        model(torch.empty(0, 128, requires_grad=True)).sum().backward()  # no tokens
+        assert {k: len(v) for k, v in cal.history["0"].items()} == {"x": step + 1, "w": step + 1, "dy": step + 1}
+        frozen = adahop.on_step(model, step + 1)
+    assert frozen and cal.history["0"]["x"] == ["R", "R", "C"]  # the first micro-batch of each step
+    plan = adahop.get_controller(model).plan
+    assert plan.layers["0"]["x"] == "R" and plan.calibration["steps"] == [1, 3]
+    assert plan.calibration["rule"] == "ratio" and Plan.from_json(plan.to_json()).calibration == plan.calibration
+
+
+def test_a_call_without_tokens_records_nothing_not_even_the_weight():
+    model = _calibrating_model()
+    cal = adahop.get_controller(model).calibrator
+    model(torch.empty(2, 0, 128, requires_grad=True)).sum().backward()  # an MoE expert that got no tokens
+    assert cal.history == {} and model[0].patterns == {}
+    model(torch.randn(64, 128, requires_grad=True)).sum().backward()
+    assert set(cal.history["0"]) == {"x", "w", "dy"}
+
+
 # ---- plan JSON ------------------------------------------------------------------------------
 
 
@@ -165,6 +312,28 @@ def test_plan_from_json_rejects_bad_input():
         Plan.from_json(json.dumps(d))
     with pytest.raises(ValueError, match="not an adahop plan"):
         Plan.from_json(json.dumps({"layers": {}}))
+
+
+def test_wgrad_oe_left_in_a_hand_written_plan_runs_iht_as_the_official_code(recwarn):
+    """OE-Left is not supported on wgrad: whatever the plan's source, the GEMM runs plain IHT
+    (`specs/adahop.md` §4), with one warning per model."""
+    entry = {"x": "C", "w": "N", "dy": "R", "fprop": "iht", "dgrad": "iht"}
+    grads = {}
+    for wgrad in ("iht+oe_left", "iht"):
+        plan = Plan(table="lv2", layers={n: {**entry, "wgrad": wgrad} for n in ("0", "1")})
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+        recwarn.clear()
+        adahop.convert_model(model, "adahop-lv2", plan=Plan.from_json(plan.to_json()))
+        msgs = [str(w.message) for w in recwarn if "runs as 'iht'" in str(w.message)]
+        assert len(msgs) == (1 if wgrad == "iht+oe_left" else 0), msgs
+        assert [m.strategies()["wgrad"] for m in model] == ["iht", "iht"]
+        x = torch.randn(256, 64, generator=torch.Generator().manual_seed(1))
+        x[:, :4] *= 30  # outlier channels, so OE-Left would change the result
+        model(x).square().sum().backward()
+        grads[wgrad] = [m.weight.grad for m in model]
+    for a, b in zip(grads["iht+oe_left"], grads["iht"]):
+        assert torch.equal(a, b)
 
 
 # ---- a resumed run skips calibration --------------------------------------------------------

@@ -401,3 +401,52 @@ def test_gemm_table_shows_each_operand():
     assert "H_T full on T, undone on output" in table and "H_K full on K" in table
     nv = gemm_table(get_recipe("nvfp4"))
     assert "nvfp4 16x16" in nv and "fixed signs" in nv and "last 1" in nv
+
+
+# ---- ablation variants (BASE@VARIANT) --------------------------------------------------------
+
+
+@pytest.mark.parametrize("base", ["mxfp4", "mxfp4-had", "adahop-lv2"])
+@pytest.mark.parametrize("keep", GEMMS)
+def test_only_one_gemm_quantized_variant(base, keep):
+    """``BASE@only-G``: G keeps the base's spec, the other two GEMMs run BF16; the layer's exact
+    GEMMs are bit-identical to a BF16 layer's, the quantized one to the base's."""
+    r, b = get_recipe(f"{base}@only-{keep}"), get_recipe(base)
+    assert r.name == f"{base}@only-{keep}" and r.calibration == b.calibration
+    for g in GEMMS:
+        assert r.gemm(g) == (b.gemm(g) if g == keep else GemmSpec(strategy="bf16")), g
+    x, w, dy = data(3)
+    plan = None
+    if base.startswith("adahop"):
+        from adahop.patterns import Plan
+
+        plan = Plan.from_patterns({"0": {"x": "C", "w": "N", "dy": "N"}})  # IHT, IHT, IHT+OE-Right (64 of 128)
+    outs = {}
+    for name in (r.name, base, "bf16"):
+        m = nn.Sequential(nn.Linear(K, N, bias=False))
+        with torch.no_grad():
+            m[0].weight.copy_(w)
+        convert_model(m, name, plan=plan if get_recipe(name).calibration else None)
+        xx = x.clone().requires_grad_()
+        y = m(xx)
+        y.backward(dy)
+        outs[name] = {"fprop": y.detach(), "dgrad": xx.grad, "wgrad": m[0].weight.grad}
+    for g in GEMMS:
+        assert torch.equal(outs[r.name][g], outs[base if g == keep else "bf16"][g]), g
+    assert not torch.equal(outs[base][keep], outs["bf16"][keep])  # the kept GEMM is quantized
+
+
+def test_msr_none_variant_and_bad_variants():
+    r = get_recipe("adahop-lv2@msr-none")
+    assert all(r.gemm(g).a.max_scale_range is None and r.gemm(g).b.max_scale_range is None for g in GEMMS)
+    assert get_recipe("adahop-lv2").fprop.a.max_scale_range == 8  # the preset itself is untouched
+    both = get_recipe("mxfp4-had@only-wgrad@msr-none")
+    assert both.wgrad.a.max_scale_range is None and both.fprop.strategy == "bf16"
+    assert get_recipe("nvfp4@msr-none").fprop == get_recipe("nvfp4").fprop  # NVFP4 operands have no such limit
+    with pytest.raises(ValueError, match="unknown recipe variant 'only-attn'"):
+        get_recipe("mxfp4@only-attn")
+    with pytest.raises(ValueError, match="at most once"):
+        get_recipe("mxfp4@only-fprop@only-dgrad")
+    with pytest.raises(ValueError, match="unknown recipe 'mxfp5'"):
+        get_recipe("mxfp5@only-fprop")
+    assert "@" not in "".join(list_recipes())  # variants are not presets

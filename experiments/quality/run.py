@@ -1,17 +1,37 @@
-"""Issue #8: every recipe trained side by side on the main corpus; one launcher.
+"""The quality experiment's launcher: recipes trained side by side on the main corpus.
 
     python experiments/quality/run.py --data DATA_DIR --out OUT [--recipes a,b,...] [--steps N]
+    python experiments/quality/run.py --data DATA_DIR --out OUT --table issue19 --steps 1221 --compile \\
+        --concurrent 4 --budget-s 480 --keep docs/results/runs/q20m --collect $OUT/runs
 
-Each recipe runs `adahop train` with the same model, data order, seed, tokens and
-hyper-parameters (nothing is tuned per recipe); BF16 and AdaHOP-Lv2 also run a second seed for
-the noise floor. Then `report.py OUT` writes the table and plots. Runs that already have a
-summary.json are skipped, so the launcher can be re-run in pieces (one device command each).
+Each job runs `adahop train` with the same model, data order, tokens and hyper-parameters
+(nothing is tuned per recipe); a job is RECIPE:SEED, and RECIPE may be an ablation variant
+(``mxfp4-had@only-wgrad``, ``adahop-lv2@msr-none``: `adahop.recipes.get_recipe`). Then
+`report.py OUT` writes the table and plots.
+
+Resumable in chunks (one device command each, issue 19):
+
+- a job is *finished* when its summary.json says it ran all ``--steps`` uninterrupted; finished
+  jobs in OUT or in ``--keep`` (the runs already brought back into the repo) are skipped;
+- every job runs with ``--resume`` (a fresh start when it has no checkpoint) and checkpoints every
+  ``--ckpt-every`` steps; at ``--budget-s`` the launcher sends SIGINT to its running jobs, which
+  write a checkpoint and exit (``adahop train``'s Ctrl-C), and starts no new one after
+  ``--budget-s`` minus ``--min-left-s``;
+- ``--concurrent K`` runs K jobs at once on the visible GPU (small models are host-bound, so
+  several share one GPU well); launchers on several GPUs may share one OUT: a job is claimed by
+  a pid file, and a claim whose process is gone is taken over;
+- ``--collect DIR`` receives the small files of every job (summary.json, metrics.jsonl,
+  config.json, plan.json; no checkpoints or weights) at the end of the chunk: what a device
+  command brings back.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -19,46 +39,185 @@ from pathlib import Path
 
 ALL = "bf16,adahop-lv2,mxfp4,mxfp4-had,adahop-lv1,tseng,nvfp4,averis,averis-mxfp4,quartet,halo-2"
 # The fixed settings of the experiment (docs/results.md states them): a 60M-class Llama,
-# 512-token sequences, 32 sequences per step.
+# 512-token sequences, 32 sequences per step (16,384 tokens).
 SETTINGS = dict(model="llama-60m", seq_len=512, batch_size=32, lr=2e-3, warmup_steps=20, min_lr_ratio=0.1,
                 weight_decay=0.1, grad_clip=1.0, eval_batches=16, log_every=5, calib_steps=30)
+SEEDS3 = ("bf16", "mxfp4", "mxfp4-had", "tseng", "adahop-lv1", "adahop-lv2")
+SEED1 = ("nvfp4", "halo-2", "averis", "quartet")
+ABLATED = ("mxfp4", "mxfp4-had", "adahop-lv2")
+#: Named job tables (issue 19), jobs (recipe, seed, backend or None): ``issue19`` the main table
+#: (3 seeds of six recipes, 1 of four rivals), ``ablation`` only-fprop/dgrad/wgrad of mxfp4,
+#: mxfp4-had and adahop-lv2 (3 seeds), ``msr`` adahop-lv2 with and without the exponent-range
+#: limit, both on the reference backend (the FP8 path needs the limit), run names ``...-ref``.
+TABLES = {
+    "issue19": [(r, s, None) for s in range(3) for r in SEEDS3] + [(r, 0, None) for r in SEED1],
+    "ablation": [(f"{r}@only-{g}", s, None) for s in range(3) for r in ABLATED for g in ("fprop", "dgrad", "wgrad")],
+    "msr": [(r, s, "reference") for s in range(3) for r in ("adahop-lv2", "adahop-lv2@msr-none")],
+}
+SMALL_FILES = ("summary.json", "metrics.jsonl", "config.json", "plan.json", "error.txt")
+
+
+def finished(run: Path, steps: int) -> bool:
+    """True when ``run/summary.json`` records all ``steps`` steps, not interrupted."""
+    try:
+        s = json.loads((run / "summary.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return s.get("steps") == steps and not s.get("interrupted", False)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def claim(out: Path, name: str) -> bool:
+    """Claim job ``name`` for this launcher (pid file ``out/.claim-NAME``); a claim of a dead
+    process is taken over. False when a live launcher holds it."""
+    path = out / f".claim-{name}"
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            try:
+                pid = int(path.read_text().strip() or 0)
+            except (OSError, ValueError):
+                pid = 0
+            if pid and _alive(pid):
+                return False
+            path.unlink(missing_ok=True)  # stale: its launcher is gone
+            continue
+        os.write(fd, str(os.getpid()).encode())
+        os.close(fd)
+        return True
+    return False
+
+
+def collect(run: Path, dest: Path) -> None:
+    """Copy the small files of ``run`` to ``dest/RUN_NAME`` (no checkpoints, no weights)."""
+    files = [run / f for f in SMALL_FILES if (run / f).exists()]
+    if files:
+        (dest / run.name).mkdir(parents=True, exist_ok=True)
+        for f in files:
+            shutil.copy2(f, dest / run.name / f.name)
+
+
+def jobs_from(args) -> list[tuple[str, int, str | None]]:
+    """(recipe, seed, backend) of every job asked for, in order, each once (``--backend`` applies to all)."""
+    if args.jobs:
+        jobs = [(j.rsplit(":", 1)[0], int(j.rsplit(":", 1)[1]), None) for j in args.jobs.split(",") if j]
+    elif args.table:
+        unknown = [t for t in args.table.split(",") if t not in TABLES]
+        if unknown:
+            raise SystemExit(f"--table {','.join(unknown)}: unknown; use {', '.join(TABLES)}")
+        jobs = [j for t in args.table.split(",") for j in TABLES[t]]
+    else:
+        recipes = [r for r in args.recipes.split(",") if r]
+        jobs = [(r, 0, None) for r in recipes] + [(r, 1, None) for r in args.second_seed.split(",") if r and r in recipes]
+    if args.backend:
+        jobs = [(r, s, args.backend) for r, s, _ in jobs]
+    return list(dict.fromkeys(jobs))
+
+
+def run_name(recipe: str, seed: int, backend: str | None) -> str:
+    return f"{recipe}-s{seed}" + ("-ref" if backend == "reference" else "")
+
+
+def command(args, recipe: str, seed: int, out: Path, backend: str | None = None) -> list[str]:
+    settings = {**SETTINGS, **dict(kv.split("=", 1) for kv in args.set)}
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in settings.items()]
+    cmd = [sys.executable, "-m", "adahop", "train", "--recipe", recipe, "--seed", str(seed), "--data", args.data,
+           "--out", str(out), "--steps", str(args.steps), "--eval-every", str(args.eval_every),
+           "--ckpt-every", str(args.ckpt_every), "--keep-ckpts", "1", "--resume", *flags]
+    if args.compile:
+        cmd.append("--compile")
+    if backend:
+        cmd += ["--backend", backend]
+    return cmd
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", required=True, help="a folder made by `adahop data prepare` (main corpus, GPT-2 tokens)")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", required=True, help="run folders (with checkpoints): OUT/RECIPE-sSEED")
     ap.add_argument("--recipes", default=ALL)
     ap.add_argument("--second-seed", default="bf16,adahop-lv2", help="recipes that also run seed 1")
+    ap.add_argument("--table", default=None, help=f"named job tables, comma-separated: {', '.join(TABLES)}")
+    ap.add_argument("--jobs", help="explicit RECIPE:SEED list (overrides --table, --recipes and --second-seed), in order")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--eval-every", type=int, default=50)
-    ap.add_argument("--jobs", help="explicit RECIPE:SEED list (overrides --recipes and --second-seed), in order")
-    ap.add_argument("--budget-s", type=float, default=None, help="start no new run after this many seconds")
+    ap.add_argument("--ckpt-every", type=int, default=100, help="checkpoint interval of each run (steps)")
+    ap.add_argument("--compile", action="store_true", help="adahop train --compile")
+    ap.add_argument("--backend", default=None, help="adahop train --backend for every job (the msr table sets its own)")
+    ap.add_argument("--concurrent", type=int, default=1, help="jobs running at once on this launcher's GPU")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="at this many seconds, SIGINT the running jobs (they checkpoint and exit)")
+    ap.add_argument("--min-left-s", type=float, default=120, help="start no job with less than this left of the budget")
+    ap.add_argument("--grace-s", type=float, default=60, help="after the SIGINT, wait this long before killing")
+    ap.add_argument("--keep", default=None, help="runs already brought back (e.g. docs/results/runs/q20m): skip finished ones")
+    ap.add_argument("--collect", default=None, help="copy every job's small files here at the end (what comes back)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override one of SETTINGS (a smoke test: --set model=llama-tiny); the tables use none")
+    ap.add_argument("--dry-run", action="store_true", help="print the jobs still to do and their commands, run nothing")
     args = ap.parse_args()
-    t_start = time.time()
-    jobs = [(r, 0) for r in args.recipes.split(",") if r]
-    jobs += [(r, 1) for r in args.second_seed.split(",") if r and r in args.recipes.split(",")]
-    if args.jobs:
-        jobs = [(j.split(":")[0], int(j.split(":")[1])) for j in args.jobs.split(",") if j]
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    for recipe, seed in jobs:
-        out = Path(args.out) / f"{recipe}-s{seed}"
-        if (out / "summary.json").exists():
+    t0 = time.time()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    keep = Path(args.keep) if args.keep else None
+    todo = []
+    for recipe, seed, backend in jobs_from(args):
+        name = run_name(recipe, seed, backend)
+        if finished(out / name, args.steps) or (keep is not None and finished(keep / name, args.steps)):
             continue
-        if args.budget_s is not None and time.time() - t_start > args.budget_s:
-            print(f"budget spent: {recipe} seed {seed} not started", flush=True)
-            continue
-        try:  # claim the job, so that launchers on several GPUs can share one list
-            os.close(os.open(Path(args.out) / f".claim-{recipe}-s{seed}", os.O_CREAT | os.O_EXCL))
-        except FileExistsError:
-            continue
-        flags = [f"--{k.replace('_', '-')}={v}" for k, v in SETTINGS.items()]
-        cmd = [sys.executable, "-m", "adahop", "train", "--recipe", recipe, "--seed", str(seed), "--data", args.data,
-               "--out", str(out), "--steps", str(args.steps), "--eval-every", str(args.eval_every),
-               "--ckpt-every", "0", "--keep-ckpts", "1", *flags]
-        t = time.time()
-        rc = subprocess.run(cmd).returncode
-        print(f"{recipe} seed {seed}: exit {rc}, {time.time() - t:.0f} s (GPU {os.environ.get('CUDA_VISIBLE_DEVICES', '-')})", flush=True)
+        todo.append((recipe, seed, backend, name))
+    print(f"{len(todo)} job(s) to do: {', '.join(t[-1] for t in todo) or '-'}", flush=True)
+    if args.dry_run:
+        for recipe, seed, backend, name in todo:
+            print(" ".join(command(args, recipe, seed, out / name, backend)))
+        return 0
+    left = lambda: float("inf") if args.budget_s is None else args.budget_s - (time.time() - t0)  # noqa: E731
+    running: dict[str, tuple[subprocess.Popen, float]] = {}
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "-")
+    stopping = False
+    while todo or running:
+        for name, (proc, t) in list(running.items()):
+            if proc.poll() is not None:
+                del running[name]
+                (out / f".claim-{name}").unlink(missing_ok=True)
+                state = "finished" if finished(out / name, args.steps) else "stopped"
+                print(f"{name}: exit {proc.returncode} ({state}), {time.time() - t:.0f} s (GPU {gpu})", flush=True)
+        if not stopping and left() <= 0 and running:
+            stopping = True
+            print(f"budget reached: SIGINT to {', '.join(running)}", flush=True)
+            for proc, _ in running.values():
+                proc.send_signal(signal.SIGINT)
+            t_stop = time.time()
+        if stopping and running and time.time() - t_stop > args.grace_s:
+            for name, (proc, _) in running.items():
+                print(f"{name}: no checkpoint within --grace-s; killed (it resumes from its last checkpoint)", flush=True)
+                proc.kill()
+        while todo and len(running) < args.concurrent and not stopping and left() > args.min_left_s:
+            recipe, seed, backend, name = todo.pop(0)
+            if not claim(out, name):
+                continue  # another launcher runs it
+            log = open(out / f"{name}.log", "a")
+            running[name] = (subprocess.Popen(command(args, recipe, seed, out / name, backend), stdout=log,
+                                              stderr=subprocess.STDOUT, env=env), time.time())
+        if todo and not running and (stopping or left() <= args.min_left_s):
+            print(f"budget spent: {len(todo)} job(s) not started: {', '.join(t[-1] for t in todo)}", flush=True)
+            break
+        time.sleep(1)
+    if args.collect:
+        for run in sorted(p for p in out.iterdir() if p.is_dir()):
+            collect(run, Path(args.collect))
+    done = sum(finished(p, args.steps) for p in out.iterdir() if p.is_dir())
+    print(f"launcher done at {time.time() - t0:.0f} s: {done} finished run(s) in {out}", flush=True)
     return 0
 
 

@@ -15,12 +15,14 @@ from pathlib import Path
 
 import torch
 
-from .recipes.spec import GEMMS, STRATEGIES
+from .recipes.spec import DETECTOR_RULES, GEMMS, STRATEGIES, CalibSpec
 
 __all__ = [
     "Pattern",
     "detect_pattern",
+    "classify",
     "pattern_stats",
+    "peak_ratios",
     "gemm_pairs",
     "STRATEGY_TABLES",
     "strategy_for",
@@ -61,11 +63,19 @@ def pattern_stats(t: torch.Tensor) -> tuple[float, float]:
     (`specs/adahop.md` §2.2). ``sqrt(2/(n−1))`` is the CV of the sample variance of n i.i.d.
     Gaussians, so both statistics are about 1 for a tensor without structure.
 
+    The official code adds 1e-8 to ``mean(row_var)``; we guard with 1e-30 instead, so the
+    statistics do not depend on the tensor's scale (for variances far below 1e-8, e.g. ∇Y, the
+    official CVs shrink, both by about the same factor, so their ratio barely moves).
+
     Args:
         t: a tensor of at least 2 dims (leading dims are flattened into rows), any float dtype.
 
     Returns:
-        ``(cv_row, cv_col)`` as Python floats.
+        ``(cv_row, cv_col)`` as Python floats; ``(0.0, 0.0)`` when there are fewer than 2 rows or
+        columns.
+
+    Raises:
+        ValueError: ``t`` has fewer than 2 dims.
     """
     if t.ndim < 2:
         raise ValueError(f"pattern detection needs a tensor of at least 2 dims, got shape {tuple(t.shape)}")
@@ -79,23 +89,111 @@ def pattern_stats(t: torch.Tensor) -> tuple[float, float]:
     return float(cv_row), float(cv_col)
 
 
-def detect_pattern(t: torch.Tensor, *, threshold: float = 2.0) -> Pattern:
-    """Classify ``t`` (storage layout, e.g. X [T,K], W [N,K], ∇Y [T,N]) as ROW, COLUMN or NONE.
-
-    Decision rule (our reconstruction of the unpublished rule, `specs/adahop.md` §2.2 and §12.1):
-    ROW if ``cv_row ≥ τ`` and ``cv_row ≥ cv_col``; COLUMN if ``cv_col ≥ τ`` and ``cv_col > cv_row``;
-    otherwise NONE. Taking the larger statistic matters: a few ×10 rows also inflate the column
-    statistic (heavy tails in every column), but far less than the row statistic.
+def peak_ratios(t: torch.Tensor) -> tuple[float, float]:
+    """Effect sizes for the optional gate of :func:`classify`: the largest row RMS over the median
+    row RMS, and the same for columns (ours, not the official detector's; `specs/adahop.md` §2.2).
 
     Args:
-        t: tensor with ≥ 2 dims. threshold: τ (2.0 in the paper's code).
+        t: a tensor of at least 2 dims (leading dims are flattened into rows), any float dtype.
+
+    Returns:
+        ``(row_peak, col_peak)`` as Python floats, each ≥ 1; ``inf`` when the median RMS is 0 and
+        the largest is not, 1.0 for an all-zero axis.
+
+    Raises:
+        ValueError: ``t`` has fewer than 2 dims.
+    """
+    if t.ndim < 2:
+        raise ValueError(f"pattern detection needs a tensor of at least 2 dims, got shape {tuple(t.shape)}")
+    t2 = t.detach().float().reshape(-1, t.shape[-1])
+    if t2.numel() == 0:
+        return 1.0, 1.0
+    sq = t2.square()
+    out = []
+    for rms in (sq.mean(dim=1).sqrt(), sq.mean(dim=0).sqrt()):
+        top, med = float(rms.max()), float(rms.median())
+        out.append(top / med if med > 0 else (math.inf if top > 0 else 1.0))
+    return out[0], out[1]
+
+
+_RATIO_EPS = 1e-8  # the official ratio test's guard: cv_row / (cv_col + 1e-8) > τ
+
+
+def classify(cv_row: float, cv_col: float, *, rule: str = "ratio", threshold: float = 2.0, floor: float | None = None,
+             min_peak: float | None = None, row_peak: float | None = None, col_peak: float | None = None) -> Pattern:
+    """The decision rule of the outlier detector, on precomputed :func:`pattern_stats`.
+
+    Rules (`specs/adahop.md` §2.2):
+
+    - ``"ratio"`` (default): the official AdaHOP detector (``outlier_detection.py``; its verbatim
+      copy is the "reference detector" of AMD-AGI/ALTO ``tests/unittest/debug/test_moe_pattern_hooks.py``,
+      commit e5fe08b). ROW if ``cv_row / (cv_col + 1e-8) > τ``, COLUMN if
+      ``cv_col / (cv_row + 1e-8) > τ``, else NONE; τ = 2. It has no floor: smooth structure on both
+      axes is NONE, while a tensor with ``cv_row ≈ 0`` (an RMS-normalized input) is COLUMN even
+      without outlier columns. The official kurtosis gate defaults to 0 and never rejects anything
+      (a kurtosis is ≥ 1), so there is none here.
+    - ``"significance"``: our earlier reconstruction, kept for comparison: ROW if ``cv_row ≥ τ`` and
+      ``cv_row ≥ cv_col``, COLUMN if ``cv_col ≥ τ`` and ``cv_col > cv_row``, else NONE. It fires on
+      statistical significance (a 5% spread of row scales gives ``cv_row ≈ 2.2``), not on outliers.
+
+    Optional gates (ours, off by default; measure them in a census before recommending them): a
+    ROW/COLUMN verdict becomes NONE unless its own CV is ≥ ``floor``, and unless its peak ratio
+    (:func:`peak_ratios`: largest RMS over median RMS on that axis) is ≥ ``min_peak``.
+
+    Args:
+        cv_row, cv_col: the statistics of :func:`pattern_stats`.
+        rule: ``"ratio"`` or ``"significance"``. threshold: τ.
+        floor, min_peak: the optional gates (None: off).
+        row_peak, col_peak: :func:`peak_ratios`, needed only with ``min_peak``.
+
+    Raises:
+        ValueError: unknown ``rule``, or ``min_peak`` without the peak ratio it tests.
+    """
+    if rule == "ratio":
+        if cv_row > threshold * (cv_col + _RATIO_EPS):
+            p = Pattern.ROW
+        elif cv_col > threshold * (cv_row + _RATIO_EPS):
+            p = Pattern.COLUMN
+        else:
+            return Pattern.NONE
+    elif rule == "significance":
+        if cv_row >= threshold and cv_row >= cv_col:
+            p = Pattern.ROW
+        elif cv_col >= threshold and cv_col > cv_row:
+            p = Pattern.COLUMN
+        else:
+            return Pattern.NONE
+    else:
+        raise ValueError(f"unknown detector rule {rule!r}; use one of {DETECTOR_RULES}")
+    cv, peak = (cv_row, row_peak) if p is Pattern.ROW else (cv_col, col_peak)
+    if floor is not None and not cv >= floor:
+        return Pattern.NONE
+    if min_peak is not None:
+        if peak is None:
+            raise ValueError("min_peak needs the peak ratios (row_peak, col_peak from peak_ratios(t))")
+        if not peak >= min_peak:
+            return Pattern.NONE
+    return p
+
+
+def detect_pattern(t: torch.Tensor, *, rule: str = "ratio", threshold: float = 2.0, floor: float | None = None,
+                   min_peak: float | None = None) -> Pattern:
+    """Classify ``t`` (storage layout, e.g. X [T,K], W [N,K], ∇Y [T,N]) as ROW, COLUMN or NONE.
+
+    :func:`pattern_stats`, then :func:`classify` (the official ratio test by default; its
+    docstring gives the rules, gates and sources). Leading dims fold into rows.
+
+    Args:
+        t: tensor with ≥ 2 dims, any float dtype. rule, threshold, floor, min_peak: as
+            :func:`classify` (τ = 2.0 in the official code).
+
+    Raises:
+        ValueError: ``t`` has fewer than 2 dims, or an unknown ``rule``.
     """
     cv_row, cv_col = pattern_stats(t)
-    if cv_row >= threshold and cv_row >= cv_col:
-        return Pattern.ROW
-    if cv_col >= threshold and cv_col > cv_row:
-        return Pattern.COLUMN
-    return Pattern.NONE
+    peaks = peak_ratios(t) if min_peak is not None else (None, None)
+    return classify(cv_row, cv_col, rule=rule, threshold=threshold, floor=floor, min_peak=min_peak,
+                    row_peak=peaks[0], col_peak=peaks[1])
 
 
 def gemm_pairs(x: Pattern, w: Pattern, dy: Pattern) -> dict[str, str]:
@@ -138,6 +236,9 @@ class Plan:
     table: str
     layers: dict[str, dict[str, str]] = field(default_factory=dict)
     """``{layer_fqn: {"x": "C", "w": "N", "dy": "R", "fprop": "iht", "dgrad": ..., "wgrad": ...}}``."""
+    calibration: dict | None = None
+    """What the patterns were voted over (:meth:`Calibrator.window`, or the census's window):
+    ``{"steps": [first, last], "observation": ..., "rule": ..., ...}``; None when unknown."""
 
     def strategy(self, layer: str, gemm: str) -> str:
         """Strategy of ``gemm`` (fprop/dgrad/wgrad) for ``layer`` (its qualified name).
@@ -150,8 +251,12 @@ class Plan:
             raise KeyError(f"the plan has no strategy for layer {layer!r} {gemm}; was it made for this model?") from None
 
     def to_json(self) -> str:
-        """The plan as JSON: ``{"table": "lv2", "layers": {fqn: {...}}}``."""
-        return json.dumps({"table": self.table, "layers": self.layers}, indent=1, sort_keys=True)
+        """The plan as JSON: ``{"table": "lv2", "layers": {fqn: {...}}}``, plus ``"calibration"``
+        (the voting window) when known."""
+        d = {"table": self.table, "layers": self.layers}
+        if self.calibration is not None:
+            d["calibration"] = self.calibration
+        return json.dumps(d, indent=1, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
@@ -163,7 +268,7 @@ class Plan:
             for g in GEMMS:
                 if entry.get(g) not in STRATEGIES:
                     raise ValueError(f"plan layer {name!r}: {g}={entry.get(g)!r} is not one of {STRATEGIES}")
-        return cls(table=d["table"], layers=d["layers"])
+        return cls(table=d["table"], layers=d["layers"], calibration=d.get("calibration"))
 
     def save(self, path: str | Path) -> None:
         """Write the plan to ``path`` atomically (a ``plan.json`` for ``adahop train --plan``)."""
@@ -189,11 +294,14 @@ class Plan:
         if missing:
             raise ValueError(f"the plan was frozen with table {self.table!r} and its layer {missing[0]!r} has no patterns "
                              f"(x, w, dy) to re-map through table {table!r}; use a plan made with table {table!r}")
-        return Plan.from_patterns({n: {k: e[k] for k in ("x", "w", "dy")} for n, e in self.layers.items()}, table)
+        return Plan.from_patterns({n: {k: e[k] for k in ("x", "w", "dy")} for n, e in self.layers.items()}, table,
+                                  calibration=self.calibration)
 
     @classmethod
-    def from_patterns(cls, patterns: dict[str, dict[str, str]], table: str = "lv2") -> "Plan":
-        """Build a plan from voted patterns ``{layer: {"x": "R"|"C"|"N", "w": ..., "dy": ...}}``."""
+    def from_patterns(cls, patterns: dict[str, dict[str, str]], table: str = "lv2",
+                      calibration: dict | None = None) -> "Plan":
+        """Build a plan from voted patterns ``{layer: {"x": "R"|"C"|"N", "w": ..., "dy": ...}}``;
+        ``calibration`` records what they were voted over (:attr:`calibration`)."""
         layers = {}
         for name, p in patterns.items():
             pats = {k: Pattern.parse(p.get(k, "N")) for k in ("x", "w", "dy")}
@@ -202,25 +310,67 @@ class Plan:
             entry.update({f"{g}_pair": pairs[g] for g in GEMMS})
             entry.update({g: strategy_for(g, pairs[g], table) for g in GEMMS})
             layers[name] = entry
-        return cls(table=table, layers=layers)
+        return cls(table=table, layers=layers, calibration=calibration)
 
 
 class Calibrator:
-    """Collects the patterns of X, W and ∇Y per layer per call, then majority-votes.
+    """Collects the patterns of X, W and ∇Y per layer, one observation per optimizer step, then
+    majority-votes (`specs/adahop.md` §2.4).
 
-    Ties go to the pattern seen first (``Counter.most_common``), tensors never seen count as
-    NONE (`specs/adahop.md` §2.4).
+    One observation per (layer, tensor) per optimizer step, as the official collection keeps:
+    extra calls within a step (gradient-accumulation micro-batches, a recomputed forward) add no
+    votes. **The first call of the step counts**; later ones are not even classified. (The
+    official hooks overwrite, so there the last call wins; either way it is one micro-batch of the
+    step's data through the same weights. The first is robust to activation recomputation and
+    skips the host syncs of the others.) :class:`~adahop.nn.LowPrecisionLinear` never observes
+    forward-only calls (evaluation), nor a call with no tokens (an MoE expert that got none), not
+    even its weight. Ties go to the pattern seen first (``Counter.most_common``), tensors never
+    seen count as NONE.
+
+    Args:
+        table: strategy table ("lv1" or "lv2"). steps: calibration steps (the plan is voted over
+            optimizer steps 1 … steps). threshold, rule, floor, min_peak: the detector
+            (:func:`classify`); defaults are the official ratio test, τ = 2, no gates.
+
+    Raises:
+        ValueError: unknown table or rule, or a value :class:`~adahop.recipes.spec.CalibSpec` refuses.
     """
 
-    def __init__(self, *, table: str = "lv2", steps: int = 30, threshold: float = 2.0):
+    def __init__(self, *, table: str = "lv2", steps: int = 30, threshold: float = 2.0, rule: str = "ratio",
+                 floor: float | None = None, min_peak: float | None = None):
         if table not in STRATEGY_TABLES:
             raise ValueError(f"unknown strategy table {table!r}; use one of {tuple(STRATEGY_TABLES)}")
+        self.spec = CalibSpec(table=table, steps=steps, threshold=threshold, rule=rule, floor=floor, min_peak=min_peak)
+        self.spec.validate("Calibrator")
         self.table, self.steps, self.threshold = table, steps, threshold
         self.history: dict[str, dict[str, list[str]]] = {}
+        self._last_step: dict[tuple[str, str], int] = {}  # (layer, tensor) -> the step it was observed at
 
-    def observe(self, layer: str, tensor: str, t: torch.Tensor) -> Pattern:
-        """Detect and record the pattern of ``tensor`` ("x", "w" or "dy") of ``layer``."""
-        p = detect_pattern(t, threshold=self.threshold)
+    @classmethod
+    def from_spec(cls, spec: CalibSpec) -> "Calibrator":
+        """The calibrator of a recipe's :class:`~adahop.recipes.spec.CalibSpec`."""
+        return cls(table=spec.table, steps=spec.steps, threshold=spec.threshold, rule=spec.rule, floor=spec.floor,
+                   min_peak=spec.min_peak)
+
+    def detect(self, t: torch.Tensor) -> Pattern:
+        """This calibrator's detector on ``t`` (:func:`detect_pattern` with its rule and gates)."""
+        c = self.spec
+        return detect_pattern(t, rule=c.rule, threshold=c.threshold, floor=c.floor, min_peak=c.min_peak)
+
+    def observe(self, layer: str, tensor: str, t: torch.Tensor, *, step: int | None = None) -> Pattern | None:
+        """Detect and record the pattern of ``tensor`` ("x", "w" or "dy") of ``layer`` at optimizer
+        step ``step`` (any int that changes once per step, e.g. the steps done so far).
+
+        Returns the pattern, or None when nothing was recorded: ``tensor`` was already observed at
+        this ``step``, or ``t`` is empty. ``step=None`` makes every call its own observation (for
+        callers that already pick one tensor per step)."""
+        if t.numel() == 0:
+            return None
+        if step is not None:
+            if self._last_step.get((layer, tensor)) == step:
+                return None
+            self._last_step[(layer, tensor)] = step
+        p = self.detect(t)
         self.history.setdefault(layer, {}).setdefault(tensor, []).append(str(p))
         return p
 
@@ -231,9 +381,16 @@ class Calibrator:
             out[layer] = {k: Counter(tensors.get(k, [])).most_common(1)[0][0] if tensors.get(k) else "N" for k in ("x", "w", "dy")}
         return out
 
+    def window(self) -> dict:
+        """What the vote covers, as stored in the plan: ``{"steps": [1, steps], "observation": ...,
+        "rule": ..., "threshold": ..., "floor": ..., "min_peak": ...}``."""
+        c = self.spec
+        return {"steps": [1, c.steps], "observation": "first call of each optimizer step", "rule": c.rule,
+                "threshold": c.threshold, "floor": c.floor, "min_peak": c.min_peak}
+
     def freeze(self, layers: list[str] | None = None) -> Plan:
         """The plan implied by the vote; ``layers`` lists layers to include even if never seen."""
         votes = self.vote()
         for name in layers or []:
             votes.setdefault(name, {"x": "N", "w": "N", "dy": "N"})
-        return Plan.from_patterns(votes, self.table)
+        return Plan.from_patterns(votes, self.table, calibration=self.window())

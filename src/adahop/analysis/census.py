@@ -9,7 +9,8 @@ Everything here works on plain data, so it can be tested without a model:
 - *voted* patterns ``{layer: {"x": "R"|"C"|"N", "w": ..., "dy": ...}}``.
 
 The vote is the calibration vote of :class:`adahop.patterns.Calibrator` (majority, ties to the
-pattern seen first, `specs/adahop.md` §2.4) over the first ``calib_steps`` recorded steps. Pairs
+pattern seen first, `specs/adahop.md` §2.4); `adahop analyze` gives it the history of optimizer
+steps 1 … ``--calib-steps``, every one recorded, as training's calibration votes. Pairs
 use the orientation flips of :func:`adahop.patterns.gemm_pairs` (`specs/adahop.md` §1):
 fprop ``(x, flip w)``, dgrad ``(dy, w)``, wgrad ``(flip dy, x)``.
 """
@@ -47,7 +48,8 @@ def block_index(name: str) -> int | None:
 
 
 def vote(history: dict[str, dict[str, list[str]]], calib_steps: int = 30) -> dict[str, dict[str, str]]:
-    """Majority pattern per (layer, tensor) over the first ``calib_steps`` recorded steps.
+    """Majority pattern per (layer, tensor) over the first ``calib_steps`` entries of ``history``
+    (`adahop analyze` passes only the steps of its vote window).
 
     Same rule as training's calibration (:meth:`Calibrator.vote`): ties go to the pattern seen
     first, a tensor never recorded counts as "N".
@@ -97,7 +99,8 @@ def census(voted: dict[str, dict[str, str]]) -> Census:
 
 
 def stability(history: dict[str, dict[str, list[str]]], voted: dict[str, dict[str, str]]) -> dict[str, dict[str, float]]:
-    """Per (layer, tensor): the share of *all* recorded steps whose pattern equals the vote."""
+    """Per (layer, tensor): the share of the steps in ``history`` whose pattern equals the vote
+    (`adahop analyze` passes the steps of its patterns-over-steps figure)."""
     out: dict[str, dict[str, float]] = {}
     for layer, ts in history.items():
         out[layer] = {}
@@ -176,6 +179,7 @@ def iht_gain(
     scale_rule: str = "adahop",
     max_scale_range: int | None = 8,
     threshold: float = 2.0,
+    rule: str = "ratio",
 ) -> list[GainRow]:
     """Measure none / IHT / IHT+OE-Left / IHT+OE-Right on each captured layer's three GEMMs.
 
@@ -185,7 +189,7 @@ def iht_gain(
         oe_rank: OE rank (64 in AdaHOP). On small layers it is capped at a quarter of the outer
             dimension (M for OE-Left, N for OE-Right), so OE never covers most of the output.
         scale_rule, max_scale_range: MXFP4 quantizer settings (the adahop presets' defaults).
-        threshold: detector τ when ``patterns`` is None.
+        threshold, rule: the detector (:func:`adahop.patterns.classify`) when ``patterns`` is None.
 
     Returns:
         One :class:`GainRow` per (layer, path), in capture order.
@@ -195,7 +199,7 @@ def iht_gain(
         if patterns is not None and layer in patterns:
             pats = {k: Pattern.parse(patterns[layer][k]) for k in TENSORS}
         else:
-            pats = {k: detect_pattern(t[k], threshold=threshold) for k in TENSORS}
+            pats = {k: detect_pattern(t[k], threshold=threshold, rule=rule) for k in TENSORS}
         pairs = gemm_pairs(pats["x"], pats["w"], pats["dy"])
         for path, (a, b) in gemm_operands(t["x"], t["w"], t["dy"]).items():
             c = a.double() @ b.double()

@@ -25,13 +25,14 @@ from tqdm import tqdm
 from ..hadamard import block_hadamard
 from ..patterns import Plan, pattern_stats
 from ..recipes import get_recipe
+from ..recipes.spec import DETECTOR_RULES, CalibSpec
 from ..train.config import TrainConfig
 from ..train.setup import build_optimizer, lr_at, make_model, make_streams, resolve_data, resolve_device
 from . import census as cs
 from . import figures, report
 from .recorder import PatternRecorder, linear_names
 
-__all__ = ["add_arguments", "run", "record_steps", "pick_layer", "capture_layers"]
+__all__ = ["add_arguments", "run", "record_steps", "vote_window", "window_sentence", "pick_layer", "capture_layers"]
 
 _SKIP = ("recipe", "out", "eval_every", "eval_batches", "ckpt_every", "keep_ckpts", "log_every", "compile", "backend",
          "calib_steps", "plan", "resume", "parallel")
@@ -49,10 +50,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--out", default="analysis/default", help="output folder (default: analysis/default)")
     r = p.add_argument_group("recording")
     r.add_argument("--record-every", type=int, default=None, metavar="N",
-                   help="record steps 1, N, 2N, ... and the last (default: every step when --record-steps is not given)")
-    r.add_argument("--record-steps", default=None, metavar="A,B,C", help="comma-separated steps to record (1-based)")
-    r.add_argument("--calib-steps", type=int, default=30, help="recorded steps the vote uses (default: 30)")
+                   help="steps of the patterns-over-steps figure: 1, N, 2N, ... and the last (default: every step "
+                        "when --record-steps is not given); the vote window is recorded in full regardless")
+    r.add_argument("--record-steps", default=None, metavar="A,B,C",
+                   help="comma-separated steps (1-based) of the patterns-over-steps figure")
+    r.add_argument("--calib-steps", type=int, default=30,
+                   help="the vote covers optimizer steps 1 … N, each one recorded, as training's calibration (default: 30)")
+    r.add_argument("--rule", default="ratio", choices=DETECTOR_RULES,
+                   help="detector rule: ratio (official AdaHOP) or significance (the earlier one) (default: ratio)")
     r.add_argument("--threshold", type=float, default=2.0, help="detector threshold τ (default: 2.0)")
+    r.add_argument("--floor", type=float, default=None,
+                   help="optional gate: a Row/Column verdict also needs its own CV >= this (default: off)")
+    r.add_argument("--min-peak", type=float, default=None,
+                   help="optional gate: ... and its largest row/column RMS >= this × the median (default: off)")
     r.add_argument("--table", default="lv2", choices=("lv1", "lv2"), help="strategy table of plan.json (default: lv2)")
     r.add_argument("--layer", default=None, help="layer of the 3-D figure (default: a middle-depth down_proj)")
     r.add_argument("--gain-layers", type=int, default=14,
@@ -88,6 +98,27 @@ def record_steps(total: int, every: int | None, explicit: list[int] | None) -> l
     if not out:
         raise ValueError(f"--record-steps {explicit}: no step within 1..{total} (--steps)")
     return out
+
+
+def vote_window(total: int, calib_steps: int) -> list[int]:
+    """The optimizer steps the vote covers: ``1 … min(calib_steps, total)``, the steps training's
+    calibration votes over (`specs/adahop.md` §2.4). Every one of them is recorded.
+
+    Raises:
+        ValueError: ``calib_steps`` < 1.
+    """
+    if calib_steps < 1:
+        raise ValueError(f"--calib-steps must be >= 1, got {calib_steps}")
+    return list(range(1, min(calib_steps, total) + 1))
+
+
+def window_sentence(window: list[int], calib_steps: int, calibration: dict) -> str:
+    """The census's statement of what it voted over (census.md, report.md)."""
+    gates = [f"{k} {calibration[k]}" for k in ("floor", "min_peak") if calibration.get(k) is not None]
+    short = (f" (--steps ended the window before --calib-steps {calib_steps})" if window[-1] < calib_steps else "")
+    return (f"Voted over optimizer steps {window[0]}–{window[-1]}{short}, every step recorded, one observation per "
+            f"layer and tensor per step (the first micro-batch); detector rule {calibration['rule']}, "
+            f"τ = {calibration['threshold']}" + (f", gates: {', '.join(gates)}" if gates else ", no gates") + ".")
 
 
 def pick_layer(names: list[str], requested: str | None) -> str:
@@ -206,12 +237,18 @@ def _run_model(args, out: Path) -> dict[str, Path]:
     opt = build_optimizer(cfg, model)
     start = _load_checkpoint(ck, model, opt) if ck is not None else 0
     steps = args.steps
+    detector = CalibSpec(table=args.table, steps=args.calib_steps, threshold=args.threshold, rule=args.rule,
+                         floor=args.floor, min_peak=args.min_peak)
+    detector.validate("adahop analyze (--calib-steps, --rule, --threshold, --floor, --min-peak)")
     explicit = [int(s) for s in args.record_steps.split(",") if s.strip()] if args.record_steps else None
-    recorded = record_steps(steps, args.record_every, explicit)
+    figure_steps = record_steps(steps, args.record_every, explicit)
+    window = vote_window(steps, args.calib_steps)
+    recorded = sorted(set(figure_steps) | set(window))
     names = linear_names(model)
     chosen = pick_layer(names, args.layer)
     captured = capture_layers(names, args.gain_layers, chosen)
-    rec = PatternRecorder(model, layers=names, threshold=args.threshold, capture=captured, capture_tokens=args.gain_tokens,
+    rec = PatternRecorder(model, layers=names, threshold=args.threshold, rule=args.rule, floor=args.floor,
+                          min_peak=args.min_peak, capture=captured, capture_tokens=args.gain_tokens,
                           dump_dir=out / "dumps" if args.dump else None)
     use_bf16 = device.type == "cuda"  # as `adahop train`: BF16 autocast on CUDA, FP32 on CPU
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16)
@@ -244,11 +281,16 @@ def _run_model(args, out: Path) -> dict[str, Path]:
     rec.close()
     seconds = time.perf_counter() - t0
     # ---- analysis -------------------------------------------------------------------------------
-    rsteps, history = rec.history()
-    voted = cs.vote(history, args.calib_steps)
+    _, in_window = rec.history(window)
+    voted = cs.vote(in_window, len(window))
+    rsteps, history = rec.history(figure_steps)  # the figure and the stability: the --record-every sample
     census_ = cs.census(voted)
     stab = cs.stability(history, voted)
-    plan = Plan.from_patterns(voted, args.table)
+    calibration = {"steps": [window[0], window[-1]], "observation": "first micro-batch of each optimizer step",
+                   "rule": args.rule, "threshold": args.threshold, "floor": args.floor, "min_peak": args.min_peak,
+                   "source": "adahop analyze"}
+    plan = Plan.from_patterns(voted, args.table, calibration=calibration)
+    window_text = window_sentence(window, args.calib_steps, calibration)
     q = get_recipe(f"adahop-{args.table}").fprop.a  # the quantizer settings training would use
     gain_rows = cs.iht_gain(rec.captures, patterns=rec.patterns_at(rec.capture_step), oe_rank=args.oe_rank,
                             scale_rule=q.scale_rule, max_scale_range=q.max_scale_range)
@@ -259,13 +301,13 @@ def _run_model(args, out: Path) -> dict[str, Path]:
                                          by_depth="patterns_by_depth.png", gain_png="iht_gain.png",
                                          gain_csv="iht_gain.csv", report="report.md", meta="analysis.json").items()}
     what = f"run {Path(args.run).name}" if args.run else f"{Path(cfg.model_config).stem if cfg.model_config else cfg.model} on {cfg.data}"
-    paths["census_md"].write_text(report.census_markdown(census_, table=args.table,
+    paths["census_md"].write_text(report.census_markdown(census_, table=args.table, window=window_text,
                                                          title=f"Outlier-pattern pair census — {what}"))
     paths["census_csv"].write_text(report.census_csv(census_))
     paths["patterns"].write_text(report.patterns_csv(voted, stab, plan.layers))
     paths["records"].write_text(report.records_csv(rec.records))
     plan.save(paths["plan"])
-    figures.plot_patterns_over_steps(rsteps, history, paths["over_steps"], calib_steps=min(args.calib_steps, len(rsteps)),
+    figures.plot_patterns_over_steps(rsteps, history, paths["over_steps"], calib_steps=window[-1],
                                      title=f"Outlier pattern of X, W, ∇Y per layer over training — {what}")
     figures.plot_patterns_by_depth(voted, paths["by_depth"], title=f"Voted outlier pattern by depth — {what}")
     figures.plot_iht_gain(by_pair, paths["gain_png"], rows=gain_rows,
@@ -278,15 +320,14 @@ def _run_model(args, out: Path) -> dict[str, Path]:
             f"3-D tensors of {chosen} and left vs right Hadamard (Figure 2)": paths["tensor_3d"].name,
             f"plan ({args.table}; `adahop train --plan plan.json`)": "plan.json",
             "voted patterns, stability and strategies per layer": "patterns.csv",
-            "every recorded tensor (step, pattern, cv_row, cv_col)": "records.csv"}
+            "every recorded tensor (step, pattern, cv_row, cv_col, row_peak, col_peak)": "records.csv"}
     start_txt = f"checkpoint {ck.name} of {args.run} (step {start}); " if ck is not None else ""
     info = {"title": f"adahop analyze — {what}", "lines": [
         f"{start_txt}model {cfg.model_config or cfg.model}, {len(names)} linear layers (lm_head excluded), "
         f"data {data_dir}", f"{steps} training steps as `adahop train --recipe bf16` (unquantized GEMMs; "
         f"{'BF16 autocast' if use_bf16 else 'FP32'} on {device}), batch {cfg.batch_size} × seq {cfg.seq_len}, "
         f"lr {cfg.lr}; {seconds:.0f} s; loss {losses[0][1]:.3f} → {losses[-1][1]:.3f}",
-        f"{len(rsteps)} recorded steps ({_steps_text(rsteps)}); vote over the first {min(args.calib_steps, len(rsteps))} "
-        f"(--calib-steps {args.calib_steps}); detector τ = {args.threshold}",
+        window_text, f"{len(rsteps)} steps in the patterns-over-steps figure and the stability ({_steps_text(rsteps)})",
         f"iht_gain: {len(rec.captures)} layers captured at step {rec.capture_step} (first {args.gain_tokens} tokens), "
         f"OE rank min({args.oe_rank}, outer dim / 4), quantizer of adahop-{args.table}"]}
     paths["report"].write_text(report.report_markdown(info=info, census_=census_, voted=voted, stab=stab,
@@ -294,7 +335,8 @@ def _run_model(args, out: Path) -> dict[str, Path]:
                                                       figures=figs, table=args.table))
     meta = {"args": {k: v for k, v in vars(args).items() if not callable(v)}, "config": cfg.to_dict(),
             "data_dir": str(data_dir), "checkpoint": str(ck) if ck else None, "start_step": start,
-            "recorded_steps": rsteps, "captured_layers": captured, "layer_3d": chosen, "losses": losses}
+            "recorded_steps": recorded, "figure_steps": rsteps, "vote_window": [window[0], window[-1]],
+            "captured_layers": captured, "layer_3d": chosen, "losses": losses}
     paths["meta"].write_text(json.dumps(meta, indent=1, default=str))
     print(paths["census_md"].read_text())
     print("mean stability: " + ", ".join(f"{cs.TENSOR_LABELS[t]} {100 * v:.1f}%" for t, v in cs.mean_stability(stab).items()))

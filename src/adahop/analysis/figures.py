@@ -58,7 +58,8 @@ def plot_patterns_over_steps(steps: list[int], history: dict[str, dict[str, list
 
     Args:
         steps: recorded step numbers (column labels). history: ``{layer: {tensor: [pattern per step]}}``.
-        calib_steps: draw a line after this many recorded steps (the end of the vote window).
+        calib_steps: the last optimizer step of the vote window; a line is drawn after the last
+            column at or before it.
     """
     rows, labels = [], []
     code = {"R": 0, "C": 1, "N": 2}
@@ -79,9 +80,10 @@ def plot_patterns_over_steps(steps: list[int], history: dict[str, dict[str, list
     ax.set_xticks(range(0, len(steps), every), [str(steps[i]) for i in range(0, len(steps), every)], fontsize=8)
     for i in range(3, len(rows), 3):  # separate layers
         ax.axhline(i - 0.5, color="white", lw=0.8)
-    if calib_steps is not None and 0 < calib_steps < len(steps):
-        ax.axvline(calib_steps - 0.5, color="k", lw=1.2, ls="--")
-        ax.text(calib_steps - 0.5, -0.8, f" vote window ({calib_steps} recorded steps)", fontsize=8, va="bottom")
+    inside = sum(s <= calib_steps for s in steps) if calib_steps is not None else 0
+    if 0 < inside < len(steps):
+        ax.axvline(inside - 0.5, color="k", lw=1.2, ls="--")
+        ax.text(inside - 0.5, -0.8, f" vote window (steps 1–{calib_steps})", fontsize=8, va="bottom")
     ax.set(xlabel="recorded training step", ylabel="layer · tensor",
            title=title or "Outlier pattern of X, W, ∇Y per layer over training")
     _pattern_legend(ax, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, title="pattern")

@@ -7,7 +7,9 @@ calibration observes (`specs/adahop.md` §2.3). Only the detector statistics are
 tensors are kept only for the layers asked to ``capture`` (X and ∇Y cut to their first
 ``capture_tokens`` rows) and, when ``dump_dir`` is set, written to one safetensors file per step.
 
-With gradient accumulation only the first micro-batch of a step is recorded.
+One observation per layer and tensor per recorded step, as in training's calibration
+(:class:`adahop.patterns.Calibrator`): with gradient accumulation only the first micro-batch of a
+step is recorded, and a call with no tokens (an MoE expert that got none) records nothing, not even W.
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ import torch
 from torch import nn
 
 from ..nn.convert import _excluded
-from ..patterns import pattern_stats
+from ..patterns import classify, pattern_stats, peak_ratios
 
-__all__ = ["Record", "PatternRecorder", "linear_names", "classify"]
+__all__ = ["Record", "PatternRecorder", "linear_names"]
 
 
 def linear_names(model: nn.Module, exclude=("lm_head",)) -> list[str]:
@@ -31,19 +33,11 @@ def linear_names(model: nn.Module, exclude=("lm_head",)) -> list[str]:
     return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not _excluded(n, exclude)]
 
 
-def classify(cv_row: float, cv_col: float, threshold: float = 2.0) -> str:
-    """The decision rule of :func:`adahop.patterns.detect_pattern` on precomputed statistics
-    (so each tensor's statistics are computed once); a test keeps the two in agreement."""
-    if cv_row >= threshold and cv_row >= cv_col:
-        return "R"
-    if cv_col >= threshold and cv_col > cv_row:
-        return "C"
-    return "N"
-
-
 @dataclass(frozen=True, slots=True)
 class Record:
-    """One classified tensor: its step, layer, tensor ("x", "w", "dy"), pattern and statistics."""
+    """One classified tensor: its step, layer, tensor ("x", "w", "dy"), pattern and statistics
+    (:func:`adahop.patterns.pattern_stats` and :func:`~adahop.patterns.peak_ratios`), so that any
+    rule or gate can be re-applied afterwards."""
 
     step: int
     layer: str
@@ -51,6 +45,8 @@ class Record:
     pattern: str
     cv_row: float
     cv_col: float
+    row_peak: float = float("nan")
+    col_peak: float = float("nan")
 
 
 class PatternRecorder:
@@ -69,7 +65,8 @@ class PatternRecorder:
     Args:
         model: any module of ``nn.Linear`` layers (unconverted, or converted by adahop).
         layers: qualified names to hook; default :func:`linear_names` (every linear but lm_head).
-        threshold: detector τ (`specs/adahop.md` §2.2).
+        threshold, rule, floor, min_peak: the detector (:func:`adahop.patterns.classify`; the
+            official ratio test with τ = 2 and no gates by default).
         capture: layers whose X, W, ∇Y are copied (float32, CPU) at steps started with ``capture=True``.
         capture_tokens: rows of X and ∇Y kept in a capture (the same rows for both).
         dump_dir: when set, every recorded step writes all hooked tensors at full size to
@@ -77,6 +74,7 @@ class PatternRecorder:
     """
 
     def __init__(self, model: nn.Module, *, layers: list[str] | None = None, threshold: float = 2.0,
+                 rule: str = "ratio", floor: float | None = None, min_peak: float | None = None,
                  capture: list[str] | tuple[str, ...] = (), capture_tokens: int = 2048,
                  dump_dir: str | Path | None = None):
         self.names = list(layers) if layers is not None else linear_names(model)
@@ -85,7 +83,9 @@ class PatternRecorder:
         unknown = [c for c in capture if c not in self.names]
         if unknown:
             raise ValueError(f"capture layers {unknown} are not hooked layers; known: {self.names[:6]}...")
-        self.threshold, self.capture_set, self.capture_tokens = threshold, set(capture), capture_tokens
+        classify(1.0, 1.0, rule=rule)  # an unknown rule fails here, not at the first recorded step
+        self.detector = dict(rule=rule, threshold=threshold, floor=floor, min_peak=min_peak)
+        self.capture_set, self.capture_tokens = set(capture), capture_tokens
         self.dump_dir = Path(dump_dir) if dump_dir is not None else None
         self.records: list[Record] = []
         self.captures: dict[str, dict[str, torch.Tensor]] = {}
@@ -120,14 +120,16 @@ class PatternRecorder:
         self._handles = []
 
     # -- results -------------------------------------------------------------------------------
-    def history(self) -> tuple[list[int], dict[str, dict[str, list[str]]]]:
-        """Recorded steps (ascending) and ``{layer: {tensor: [pattern per recorded step]}}``.
-        A tensor missing at a step (its layer did not run) is left out of that step."""
-        steps = sorted({r.step for r in self.records})
+    def history(self, steps=None) -> tuple[list[int], dict[str, dict[str, list[str]]]]:
+        """Recorded steps (ascending) and ``{layer: {tensor: [pattern per recorded step]}}``,
+        restricted to the steps in ``steps`` (any collection of ints) when given. A tensor missing
+        at a step (its layer did not run, or got no tokens) is left out of that step."""
+        keep = None if steps is None else set(steps)
+        records = [r for r in self.records if keep is None or r.step in keep]
         hist: dict[str, dict[str, list[str]]] = {n: {"x": [], "w": [], "dy": []} for n in self.names}
-        for r in sorted(self.records, key=lambda r: r.step):
+        for r in sorted(records, key=lambda r: r.step):
             hist[r.layer][r.tensor].append(r.pattern)
-        return steps, hist
+        return sorted({r.step for r in records}), hist
 
     def patterns_at(self, step: int) -> dict[str, dict[str, str]]:
         """``{layer: {tensor: pattern}}`` as recorded at ``step``."""
@@ -144,8 +146,9 @@ class PatternRecorder:
         self._seen.add((layer, tensor))
         t = t.detach()
         cv_row, cv_col = pattern_stats(t)
-        p = classify(cv_row, cv_col, self.threshold)
-        self.records.append(Record(self._step, layer, tensor, p, cv_row, cv_col))
+        row_peak, col_peak = peak_ratios(t)
+        p = str(classify(cv_row, cv_col, row_peak=row_peak, col_peak=col_peak, **self.detector))
+        self.records.append(Record(self._step, layer, tensor, p, cv_row, cv_col, row_peak, col_peak))
         if self._capture and layer in self.capture_set:
             keep = t if tensor == "w" else t[: self.capture_tokens]
             self.captures.setdefault(layer, {})[tensor] = keep.float().cpu().clone()
@@ -156,6 +159,8 @@ class PatternRecorder:
         if self._step is None or not torch.is_grad_enabled():
             return
         x = inputs[0]
+        if x.numel() == 0:
+            return  # no tokens: nothing recorded (not even W); a later micro-batch with tokens counts
         self._observe(layer, "x", x.reshape(-1, x.shape[-1]))  # [T, K]
         self._observe(layer, "w", mod.weight)  # [N, K]
         if output.requires_grad and (layer, "dy_hook") not in self._seen:

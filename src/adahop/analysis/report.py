@@ -35,13 +35,16 @@ def _census_table(c: Census, table: str) -> list[str]:
     return lines
 
 
-def census_markdown(c: Census, *, table: str = "lv2", title: str = "") -> str:
+def census_markdown(c: Census, *, table: str = "lv2", title: str = "", window: str = "") -> str:
     """Table 1 layout: rows = the nine pairs, columns = fprop / dgrad / wgrad / total as
-    ``count (share %)``, plus the strategy ``table`` assigns; then the pairs that never occur."""
+    ``count (share %)``, plus the strategy ``table`` assigns; then the pairs that never occur.
+    ``window`` (a sentence: which steps were voted over, with which detector) follows the intro."""
     lines = [f"# {title or 'Outlier-pattern pair census'}", "",
              f"{c.layers} layers × 3 GEMMs. Each cell: number of GEMMs whose voted (A, B) pair is the row's pair, "
              "and its share of the column (pairs in the orientation each GEMM consumes its operands, "
              "`specs/adahop.md` §1).", ""]
+    if window:
+        lines += [window, ""]
     return "\n".join(lines + _census_table(c, table))
 
 
@@ -65,9 +68,11 @@ def patterns_csv(voted: dict[str, dict[str, str]], stab: dict[str, dict[str, flo
 
 
 def records_csv(records) -> str:
-    """Every classified tensor: ``step, layer, tensor, pattern, cv_row, cv_col``."""
-    rows = [["step", "layer", "tensor", "pattern", "cv_row", "cv_col"]]
-    rows += [[r.step, r.layer, r.tensor, r.pattern, f"{r.cv_row:.4f}", f"{r.cv_col:.4f}"] for r in records]
+    """Every classified tensor: ``step, layer, tensor, pattern, cv_row, cv_col, row_peak, col_peak``
+    (the statistics every rule and gate of :func:`adahop.patterns.classify` reads)."""
+    rows = [["step", "layer", "tensor", "pattern", "cv_row", "cv_col", "row_peak", "col_peak"]]
+    rows += [[r.step, r.layer, r.tensor, r.pattern, f"{r.cv_row:.4f}", f"{r.cv_col:.4f}", f"{r.row_peak:.4f}",
+              f"{r.col_peak:.4f}"] for r in records]
     return _csv(rows)
 
 
@@ -116,8 +121,8 @@ def report_markdown(*, info: dict, census_: Census, voted: dict[str, dict[str, s
     L += ["", "## Census (voted pattern pairs per GEMM path)", ""]
     L += _census_table(census_, table)
     L += ["## Pattern stability", "",
-          "Stability of a tensor = share of all recorded steps whose detected pattern equals its voted pattern "
-          "(the vote that built plan.json).", "",
+          "Stability of a tensor = share of the steps of the patterns-over-steps figure (--record-every) whose "
+          "detected pattern equals its voted pattern (the vote over the window that built plan.json).", "",
           "| tensor | mean stability | voted R / C / N (layers) |", "|---|---|---|"]
     for t in TENSORS:
         n = {p: sum(v[t] == p for v in voted.values()) for p in "RCN"}

@@ -66,6 +66,11 @@ def _magnitude_code_stochastic(a: torch.Tensor, generator: torch.Generator | Non
 def encode_e2m1(v: torch.Tensor, *, rounding: str = "nearest", generator: torch.Generator | None = None) -> torch.Tensor:
     """Encode already-scaled float32 values to 4-bit E2M1 codes (one code per uint8, unpacked).
 
+    The sign bit is kept whatever the magnitude: a negative value that rounds to zero, and -0
+    itself, encode as code 8 (-0), as the official AdaHOP encoder (it ORs the float's sign bit
+    into every code, `specs/adahop.md` §6.1), torchao and the hardware conversions do. So packed
+    codes written here are byte-identical to theirs.
+
     Args:
         v: float32 tensor of scaled values (x / block scale), any shape. NaN encodes as +0; callers
             mark NaN blocks through the scale (E8M0 code 255), as the OCP spec requires.
@@ -85,7 +90,7 @@ def encode_e2m1(v: torch.Tensor, *, rounding: str = "nearest", generator: torch.
         mag = _magnitude_code_stochastic(a, generator)
     else:
         raise ValueError(f"rounding={rounding!r} is not supported; use 'nearest' or 'stochastic'")
-    sign = (torch.signbit(v) & (mag > 0)).to(torch.uint8) << 3  # -0 encodes as +0
+    sign = (torch.signbit(v) & ~torch.isnan(v)).to(torch.uint8) << 3  # also for magnitude 0: code 8 is -0
     return mag | sign
 
 

@@ -102,11 +102,14 @@ def block_exponents(amax: torch.Tensor, scale_rule: str) -> torch.Tensor:
         - ``ceil``: the smallest power of two with amax/scale ≤ 6 (torchao RCEIL,
           ``2^⌈log2(amax/6)⌉``): ``f − 2 + [m > 1.5]``; never clips.
         - ``adahop``: amax rounded to one mantissa bit, then floor (`specs/adahop.md` §6.1):
-          ``f − 2 + [m ≥ 1.75]``, and at least −126 as in the official code.
+          ``f − 2 + [m ≥ 1.75]``, and at least −126 (code 1) as in the official code, which
+          clamps every scale code to ≥ 1 — an all-zero block included.
         - ``tseng``: the floor exponent; the elements are pre-scaled by 3/4 so nothing clips
           (`specs/baselines.md` §2.1).
 
-        amax = 0 gives −127 (code 0). Results are clamped to the E8M0 range [−127, 127].
+        amax = 0 gives −127 (code 0, the OCP/torchao convention) under ``floor``, ``ceil`` and
+        ``tseng``, and −126 (code 1, the official AdaHOP encoder's) under ``adahop``. Results are
+        clamped to the E8M0 range [−127, 127].
     """
     mant, exp = torch.frexp(amax)  # amax = mant · 2^exp, mant ∈ [0.5, 1)
     f = exp.to(torch.int32) - 1  # floor(log2 amax)
@@ -118,7 +121,7 @@ def block_exponents(amax: torch.Tensor, scale_rule: str) -> torch.Tensor:
         e = (e + (m >= 1.75).to(torch.int32)).clamp(min=-126)
     elif scale_rule not in ("floor", "tseng"):
         raise ValueError(f"scale_rule={scale_rule!r} is not supported; use one of {SCALE_RULES}")
-    e = torch.where(amax > 0, e, torch.full_like(e, E8M0_MIN_EXP))
+    e = torch.where(amax > 0, e, torch.full_like(e, E8M0_MIN_EXP + (scale_rule == "adahop")))
     return e.clamp(E8M0_MIN_EXP, E8M0_MAX_EXP)
 
 

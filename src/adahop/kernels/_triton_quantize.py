@@ -56,9 +56,11 @@ def _block_exp(amax, RULE: tl.constexpr):
     e = f - 2
     if RULE == 1:  # ceil: + [m > 1.5]
         e = e + (mant > 0x400000).to(tl.int32)
-    if RULE == 2:  # adahop: + [m >= 1.75], at least -126
+    if RULE == 2:  # adahop: + [m >= 1.75], at least -126, a zero block too (code 1, as the official encoder)
         e = tl.maximum(e + (mant >= 0x600000).to(tl.int32), -126)
-    e = tl.where(amax > 0, e, -127)
+        e = tl.where(amax > 0, e, -126)
+    else:
+        e = tl.where(amax > 0, e, -127)
     return tl.minimum(tl.maximum(e, -127), 127)
 
 
@@ -164,7 +166,8 @@ def _load_blocks(x_ptr, stride_r, stride_k, r, k0, rows, kc, signs_ptr, keep_ptr
         v = tl.reshape(v, [G, HB])
         if HAS_SIGNS:
             v = v * tl.load(signs_ptr + tl.arange(0, HB))[None, :]
-        v = tl.reshape(_fwht(v, G, HB, LOG_HB) * HSCALE, [BR, NB, 32])
+        v = _fwht(v, G, HB, LOG_HB) * HSCALE
+        v = tl.reshape(tl.where(v == 0, 0.0, v), [BR, NB, 32])  # -0 -> +0, as hadamard_butterfly
     amax = tl.reduce(tl.abs(v), 2, _max_propagate_nan)  # NaN if the block holds one, Inf if an Inf
     bad = (amax != amax) | (amax == float("inf"))
     return v, tl.where(bad, 0.0, amax), bad
@@ -241,10 +244,9 @@ def _mx_quantize_kernel(x_ptr, stride_r, stride_k, rows, kc, kp,
             u = tl.reshape(tl.join(tl.join(u0, u1), tl.join(u2, u3)), [BR, BK // 32, 32])
             mag = _e2m1_sr(a, u)
             val = _e2m1_value(mag)
-            neg = (s < 0) & (mag > 0)
         else:
             val, mag = _e2m1_round(a)
-            neg = s < -0.25  # RNE: the code is nonzero exactly when |s| > 0.25
+        neg = s.to(tl.int32, bitcast=True) < 0  # the sign bit, kept at magnitude 0 too (code 8 = -0)
         code = tl.where(bad[:, :, None], 0, mag | (neg.to(tl.int32) << 3))  # [BR, NB, 32]
 
         kb = k0 + tl.arange(0, BK // 32)[:, None] * 32 + tl.arange(0, 32)[None, :]  # [NB, 32]

@@ -51,7 +51,9 @@ def hadamard_butterfly(x: torch.Tensor, *, block_size: int = 32, axis: int = -1,
     constant-geometry (Pease) stages ``y[i] = x[2i] + x[2i+1], y[i + b/2] = x[2i] − x[2i+1]``
     and one final multiply by ``fp32(1/√b)``. Same matrix as the dense product, different
     rounding (≤ a few ulp); the Triton kernel does this exact sequence, so the twins agree bit
-    for bit.
+    for bit. An exact zero result is +0 (as from a matmul with ``H_b``, the official transform):
+    the encoder keeps the sign of -0 (code 8), and the sign of a zero sum would otherwise depend
+    on how a backend adds signed zeros.
 
     Returns:
         float32 tensor of ``x``'s shape.
@@ -74,6 +76,7 @@ def hadamard_butterfly(x: torch.Tensor, *, block_size: int = 32, axis: int = -1,
         a, b = pairs[..., 0], pairs[..., 1]
         v = torch.cat((a + b, a - b), dim=-1)
     v = v * torch.tensor(1.0 / math.sqrt(block_size), dtype=torch.float32, device=v.device)
+    v = torch.where(v == 0, 0.0, v)  # -0 -> +0 (see above)
     return v.reshape(*v.shape[:-2], n).movedim(-1, axis)
 
 

@@ -37,7 +37,7 @@ class Controller:
         plan = self._for_recipe(recipe, plan)
         self.recipe, self.seed, self.step, self.plan = recipe, seed, 0, plan
         cal = recipe.calibration
-        self.calibrator = Calibrator(table=cal.table, steps=cal.steps, threshold=cal.threshold) if cal and plan is None else None
+        self.calibrator = Calibrator.from_spec(cal) if cal and plan is None else None
         self._layers: list[weakref.ref] = []
         self.unquantizable: list[str] = []  # layers the recipe cannot quantize (their shape): BF16 GEMMs
         # called with the Calibrator right before the plan freezes; data parallelism sets it to
@@ -156,10 +156,22 @@ class LowPrecisionLinear(nn.Linear):
                     self._specs = None  # still calibrating
                     return
                 spec = spec.with_strategy(plan.strategy(self.name, g))
+            if g == "wgrad" and spec.strategy == "iht+oe_left":
+                spec = self._wgrad_oe_left_as_iht(spec)
             specs[g] = spec
         self._specs = specs
         if plan is not None and self.name in plan.layers:
             self.patterns = {k: plan.layers[self.name][k] for k in ("x", "w", "dy")}
+
+    def _wgrad_oe_left_as_iht(self, spec: GemmSpec) -> GemmSpec:
+        # OE-Left on wgrad would need X in BF16, which is saved quantized for memory: the official
+        # code runs plain IHT inside the GEMM instead, whatever the plan's source (`specs/adahop.md`
+        # §4); tables never assign it (strategy_for), a hand-written plan or recipe may
+        if not getattr(self.controller, "_warned_wgrad_oe_left", False):
+            self.controller._warned_wgrad_oe_left = True
+            warnings.warn(f"adahop: {self.name} (and any other layer so planned): wgrad 'iht+oe_left' runs as 'iht', "
+                          "as in the official code (OE-Left is not supported on wgrad)", stacklevel=4)
+        return spec.with_strategy("iht")
 
     def current_specs(self) -> dict[str, GemmSpec] | None:
         """The resolved specs, or None when this call runs exact BF16 GEMMs."""
@@ -204,7 +216,10 @@ class LowPrecisionLinear(nn.Linear):
         """During calibration, record the pattern of ``tensor`` ("x" [T,K], "w" [N,K] or "dy" [T,N])."""
         cal = self.controller.calibrator
         if cal is not None and not self.force_bf16:
-            self.patterns[tensor] = str(cal.observe(self.name, tensor, t))
+            # one observation per optimizer step: the first call of the step (Calibrator.observe)
+            p = cal.observe(self.name, tensor, t, step=self.controller.step)
+            if p is not None:
+                self.patterns[tensor] = str(p)
 
     # -- forward -----------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:

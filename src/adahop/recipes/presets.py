@@ -5,10 +5,12 @@ AdaHOP presets follow `specs/adahop.md`; the rival recipes live in :mod:`adahop.
 
 from __future__ import annotations
 
-from .rivals import RIVALS
-from .spec import CalibSpec, GemmSpec, OperandSpec, Recipe
+from dataclasses import replace
 
-__all__ = ["PRESETS", "register", "get_recipe", "list_recipes"]
+from .rivals import RIVALS
+from .spec import GEMMS, CalibSpec, GemmSpec, OperandSpec, Recipe
+
+__all__ = ["PRESETS", "VARIANTS", "register", "get_recipe", "list_recipes"]
 
 PRESETS: dict[str, Recipe] = {}
 
@@ -21,12 +23,50 @@ def register(recipe: Recipe) -> Recipe:
     return recipe
 
 
+#: Variants a recipe name may carry after ``@`` (`get_recipe`): the per-GEMM ablation and the
+#: exponent-range arm of issue 19.
+VARIANTS = ("only-fprop", "only-dgrad", "only-wgrad", "msr-none")
+
+
 def get_recipe(name: str) -> Recipe:
-    """The preset called ``name``. Raises ValueError listing the known names."""
+    """The preset called ``name``, or a variant of one: ``BASE@VARIANT[@VARIANT]``.
+
+    Variants (a documented override of the base preset's GEMM table, for ablations):
+
+    - ``only-fprop`` / ``only-dgrad`` / ``only-wgrad``: that GEMM keeps the base's spec, the other
+      two run BF16 (``mxfp4-had@only-wgrad``: which GEMM carries the loss gap). An AdaHOP base
+      keeps its calibration, and its plan decides the one quantized GEMM.
+    - ``msr-none``: every MXFP4 operand without the row exponent-range limit (``max_scale_range``
+      None instead of 8: blocks may sit more than 2⁸ below their row's largest, so the FP8 fold
+      does not apply; run it with ``--backend reference`` against the base on the same backend).
+
+    Raises:
+        ValueError: unknown preset (lists the known names) or variant, or a variant given twice.
+    """
+    base, *variants = name.split("@")
     try:
-        return PRESETS[name]
+        recipe = PRESETS[base]
     except KeyError:
-        raise ValueError(f"unknown recipe {name!r}; known recipes: {', '.join(list_recipes())}") from None
+        raise ValueError(f"unknown recipe {base!r}; known recipes: {', '.join(list_recipes())}") from None
+    if len(set(variants)) != len(variants) or sum(v.startswith("only-") for v in variants) > 1:
+        raise ValueError(f"recipe {name!r}: each variant at most once, and one only-GEMM at most")
+    for v in variants:
+        recipe = _variant(recipe, v)
+    return replace(recipe, name=name) if variants else recipe
+
+
+def _variant(recipe: Recipe, variant: str) -> Recipe:
+    if variant.startswith("only-") and variant[5:] in GEMMS:
+        keep = variant[5:]
+        bf16 = {g: GemmSpec(strategy="bf16") for g in GEMMS if g != keep}
+        return replace(recipe, description=f"{recipe.description} [only {keep} quantized; the other GEMMs BF16]", **bf16)
+    if variant == "msr-none":
+        def unlimited(op: OperandSpec) -> OperandSpec:
+            return replace(op, max_scale_range=None) if op.fmt == "mxfp4" else op
+        specs = {g: replace(getattr(recipe, g), a=unlimited(recipe.gemm(g).a), b=unlimited(recipe.gemm(g).b))
+                 for g in GEMMS}
+        return replace(recipe, description=f"{recipe.description} [MXFP4 without the exponent-range limit]", **specs)
+    raise ValueError(f"unknown recipe variant {variant!r}; allowed after '@': {', '.join(VARIANTS)}")
 
 
 def list_recipes() -> list[str]:

@@ -21,12 +21,15 @@ from dataclasses import dataclass, field, replace
 from ..formats import SCALE_RULES
 from ..hadamard import SUPPORTED_SIZES
 
-__all__ = ["OperandSpec", "Transform", "GemmSpec", "CalibSpec", "Recipe", "STRATEGIES", "GEMMS"]
+__all__ = ["OperandSpec", "Transform", "GemmSpec", "CalibSpec", "Recipe", "STRATEGIES", "GEMMS", "DETECTOR_RULES"]
 
 #: The GEMM vocabulary used in fields, logs, plans and tables.
 GEMMS = ("fprop", "dgrad", "wgrad")
 #: AdaHOP strategies (`specs/adahop.md` §5); "none" is plain MX without a transform.
 STRATEGIES = ("bf16", "none", "iht", "iht+oe_left", "iht+oe_right")
+#: Outlier-pattern decision rules (`adahop.patterns.classify`): the official ratio test, and the
+#: earlier reconstruction kept for comparison (`specs/adahop.md` §2.2).
+DETECTOR_RULES = ("ratio", "significance")
 _FORMATS = ("mxfp4", "nvfp4", "none")
 _ROUNDINGS = ("nearest", "stochastic")
 _SIGNS = ("none", "fixed", "per_call")
@@ -163,12 +166,26 @@ class CalibSpec:
     steps: int = 30
     """Optimizer steps of BF16 GEMMs with pattern detection before the plan is frozen."""
     threshold: float = 2.0
-    """Detector threshold τ on the normalized CV statistic (`specs/adahop.md` §2.2)."""
+    """Detector threshold τ: on the ratio of the two normalized CVs under rule ``"ratio"``, on the
+    larger CV itself under ``"significance"`` (`specs/adahop.md` §2.2)."""
+    rule: str = "ratio"
+    """Decision rule: ``"ratio"`` (the official AdaHOP detector) or ``"significance"`` (our earlier
+    reconstruction, kept for comparison); see :func:`adahop.patterns.classify`."""
+    floor: float | None = None
+    """Optional (ours, off by default): a Row/Column verdict also needs its own CV ≥ this."""
+    min_peak: float | None = None
+    """Optional (ours, off by default): a Row (Column) verdict also needs the largest row (column)
+    RMS to be at least this many times the median one."""
 
     def validate(self, where: str) -> None:
         """Raise ValueError naming ``where`` and the field when a value is not allowed."""
         _check(self.table in ("lv1", "lv2"), where, f"table={self.table!r}; allowed ('lv1', 'lv2')")
         _check(self.steps >= 1, where, f"steps={self.steps} must be >= 1")
+        _check(self.rule in DETECTOR_RULES, where, f"rule={self.rule!r}; allowed {DETECTOR_RULES}")
+        _check(self.threshold >= 1 if self.rule == "ratio" else self.threshold > 0, where,
+               f"threshold={self.threshold} must be {'>= 1 for the ratio rule' if self.rule == 'ratio' else '> 0'}")
+        _check(self.floor is None or self.floor > 0, where, f"floor={self.floor} must be > 0 or None (off)")
+        _check(self.min_peak is None or self.min_peak >= 1, where, f"min_peak={self.min_peak} must be >= 1 or None (off)")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

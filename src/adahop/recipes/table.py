@@ -95,7 +95,8 @@ def gemm_table(recipe: Recipe) -> str:
         notes.append(f"BF16 blocks: first {recipe.bf16_first_layers}, last {recipe.bf16_last_layers}")
     if recipe.calibration is not None:
         c = recipe.calibration
-        notes.append(f"calibration: {c.steps} BF16 steps, table {c.table}, threshold {c.threshold}; "
+        gates = "".join(f", {k} {getattr(c, k)}" for k in ("floor", "min_peak") if getattr(c, k) is not None)
+        notes.append(f"calibration: {c.steps} BF16 steps, table {c.table}, detector {c.rule} τ={c.threshold}{gates}; "
                      "'calibrated' GEMMs take their strategy from the frozen plan")
     return "\n".join(lines + notes)
 
