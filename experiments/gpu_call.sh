@@ -37,6 +37,9 @@
 #      is warm; on a fresh machine unfinished runs restart), runs already in docs/results/runs/q20m are
 #      skipped, every run's small files come back in $OUT/runs/ (copy the finished ones to
 #      docs/results/runs/q20m/ before the next launch)
+#   r7a (round 7, one GPU): the full kernel validation (the byte-level encoding of issue 19), then the
+#      compiled-gradient checks of issue 24: the SR recipes' mean dW projected on dY^T X under Inductor,
+#      and compiled vs eager gradients of a llama-20m model
 # JOBS: the quality runs still to do, RECIPE:SEED,... (default: this session's list).
 # Needs .carry/{corpus_main.txt.xz,gpt2.tiktoken} and .whl/zstandard-*.whl (carried).
 set -u
@@ -55,6 +58,15 @@ if [ "${STAGE#i19}" != "$STAGE" ]; then  # issue 19: data and compile caches in 
   [ -f runs/issue19/main/manifest.json ] || python3 -m adahop data prepare --source .carry/corpus_main.txt.xz \
     --tokenizer tiktoken:.carry/gpt2.tiktoken --out runs/issue19/main > $OUT/prepare.log 2>&1
   echo "data ready at $(el) s"
+fi
+if [ "$STAGE" = r7a ]; then
+  export CUDA_VISIBLE_DEVICES=0
+  timeout 240 python3 scripts/validate_kernels.py --log $OUT/validate.json > $OUT/validate.log 2>&1; tail -1 $OUT/validate.log
+  grep -E "^FAIL" $OUT/validate.log; echo "validate done at $(el) s"
+  timeout 200 python3 scripts/check_compiled_grads.py --projection --recipes tseng,quartet,nvfp4,averis --compile-backend inductor 2>&1 \
+    | grep -v Warning | tee $OUT/projection.log | grep projection; echo "projection done at $(el) s"
+  timeout $(( 570 - $(el) )) python3 scripts/check_compiled_grads.py --model llama-20m --recipes mxfp4-had,adahop-lv2,tseng,nvfp4 2>&1 \
+    | tee $OUT/compiled_grads.log | grep -E "loss eager|Error"; echo "stage $STAGE done at $(el) s"; exit 0
 fi
 if [ "$STAGE" = i19c ]; then
   export CUDA_VISIBLE_DEVICES=0
