@@ -16,7 +16,7 @@ from ..data.shards import PREPARE_REVISION
 from ..models import build_model, check_compat
 from ..patterns import Plan
 from ..recipes import get_recipe
-from .config import TrainConfig
+from .config import ERROR_FILE, TrainConfig
 
 __all__ = ["resolve_device", "resolve_data", "prepared_path", "settings_diff", "resolve_recipe", "build_optimizer", "lr_at", "make_streams", "make_model"]
 
@@ -61,9 +61,6 @@ def settings_diff(cfg: TrainConfig, run: Path, keys) -> list[str]:
 def _same_path(a, b) -> bool:
     return Path(a).resolve() == Path(b).resolve()
 
-
-#: where a failed ``adahop train`` leaves its error (``compare`` points there); a new attempt removes it
-ERROR_FILE = "error.txt"
 
 
 def check_run_dir(cfg: TrainConfig, run: Path) -> int | None:
