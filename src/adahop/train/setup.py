@@ -224,8 +224,9 @@ def startup_summary(cfg: TrainConfig, model: torch.nn.Module, recipe, train: Tok
     per_step = cfg.batch_size * cfg.seq_len
     where = f"resuming at step {start} of {cfg.steps}" if start else f"{cfg.steps} steps"
     lines = [f"adahop train: {cfg.model_config or cfg.model}, recipe {recipe.name}, {where}, into {cfg.out}",
-             f"  parameters      {total:,} total; {conv:,} ({100 * conv / total:.1f}%) in the {len(run)} linear layers "
-             f"that run {recipe.name}'s GEMMs" + ("" if recipe.is_bf16 else " (the LM head, embeddings and norms stay BF16)")]
+             f"  parameters      {total:,} total; " + ("every GEMM runs in BF16" if recipe.is_bf16 else
+             f"{conv:,} ({100 * conv / total:.1f}%) in the {len(run)} linear layers that run {recipe.name}'s GEMMs "
+             f"(the LM head, embeddings and norms stay BF16)")]
     if rest:
         lines.append(f"  BF16 layers     {len(rest)} converted layers run BF16 GEMMs: "
                      + ", ".join(f"{n} ({why})" for n, why in rest.items()))
