@@ -350,3 +350,289 @@ def test_a_second_run_into_the_same_out_is_refused_while_the_first_runs(data_dir
     assert seen["refused"]
     monkeypatch.undo()
     assert train(_cfg(data_dir, tmp_path / "r", recipe="bf16", steps=1, eval_every=0, ckpt_every=0))["steps"] == 1  # released
+
+
+# ---- issue 24: fail before training, interrupts, disk faults, schedules, start-up ----------------
+
+TINY_ARGS = ["--model", "llama-tiny", "--seq-len", "32", "--batch-size", "4", "--device", "cpu", "--recipe", "bf16",
+             "--eval-every", "0", "--log-every", "1"]
+
+
+def test_data_too_small_for_the_run_is_refused_before_training(data_dir, tmp_path):
+    """A validation split short of --eval-batches batches surfaced at the first evaluation (step 50
+    by default, before any checkpoint) or silently evaluated fewer batches; a training split under
+    one batch trained on repeated windows."""
+    with pytest.raises(ValueError, match=r"--eval-batches 1000: the validation split holds \d+ windows of --seq-len \+ 1 "
+                                         r"= 33 tokens .*; pass --eval-batches \d+ or fewer"):
+        train(_cfg(data_dir, tmp_path / "a", eval_batches=1000))
+    with pytest.raises(ValueError, match=r"--eval-batches 2: .* 0 batch\(es\) of --batch-size 512; lower --batch-size "
+                                         r"or --seq-len, prepare the data with a larger --val-fraction"):
+        train(_cfg(data_dir, tmp_path / "b", batch_size=512))
+    with pytest.raises(ValueError, match=r"--data: the training split holds \d+ windows .* fewer than one batch of "
+                                         r"--batch-size 4096"):
+        train(_cfg(data_dir, tmp_path / "c", batch_size=4096, eval_every=0))
+    assert not any((tmp_path / d / "metrics.jsonl").exists() for d in "abc")  # refused before the first step
+
+
+@pytest.mark.parametrize("flag,value", [("grad_clip", float("nan")), ("weight_decay", float("nan")), ("lr", float("inf"))])
+def test_non_finite_hyper_parameters_are_refused(data_dir, tmp_path, flag, value):
+    with pytest.raises(ValueError, match=f"--{flag.replace('_', '-')}: must be a finite number, got {value}"):
+        _cfg(data_dir, tmp_path, **{flag: value})
+
+
+def test_a_loss_far_above_its_start_is_a_divergence(data_dir, tmp_path, single_thread, monkeypatch, capsys):
+    """--lr 10 used to finish with exit 0 at loss 645 and export the model."""
+    from adahop.cli import main
+    from adahop.train.setup import loss_ceiling
+
+    assert loss_ceiling(8192, 9.2) == pytest.approx(18.4) and loss_ceiling(512, 6.0) == pytest.approx(2 * 6.2383, abs=1e-3)
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    out = tmp_path / "r"
+    assert main(["train", *TINY_ARGS, "--data", str(data_dir), "--out", str(out), "--steps", "8", "--lr", "10",
+                 "--warmup-steps", "4", "--ckpt-every", "1", "--keep-ckpts", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "the training loss rose to" in err and "above 12.5 (2 x the larger of ln(vocab 512) = 6.24" in err, err
+    assert (out / "error.txt").read_text().startswith("adahop train: the training loss rose to")
+    assert not (out / "model.safetensors").exists()  # no export of a diverged model
+    kept = sorted((out / "checkpoints").glob("step_*"))
+    assert len(kept) == 1 and int(kept[0].name[5:]) < 8
+    losses = [r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+    assert losses[0] < 7 and all(v < 12.5 for v in losses[:int(kept[0].name[5:])])  # the kept step was below the ceiling
+
+
+def test_second_ctrl_c_aborts_at_once_and_keeps_the_last_complete_checkpoint(data_dir, tmp_path, single_thread,
+                                                                              monkeypatch):
+    """The first Ctrl-C (in step 3) asks for a checkpoint at the end of the step; a second one while it
+    is written aborts at once: the partial folder goes, step 2's checkpoint stays and resumes."""
+    import os
+    import signal
+
+    import adahop.train.checkpoint as ck
+    import adahop.train.loop as loop
+
+    real_ce, real_save, calls = loop.F.cross_entropy, ck.save_file, {"ce": 0, "save": 0}
+
+    def ctrl_c_in_step_3(*a, **k):
+        calls["ce"] += 1
+        if calls["ce"] == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_ce(*a, **k)
+
+    def ctrl_c_while_writing(tensors, path, *a, **k):  # files 1-2: step 2's checkpoint; 3-4: step 3's
+        calls["save"] += 1
+        if calls["save"] == 4:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_save(tensors, path, *a, **k)
+
+    monkeypatch.setattr(loop.F, "cross_entropy", ctrl_c_in_step_3)
+    monkeypatch.setattr(ck, "save_file", ctrl_c_while_writing)
+    cfg = _cfg(data_dir, tmp_path / "r", recipe="bf16", steps=6, ckpt_every=2, eval_every=0)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the run's handler is gone with it
+    assert [p.name for p in (tmp_path / "r" / "checkpoints").iterdir()] == ["step_0000002"]
+    monkeypatch.undo()
+    assert train(dataclasses.replace(cfg, resume=True, steps=3))["steps"] == 3
+
+
+def test_ctrl_c_reaches_a_compare_child_once_per_press(tmp_path):
+    """compare runs each recipe in its own process group and passes each Ctrl-C on: the child sees
+    two presses as two (not four, as when the terminal's signal reached both), and its exit code comes back."""
+    import os
+    import signal
+    import sys
+    import threading
+    import time
+
+    from adahop.train.compare import _run_child
+
+    ready, seen = tmp_path / "ready", tmp_path / "seen"
+    child = (f"import signal, time, pathlib\nn = []\n"
+             f"signal.signal(signal.SIGINT, lambda *_: n.append(1))\npathlib.Path({str(ready)!r}).touch()\n"
+             f"t = time.time()\nwhile len(n) < 2 and time.time() - t < 60: time.sleep(0.05)\n"
+             f"time.sleep(0.5)\npathlib.Path({str(seen)!r}).write_text(str(len(n)))\nraise SystemExit(130)\n")
+
+    def press_twice():
+        while not ready.exists():
+            time.sleep(0.05)
+        for _ in range(2):
+            os.kill(os.getpid(), signal.SIGINT)  # what the terminal sends to compare's process group
+            time.sleep(0.3)
+
+    threading.Thread(target=press_twice, daemon=True).start()
+    assert _run_child([sys.executable, "-c", child]) == (130, 2)
+    assert seen.read_text() == "2"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_ctrl_c_in_compare_checkpoints_the_running_recipe_and_says_how_to_resume(data_dir, tmp_path):
+    """It used to exit 130 at once: the running recipe was killed before it could write a checkpoint."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from adahop.train.compare import Interrupted, compare
+
+    out = tmp_path / "cmp"
+    cfg = _cfg(data_dir, out, recipe="bf16", steps=400, ckpt_every=0, eval_every=0)
+    metrics = out / "bf16" / "metrics.jsonl"
+
+    def press_ctrl_c():  # once the first recipe trains
+        t = time.time()
+        while time.time() - t < 300 and not (metrics.exists() and '"loss"' in metrics.read_text()):
+            time.sleep(0.1)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=press_ctrl_c, daemon=True).start()
+    try:
+        compare(["bf16", "mxfp4"], cfg, out)
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C ended compare with KeyboardInterrupt: the running recipe was killed without a checkpoint")
+    except Interrupted as e:
+        msg = str(e)
+    else:
+        pytest.fail("compare was not interrupted")
+    kept = [p.name for p in (out / "bf16" / "checkpoints").iterdir()]
+    assert len(kept) == 1 and 0 < int(kept[0][5:]) < 400, kept
+    assert msg == (f"interrupted during bf16: its checkpoint {out / 'bf16' / 'checkpoints' / kept[0]} is kept. Run the "
+                   f"same `adahop compare` command again (same --out and settings) to resume bf16 and train mxfp4; the "
+                   f"table is written when every recipe is done")
+    assert not (out / "mxfp4").exists() and not (out / "compare.md").exists()
+
+
+_DISK_ARGS = ["--steps", "4", "--ckpt-every", "2"]
+
+
+def test_disk_full_during_a_checkpoint_keeps_the_last_complete_one(data_dir, tmp_path, single_thread, monkeypatch, capsys):
+    """An injected ENOSPC while the second checkpoint is written: a raw traceback and a leftover
+    temporary folder before; now one line naming the kept checkpoint, error.txt, and a clean resume."""
+    import errno
+    import os
+
+    import adahop.train.checkpoint as ck
+    from adahop.cli import main
+
+    real, calls = ck.save_file, {"n": 0}
+
+    def full_disk(tensors, path, *a, **k):  # files 1-2: step 2's checkpoint; 4: step 4's optimizer state
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real(tensors, path, *a, **k)
+
+    monkeypatch.setattr(ck, "save_file", full_disk)
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    out = tmp_path / "r"
+    args = ["train", *TINY_ARGS, "--data", str(data_dir), "--out", str(out), *_DISK_ARGS]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    line = (f"adahop train: error: the checkpoint of step 4 could not be written to {out / 'checkpoints'} (No space left on "
+            f"device); its partial folder was removed and the last complete checkpoint, {out / 'checkpoints' / 'step_0000002'}, "
+            f"is kept. Free space (or fix the disk), then continue with --resume")
+    assert err == [line]
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_0000002"]
+    assert (out / "error.txt").read_text() == line + "\n" and not (out / "model.safetensors").exists()
+    monkeypatch.setattr(ck, "save_file", real)
+    assert main([*args, "--resume"]) == 0
+    assert not (out / "error.txt").exists() and (out / "model.safetensors").exists()
+
+
+def test_disk_full_on_a_real_small_filesystem(data_dir, tmp_path):
+    """The same on a real 9 MiB tmpfs, mounted in a user + mount namespace (``unshare -rm``) where the
+    machine allows one: one checkpoint of llama-tiny (6.3 MB: FP32 weights and two AdamW moments)
+    fits, the second does not (safetensors' own I/O error, not an OSError)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("unshare") is None or subprocess.run(
+            ["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=1m tmpfs {tmp_path}"], capture_output=True).returncode:
+        pytest.skip("no tmpfs mount in a user namespace on this machine (unshare -rm)")
+    fs, run = tmp_path / "fs", tmp_path / "fs" / "run"
+    fs.mkdir()
+    train_cmd = " ".join([sys.executable, "-m", "adahop", "train", *TINY_ARGS, "--data", str(data_dir), "--out", str(run),
+                          *_DISK_ARGS])
+    script = (f"mount -t tmpfs -o size=9m tmpfs {fs} || exit 99; {train_cmd}; echo rc=$?; ls -a {run / 'checkpoints'}; "
+              f"cat {run / 'error.txt'}")  # the tmpfs goes with the namespace: look inside it here
+    r = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "TQDM_DISABLE": "1"})
+    assert "rc=2" in r.stdout, (r.stdout[-3000:], r.stderr[-3000:])
+    listing = r.stdout.split("rc=2", 1)[1].split()
+    assert [n for n in listing if n.startswith(("step_", ".tmp"))] == ["step_0000002"]
+    expect = (f"adahop train: error: the checkpoint of step 4 could not be written to {run / 'checkpoints'} (No space left "
+              f"on device); its partial folder was removed and the last complete checkpoint")
+    assert expect in r.stdout and r.stderr.strip().splitlines()[-1].startswith(expect) and "Traceback" not in r.stderr
+
+
+def test_resume_with_more_steps_keeps_the_lr_schedule_unless_rescheduled(data_dir, tmp_path, single_thread, capsys):
+    """Growing --steps on resume re-stretched the cosine (the lr jumped from 0.00037 to 0.00086)."""
+    from adahop.train.setup import lr_at
+
+    run = tmp_path / "r"
+    cfg = _cfg(data_dir, run, recipe="bf16", steps=6, ckpt_every=2, eval_every=0)  # lr 3e-3, warm-up 2, final 3e-4
+    train(cfg)
+    assert "estimate: " in capsys.readouterr().out  # once 3 steps are timed
+    s = train(dataclasses.replace(cfg, resume=True, steps=8))
+    assert ("--resume: keeping the run's lr schedule (cosine decay ending at step 6; steps 7..8 run at its final lr "
+            "0.0003); pass --reschedule to fit the decay to --steps 8") in capsys.readouterr().out
+    lrs = {r["step"]: r["lr"] for r in read_metrics(run / "metrics.jsonl") if "lr" in r}
+    assert lrs[7] == lrs[8] == pytest.approx(3e-4) and s["lr_schedule_steps"] == 6
+    s = train(dataclasses.replace(cfg, resume=True, steps=10, reschedule=True))
+    assert "--reschedule: the cosine decay now ends at step 10 instead of 6" in capsys.readouterr().out
+    lrs = {r["step"]: r["lr"] for r in read_metrics(run / "metrics.jsonl") if "lr" in r}
+    assert lrs[9] == pytest.approx(lr_at(cfg, 8, 10)) and lrs[9] > 1.5 * 3e-4 and s["lr_schedule_steps"] == 10
+
+
+def _llama_json(path: Path, hidden: int, inter: int) -> str:
+    path.write_text(json.dumps({"model_type": "llama", "hidden_size": hidden, "intermediate_size": inter,
+                                "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
+                                "vocab_size": 512, "max_position_embeddings": 64}))
+    return str(path)
+
+
+def test_a_recipe_that_converts_no_layer_is_refused_and_a_partial_one_lists_the_rest(data_dir, tmp_path, single_thread,
+                                                                                      capsys):
+    """A Llama whose dims fit no MXFP4 block trained all in BF16 with only a warning (GPT-2 was refused)."""
+    odd = _llama_json(tmp_path / "odd.json", 48, 80)  # no dim a multiple of 32
+    with pytest.warns(UserWarning, match="cannot quantize"), \
+            pytest.raises(ValueError, match=r"--recipe mxfp4: none of the model's 14 linear layers can run it "
+                                            r"\(model.layers.0.self_attn.q_proj: shape 48->48;"):
+        train(_cfg(data_dir, tmp_path / "a", recipe="mxfp4", model_config=odd, steps=1, eval_every=0))
+    part = _llama_json(tmp_path / "part.json", 64, 80)  # attention (64 wide) quantizes, the MLP (80) cannot
+    with pytest.warns(UserWarning, match="cannot quantize"):
+        s = train(_cfg(data_dir, tmp_path / "b", recipe="mxfp4", model_config=part, steps=1, eval_every=0, ckpt_every=0))
+    mlp = {f"model.layers.{i}.mlp.{p}_proj": f"shape {io}" for i in range(2)
+           for p, io in (("gate", "64->80"), ("up", "64->80"), ("down", "80->64"))}
+    assert s["bf16_layers"] == mlp and s["unquantizable_layers"] == 6
+    assert "6 converted layers run BF16 GEMMs: model.layers.0.mlp.gate_proj (shape 64->80), " in capsys.readouterr().out
+
+
+def test_start_up_summary_says_what_the_run_does_and_warns_above_one_epoch(data_dir, tmp_path, single_thread, capsys,
+                                                                           monkeypatch):
+    import adahop.train.loop as loop
+    from adahop.data import Manifest, TokenStream
+    from adahop.recipes.table import gemm_table
+    from adahop.train.setup import resolve_recipe
+
+    def stop(*a, **k):  # right after the summary: the steps themselves are not what this checks
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(loop, "write_config", stop)
+    cfg = _cfg(data_dir, tmp_path / "r", batch_size=64, steps=40, eval_every=0)
+    with pytest.raises(RuntimeError, match="stop here"):
+        train(cfg)
+    cap = capsys.readouterr()
+    windows = TokenStream(data_dir, "train", 32, 64).n_windows
+    epochs = 40 * 64 / windows
+    assert epochs > 1
+    block = 128 * 128 * 2 + 128 * 64 * 2 + 128 * 384 * 3  # llama-tiny: q, o; k, v (2 KV heads of 32); gate, up, down
+    total = 2 * block + 2 * 512 * 128 + 5 * 128  # + embeddings, LM head, 5 RMSNorm gains
+    m = Manifest.load(data_dir)
+    for text in (f"{total:,} total; {2 * block:,} ({100 * 2 * block / total:.1f}%) in the 14 linear layers that run "
+                 f"adahop-lv2's GEMMs", f"{m.train.tokens:,} training tokens, {m.val.tokens:,} validation tokens",
+                 f"tokens per step 2,048 (--batch-size 64 x --seq-len 32); 81,920 tokens in all = {epochs:.2f} epochs",
+                 *("    " + ln for ln in gemm_table(resolve_recipe(cfg)[0]).splitlines())):  # --calib-steps 3
+        assert text in cap.out, text
+    assert f"makes {epochs:.2f} passes over the training split ({windows:,} windows of --seq-len 32)" in cap.err

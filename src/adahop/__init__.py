@@ -6,13 +6,29 @@
     print(adahop.describe(model))
 """
 
-from .gemm import lowp_matmul
-from .nn import LowPrecisionLinear, convert_model, describe, get_controller, on_step, saved_bytes
-from .patterns import STRATEGY_TABLES, Calibrator, Pattern, Plan, detect_pattern
-from .recipes import Recipe, get_recipe, list_recipes
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = ["lowp_matmul", "LowPrecisionLinear", "convert_model", "describe", "get_controller", "on_step",
-           "saved_bytes", "STRATEGY_TABLES", "Calibrator", "Pattern", "Plan", "detect_pattern", "Recipe",
-           "get_recipe", "list_recipes", "__version__"]
+# The names below are imported on first use (PEP 562), so that `import adahop.cli` (the command
+# line: `--help`, option errors) does not pay for torch; `adahop.convert_model` works as usual.
+_LAZY = {
+    "lowp_matmul": ".gemm",
+    **dict.fromkeys(("LowPrecisionLinear", "convert_model", "describe", "get_controller", "on_step", "saved_bytes"), ".nn"),
+    **dict.fromkeys(("STRATEGY_TABLES", "Calibrator", "Pattern", "Plan", "detect_pattern"), ".patterns"),
+    **dict.fromkeys(("Recipe", "get_recipe", "list_recipes"), ".recipes"),
+}
+
+__all__ = [*_LAZY, "__version__"]
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'adahop' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

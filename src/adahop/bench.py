@@ -14,7 +14,6 @@ median of many repetitions, fresh random (never zero) inputs.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import statistics
@@ -23,6 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from .bench_options import COMPILE_MODES, add_arguments  # torch-free, so that `adahop --help` stays fast
 
 __all__ = ["add_arguments", "run", "bench_linear", "bench_model", "model_step", "cuda_graph_time_ms", "LINEAR_SHAPES"]
 
@@ -160,12 +161,6 @@ def bench_linear(models=("llama3.1-8b",), tokens=(8192, 16384), reps: int = 20, 
                     del layer, step
                     torch.cuda.empty_cache()
     return rows
-
-
-#: How ``bench model`` runs the model: eager, ``torch.compile`` (default mode), and
-#: ``torch.compile(mode="reduce-overhead")``, which replays CUDA graphs and so removes the host
-#: time of the many small launches of a quantized layer.
-COMPILE_MODES = {"eager": None, "compiled": "default", "compiled+cudagraphs": "reduce-overhead"}
 
 
 def bench_model(model: str = "llama3.2-1b", *, recipes=("bf16", "adahop-lv2", "mxfp4"), seq_len: int = 4096, batch: int = 4,
@@ -315,27 +310,6 @@ def _print(rows: list[dict]) -> None:
         print(" | ".join(keys))
     for r in rows:
         print(" | ".join(f"{r[k]:.3f}" if isinstance(r.get(k), float) else str(r.get(k, "")) for k in keys))
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of ``adahop bench linear`` and ``adahop bench model``."""
-    sub = p.add_subparsers(dest="bench_cmd", required=True)
-    lin = sub.add_parser("linear", help="one linear layer, forward + backward")
-    lin.add_argument("--shapes", default="llama3.1-8b", help="comma-separated: llama3.2-1b, llama3.1-8b")
-    lin.add_argument("--tokens", default="8192,16384")
-    lin.add_argument("--reps", type=int, default=20)
-    lin.add_argument("--cuda-graphs", action="store_true",
-                     help="also time each layer replayed from a CUDA graph (device time, no host launch cost)")
-    lin.add_argument("--json", help="write the rows here")
-    mod = sub.add_parser("model", help="end-to-end training step")
-    mod.add_argument("--model", default="llama3.2-1b")
-    mod.add_argument("--layers", type=int, help="keep only the first N blocks (e.g. 4 with llama3.1-8b)")
-    mod.add_argument("--recipes", default="bf16,adahop-lv2,mxfp4")
-    mod.add_argument("--seq-len", type=int, default=4096)
-    mod.add_argument("--batch-size", type=int, default=4)
-    mod.add_argument("--steps", type=int, default=6)
-    mod.add_argument("--modes", default="eager,compiled", help=f"comma-separated, of {', '.join(COMPILE_MODES)}")
-    mod.add_argument("--json", help="write the rows here")
 
 
 def run(args) -> None:

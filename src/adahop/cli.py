@@ -1,40 +1,20 @@
-"""The `adahop` command line: data prepare, train, compare, recipes, analyze, bench."""
+"""The `adahop` command line: data prepare, train, compare, recipes, analyze, bench.
+
+Building the parser imports nothing heavy (no torch, transformers or kernels): ``--help`` and option
+errors answer at once; each command imports what it needs when it runs.
+"""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
-import typing
 from pathlib import Path
+
+from .train.config import add_config_flags, config_from
 
 __all__ = ["main", "build_parser"]
 
-
-def _add_config_flags(p: argparse.ArgumentParser, cls, *, skip=()) -> None:
-    """One ``--flag`` per dataclass field, typed from the annotation, help from its docstring."""
-    from .train.config import field_docs
-
-    docs = field_docs(cls)
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        if f.name in skip:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        t = hints[f.name]
-        base = next((a for a in typing.get_args(t) if a is not type(None)), t)
-        help_ = f"{docs.get(f.name, '')} (default: {f.default})"
-        if base is bool:
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
-        else:
-            p.add_argument(flag, type=base, default=f.default, help=help_, metavar=f.name.upper())
-
-
-def _config_from(args, cls, **override):
-    fields = {f.name for f in dataclasses.fields(cls)}
-    kw = {k: v for k, v in vars(args).items() if k in fields}
-    kw.update(override)
-    return cls(**kw)
+_add_config_flags, _config_from = add_config_flags, config_from  # the names other modules used before the move
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,41 +36,89 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--seed", type=int, default=0)
 
     tr = sub.add_parser("train", help="pretrain a model from scratch with a recipe")
-    _add_config_flags(tr, TrainConfig)
+    add_config_flags(tr, TrainConfig)
 
     cmp = sub.add_parser("compare", help="train several recipes on the same data; table and plots")
     cmp.add_argument("--recipes", default="bf16,adahop-lv2", help="comma-separated recipe names")
-    _add_config_flags(cmp, TrainConfig, skip=("recipe", "resume"))
-    cmp.set_defaults(out="runs/compare")
+    add_config_flags(cmp, TrainConfig, skip=("recipe", "resume", "reschedule"), defaults={"out": "runs/compare"})
 
     sub.add_parser("recipes", help="list the recipe presets and what each GEMM does")
 
     an = sub.add_parser("analyze", help="outlier-pattern census and the paper's figures")
-    from .analysis.cli import add_arguments as add_analyze
+    from .analysis.options import add_arguments as add_analyze
 
     add_analyze(an)
 
     bench = sub.add_parser("bench", help="speed and memory against BF16 and other MXFP4 emulations")
-    from .bench import add_arguments as add_bench
+    from .bench_options import add_arguments as add_bench
 
     add_bench(bench)
     return p
 
 
 def _leave_error(args, message: str) -> None:
-    """A failed ``train`` leaves its error in ``--out``/error.txt, where ``compare`` points."""
+    """A failed ``train`` leaves its error in ``--out``/error.txt, where ``compare`` points: the
+    one-line ``message`` first (what ``compare`` shows), then any detail (a traceback)."""
     if args.cmd != "train" or not getattr(args, "out", None):
         return
-    from .train.setup import ERROR_FILE
+    from .train.config import ERROR_FILE
 
     try:
         (Path(args.out) / ERROR_FILE).write_text(message + "\n")
-    except OSError:  # no folder there (or not writable): stderr already has it
+    except OSError:  # no folder there (or not writable, or the disk is full): stderr already has it
         pass
 
 
+def _quiet_imports() -> None:
+    """Import transformers' model code with two third-party loggers muted. When torchao is installed
+    (the test extras), transformers imports it for its torchao quantizer, which adahop never uses;
+    torchao then logs that its CUDA extensions do not load here, and torch logs a deprecation of
+    torchao's pytree registrations. Neither concerns an adahop run; anything logged later is shown."""
+    import logging
+
+    loggers = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        import transformers.modeling_utils  # noqa: F401  (imports torchao when it is installed)
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def _kept_on_abort(run: Path) -> str:
+    done = sorted(p.parent.name for p in (run / "checkpoints").glob("step_*/state.json"))  # state.json: written last
+    return (f"; the last complete checkpoint, {run / 'checkpoints' / done[-1]}, is kept (continue with --resume)" if done
+            else "; no checkpoint had been written")
+
+
+def _train(args) -> int:
+    from .train.config import TrainConfig
+
+    cfg = config_from(args, TrainConfig)  # a bad value is refused before torch is imported
+    _quiet_imports()
+    from .train import train
+    from .train.distributed import init_from_env, shutdown
+
+    d = init_from_env(cfg.device)  # under torchrun (WORLD_SIZE set): join the process group
+    try:
+        s = train(cfg, rank=d.rank, world=d.world)
+    finally:
+        shutdown()
+    if s.get("interrupted"):  # the checkpoint is written; a script must not take this for a finished run
+        return 130
+    if d.is_main:
+        tps = f"{s['tok_per_s']:,.0f} tokens/s" if s["tok_per_s"] else "tokens/s not measured (too few steps after warm-up)"
+        val = (f"final val loss {s['final_val_loss']}, val bpb {s['final_val_bpb']}" if s["final_val_loss"] is not None
+               else "no validation (--eval-every 0)")
+        print(f"{val}, {tps}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run the ``adahop`` command line; returns the exit code (2 for a bad option, named in the message)."""
+    """Run the ``adahop`` command line; returns the exit code: 0 done, 1 a run that failed (diverged,
+    a recipe of ``compare`` failed), 2 a bad option or path (named in the message), 130 interrupted."""
     args = build_parser().parse_args(argv)
     try:
         if args.cmd == "data":
@@ -101,28 +129,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {args.out}: train {m.train.tokens:,} tokens, val {m.val.tokens:,} tokens, "
                   f"tokenizer {m.tokenizer.name} (vocab {m.tokenizer.vocab_size})")
         elif args.cmd == "train":
-            from .train import TrainConfig, train
-            from .train.distributed import init_from_env, shutdown
-
-            cfg = _config_from(args, TrainConfig)
-            d = init_from_env(cfg.device)  # under torchrun (WORLD_SIZE set): join the process group
-            try:
-                s = train(cfg, rank=d.rank, world=d.world)
-            finally:
-                shutdown()
-            if s.get("interrupted"):  # the checkpoint is written; a script must not take this for a finished run
-                return 130
-            if d.is_main:
-                tps = f"{s['tok_per_s']:,.0f} tokens/s" if s["tok_per_s"] else "tokens/s not measured (too few steps after warm-up)"
-                val = (f"final val loss {s['final_val_loss']}, val bpb {s['final_val_bpb']}" if s["final_val_loss"] is not None
-                       else "no validation (--eval-every 0)")
-                print(f"{val}, {tps}")
+            return _train(args)
         elif args.cmd == "compare":
-            from .train import TrainConfig
-            from .train.compare import compare
+            from .train.config import TrainConfig
 
-            cfg = _config_from(args, TrainConfig)
-            summaries = compare([r.strip() for r in args.recipes.split(",") if r.strip()], cfg, Path(cfg.out))
+            cfg = config_from(args, TrainConfig)
+            _quiet_imports()
+            from .train.compare import Interrupted, compare
+
+            try:
+                summaries = compare([r.strip() for r in args.recipes.split(",") if r.strip()], cfg, Path(cfg.out))
+            except Interrupted as e:  # the running recipe wrote its checkpoint (or was aborted): say how to go on
+                print(f"adahop compare: {e}", file=sys.stderr)
+                return 130
             failed = [r for r, s in summaries.items() if "error" in s]
             if failed:  # the table is written; a script must still see that it is incomplete
                 print(f"adahop compare: error: {', '.join(failed)} failed (see the table)", file=sys.stderr)
@@ -132,10 +151,12 @@ def main(argv: list[str] | None = None) -> int:
 
             print(describe_recipes())
         elif args.cmd == "analyze":
+            _quiet_imports()
             from .analysis.cli import run
 
             run(args)
         elif args.cmd == "bench":
+            _quiet_imports()
             from .bench import run as run_bench
 
             run_bench(args)
@@ -143,17 +164,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"adahop {args.cmd}: error: {e}", file=sys.stderr)
         _leave_error(args, f"adahop {args.cmd}: error: {e}")
         return 2
-    except RuntimeError as e:
-        from .train.loop import Diverged
-
-        if not isinstance(e, Diverged):
-            raise
-        print(f"adahop {args.cmd}: {e}", file=sys.stderr)
-        return 1
     except OSError as e:  # files and network (a download that cannot reach its host): one line, no traceback
-        print(f"adahop {args.cmd}: error: {type(e).__name__}: {e}", file=sys.stderr)
-        _leave_error(args, f"adahop {args.cmd}: error: {type(e).__name__}: {e}")
+        ck = sys.modules.get("adahop.train.checkpoint")  # not imported: the error cannot be a checkpoint's
+        msg = str(e) if ck is not None and isinstance(e, ck.CheckpointWriteError) else f"{type(e).__name__}: {e}"
+        print(f"adahop {args.cmd}: error: {msg}", file=sys.stderr)
+        _leave_error(args, f"adahop {args.cmd}: error: {msg}")
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # train: a second Ctrl-C (the first stops at the end of the step, with a checkpoint)
+        print(f"adahop {args.cmd}: aborted" + (_kept_on_abort(Path(args.out)) if args.cmd == "train" else ""),
+              file=sys.stderr)
         return 130
+    except Exception as e:
+        loop = sys.modules.get("adahop.train.loop")
+        if loop is not None and isinstance(e, loop.Diverged):
+            print(f"adahop {args.cmd}: {e}", file=sys.stderr)
+            _leave_error(args, f"adahop {args.cmd}: {e}")
+            return 1
+        import traceback  # a bug: the run folder keeps the traceback too (compare shows its first line)
+
+        _leave_error(args, f"adahop {args.cmd}: error: unexpected {type(e).__name__}: {e}\n\n{traceback.format_exc()}")
+        raise
     return 0

@@ -3,23 +3,56 @@
 A checkpoint is the folder ``checkpoints/step_NNNNNNN/`` holding ``model.safetensors`` (FP32
 master weights), ``optimizer.safetensors`` (AdamW moments), and ``state.json`` (step, optimizer
 hyper-parameters, the AdaHOP plan or the calibration history so far, RNG state). It is written to a
-temporary folder and renamed into place, so a crash never leaves a half-written checkpoint.
+temporary folder and renamed into place, so a crash never leaves a half-written checkpoint; a write
+that fails (disk full, I/O error, an abort) removes its temporary folder and leaves the complete
+checkpoints before it as they were.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..nn import get_controller
 from ..patterns import Plan
 
-__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "complete_checkpoints", "publish_checkpoint"]
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "complete_checkpoints", "publish_checkpoint",
+           "CheckpointWriteError", "discard_failed_write"]
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (disk full, I/O error). Its temporary folder is removed and
+    the complete checkpoints before it are kept; the message names the last one and how to go on."""
+
+
+def discard_failed_write(tmp: Path, step: int, e: BaseException) -> CheckpointWriteError | None:
+    """Remove the partial checkpoint folder ``tmp`` after its write raised ``e``; return the
+    :class:`CheckpointWriteError` to raise instead when ``e`` is a storage error (an ``OSError``, or
+    safetensors' error wrapping one), None for anything else (re-raise ``e`` itself)."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    if isinstance(e, OSError):
+        code, why = e.errno, e.strerror or str(e)
+    elif isinstance(e, SafetensorError) and "I/O error" in str(e):  # the Rust writer's io::Error, as text
+        m = re.search(r"os error (\d+)", str(e))
+        code = int(m.group(1)) if m else errno.EIO
+        why = os.strerror(code)
+    else:
+        return None
+    done = complete_checkpoints(tmp.parent.parent)
+    kept = f"the last complete checkpoint, {done[-1]}, is kept" if done else "no earlier checkpoint exists"
+    err = CheckpointWriteError(f"the checkpoint of step {step} could not be written to {tmp.parent} ({why}); its "
+                               f"partial folder was removed and {kept}. Free space (or fix the disk), then continue "
+                               f"with --resume")
+    err.errno = code
+    return err
 
 
 def _optim_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
@@ -36,25 +69,36 @@ def _optim_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor],
 
 def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer, *, keep: int = 2,
                     extra: dict | None = None) -> Path:
-    """Write the checkpoint of ``step`` atomically and keep only the newest ``keep``."""
+    """Write the checkpoint of ``step`` atomically and keep only the newest ``keep``; ``extra``: more
+    entries for state.json.
+
+    Raises:
+        CheckpointWriteError: the disk is full or failed (the partial folder is removed first).
+    """
     root = Path(run_dir) / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:07d}"
     tmp = root / f".tmp_step_{step:07d}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    full = model.state_dict()
-    tied = tied_keys(full)
-    state = {k: v.detach().cpu().contiguous() for k, v in full.items() if k not in tied}
-    save_file(state, tmp / "model.safetensors")
-    tensors, meta = _optim_tensors(opt)
-    save_file(tensors, tmp / "optimizer.safetensors")
-    ctrl = get_controller(model)
-    meta.update(step=step, controller_step=ctrl.step, rng=torch.get_rng_state().tolist(),
-                plan=json.loads(ctrl.plan.to_json()) if ctrl.plan else None,
-                calibration_history=ctrl.calibrator.history if ctrl.calibrator else None, **(extra or {}))
-    (tmp / "state.json").write_text(json.dumps(meta))
-    return publish_checkpoint(tmp, final, keep)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        full = model.state_dict()
+        tied = tied_keys(full)
+        state = {k: v.detach().cpu().contiguous() for k, v in full.items() if k not in tied}
+        save_file(state, tmp / "model.safetensors")
+        tensors, meta = _optim_tensors(opt)
+        save_file(tensors, tmp / "optimizer.safetensors")
+        ctrl = get_controller(model)
+        meta.update(step=step, controller_step=ctrl.step, rng=torch.get_rng_state().tolist(),
+                    plan=json.loads(ctrl.plan.to_json()) if ctrl.plan else None,
+                    calibration_history=ctrl.calibrator.history if ctrl.calibrator else None, **(extra or {}))
+        (tmp / "state.json").write_text(json.dumps(meta))
+        return publish_checkpoint(tmp, final, keep)
+    except BaseException as e:  # disk full, I/O error, a second Ctrl-C: no partial folder stays behind
+        err = discard_failed_write(tmp, step, e)
+        if err is None:
+            raise
+        raise err from e
 
 
 def publish_checkpoint(tmp: Path, final: Path, keep: int) -> Path:

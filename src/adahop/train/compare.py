@@ -1,7 +1,10 @@
 """`adahop compare`: the same run under several recipes, then one table and two plots.
 
 Each recipe trains in its own process (same data, seed, model and hyper-parameters), so its
-peak memory and speed are its own and one failing recipe does not take the others down.
+peak memory and speed are its own and one failing recipe does not take the others down. Ctrl-C
+reaches the running recipe's process once per press, through this one: the first makes it finish
+its step and write a checkpoint, a second aborts it at once (its last complete checkpoint stays);
+either way the comparison stops and says how to continue.
 """
 
 from __future__ import annotations
@@ -9,8 +12,11 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import os
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from ..plots import plot_compare
@@ -21,7 +27,11 @@ from .config import TrainConfig
 from .metrics import read_metrics
 from .setup import ERROR_FILE, RESULT_NEUTRAL_KEYS, data_changes, resolve_data, settings_diff
 
-__all__ = ["compare", "format_table", "COLUMNS"]
+__all__ = ["compare", "format_table", "COLUMNS", "Interrupted"]
+
+
+class Interrupted(Exception):
+    """Ctrl-C stopped ``adahop compare``; the message says what was kept and how to continue."""
 
 COLUMNS = ("recipe", "final val loss", "gap to bf16 %", "val bpb", "tokens/s", "peak memory MB", "saved for bwd MB (vs plain nn.Linear)")
 
@@ -74,6 +84,57 @@ def _markdown(rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def _run_child(argv: list[str]) -> tuple[int, int]:
+    """Run one recipe's ``adahop train`` and wait for it; returns (its exit code, the Ctrl-Cs passed on).
+
+    The child runs in a process group of its own, so that the terminal's Ctrl-C (sent to our group)
+    reaches it once, from here: were it in ours it would get each press twice. A hang-up or
+    terminate signal is passed on too, then ends this process as it would have without the handler.
+    """
+    if threading.current_thread() is not threading.main_thread():  # signal handlers: main thread only
+        return subprocess.run(argv).returncode, 0
+    proc: subprocess.Popen | None = None
+    ctrl_c = 0
+
+    def on_sigint(signum, frame):
+        nonlocal ctrl_c
+        ctrl_c += 1
+        if proc is not None:
+            proc.send_signal(signal.SIGINT)
+
+    def on_end(signum, frame):
+        if proc is not None:
+            proc.send_signal(signum)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    old = {sig: signal.signal(sig, h) for sig, h in ((signal.SIGINT, on_sigint), (signal.SIGTERM, on_end),
+                                                     (signal.SIGHUP, on_end))}
+    try:
+        proc = subprocess.Popen(argv, process_group=0)
+        for _ in range(ctrl_c):  # pressed before the child existed
+            proc.send_signal(signal.SIGINT)
+        return proc.wait(), ctrl_c
+    except BaseException:  # never leave a child of ours training in its own group
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+        raise
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+
+
+def _interrupted(out: Path, recipe: str, left: list[str], *, aborted: bool) -> str:
+    """What a Ctrl-C left of the comparison, and the command that continues it."""
+    ck = latest_checkpoint(out / recipe)
+    kept = (f"its {'last complete ' if aborted else ''}checkpoint {ck} is kept" if ck is not None
+            else "it had written no checkpoint yet")
+    rest = f" and train {', '.join(left)}" if left else ""
+    return (f"{'aborted' if aborted else 'interrupted'} during {recipe}: {kept}. Run the same `adahop compare` command "
+            f"again (same --out and settings) to resume {recipe}{rest}; the table is written when every recipe is done")
+
+
 def compare(recipes: list[str], cfg: TrainConfig, out: Path) -> dict[str, dict]:
     """Train ``cfg`` under each recipe into ``out/<recipe>``; write compare.md, compare.csv,
     compare.json, loss_curves.png and loss_diff.png into ``out``; print the table.
@@ -84,6 +145,7 @@ def compare(recipes: list[str], cfg: TrainConfig, out: Path) -> dict[str, dict]:
     Raises:
         ValueError: no recipes or an unknown recipe name, or a run in ``out/<recipe>`` made with other
             settings or other data (listed; its results would not be comparable) — all before anything trains.
+        Interrupted: Ctrl-C while a recipe trained (it checkpointed, or a second Ctrl-C aborted it).
     """
     if not recipes:
         raise ValueError("compare: no recipes given; pass --recipes bf16,adahop-lv2,...")
@@ -118,11 +180,14 @@ def compare(recipes: list[str], cfg: TrainConfig, out: Path) -> dict[str, dict]:
             run_cfg = dataclasses.replace(run_cfg, resume=True)
         print(f"=== {r} ===", flush=True)
         (out / r).mkdir(exist_ok=True)  # so that a run failing on its options still leaves its error.txt there
-        proc = subprocess.run([sys.executable, "-m", "adahop", "train", *_run_args(run_cfg)])
-        if proc.returncode != 0 or not summary_path.exists():
+        code, ctrl_c = _run_child([sys.executable, "-m", "adahop", "train", *_run_args(run_cfg)])
+        if ctrl_c or code == 130:
+            raise Interrupted(_interrupted(out, r, recipes[recipes.index(r) + 1:], aborted=ctrl_c > 1))
+        if code != 0 or not summary_path.exists():
             err = out / r / ERROR_FILE
-            why = err.read_text().strip().removeprefix("adahop train: error: ") if err.exists() else f"see {out / r}"
-            summaries[r] = {"error": f"{why} (exit code {proc.returncode})"}
+            first = err.read_text().strip().splitlines()[:1] if err.exists() else []  # the one-line message
+            why = first[0].removeprefix("adahop train: error: ") if first else f"see {out / r}"
+            summaries[r] = {"error": f"{why} (exit code {code})"}
             continue
         summaries[r] = read_json(summary_path, "the run summary")
         curves[r] = read_metrics(out / r / "metrics.jsonl")

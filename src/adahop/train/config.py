@@ -1,17 +1,24 @@
 """`TrainConfig`: every option of `adahop train`, documented at the declaration (STYLE §2.9).
 
-The CLI builds its flags from these fields (``--seq-len`` for ``seq_len``), so the help text is the
-docstring under each field.
+The CLI builds its flags from these fields (``--seq-len`` for ``seq_len``, :func:`add_config_flags`),
+so the help text is the docstring under each field. This module imports nothing heavy (no torch):
+``adahop --help`` and option errors stay fast.
 """
 
 from __future__ import annotations
 
+import argparse
 import ast
 import dataclasses
 import inspect
+import math
+import typing
 from dataclasses import dataclass
 
-__all__ = ["TrainConfig", "field_docs"]
+__all__ = ["TrainConfig", "field_docs", "add_config_flags", "config_from", "ERROR_FILE"]
+
+#: where a failed ``adahop train`` leaves its error (``compare`` points there); a new attempt removes it
+ERROR_FILE = "error.txt"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,6 +85,8 @@ class TrainConfig:
     """A plan.json (from `adahop analyze` or a run): use it and skip calibration."""
     resume: bool = False
     """Continue from the newest checkpoint in --out."""
+    reschedule: bool = False
+    """With --resume and a larger --steps: stretch the cosine decay over the new --steps (the lr jumps up). Default: keep the original run's schedule; steps past its end run at the final lr."""
     parallel: str = "none"
     """Data parallelism under torchrun: none, ddp or fsdp."""
     val_fraction: float = 0.01
@@ -87,6 +96,10 @@ class TrainConfig:
         def bad(flag: str, msg: str) -> None:
             raise ValueError(f"--{flag.replace('_', '-')}: {msg}")
 
+        for f in dataclasses.fields(self):  # NaN passes every comparison below (nan < 0 is False): check first
+            v = getattr(self, f.name)
+            if isinstance(v, float) and not math.isfinite(v):
+                bad(f.name, f"must be a finite number, got {v}")
         for name in ("seq_len", "batch_size", "grad_accum", "steps", "eval_batches", "log_every", "keep_ckpts"):
             if getattr(self, name) < 1:
                 bad(name, f"must be >= 1, got {getattr(self, name)}")
@@ -134,3 +147,39 @@ def field_docs(cls=TrainConfig) -> dict[str, str]:
         if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
             docs[node.target.id] = str(nxt.value.value)
     return docs
+
+
+def add_config_flags(p: argparse.ArgumentParser, cls=TrainConfig, *, skip=(), defaults: dict | None = None) -> None:
+    """Add one ``--flag`` per field of the dataclass ``cls`` to ``p``: typed from the annotation (a bool
+    becomes ``--flag/--no-flag``), help text from the docstring under the field (:func:`field_docs`).
+
+    ``skip``: field names to leave out. ``defaults``: field name -> default of this parser (e.g.
+    ``compare``'s ``--out runs/compare``), shown as such in ``--help``.
+    """
+    docs = field_docs(cls)
+    hints = typing.get_type_hints(cls)
+    defaults = defaults or {}
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        t = hints[f.name]
+        base = next((a for a in typing.get_args(t) if a is not type(None)), t)
+        default = defaults.get(f.name, f.default)
+        help_ = f"{docs.get(f.name, '')} (default: {default})"
+        if base is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_)
+        else:
+            p.add_argument(flag, type=base, default=default, help=help_, metavar=f.name.upper())
+
+
+def config_from(args: argparse.Namespace, cls=TrainConfig, **override):
+    """``cls`` built from the parsed ``args`` that name its fields, with ``override`` on top.
+
+    Raises:
+        ValueError: a value the config's validation refuses (the message names the ``--flag``).
+    """
+    fields = {f.name for f in dataclasses.fields(cls)}
+    kw = {k: v for k, v in vars(args).items() if k in fields}
+    kw.update(override)
+    return cls(**kw)

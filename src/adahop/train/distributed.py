@@ -256,17 +256,36 @@ def _calibration_histories(model: nn.Module) -> list[dict] | None:
     return _gather(cal.history) if _active() else [cal.history]
 
 
-def save_sharded(run_dir: Path, step: int, model: nn.Module, opt: torch.optim.Optimizer, *, keep: int = 2) -> Path:
+def save_sharded(run_dir: Path, step: int, model: nn.Module, opt: torch.optim.Optimizer, *, keep: int = 2,
+                 extra: dict | None = None) -> Path:
     """Collective: every rank writes its shards of the model and AdamW state to
     ``checkpoints/step_N/`` with DCP; rank 0 adds ``state.json`` (step, RNG, the AdaHOP plan, or
-    every rank's calibration history) and renames the folder into place. Loads on any number of
-    ranks (:func:`load_sharded`). Same folder layout as :func:`~adahop.train.checkpoint.save_checkpoint`.
+    every rank's calibration history, and ``extra``) and renames the folder into place. Loads on any
+    number of ranks (:func:`load_sharded`). Same folder layout as
+    :func:`~adahop.train.checkpoint.save_checkpoint`; a write that fails removes its partial folder
+    (rank 0) and raises :class:`~adahop.train.checkpoint.CheckpointWriteError` for a storage error.
     """
+    from .checkpoint import discard_failed_write
+
+    root = Path(run_dir) / "checkpoints"
+    tmp = root / f".tmp_step_{step:07d}"
+    try:
+        return _save_sharded(root, tmp, step, model, opt, keep, extra)
+    except BaseException as e:
+        if _active() and dist.get_rank() != 0:
+            raise
+        err = discard_failed_write(tmp, step, e)
+        if err is None:
+            raise
+        raise err from e
+
+
+def _save_sharded(root: Path, tmp: Path, step: int, model: nn.Module, opt: torch.optim.Optimizer, keep: int,
+                  extra: dict | None) -> Path:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    root = Path(run_dir) / "checkpoints"
-    final, tmp = root / f"step_{step:07d}", root / f".tmp_step_{step:07d}"
+    final = root / f"step_{step:07d}"
     main = not _active() or dist.get_rank() == 0
     if main:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -284,7 +303,7 @@ def save_sharded(run_dir: Path, step: int, model: nn.Module, opt: torch.optim.Op
                     world_size=dist.get_world_size() if _active() else 1,
                     plan=json.loads(ctrl.plan.to_json()) if ctrl.plan else None,
                     calibration_history=merge_histories(histories) if histories is not None else None,
-                    calibration_histories=histories)
+                    calibration_histories=histories, **(extra or {}))
         (tmp / "state.json").write_text(json.dumps(meta))
         publish_checkpoint(tmp, final, keep)
     if _active():

@@ -5,6 +5,7 @@ happens (nanoGPT): lr, forward/backward with accumulation, clip, step, hook, log
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import sys
@@ -22,14 +23,15 @@ from .checkpoint import complete_checkpoints, latest_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .export import write_config
 from .metrics import Metrics, peak_memory, reset_peak_memory
-from .setup import (build_optimizer, check_run_dir, lr_at, make_model, make_streams, resolve_data, resolve_device,
-                    resolve_recipe)
+from .setup import (build_optimizer, check_data_fits, check_run_dir, converted_layers, epochs_of, loss_ceiling, lr_at,
+                    make_model, make_streams, resolve_data, resolve_device, resolve_recipe, startup_summary)
 
 __all__ = ["train", "Diverged", "evaluate"]
 
 
 class Diverged(RuntimeError):
-    """The loss became NaN or Inf; the run stopped and kept its last good checkpoint."""
+    """The loss became NaN or Inf, or rose above :func:`~adahop.train.setup.loss_ceiling`; the run
+    stopped and kept its last good checkpoint."""
 
 
 def _kept(run: Path, step: int) -> str:
@@ -37,6 +39,17 @@ def _kept(run: Path, step: int) -> str:
     if step and (run / "checkpoints").exists():
         return f"The last good checkpoint (step {step}) is kept in {run / 'checkpoints'}."
     return "No checkpoint was written before that (set --ckpt-every below the step it diverged at)."
+
+
+def _check_ceiling(peak_loss: torch.Tensor, ceiling: float, vocab: int, done: int, run: Path, last_good: int, bar) -> None:
+    """Raise Diverged when a step's loss (on any rank) rose above the ceiling (a host sync)."""
+    if dp.any_rank(peak_loss > ceiling):
+        peak = peak_loss.item()
+        bar.close()
+        raise Diverged(f"the training loss rose {f'to {peak:.4g} ' if peak > ceiling else ''}at or before step {done}, "
+                       f"above {ceiling:.3g} "
+                       f"(2 x the larger of ln(vocab {vocab}) = {math.log(vocab):.3g} and the first step's loss): the run "
+                       f"diverged; stopped. {_kept(run, last_good)} Lower --lr or use a safer recipe.")
 
 
 def _plan_frozen(model) -> bool | None:
@@ -79,16 +92,69 @@ def train(cfg: TrainConfig, *, rank: int = 0, world: int = 1) -> dict:
     this function; rank 0 alone writes files and shows progress, and holds a lock on ``--out`` for
     the run's duration (``<out>/.lock``), so that a second run into the same folder is refused.
 
+    Ctrl-C (SIGINT) stops the run at the end of the step, with a checkpoint (``summary["interrupted"]``);
+    a second one aborts at once (KeyboardInterrupt), keeping the last complete checkpoint.
+
     Raises:
-        ValueError: a bad option, or ``--out`` in use by another run, before any training starts.
-        Diverged: non-finite loss or gradient norm.
+        ValueError: a bad option, data too small for the run, a recipe that converts no layer of the
+            model, or ``--out`` in use by another run, before any training starts.
+        Diverged: non-finite loss or gradient norm, or a loss above :func:`~adahop.train.setup.loss_ceiling`.
+        CheckpointWriteError: a checkpoint could not be written (disk full, I/O error).
     """
     lock = _lock_run_dir(Path(cfg.out)) if rank == 0 else None
+    sigint = signal.getsignal(signal.SIGINT)
     try:
         return _train(cfg, rank, world)
     finally:
+        signal.signal(signal.SIGINT, sigint)
         if lock is not None:
             lock.close()  # releases the lock (also when the run fails)
+
+
+def _on_sigint(stop: dict):
+    """SIGINT handler: the first stops the run after the step (with a checkpoint), the second aborts."""
+    def handler(signum, frame):
+        if stop["now"]:  # waiting for a long step to end is what the user refuses now
+            raise KeyboardInterrupt
+        stop["now"] = True
+        os.write(2, b"\nCtrl-C: stopping after this step and writing a checkpoint; Ctrl-C again aborts at once "
+                    b"(the last complete checkpoint stays)\n")  # os.write: print is not safe inside a handler
+    return handler
+
+
+def _saved_steps(run: Path) -> int | None:
+    """--steps of the run saved in ``run/config.json`` (None without one)."""
+    from ..utils import read_json
+
+    if not (run / "config.json").exists():
+        return None
+    return read_json(run / "config.json", "the run's config").get("adahop", {}).get("config", {}).get("steps")
+
+
+def _schedule_steps(cfg: TrainConfig, meta: dict | None, saved_steps: int | None, start: int, verbose: bool) -> int:
+    """The step at which the lr reaches its final value: --steps for a new run; on resume the
+    original run's (state.json's, or ``saved_steps`` from config.json for a checkpoint older than
+    that key), unless --reschedule fits the decay to a changed --steps. Says which, when they differ."""
+    if meta is None:
+        return cfg.steps
+    saved = meta.get("schedule_steps") or saved_steps or cfg.steps
+    if saved == cfg.steps:
+        return saved
+    new = cfg.steps if cfg.reschedule else saved
+    if verbose and cfg.reschedule:
+        print(f"--reschedule: the cosine decay now ends at step {cfg.steps} instead of {saved}; the lr at step {start + 1} "
+              f"goes from {lr_at(cfg, start, saved):.3g} to {lr_at(cfg, start, cfg.steps):.3g}")
+    elif verbose:
+        after = f"; steps {saved + 1}..{cfg.steps} run at its final lr {lr_at(cfg, saved, saved):.3g}" if cfg.steps > saved else ""
+        print(f"--resume: keeping the run's lr schedule (cosine decay ending at step {saved}{after}); pass --reschedule "
+              f"to fit the decay to --steps {cfg.steps}")
+    return new
+
+
+def _fmt_time(seconds: float) -> str:
+    m, s = divmod(round(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h} h {m:02d} min" if h else f"{m} min {s:02d} s" if m else f"{s} s"
 
 
 def _lock_run_dir(run: Path):
@@ -118,6 +184,7 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
         raise ValueError(f"--parallel none under torchrun with {world} processes; pass --parallel ddp or fsdp")
     run = Path(cfg.out)
     check_run_dir(cfg, run)
+    saved_steps = _saved_steps(run) if cfg.resume else None  # read now: rank 0 rewrites config.json later
     device = dp.local_device(resolve_device(cfg.device))
     try:  # a backend this machine cannot run fails here, before data and model are built
         resolve_backend(cfg.backend, device)
@@ -125,6 +192,7 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
         raise ValueError(f"--backend {cfg.backend}: {e}") from None
     data_dir = dp.main_first(lambda: resolve_data(cfg))
     train_s, val_s = make_streams(cfg, data_dir, rank, world)
+    check_data_fits(cfg, train_s, val_s)
     recipe, plan = resolve_recipe(cfg)
     if recipe.calibration is not None and plan is None and cfg.steps <= recipe.calibration.steps and rank == 0:
         print(f"warning: --steps {cfg.steps} ends within {recipe.name}'s calibration ({recipe.calibration.steps} steps): "
@@ -132,13 +200,21 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
               f"Pass --steps above {recipe.calibration.steps}, a smaller --calib-steps, or a --plan", file=sys.stderr)
     model = make_model(cfg, train_s.manifest, device)
     convert_model(model, recipe, seed=dp.rank_seed(cfg.seed, rank, world), plan=plan, backend=cfg.backend)
+    quantized, bf16_layers = converted_layers(model)
+    if not recipe.is_bf16 and not quantized:  # the same rule as convert_model's for a model without nn.Linear
+        raise ValueError(f"--recipe {recipe.name}: none of the model's {len(bf16_layers)} linear layers can run it "
+                         f"({'; '.join(f'{n}: {why}' for n, why in list(bf16_layers.items())[:4])}"
+                         f"{'; ...' if len(bf16_layers) > 4 else ''}): every GEMM would be BF16's, and the run would pass "
+                         f"for a {recipe.name} result. Use a model whose layer dims are multiples of the recipe's block "
+                         f"size (32, or 16 for NVFP4) with more blocks than the recipe keeps in BF16, or --recipe bf16")
     dp.agree_on_plan(model)
     fwd = dp.wrap(model, cfg.parallel, device, compile=cfg.compile)
     opt = build_optimizer(cfg, model)
-    start = 0
+    start, meta = 0, None
     if cfg.resume and (ck := latest_checkpoint(run)) is not None:
         try:
-            start = dp.resume(ck, model, opt, cfg.parallel)["step"]
+            meta = dp.resume(ck, model, opt, cfg.parallel)
+            start = meta["step"]
         except Exception as e:  # a damaged file: say which checkpoint, and how to fall back to the one before
             if type(e) is ValueError:  # ours: the checkpoint does not fit this model or --parallel (already explained)
                 raise
@@ -148,7 +224,14 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
                              f"{older[-1].name if older else 'the start (no older checkpoint is left)'}") from e
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     is_main = rank == 0
+    schedule = _schedule_steps(cfg, meta, saved_steps, start, verbose=is_main)
+    epochs = epochs_of(cfg, train_s)
     if is_main:
+        print(startup_summary(cfg, model, recipe, train_s, val_s, start, schedule), flush=True)
+        if epochs > 1:
+            print(f"warning: --steps {cfg.steps} x --batch-size {cfg.batch_size} makes {epochs:.2f} passes over the "
+                  f"training split ({train_s.n_windows:,} windows of --seq-len {cfg.seq_len}): later passes repeat the "
+                  f"same windows. Pass fewer --steps or more --data", file=sys.stderr)
         write_config(run, cfg, model, data_dir, recipe)
         if plan is not None:  # the plan that runs (re-mapped if it came from the other level) belongs in the run folder
             get_controller(model).plan.save(run / "plan.json")
@@ -156,8 +239,11 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
     micro = cfg.batch_size // world // cfg.grad_accum
     tokens_per_step = cfg.batch_size * cfg.seq_len
     stop = {"now": False}
-    signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))
-    bad = torch.zeros((), dtype=torch.bool, device=device)
+    signal.signal(signal.SIGINT, _on_sigint(stop))
+    bad = torch.zeros((), dtype=torch.bool, device=device)  # non-finite loss or gradient norm (on the device)
+    peak_loss = torch.full((), -math.inf, device=device)  # the highest step loss, against the ceiling
+    vocab = model.config.vocab_size
+    ceiling = None  # loss_ceiling, set from the first step's loss
     reset_peak_memory(device)
     # ---- TRAINING SECTION ----------------------------------------------------------------------
     # progress on rank 0; TQDM_DISABLE=1 turns it off, and into a log file it is written every 30 s
@@ -167,12 +253,13 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
     # tokens/s is the steady state: the clock starts 2 steps after the start and again 2 steps after
     # an AdaHOP plan freezes (kernels compiling, a torch.compile recompile, caches filling)
     clock, timed_tokens, last_good, warm_from = 0.0, 0, start, start + 2
+    timed_steps, estimated = 0, False  # the time estimate is printed once 3 steps are timed (again after a freeze)
     plan_ranks = 0  # ranks whose frozen plan was checked against rank 0's (0: no freeze in this run)
     breaks_from = _graph_breaks()  # compiled runs: graph breaks counted from the last (re)compile on
     done = start
     for step in bar:
         t0 = time.perf_counter()
-        lr = lr_at(cfg, step)
+        lr = lr_at(cfg, step, schedule)
         for g in opt.param_groups:
             g["lr"] = lr
         x, y = train_s.batch(step)
@@ -194,20 +281,29 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
         opt.zero_grad(set_to_none=True)
         if on_step(model, step + 1):  # every rank freezes the same plan (dp.agree_on_plan)
             plan_ranks = dp.check_same_plan(model)
-            clock, timed_tokens, warm_from = 0.0, 0, step + 3
+            clock, timed_tokens, warm_from, timed_steps, estimated = 0.0, 0, step + 3, 0, False
             if is_main:
                 get_controller(model).plan.save(run / "plan.json")
             if cfg.compile:  # recompile once, with the frozen plan, as whole graphs
                 torch.compiler.reset()
                 breaks_from = _graph_breaks()
         bad |= ~(torch.isfinite(loss_sum) & torch.isfinite(gnorm))  # on the device; synced only at log/checkpoint time
+        peak_loss = torch.maximum(peak_loss, loss_sum)
+        if ceiling is None:  # one host sync, at the first step of this process
+            ceiling = loss_ceiling(vocab, dp.mean_over_ranks(loss_sum).item())
         if device.type == "cuda":
             torch.cuda.synchronize()
         step_s = time.perf_counter() - t0
         if step >= warm_from:
             clock += step_s
             timed_tokens += tokens_per_step
+            timed_steps += 1
         done = step + 1
+        if timed_steps == 3 and not estimated and done < cfg.steps and is_main:
+            estimated = True
+            bar.write(f"estimate: {clock / timed_steps:.3g} s/step over the last {timed_steps} steps, so about "
+                      f"{_fmt_time(clock / timed_steps * (cfg.steps - done))} for the {cfg.steps - done} steps left "
+                      f"(validation and checkpoints come on top)")
         last = done == cfg.steps
         stop["now"] = dp.any_rank(stop["now"])  # all ranks stop (and checkpoint) at the same step
         if done % cfg.log_every == 0 or last or stop["now"]:
@@ -215,6 +311,7 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
                 bar.close()
                 raise Diverged(f"loss or gradient norm became non-finite at or before step {done}; stopped. {_kept(run, last_good)} "
                                f"Lower --lr or use a safer recipe.")
+            _check_ceiling(peak_loss, ceiling, vocab, done, run, last_good, bar)
             tps = timed_tokens / clock if clock else 0.0
             loss_val = dp.mean_over_ranks(loss_sum).item()
             metrics.log(step=done, loss=loss_val, lr=lr, grad_norm=float(gnorm), tokens=done * tokens_per_step, tok_per_s=tps,
@@ -227,7 +324,9 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
             if dp.any_rank(bad):
                 raise Diverged(f"loss or gradient norm became non-finite before step {done}; stopped. {_kept(run, last_good)} "
                                f"Lower --lr or use a safer recipe.")
-            (save_checkpoint if cfg.parallel == "none" else dp.save_sharded)(run, done, model, opt, keep=cfg.keep_ckpts)
+            _check_ceiling(peak_loss, ceiling, vocab, done, run, last_good, bar)
+            (save_checkpoint if cfg.parallel == "none" else dp.save_sharded)(run, done, model, opt, keep=cfg.keep_ckpts,
+                                                                             extra={"schedule_steps": schedule})
             last_good = done
         if stop["now"]:
             bar.close()
@@ -248,8 +347,9 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
                    peak_memory_bytes=peak, peak_memory_bytes_per_rank=dp.gather_float(peak),
                    plan_frozen=_plan_frozen(model), plan_checked_on_ranks=plan_ranks, world_size=world,
                    graph_breaks_steady_state=breaks, saved_bytes=ours, saved_bytes_bf16=bf16,
-                   unquantizable_layers=len(get_controller(model).unquantizable), device=str(device),
-                   interrupted=stop["now"])
+                   unquantizable_layers=len(get_controller(model).unquantizable), bf16_layers=bf16_layers,
+                   parameters=sum(p.numel() for p in model.parameters()), epochs=epochs, lr_schedule_steps=schedule,
+                   device=str(device), interrupted=stop["now"])
     if is_main:
         (run / "summary.json").write_text(json.dumps(summary, indent=1))
         metrics.plot(run / "loss.png", title=f"{cfg.recipe} on {cfg.model}")

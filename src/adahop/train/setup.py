@@ -15,9 +15,10 @@ from ..data.identity import changed_sources, identity_changes, manifest_identity
 from ..models import build_model, check_compat
 from ..patterns import Plan
 from ..recipes import get_recipe
-from .config import TrainConfig
+from .config import ERROR_FILE, TrainConfig
 
-__all__ = ["resolve_device", "resolve_data", "prepared_path", "settings_diff", "data_changes", "resolve_recipe", "build_optimizer", "lr_at", "make_streams", "make_model"]
+__all__ = ["resolve_device", "resolve_data", "prepared_path", "settings_diff", "data_changes", "resolve_recipe", "build_optimizer",
+           "lr_at", "make_streams", "make_model", "check_data_fits", "epochs_of", "converted_layers", "loss_ceiling", "startup_summary"]
 
 
 #: Settings a resumed run must share with the run that wrote the checkpoint (the model, the
@@ -215,6 +216,90 @@ def make_streams(cfg: TrainConfig, data_dir: Path, rank: int = 0, world: int = 1
     return train, val
 
 
+def check_data_fits(cfg: TrainConfig, train: TokenStream, val: TokenStream) -> None:
+    """Refuse data too small for the run before any step: a training split holding less than one
+    batch of windows (each batch would repeat windows), or with ``--eval-every`` a validation split
+    holding fewer than ``--eval-batches`` batches (found at the first evaluation otherwise, with the
+    steps before it lost).
+
+    Raises:
+        ValueError: naming the flags that fix it.
+    """
+    batch = cfg.batch_size  # all ranks together: the stream's windows are shared out among them
+    if train.n_windows < batch:
+        raise ValueError(f"--data: the training split holds {train.n_windows} windows of --seq-len + 1 = {cfg.seq_len + 1} "
+                         f"tokens ({train.info.tokens:,} tokens), fewer than one batch of --batch-size {batch}; lower "
+                         f"--batch-size or --seq-len, or pass more data")
+    if cfg.eval_every and val.steps_per_epoch < cfg.eval_batches:
+        fit = f"pass --eval-batches {val.steps_per_epoch} or fewer, " if val.steps_per_epoch else ""
+        raise ValueError(f"--eval-batches {cfg.eval_batches}: the validation split holds {val.n_windows} windows of "
+                         f"--seq-len + 1 = {cfg.seq_len + 1} tokens ({val.info.tokens:,} tokens), "
+                         f"{val.steps_per_epoch} batch(es) of --batch-size {batch}; {fit}lower --batch-size or "
+                         f"--seq-len, prepare the data with a larger --val-fraction, or pass --eval-every 0")
+
+
+def epochs_of(cfg: TrainConfig, train: TokenStream) -> float:
+    """Passes over the training split's windows that ``--steps`` batches of ``--batch-size`` make."""
+    return cfg.steps * cfg.batch_size / train.n_windows
+
+
+def converted_layers(model: torch.nn.Module) -> tuple[list[str], dict[str, str]]:
+    """(the converted layers that run the recipe's GEMMs, {layer: why it runs BF16} for the others)
+    of a model converted by :func:`adahop.convert_model`; both empty for the ``bf16`` recipe."""
+    from ..nn import get_controller
+
+    ctrl = get_controller(model)
+    if ctrl.recipe.is_bf16:
+        return [], {}
+    odd = set(ctrl.unquantizable)
+    run = [m.name for m in ctrl.layers if not m.force_bf16]
+    rest = {m.name: (f"shape {m.in_features}->{m.out_features}" if m.name in odd else "in a BF16 block of the recipe")
+            for m in ctrl.layers if m.force_bf16}
+    return run, rest
+
+
+def loss_ceiling(vocab: int, first_loss: float) -> float:
+    """The training loss above which a run counts as diverged: ``2 · max(ln vocab, first_loss)``.
+
+    ``ln vocab`` is the loss of a uniform guess over the vocabulary; a freshly initialized model
+    starts near it (``first_loss``, the first step's loss, may be a little above) and a learning
+    run only goes down from there, spikes included. Twice that is a model confidently wrong about
+    every token: what a blown-up run looks like (``--lr 10`` on llama-tiny with a 512-token BPE:
+    917 nats at the second step).
+    """
+    return 2 * max(math.log(vocab), first_loss)
+
+
+def startup_summary(cfg: TrainConfig, model: torch.nn.Module, recipe, train: TokenStream, val: TokenStream,
+                    start: int, schedule_steps: int) -> str:
+    """What the run is about to do, printed before its first step: model and recipe, parameters
+    (total, and in the layers that run the recipe's GEMMs), the layers left BF16, data, tokens per
+    step, epochs, and the recipe's GEMM table (``adahop recipes``)."""
+    from ..recipes.table import gemm_table
+
+    run, rest = converted_layers(model)
+    mods = dict(model.named_modules())
+    total = sum(p.numel() for p in model.parameters())
+    conv = sum(p.numel() for n in run for p in mods[n].parameters())
+    per_step = cfg.batch_size * cfg.seq_len
+    where = f"resuming at step {start} of {cfg.steps}" if start else f"{cfg.steps} steps"
+    lines = [f"adahop train: {cfg.model_config or cfg.model}, recipe {recipe.name}, {where}, into {cfg.out}",
+             f"  parameters      {total:,} total; " + ("every GEMM runs in BF16" if recipe.is_bf16 else
+             f"{conv:,} ({100 * conv / total:.1f}%) in the {len(run)} linear layers that run {recipe.name}'s GEMMs "
+             f"(the LM head, embeddings and norms stay BF16)")]
+    if rest:
+        lines.append(f"  BF16 layers     {len(rest)} converted layers run BF16 GEMMs: "
+                     + ", ".join(f"{n} ({why})" for n, why in rest.items()))
+    lines += [f"  data            {train.info.tokens:,} training tokens, {val.info.tokens:,} validation tokens ({train.data_dir})",
+              f"  tokens per step {per_step:,} (--batch-size {cfg.batch_size} x --seq-len {cfg.seq_len}); "
+              f"{cfg.steps * per_step:,} tokens in all = {epochs_of(cfg, train):.2f} epochs over the training split",
+              f"  lr schedule     warm-up {cfg.warmup_steps} steps, cosine decay to {cfg.min_lr_ratio:g} x --lr {cfg.lr:g} "
+              f"at step {schedule_steps}",
+              f"  GEMMs of {recipe.name}:"]
+    lines += ["    " + line for line in gemm_table(recipe).splitlines()]
+    return "\n".join(lines)
+
+
 def make_model(cfg: TrainConfig, manifest: Manifest, device: torch.device) -> torch.nn.Module:
     """The model in FP32 master weights, initialized from ``cfg.seed`` (same init for every recipe).
     Its config's BOS/EOS ids are the data's end-of-text token (the document separator), so that the
@@ -258,10 +343,11 @@ def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Ada
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
 
 
-def lr_at(cfg: TrainConfig, step: int) -> float:
-    """Linear warm-up to --lr, then cosine decay to --min-lr-ratio · --lr at the last step."""
+def lr_at(cfg: TrainConfig, step: int, total: int | None = None) -> float:
+    """Linear warm-up to --lr, then cosine decay to --min-lr-ratio · --lr at step ``total`` (default
+    --steps; a resumed run keeps its original run's), and that final lr after it."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    span = max(1, cfg.steps - cfg.warmup_steps)
+    span = max(1, (total or cfg.steps) - cfg.warmup_steps)
     frac = min(1.0, (step - cfg.warmup_steps) / span)
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))

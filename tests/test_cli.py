@@ -1,0 +1,110 @@
+"""The command line as a surface: its options are frozen (a change to them is deliberate), and
+`--help` / option errors answer without importing torch."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SURFACE = Path(__file__).with_name("cli_surface.json")
+UPDATE = f"python {Path(__file__).relative_to(Path(__file__).parents[1])}"  # rewrites cli_surface.json
+
+
+def _subparsers(p: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    return next((a.choices for a in p._actions if isinstance(a, argparse._SubParsersAction)), {})
+
+
+def cli_surface() -> dict[str, list[dict]]:
+    """Every (sub)command of ``adahop`` → its options: flags, default, type, choices, nargs, required."""
+    from adahop.cli import build_parser
+
+    out: dict[str, list[dict]] = {}
+
+    def walk(p: argparse.ArgumentParser, name: str) -> None:
+        subs = _subparsers(p)
+        opts = []
+        for a in p._actions:
+            if isinstance(a, (argparse._HelpAction, argparse._SubParsersAction)):
+                continue
+            opts.append({"flags": list(a.option_strings) or [a.dest], "default": a.default,
+                         "type": getattr(a.type, "__name__", None), "choices": list(a.choices) if a.choices else None,
+                         "nargs": a.nargs, "required": a.required, "action": type(a).__name__})
+        if opts or not subs:
+            out[name] = opts
+        for sub_name, sub in subs.items():
+            walk(sub, f"{name} {sub_name}")
+
+    walk(build_parser(), "adahop")
+    return json.loads(json.dumps(out, default=str))  # as the JSON file holds it
+
+
+def test_cli_surface_is_frozen():
+    """A new, removed or changed option must come with its README entry: regenerate the listing
+    deliberately (the command is in the message) and commit it with the change."""
+    frozen = json.loads(SURFACE.read_text())
+    now = cli_surface()
+    lines = []
+    for cmd in sorted(set(frozen) | set(now)):
+        a = {o["flags"][0]: o for o in frozen.get(cmd, [])}
+        b = {o["flags"][0]: o for o in now.get(cmd, [])}
+        lines += [f"{cmd}: {f} removed" for f in a.keys() - b.keys()]
+        lines += [f"{cmd}: {f} added" for f in b.keys() - a.keys()]
+        lines += [f"{cmd}: {f} changed: {a[f]} -> {b[f]}" for f in a.keys() & b.keys() if a[f] != b[f]]
+    assert not lines, ("the adahop CLI surface changed:\n  " + "\n  ".join(sorted(lines)) +
+                       f"\nIf that is deliberate, run `{UPDATE}` to rewrite tests/{SURFACE.name}, commit it, and document "
+                       f"the options in README.md.")
+
+
+def test_help_and_option_errors_import_no_torch():
+    """`--help` and a refused value answer before torch, transformers or the kernels are imported
+    (they took ~4.5 s on every command); and importing what a run needs logs nothing."""
+    code = """
+import sys
+from adahop.cli import main
+heavy = ("torch", "transformers", "triton", "adahop.kernels", "adahop.nn")
+for argv in (["train", "--help"], ["compare", "--help"], ["analyze", "--help"], ["bench", "model", "--help"], ["--help"]):
+    try:
+        main(argv)
+    except SystemExit as e:
+        assert e.code == 0, (argv, e.code)
+assert main(["train", "--lr", "inf"]) == 2
+assert main(["compare", "--grad-clip", "nan"]) == 2
+print("HEAVY", [m for m in heavy if m in sys.modules])
+from adahop.cli import _quiet_imports
+_quiet_imports()
+import adahop.train.loop
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "HEAVY []" in r.stdout, r.stdout[-2000:]
+    assert "--lr: must be a finite number, got inf" in r.stderr and "--grad-clip: must be a finite number" in r.stderr
+    noise = [ln for ln in r.stderr.splitlines() if not ln.startswith("adahop ")]  # the two refusals are ours
+    assert noise == [], noise  # no third-party warning (torchao, torch's pytree) on the way to a run
+
+
+def test_compare_help_shows_its_own_out_default():
+    from adahop.cli import build_parser
+
+    cmp = _subparsers(build_parser())["compare"]
+    assert cmp.parse_args([]).out == "runs/compare"
+    text = " ".join(cmp.format_help().split())
+    assert "(default: runs/compare)" in text and "runs/default" not in text
+
+
+def test_analyze_rule_choices_are_the_detector_rules():
+    """`adahop analyze --rule` spells the rules out (its options module imports no torch): they
+    must be the detector's own."""
+    from adahop.analysis.options import DETECTOR_RULES as cli_rules
+    from adahop.recipes.spec import DETECTOR_RULES
+
+    assert cli_rules == DETECTOR_RULES
+
+
+if __name__ == "__main__":  # regenerate the frozen listing after a deliberate change of the CLI
+    body = ",\n".join(f"  {json.dumps(cmd)}: [\n" + ",\n".join(f"    {json.dumps(o)}" for o in opts) + "\n  ]"
+                      for cmd, opts in cli_surface().items())  # one option a line: small diffs, easy merges
+    SURFACE.write_text("{\n" + body + "\n}\n")
+    print(f"wrote {SURFACE}")
