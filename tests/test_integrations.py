@@ -124,3 +124,89 @@ def _short_calibration(name: str, steps: int):
 
     r = adahop.get_recipe(name)
     return dataclasses.replace(r, calibration=dataclasses.replace(r.calibration, steps=steps))
+
+
+# ---- Hugging Face Trainer ---------------------------------------------------------------------------
+
+
+class _Tokens(torch.utils.data.Dataset):
+    """Fixed random sequences with a learnable rule (each token repeats the one two back)."""
+
+    def __init__(self, n: int = 64, seq: int = 32, vocab: int = 128):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randint(0, vocab, (n, seq), generator=g)
+        x[:, 2:] = x[:, :-2].clone()
+        self.x = x
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.x[i], "labels": self.x[i]}
+
+
+def _trainer(out: Path, steps: int, callback_kw: dict | None = None, report_to=("tensorboard",)):
+    from transformers import Trainer, TrainingArguments
+
+    from adahop.integrations.transformers import AdaHOPCallback
+
+    args = TrainingArguments(output_dir=str(out), max_steps=steps, per_device_train_batch_size=4, learning_rate=2e-3,
+                             save_steps=20, logging_steps=10, report_to=list(report_to), use_cpu=True, seed=0,
+                             disable_tqdm=True, dataloader_num_workers=0)
+    trainer = Trainer(model=_tiny_llama(), args=args, train_dataset=_Tokens())
+    cb = AdaHOPCallback("adahop-lv2", trainer=trainer, **(callback_kw or {}))
+    trainer.add_callback(cb)
+    return trainer, cb
+
+
+def test_trainer_40_steps_then_resume_keeps_the_plan(tmp_path, monkeypatch):
+    """40 steps under adahop-lv2 (calibration 30): the plan freezes at step 30, goes to plan.json, into
+    checkpoint-40 and to the Trainer's loggers; a resume from checkpoint-40 starts with that very plan
+    (no calibration), and a resume from checkpoint-20 continues the vote and freezes the same plan."""
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))
+    trainer, cb = _trainer(tmp_path / "run", 40)
+    trainer.train()
+    ctrl = adahop.get_controller(trainer.model)
+    assert not ctrl.calibrating and ctrl.step == 40
+    plan = json.loads(ctrl.plan.to_json())
+    assert json.loads((tmp_path / "run" / "plan.json").read_text()) == plan
+    assert json.loads((tmp_path / "run" / "checkpoint-40" / "plan.json").read_text()) == plan
+    assert not (tmp_path / "run" / "checkpoint-20" / "plan.json").exists()  # still calibrating at step 20
+    assert len(plan["layers"]) == 14 and "lm_head" not in plan["layers"]  # 2 blocks x 7 linears
+    # the strategy counts went through trainer.log: every report_to logger got them at step 30
+    logged = next(r for r in trainer.state.log_history if "adahop/fprop/iht" in r or "adahop/fprop/bf16" in r)
+    assert logged["step"] == 30
+    counts = {k[len("adahop/"):]: v for k, v in logged.items() if k.startswith("adahop/")}
+    assert counts == {k: float(v) for k, v in adahop.nn.convert.strategy_counts(ctrl.plan).items()}
+    assert sum(v for k, v in counts.items() if k.startswith("fprop/")) == 14
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"tensors": 0, "scalars": 0}).Reload()
+    tags = acc.Tags()
+    assert any(t.startswith("train/adahop/fprop/") for t in tags["scalars"]) and "adahop/plan/text_summary" in tags["tensors"]
+    text = acc.Tensors("adahop/plan/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "model.layers.1.mlp.down_proj" in text
+
+    # resume from the last checkpoint: the plan is there at train begin, calibration does not restart
+    resumed, cb2 = _trainer(tmp_path / "run", 45)
+    seen = {}  # what the model holds right after the callback's train-begin
+    orig = cb2.on_train_begin
+
+    def spy(args, state, control, model=None, **kw):
+        orig(args, state, control, model=model, **kw)
+        c = adahop.get_controller(model)
+        seen.update(calibrating=c.calibrating, calibrator=c.calibrator, step=c.step, plan=json.loads(c.plan.to_json()))
+
+    cb2.on_train_begin = spy
+    resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-40"))
+    assert seen == {"calibrating": False, "calibrator": None, "step": 40, "plan": plan}
+    assert json.loads(adahop.get_controller(resumed.model).plan.to_json()) == plan
+    assert adahop.get_controller(resumed.model).step == 45
+
+    # resume from step 20, mid-calibration: the vote continues (10 more steps) and freezes the same plan
+    mid, _ = _trainer(tmp_path / "mid", 40)
+    import shutil
+
+    shutil.copytree(tmp_path / "run" / "checkpoint-20", tmp_path / "mid" / "checkpoint-20")
+    mid.train(resume_from_checkpoint=str(tmp_path / "mid" / "checkpoint-20"))
+    assert json.loads(adahop.get_controller(mid.model).plan.to_json()) == plan

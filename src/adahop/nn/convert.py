@@ -16,7 +16,7 @@ from ..utils import mix_seed
 from .linear import Controller, LowPrecisionLinear, plan_for_another_model
 
 __all__ = ["convert_model", "convert_layers", "on_step", "get_controller", "describe", "saved_bytes", "seed_compiled_rng",
-           "supports_shape", "controller_state", "load_controller_state", "register_step_hook"]
+           "supports_shape", "controller_state", "load_controller_state", "register_step_hook", "plan_rows", "strategy_counts"]
 
 _BLOCK_RE = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)\.")
 
@@ -271,3 +271,24 @@ def describe(model: nn.Module) -> str:
                      f"{p.get('dy', '-'):>2}  {s['fprop']:<13} {s['dgrad']:<13} {s['wgrad']:<13} "
                      f"{_kib(m.saved_bytes, getattr(m, 'hp_saved_bytes', 0)):>18}")
     return "\n".join(lines)
+
+
+#: The columns of :func:`plan_rows`.
+PLAN_COLUMNS = ("layer", "x", "w", "dy", "fprop", "dgrad", "wgrad")
+
+
+def plan_rows(plan: Plan) -> list[list[str]]:
+    """The frozen plan as table rows, one per layer in the plan's order: the columns of
+    ``PLAN_COLUMNS`` (qualified name, the voted patterns of X, W, ∇Y, the strategy per GEMM)."""
+    return [[name] + [str(e.get(k, "-")) for k in PLAN_COLUMNS[1:]] for name, e in plan.layers.items()]
+
+
+def strategy_counts(plan: Plan) -> dict[str, int]:
+    """How many layers of ``plan`` run each strategy, per GEMM: ``{"fprop/iht": 10, "wgrad/bf16": 2, ...}``
+    (keys sorted; every GEMM and strategy that occurs)."""
+    counts: dict[str, int] = {}
+    for e in plan.layers.values():
+        for g in ("fprop", "dgrad", "wgrad"):
+            key = f"{g}/{e[g]}"
+            counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items()))
