@@ -210,3 +210,46 @@ def test_trainer_40_steps_then_resume_keeps_the_plan(tmp_path, monkeypatch):
     shutil.copytree(tmp_path / "run" / "checkpoint-20", tmp_path / "mid" / "checkpoint-20")
     mid.train(resume_from_checkpoint=str(tmp_path / "mid" / "checkpoint-20"))
     assert json.loads(adahop.get_controller(mid.model).plan.to_json()) == plan
+
+
+# ---- accelerate ---------------------------------------------------------------------------------------
+
+
+def test_accelerate_counts_optimizer_steps_not_micro_steps_and_save_state_keeps_the_plan(tmp_path):
+    from accelerate import Accelerator
+
+    from adahop.integrations.accelerate import prepare_adahop
+
+    def run(n_micro: int, load: Path | None = None):
+        acc = Accelerator(cpu=True, gradient_accumulation_steps=2, project_dir=str(tmp_path / "proj"))
+        model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        prepare_adahop(model, opt, "adahop-lv2", accelerator=acc, exclude=None, calib_steps=3)
+        model, opt = acc.prepare(model, opt)
+        if load is not None:
+            acc.load_state(str(load))
+        freeze_at = None
+        g = torch.Generator().manual_seed(0)
+        for i in range(n_micro):
+            with acc.accumulate(model):
+                acc.backward(model(torch.randn(8, 64, generator=g)).square().mean())
+                opt.step()
+                opt.zero_grad()
+            if freeze_at is None and not adahop.get_controller(model).calibrating:
+                freeze_at = i + 1
+        return acc, model, freeze_at
+
+    acc, model, freeze_at = run(10)
+    ctrl = adahop.get_controller(model)
+    assert freeze_at == 6 and ctrl.step == 5  # 3 optimizer steps = 6 micro-batches; 10 micro-batches = 5 steps
+    assert json.loads((tmp_path / "proj" / "plan.json").read_text()) == json.loads(ctrl.plan.to_json())
+    acc.save_state(str(tmp_path / "ckpt"))
+    _, again, freeze_again = run(0, load=tmp_path / "ckpt")
+    c2 = adahop.get_controller(again)
+    assert not c2.calibrating and c2.calibrator is None and c2.step == 5
+    assert c2.plan.to_json() == ctrl.plan.to_json()
+
+
+def test_the_readme_accelerate_example_runs_verbatim(tmp_path, monkeypatch):
+    out = _run_readme_block("accelerate", tmp_path, monkeypatch)
+    assert "plan frozen" in out and "model.layers.1.mlp.down_proj" in out and (tmp_path / "ckpt").is_dir()
