@@ -253,3 +253,25 @@ def test_accelerate_counts_optimizer_steps_not_micro_steps_and_save_state_keeps_
 def test_the_readme_accelerate_example_runs_verbatim(tmp_path, monkeypatch):
     out = _run_readme_block("accelerate", tmp_path, monkeypatch)
     assert "plan frozen" in out and "model.layers.1.mlp.down_proj" in out and (tmp_path / "ckpt").is_dir()
+
+
+def test_the_readme_trainer_example_runs_verbatim(tmp_path, monkeypatch):
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    out = _run_readme_block("Hugging Face Trainer", tmp_path, monkeypatch)
+    assert "plan frozen" in out and "model.layers.1.mlp.down_proj" in out
+    plan = json.loads((tmp_path / "runs" / "hf" / "plan.json").read_text())
+    assert json.loads((tmp_path / "runs" / "hf" / "checkpoint-40" / "plan.json").read_text()) == plan
+
+
+def test_adahop_imports_and_converts_under_the_meta_device():
+    """torchtitan builds models under torch.device("meta"); adahop's kernels, first imported there,
+    used to build a module constant on the meta device and fail (Tensor.item() on a meta tensor)."""
+    import subprocess
+    import sys
+
+    code = ("import torch\nwith torch.device('meta'):\n    import adahop.kernels\n    import adahop\n"
+            "    m = adahop.convert_model(torch.nn.Sequential(torch.nn.Linear(64, 64)), 'mxfp4')\n"
+            "print(m[0].weight.device, type(m[0]).__name__)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split()[-2:] == ["meta", "LowPrecisionLinear"]

@@ -77,3 +77,25 @@ def test_unknown_or_missing_logger_is_refused_naming_the_extra(data_dir, tmp_pat
     err = capsys.readouterr().err
     assert "--log-to wandb: the 'wandb' package is not installed; install it with pip install 'adahop[wandb]'" in err
     assert not (tmp_path / "b" / "metrics.jsonl").exists()  # refused before any work
+
+
+def test_the_readme_logging_command_runs(data_dir, tmp_path, monkeypatch, single_thread):
+    """The README's TensorBoard/W&B command, on the test corpus and shortened (--data and --steps replaced)."""
+    import re
+    import shlex
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    monkeypatch.chdir(tmp_path)
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    cmd = re.search(r"\n### TensorBoard and W&B\n.*?```bash\n(.*?)\n```", readme, re.S).group(1)
+    argv = shlex.split(cmd)
+    assert argv[0] == "adahop"
+    argv = argv[1:]
+    argv[argv.index("--data") + 1] = str(data_dir)
+    argv[argv.index("--steps") + 1] = "4"
+    argv += ["--seq-len", "32", "--batch-size", "4", "--calib-steps", "2", "--eval-every", "4", "--eval-batches", "2",
+             "--device", "cpu"]
+    assert main(argv) == 0
+    run = tmp_path / "runs" / "logged"
+    assert list((run / "tensorboard").glob("events.out.tfevents.*")) and list((run / "wandb").glob("offline-run-*"))

@@ -169,3 +169,30 @@ def test_torchtitan_trainer_trains_the_debug_model_and_the_hook_freezes_the_plan
     assert json.loads((out / "plan.json").read_text()) == json.loads(ctrl.plan.to_json())
     assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
     assert ctrl.calibrator is None and all(lay.strategies()["fprop"] != "calibrating" for lay in ctrl.layers)
+
+
+def test_the_readme_torchtitan_block_runs_verbatim_and_its_shell_config_parses(tmp_path, monkeypatch):
+    import contextlib
+    import io
+    import re
+    from pathlib import Path
+
+    from torchtitan.config import ConfigManager
+    from torchtitan.models.llama3.model import Llama3Model
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = re.search(r"\n### torchtitan\n.*?```python\n(.*?)```", readme, re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    ns: dict = {}
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        exec(compile(block, "README.md", "exec"), ns)
+    assert "recipe='adahop-lv2'" in out.getvalue()
+    cfg = ns["config"]
+    with torch.device("meta"):
+        model = cfg.model_spec.model.build()
+    model.verify_module_protocol()
+    assert isinstance(model, Llama3Model) and len(adahop.get_controller(model).layers) == 6 * 5
+    # the shell form: torchtitan's own ConfigManager finds the config in adahop.integrations.torchtitan
+    parsed = ConfigManager().parse_args(["--module", "adahop.integrations.torchtitan", "--config", "llama3_debugmodel_adahop"])
+    assert parsed.model_spec.model.adahop.recipe == "adahop-lv2"
+    assert parsed.model_spec.post_optimizer_build_fn.func.__name__ == "adahop_post_optimizer_build_fn"
