@@ -156,7 +156,7 @@ def fold_to_fp8_reference(q: MXTensor, *, backend: str = "reference") -> tuple[t
 
 #: float32 values of the element scales the quantizers write (1, and 4/3 for the tseng rule), as
 #: Python floats: computing them inside a compiled region would be a graph break.
-_F32_ELEM = {1.0: 1.0, 4.0 / 3.0: float(torch.tensor(4.0 / 3.0, dtype=torch.float32))}
+_F32_ELEM = {1.0: 1.0, 4.0 / 3.0: float(torch.tensor(4.0 / 3.0, dtype=torch.float32, device="cpu"))}  # cpu: importable under torch.device("meta")
 
 
 def _fold_impl(codes: torch.Tensor, scales: torch.Tensor, elem_scale: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+import json
 import re
 import warnings
 
@@ -14,7 +15,8 @@ from ..recipes import Recipe, get_recipe
 from ..utils import mix_seed
 from .linear import Controller, LowPrecisionLinear, plan_for_another_model
 
-__all__ = ["convert_model", "on_step", "get_controller", "describe", "saved_bytes", "seed_compiled_rng", "supports_shape"]
+__all__ = ["convert_model", "convert_layers", "on_step", "get_controller", "describe", "saved_bytes", "seed_compiled_rng",
+           "supports_shape", "controller_state", "load_controller_state", "register_step_hook", "plan_rows", "strategy_counts"]
 
 _BLOCK_RE = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)\.")
 
@@ -41,7 +43,7 @@ def supports_shape(recipe: Recipe, in_features: int, out_features: int) -> bool:
     return True
 
 
-def convert_model(model: nn.Module, recipe: str | Recipe, *, exclude=("lm_head",), seed: int = 0,
+def convert_model(model: nn.Module, recipe: str | Recipe, *, exclude=("lm_head",), module_filter_fn=None, seed: int = 0,
                   plan: Plan | None = None, backend: str = "auto") -> nn.Module:
     """Swap every ``nn.Linear`` of ``model`` for a :class:`LowPrecisionLinear` running ``recipe``.
 
@@ -51,6 +53,9 @@ def convert_model(model: nn.Module, recipe: str | Recipe, *, exclude=("lm_head",
         exclude: fnmatch patterns of qualified names to keep as they are; a pattern without
             wildcards also matches as a name suffix (``"lm_head"`` matches ``"model.lm_head"``);
             None or ``()`` excludes nothing.
+        module_filter_fn: torchao's filter, ``(module, fqn) -> bool``, called for each ``nn.Linear``
+            that ``exclude`` keeps: a layer converts only when it returns True (so a filter written
+            for ``torchao.float8.convert_to_float8_training`` works unchanged). None converts all.
         seed: run seed for stochastic rounding and random signs.
         plan: a frozen AdaHOP plan (from ``plan.json`` or a checkpoint): calibration is skipped.
         backend: ``"auto"`` (the fast path on CUDA, the reference elsewhere, decided per call from
@@ -67,9 +72,12 @@ def convert_model(model: nn.Module, recipe: str | Recipe, *, exclude=("lm_head",
             bare ``nn.Linear`` (wrap it in ``nn.Sequential``), a model with no ``nn.Linear`` left to
             convert (e.g. GPT-2's ``Conv1D`` layers) under a quantizing recipe, or a ``plan`` without
             an entry for a converted layer.
+        TypeError: ``module_filter_fn`` is not callable or returns something other than a bool.
     """
     if isinstance(recipe, str):
         recipe = get_recipe(recipe)
+    if module_filter_fn is not None and not callable(module_filter_fn):
+        raise TypeError(f"module_filter_fn must be a callable (module, fqn) -> bool, got {type(module_filter_fn).__name__}")
     if getattr(model, "_adahop_controller", None) is not None:
         raise ValueError("this model is already converted; convert a fresh model")
     if type(model) is nn.Linear:
@@ -77,13 +85,26 @@ def convert_model(model: nn.Module, recipe: str | Recipe, *, exclude=("lm_head",
                          "it is given; wrap a bare layer first: convert_model(nn.Sequential(linear), ...)")
     if exclude is None:
         exclude = ()
-    names = [n for n, m in model.named_modules() if type(m) is nn.Linear and not _excluded(n, exclude)]
+    names = [n for n, m in model.named_modules() if type(m) is nn.Linear and not _excluded(n, exclude)
+             and _kept_by(module_filter_fn, m, n)]
     if not names and not recipe.is_bf16:  # nothing would run the recipe: the "MXFP4" run would be BF16
         conv1d = sum(type(m).__name__ == "Conv1D" for m in model.modules())
         why = (f"its {conv1d} linear maps are transformers Conv1D modules (GPT-2 style, weight stored [in, out]), "
                "which adahop does not convert; use a model built of nn.Linear (Llama, Qwen, GPT-NeoX, ...)") if conv1d \
-            else f"exclude={tuple(exclude)!r} leaves none, or it has none"
+            else f"exclude={tuple(exclude)!r}" + (" and module_filter_fn" if module_filter_fn else "") + " leave none, or it has none"
         raise ValueError(f"convert_model: the model has no nn.Linear layer to run recipe {recipe.name!r}: {why}")
+    return convert_layers(model, recipe, names, seed=seed, plan=plan, backend=backend)
+
+
+def convert_layers(model: nn.Module, recipe: Recipe, names: list[str], *, layer_cls=LowPrecisionLinear, seed: int = 0,
+                   plan: Plan | None = None, backend: str = "auto") -> nn.Module:
+    """The swap behind :func:`convert_model`, for integrations whose linears are subclasses of
+    ``nn.Linear`` (torchtitan's): replace the ``nn.Linear`` modules named ``names`` (qualified names,
+    in model order) by ``layer_cls.from_linear(...)`` under one shared :class:`Controller`, with the
+    same BF16 edge layers, shape check and warning as :func:`convert_model`. Returns ``model``.
+
+    Raises:
+        ValueError: a ``plan`` without an entry for a converted layer."""
     controller = Controller(recipe, seed=seed, plan=plan)
     blocks = sorted({int(m.group(1)) for n in names if (m := _BLOCK_RE.search(n))})
     n_blocks = (max(blocks) + 1) if blocks else 0
@@ -99,7 +120,7 @@ def convert_model(model: nn.Module, recipe: str | Recipe, *, exclude=("lm_head",
         if not fits and not recipe.is_bf16:
             unsupported[name] = f"{lin.in_features}->{lin.out_features}"
         try:
-            new = LowPrecisionLinear.from_linear(lin, recipe, name=name, layer_id=layer_id, controller=controller,
+            new = layer_cls.from_linear(lin, recipe, name=name, layer_id=layer_id, controller=controller,
                                                  backend=_layer_backend(backend, lin.weight.device), force_bf16=edge or not fits)
         except KeyError:  # a plan made for another model: say so before anything runs
             raise plan_for_another_model(name, controller.plan) from None
@@ -107,7 +128,7 @@ def convert_model(model: nn.Module, recipe: str | Recipe, *, exclude=("lm_head",
     if unsupported:
         warnings.warn(f"adahop: recipe {recipe.name!r} cannot quantize these layers (dimensions not multiples of the "
                       f"block size, or not a power of two where the recipe rotates a whole dimension); they run BF16 "
-                      f"GEMMs: {', '.join(f'{n} ({io})' for n, io in unsupported.items())}", stacklevel=2)
+                      f"GEMMs: {', '.join(f'{n} ({io})' for n, io in unsupported.items())}", stacklevel=3)
     controller.unquantizable = list(unsupported)  # reported by the run summary
     model._adahop_controller = controller
     return model
@@ -121,6 +142,16 @@ def _layer_backend(backend: str, device: torch.device) -> str:
 
     resolved = resolve_backend(backend, device)  # checks every value, "auto" included
     return "auto" if backend == "auto" else resolved
+
+
+def _kept_by(module_filter_fn, module: nn.Module, fqn: str) -> bool:
+    if module_filter_fn is None:
+        return True
+    keep = module_filter_fn(module, fqn)
+    if not isinstance(keep, bool):  # a filter returning e.g. None would silently convert nothing
+        raise TypeError(f"module_filter_fn({type(module).__name__}, {fqn!r}) returned {keep!r}; it must return True "
+                        "(convert the layer) or False (keep it as it is)")
+    return keep
 
 
 def _excluded(name: str, patterns) -> bool:
@@ -141,6 +172,51 @@ def on_step(model: nn.Module, step: int) -> bool:
     """Tell the converted model that ``step`` optimizer steps are done (call after each
     ``optimizer.step()``). Freezes the AdaHOP plan at the end of calibration; returns True then."""
     return get_controller(model).on_step(step)
+
+
+def controller_state(model: nn.Module) -> dict:
+    """What a checkpoint must keep of a converted model beyond its weights, as plain JSON data:
+    ``{"step": optimizer steps done, "plan": the frozen plan as a dict or None, "calibration_history":
+    the patterns seen so far while calibrating, or None}``. :func:`load_controller_state` restores it.
+
+    Raises:
+        ValueError: ``model`` is not converted."""
+    ctrl = get_controller(model)
+    return {"step": ctrl.step, "plan": json.loads(ctrl.plan.to_json()) if ctrl.plan else None,
+            "calibration_history": ctrl.calibrator.history if ctrl.calibrator else None}
+
+
+def load_controller_state(model: nn.Module, state: dict) -> None:
+    """Restore :func:`controller_state` output: a saved plan is adopted (calibration does not run
+    again), a calibration in progress continues from its saved history, and the step counter
+    (which seeds the stochastic-rounding streams) continues from the saved step.
+
+    Raises:
+        ValueError: ``model`` is not converted, or the plan was made for another model."""
+    ctrl = get_controller(model)
+    if state.get("plan"):
+        ctrl.set_plan(Plan(table=state["plan"]["table"], layers=state["plan"]["layers"]))
+    elif state.get("calibration_history") is not None and ctrl.calibrator is not None:
+        ctrl.calibrator.history = state["calibration_history"]
+    ctrl.step = int(state["step"])
+
+
+def register_step_hook(model: nn.Module, optimizer: torch.optim.Optimizer, on_freeze=None):
+    """Call :func:`on_step` after every ``optimizer.step()`` through the optimizer's own post-step hook,
+    counting the steps from the model's step counter (restored by :func:`load_controller_state` on
+    resume). A step the optimizer skips (a GradScaler's inf step, an accumulation micro-step under
+    accelerate) runs no hook and is not counted. ``on_freeze(model)`` runs once the plan freezes.
+    Returns the hook's handle (``.remove()`` detaches it).
+
+    Raises:
+        ValueError: ``model`` is not converted."""
+    ctrl = get_controller(model)
+
+    def hook(_opt, _args, _kwargs):
+        if ctrl.on_step(ctrl.step + 1) and on_freeze is not None:
+            on_freeze(model)
+
+    return optimizer.register_step_post_hook(hook)
 
 
 def seed_compiled_rng(model: nn.Module, step: int, micro: int = 0) -> None:
@@ -204,3 +280,24 @@ def describe(model: nn.Module) -> str:
                      f"{p.get('dy', '-'):>2}  {s['fprop']:<13} {s['dgrad']:<13} {s['wgrad']:<13} "
                      f"{_kib(m.saved_bytes, getattr(m, 'hp_saved_bytes', 0)):>18}")
     return "\n".join(lines)
+
+
+#: The columns of :func:`plan_rows`.
+PLAN_COLUMNS = ("layer", "x", "w", "dy", "fprop", "dgrad", "wgrad")
+
+
+def plan_rows(plan: Plan) -> list[list[str]]:
+    """The frozen plan as table rows, one per layer in the plan's order: the columns of
+    ``PLAN_COLUMNS`` (qualified name, the voted patterns of X, W, ∇Y, the strategy per GEMM)."""
+    return [[name] + [str(e.get(k, "-")) for k in PLAN_COLUMNS[1:]] for name, e in plan.layers.items()]
+
+
+def strategy_counts(plan: Plan) -> dict[str, int]:
+    """How many layers of ``plan`` run each strategy, per GEMM: ``{"fprop/iht": 10, "wgrad/bf16": 2, ...}``
+    (keys sorted; every GEMM and strategy that occurs)."""
+    counts: dict[str, int] = {}
+    for e in plan.layers.values():
+        for g in ("fprop", "dgrad", "wgrad"):
+            key = f"{g}/{e[g]}"
+            counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items()))

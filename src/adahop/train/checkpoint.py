@@ -21,8 +21,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from ..nn import get_controller
-from ..patterns import Plan
+from ..nn.convert import controller_state, load_controller_state
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "complete_checkpoints", "publish_checkpoint",
            "CheckpointWriteError", "discard_failed_write"]
@@ -88,10 +87,9 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, opt: torch
         save_file(state, tmp / "model.safetensors")
         tensors, meta = _optim_tensors(opt)
         save_file(tensors, tmp / "optimizer.safetensors")
-        ctrl = get_controller(model)
-        meta.update(step=step, controller_step=ctrl.step, rng=torch.get_rng_state().tolist(),
-                    plan=json.loads(ctrl.plan.to_json()) if ctrl.plan else None,
-                    calibration_history=ctrl.calibrator.history if ctrl.calibrator else None, **(extra or {}))
+        cs = controller_state(model)
+        meta.update(step=step, controller_step=cs["step"], rng=torch.get_rng_state().tolist(), plan=cs["plan"],
+                    calibration_history=cs["calibration_history"], **(extra or {}))
         (tmp / "state.json").write_text(json.dumps(meta))
         return publish_checkpoint(tmp, final, keep)
     except BaseException as e:  # disk full, I/O error, a second Ctrl-C: no partial folder stays behind
@@ -164,10 +162,6 @@ def load_checkpoint(path: Path, model: torch.nn.Module, opt: torch.optim.Optimiz
             state.setdefault(int(idx), {})[name] = v
         opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
     torch.set_rng_state(torch.tensor(meta["rng"], dtype=torch.uint8))
-    ctrl = get_controller(model)
-    if meta.get("plan"):
-        ctrl.set_plan(Plan(table=meta["plan"]["table"], layers=meta["plan"]["layers"]))
-    elif meta.get("calibration_history") is not None and ctrl.calibrator is not None:
-        ctrl.calibrator.history = meta["calibration_history"]
-    ctrl.step = meta["controller_step"]
+    load_controller_state(model, {"step": meta["controller_step"], "plan": meta.get("plan"),
+                                  "calibration_history": meta.get("calibration_history")})
     return meta

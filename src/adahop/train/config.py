@@ -71,6 +71,8 @@ class TrainConfig:
     """Checkpoints kept on disk (the newest)."""
     log_every: int = 10
     """Steps between metric lines."""
+    log_to: str = "jsonl"
+    """Loggers, comma-separated: jsonl (metrics.jsonl, always written), tensorboard (<out>/tensorboard), wandb (offline unless WANDB_MODE is set)."""
     seed: int = 0
     """Seed of initialization, data order, stochastic rounding and random signs."""
     device: str = "auto"
@@ -123,6 +125,9 @@ class TrainConfig:
             bad("parallel", f"{self.parallel!r}; use none, ddp or fsdp")
         if self.calib_steps is not None and self.calib_steps < 1:
             bad("calib_steps", f"must be >= 1, got {self.calib_steps}")
+        from .metrics import parse_log_to
+
+        parse_log_to(self.log_to)  # an unknown or uninstalled logger fails before any work
 
     def to_dict(self) -> dict:
         """The config as a plain dict (stored in config.json)."""

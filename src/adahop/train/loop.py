@@ -235,7 +235,8 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
         write_config(run, cfg, model, data_dir, recipe)
         if plan is not None:  # the plan that runs (re-mapped if it came from the other level) belongs in the run folder
             get_controller(model).plan.save(run / "plan.json")
-    metrics = Metrics(run / "metrics.jsonl", resume_from=start if cfg.resume else None, enabled=is_main)
+    metrics = Metrics(run / "metrics.jsonl", resume_from=start if cfg.resume else None, enabled=is_main, log_to=cfg.log_to,
+                      config=cfg.to_dict())
     micro = cfg.batch_size // world // cfg.grad_accum
     tokens_per_step = cfg.batch_size * cfg.seq_len
     stop = {"now": False}
@@ -284,6 +285,7 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
             clock, timed_tokens, warm_from, timed_steps, estimated = 0.0, 0, step + 3, 0, False
             if is_main:
                 get_controller(model).plan.save(run / "plan.json")
+                metrics.log_plan(step + 1, get_controller(model).plan)
             if cfg.compile:  # recompile once, with the frozen plan, as whole graphs
                 torch.compiler.reset()
                 breaks_from = _graph_breaks()
@@ -315,7 +317,7 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
             tps = timed_tokens / clock if clock else 0.0
             loss_val = dp.mean_over_ranks(loss_sum).item()
             metrics.log(step=done, loss=loss_val, lr=lr, grad_norm=float(gnorm), tokens=done * tokens_per_step, tok_per_s=tps,
-                        step_s=step_s)
+                        step_s=step_s, memory_mb=peak_memory(device) / 2**20)
             bar.set_postfix(loss=f"{loss_val:.3f}", tok_s=f"{tps:,.0f}")
         if cfg.eval_every and (done % cfg.eval_every == 0 or last):
             vl = dp.mean_over_ranks(evaluate(model, val_s, device, autocast, cfg.eval_batches)[0])
@@ -353,6 +355,7 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
     if is_main:
         (run / "summary.json").write_text(json.dumps(summary, indent=1))
         metrics.plot(run / "loss.png", title=f"{cfg.recipe} on {cfg.model}")
+    metrics.close()
     if not stop["now"]:
         dp.export(run, model, data_dir, cfg.parallel)  # rank 0 writes; FSDP gathers the weights first
     return summary

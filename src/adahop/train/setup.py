@@ -30,7 +30,7 @@ RESUME_KEYS = ("recipe", "model", "model_config", "seq_len", "batch_size", "grad
 
 #: Settings that do not change a finished run's results (`adahop compare` reuses a run whose other
 #: settings all equal the new ones).
-RESULT_NEUTRAL_KEYS = ("out", "resume", "log_every", "ckpt_every", "keep_ckpts")
+RESULT_NEUTRAL_KEYS = ("out", "resume", "log_every", "ckpt_every", "keep_ckpts", "log_to")
 
 
 def settings_diff(cfg: TrainConfig, run: Path, keys) -> list[str]:

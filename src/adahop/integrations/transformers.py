@@ -1,0 +1,133 @@
+"""AdaHOP in the Hugging Face ``Trainer``: one callback converts, calls the step hook, logs the
+plan, and keeps it in every checkpoint.
+
+    trainer = Trainer(model=model, args=args, train_dataset=ds)
+    trainer.add_callback(AdaHOPCallback("adahop-lv2", trainer=trainer))
+    trainer.train()                                   # trainer.train(resume_from_checkpoint=True) keeps the plan
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from . import missing_extra, resolve_plan, resolve_recipe
+
+try:
+    from transformers import TrainerCallback
+    from transformers.trainer_callback import ExportableState
+except ImportError as e:  # transformers is a core dependency; a broken install still says what to do
+    raise missing_extra("transformers", "hf", "adahop.integrations.transformers") from e
+
+from ..nn.convert import (PLAN_COLUMNS, controller_state, convert_model, describe, get_controller, load_controller_state,
+                          on_step, plan_rows, strategy_counts)
+
+__all__ = ["AdaHOPCallback"]
+
+log = logging.getLogger(__name__)
+
+
+class AdaHOPCallback(TrainerCallback, ExportableState):
+    """Run ``recipe`` in a ``transformers.Trainer``.
+
+    - **train begin**: converts the model with :func:`adahop.convert_model` (``exclude``,
+      ``module_filter_fn``, ``seed``, ``plan``, ``backend`` as there), unless it is converted already;
+      under ``torchrun`` every rank then freezes one plan (votes pooled across ranks).
+    - **after each optimizer step** (``on_step_end``, so gradient-accumulation micro-steps do not
+      count): :func:`adahop.on_step` with the Trainer's ``global_step``.
+    - **at the freeze**: writes ``<output_dir>/plan.json``, logs :func:`adahop.describe` to the Python
+      logger, and, when ``trainer`` is given, the strategy counts as scalars through ``trainer.log``
+      (every ``report_to`` logger) and the plan as a table to TensorBoard (text) and W&B (a Table).
+      A callback cannot reach the Trainer's loggers without ``trainer``: pass it to log there.
+    - **each checkpoint**: ``checkpoint-N/plan.json``, and the controller state (plan or the
+      calibration votes so far, step counter) in ``trainer_state.json`` (``stateful_callbacks``).
+    - **resume** (``trainer.train(resume_from_checkpoint=...)``): that state is restored, so a frozen
+      plan is kept and calibration does not run again; a run stopped mid-calibration continues its vote.
+
+    Args:
+        recipe: a preset name (``adahop recipes``) or a :class:`adahop.Recipe`.
+        exclude, module_filter_fn, seed, backend: as in :func:`adahop.convert_model`.
+        plan: a frozen :class:`adahop.Plan` or the path of a ``plan.json``: calibration is skipped.
+        calib_steps: override the recipe's calibration length (30 optimizer steps for AdaHOP).
+        trainer: the ``Trainer``, to log the plan through its loggers.
+
+    Raises:
+        ValueError: (at train begin) the model is already converted with another recipe; a saved
+            plan made for another model; bad arguments as :func:`adahop.convert_model` raises them.
+    """
+
+    def __init__(self, recipe="adahop-lv2", *, exclude=("lm_head",), module_filter_fn=None, seed: int = 0, plan=None,
+                 calib_steps: int | None = None, backend: str = "auto", trainer=None):
+        self.recipe = resolve_recipe(recipe, calib_steps)
+        self.plan = resolve_plan(plan)
+        self.exclude, self.module_filter_fn, self.seed, self.backend = exclude, module_filter_fn, seed, backend
+        self.calib_steps, self.trainer = calib_steps, trainer
+        self.adahop_state = None  # set by the Trainer when it restores callbacks itself (restore_callback_states_from_checkpoint)
+        self.model = None
+
+    # ---- ExportableState: what trainer_state.json keeps of this callback ----------------------------
+    def state(self) -> dict:
+        return {"args": {"recipe": self.recipe.name, "exclude": list(self.exclude or ()), "seed": self.seed,
+                         "calib_steps": self.calib_steps, "backend": self.backend},
+                "attributes": {"adahop_state": controller_state(self.model) if self.model is not None else None}}
+
+    # ---- events ------------------------------------------------------------------------------------
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if getattr(model, "_adahop_controller", None) is None:
+            convert_model(model, self.recipe, exclude=self.exclude, module_filter_fn=self.module_filter_fn, seed=self.seed,
+                          plan=self.plan, backend=self.backend)
+        elif get_controller(model).recipe.name != self.recipe.name:
+            raise ValueError(f"AdaHOPCallback({self.recipe.name!r}): the model is already converted with recipe "
+                             f"{get_controller(model).recipe.name!r}; pass that recipe, or give the callback an unconverted model")
+        self.model = model
+        from ..train.distributed import agree_on_plan
+
+        agree_on_plan(model)  # under torchrun: every rank votes on everyone's observations
+        if state.global_step > 0:  # a resume: the Trainer has just loaded trainer_state.json
+            saved = self.adahop_state or _saved_state(state, type(self).__name__)
+            if saved is None:
+                log.warning("adahop: resumed at step %d from a checkpoint without AdaHOP state; calibration starts over",
+                            state.global_step)
+            else:
+                load_controller_state(model, saved)
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if on_step(self.model, state.global_step):
+            self._report(args, state)
+
+    def on_save(self, args, state, control, **kwargs):
+        plan = get_controller(self.model).plan if self.model is not None else None
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        if plan is not None and state.is_world_process_zero and folder.is_dir():
+            plan.save(folder / "plan.json")
+
+    # ---- the freeze --------------------------------------------------------------------------------
+    def _report(self, args, state) -> None:
+        plan = get_controller(self.model).plan
+        if not state.is_world_process_zero:
+            return
+        Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+        plan.save(Path(args.output_dir) / "plan.json")
+        log.info("adahop: plan frozen at step %d\n%s", state.global_step, describe(self.model))
+        if self.trainer is None:
+            return
+        self.trainer.log({f"adahop/{k}": float(v) for k, v in strategy_counts(plan).items()})
+        rows = plan_rows(plan)
+        for cb in self.trainer.callback_handler.callbacks:
+            name = type(cb).__name__
+            if name == "TensorBoardCallback" and getattr(cb, "tb_writer", None) is not None:
+                cb.tb_writer.add_text("adahop/plan", _markdown(rows), state.global_step)
+            elif name == "WandbCallback" and getattr(cb, "_initialized", False):
+                cb._wandb.log({"adahop/plan": cb._wandb.Table(columns=list(PLAN_COLUMNS), data=rows)})
+
+
+def _saved_state(state, name: str):
+    saved = state.stateful_callbacks.get(name)
+    if isinstance(saved, list):  # several callbacks of this class: the first is ours
+        saved = saved[0] if saved else None
+    return (saved or {}).get("attributes", {}).get("adahop_state")
+
+
+def _markdown(rows: list[list[str]]) -> str:
+    head = "| " + " | ".join(PLAN_COLUMNS) + " |\n|" + "---|" * len(PLAN_COLUMNS) + "\n"
+    return head + "".join("| " + " | ".join(r) + " |\n" for r in rows)

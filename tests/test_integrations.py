@@ -1,0 +1,277 @@
+"""Where users already train: `convert_model(module_filter_fn=)` (torchao's filter signature), the
+step hook through the optimizer, the Hugging Face `Trainer` callback (train, checkpoint, resume with
+the plan kept), accelerate, and the README blocks of each integration, run as printed."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import adahop
+from adahop.nn.convert import controller_state, load_controller_state, register_step_hook
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _tiny_llama(seed: int = 0, vocab: int = 128):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, max_position_embeddings=64)
+    return LlamaForCausalLM(cfg)
+
+
+def _readme_block(title: str) -> str:
+    """The first ```python block under the README heading ``title``."""
+    text = README.read_text()
+    m = re.search(rf"\n#+ {re.escape(title)}\n.*?```python\n(.*?)```", text, re.S)
+    assert m, f"README has no python block under {title!r}"
+    return m.group(1)
+
+
+def _run_readme_block(title: str, tmp_path: Path, monkeypatch) -> str:
+    monkeypatch.chdir(tmp_path)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(_readme_block(title), "README.md", "exec"), {"__name__": "__readme__"})
+    return out.getvalue()
+
+
+# ---- convert_model(module_filter_fn=) -------------------------------------------------------------
+
+
+def test_a_torchao_filter_selects_the_same_layers_as_in_torchao():
+    """A filter written for torchao's convert_to_float8_training converts exactly the layers torchao does."""
+    from torchao.float8 import convert_to_float8_training
+
+    def filt(mod: nn.Module, fqn: str) -> bool:  # torchao style: skip attention and small layers
+        return "self_attn" not in fqn and mod.in_features >= 128
+
+    ours = adahop.convert_model(_tiny_llama(), "mxfp4", exclude=None, module_filter_fn=filt)
+    theirs = convert_to_float8_training(_tiny_llama(), module_filter_fn=filt)
+    converted = {n for n, m in ours.named_modules() if isinstance(m, adahop.LowPrecisionLinear)}
+    f8 = {n for n, m in theirs.named_modules() if type(m).__name__ == "Float8Linear"}
+    assert converted == f8 == {"model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"}
+
+
+def test_module_filter_fn_and_exclude_both_apply_and_bad_filters_are_refused():
+    seen = []
+
+    def filt(mod, fqn):
+        seen.append((type(mod), fqn))
+        return not fqn.endswith("q_proj")
+
+    m = adahop.convert_model(_tiny_llama(), "mxfp4", exclude=("lm_head", "*.mlp.*"), module_filter_fn=filt)
+    converted = sorted(n for n, x in m.named_modules() if isinstance(x, adahop.LowPrecisionLinear))
+    assert converted == [f"model.layers.{i}.self_attn.{p}" for i in (0, 1) for p in ("k_proj", "o_proj", "v_proj")]
+    # the filter sees only the nn.Linear layers that exclude keeps, with their qualified names
+    assert {t for t, _ in seen} == {nn.Linear} and len(seen) == 8 and not any("mlp" in f or "lm_head" in f for _, f in seen)
+    with pytest.raises(TypeError, match=r"returned None; it must return True"):
+        adahop.convert_model(_tiny_llama(), "mxfp4", module_filter_fn=lambda mod, fqn: None)
+    with pytest.raises(TypeError, match="must be a callable"):
+        adahop.convert_model(_tiny_llama(), "mxfp4", module_filter_fn="q_proj")
+    with pytest.raises(ValueError, match="module_filter_fn leave none"):
+        adahop.convert_model(_tiny_llama(), "mxfp4", module_filter_fn=lambda mod, fqn: False)
+
+
+# ---- the step hook and the controller state ---------------------------------------------------------
+
+
+def test_step_hook_counts_optimizer_steps_and_state_round_trips():
+    """register_step_hook freezes the plan after the calibration's last optimizer step; the state
+    restores that plan (no new calibration) into a fresh model, and a mid-calibration state continues."""
+    torch.manual_seed(0)
+    make = lambda: nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))  # noqa: E731
+    recipe = _short_calibration("adahop-lv2", 3)
+    model = adahop.convert_model(make(), recipe, exclude=None)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    frozen = []
+    register_step_hook(model, opt, on_freeze=lambda m: frozen.append(adahop.get_controller(m).step))
+    for step in range(5):
+        model(torch.randn(8, 64)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 1:
+            mid = json.loads(json.dumps(controller_state(model)))  # what a checkpoint stores: plain JSON
+    assert frozen == [3] and controller_state(model)["step"] == 5
+    state = json.loads(json.dumps(controller_state(model)))
+    assert state["plan"]["layers"].keys() == {"0", "2"} and state["calibration_history"] is None
+
+    fresh = adahop.convert_model(make(), recipe, exclude=None)
+    load_controller_state(fresh, state)
+    ctrl = adahop.get_controller(fresh)
+    assert not ctrl.calibrating and ctrl.calibrator is None and ctrl.step == 5
+    assert json.loads(ctrl.plan.to_json()) == state["plan"]
+
+    cont = adahop.convert_model(make(), recipe, exclude=None)
+    load_controller_state(cont, mid)
+    c = adahop.get_controller(cont)
+    assert c.calibrating and c.step == 2 and c.calibrator.history == mid["calibration_history"]
+    assert len(mid["calibration_history"]["0"]["x"]) == 2  # two steps of votes kept, not restarted
+
+
+def _short_calibration(name: str, steps: int):
+    import dataclasses
+
+    r = adahop.get_recipe(name)
+    return dataclasses.replace(r, calibration=dataclasses.replace(r.calibration, steps=steps))
+
+
+# ---- Hugging Face Trainer ---------------------------------------------------------------------------
+
+
+class _Tokens(torch.utils.data.Dataset):
+    """Fixed random sequences with a learnable rule (each token repeats the one two back)."""
+
+    def __init__(self, n: int = 64, seq: int = 32, vocab: int = 128):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randint(0, vocab, (n, seq), generator=g)
+        x[:, 2:] = x[:, :-2].clone()
+        self.x = x
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.x[i], "labels": self.x[i]}
+
+
+def _trainer(out: Path, steps: int, callback_kw: dict | None = None, report_to=("tensorboard",)):
+    from transformers import Trainer, TrainingArguments
+
+    from adahop.integrations.transformers import AdaHOPCallback
+
+    args = TrainingArguments(output_dir=str(out), max_steps=steps, per_device_train_batch_size=4, learning_rate=2e-3,
+                             save_steps=20, logging_steps=10, report_to=list(report_to), use_cpu=True, seed=0,
+                             disable_tqdm=True, dataloader_num_workers=0)
+    trainer = Trainer(model=_tiny_llama(), args=args, train_dataset=_Tokens())
+    cb = AdaHOPCallback("adahop-lv2", trainer=trainer, **(callback_kw or {}))
+    trainer.add_callback(cb)
+    return trainer, cb
+
+
+def test_trainer_40_steps_then_resume_keeps_the_plan(tmp_path, monkeypatch):
+    """40 steps under adahop-lv2 (calibration 30): the plan freezes at step 30, goes to plan.json, into
+    checkpoint-40 and to the Trainer's loggers; a resume from checkpoint-40 starts with that very plan
+    (no calibration), and a resume from checkpoint-20 continues the vote and freezes the same plan."""
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))
+    trainer, cb = _trainer(tmp_path / "run", 40)
+    trainer.train()
+    ctrl = adahop.get_controller(trainer.model)
+    assert not ctrl.calibrating and ctrl.step == 40
+    plan = json.loads(ctrl.plan.to_json())
+    assert json.loads((tmp_path / "run" / "plan.json").read_text()) == plan
+    assert json.loads((tmp_path / "run" / "checkpoint-40" / "plan.json").read_text()) == plan
+    assert not (tmp_path / "run" / "checkpoint-20" / "plan.json").exists()  # still calibrating at step 20
+    assert len(plan["layers"]) == 14 and "lm_head" not in plan["layers"]  # 2 blocks x 7 linears
+    # the strategy counts went through trainer.log: every report_to logger got them at step 30
+    logged = next(r for r in trainer.state.log_history if "adahop/fprop/iht" in r or "adahop/fprop/bf16" in r)
+    assert logged["step"] == 30
+    counts = {k[len("adahop/"):]: v for k, v in logged.items() if k.startswith("adahop/")}
+    assert counts == {k: float(v) for k, v in adahop.nn.convert.strategy_counts(ctrl.plan).items()}
+    assert sum(v for k, v in counts.items() if k.startswith("fprop/")) == 14
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"tensors": 0, "scalars": 0}).Reload()
+    tags = acc.Tags()
+    assert any(t.startswith("train/adahop/fprop/") for t in tags["scalars"]) and "adahop/plan/text_summary" in tags["tensors"]
+    text = acc.Tensors("adahop/plan/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "model.layers.1.mlp.down_proj" in text
+
+    # resume from the last checkpoint: the plan is there at train begin, calibration does not restart
+    resumed, cb2 = _trainer(tmp_path / "run", 45)
+    seen = {}  # what the model holds right after the callback's train-begin
+    orig = cb2.on_train_begin
+
+    def spy(args, state, control, model=None, **kw):
+        orig(args, state, control, model=model, **kw)
+        c = adahop.get_controller(model)
+        seen.update(calibrating=c.calibrating, calibrator=c.calibrator, step=c.step, plan=json.loads(c.plan.to_json()))
+
+    cb2.on_train_begin = spy
+    resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-40"))
+    assert seen == {"calibrating": False, "calibrator": None, "step": 40, "plan": plan}
+    assert json.loads(adahop.get_controller(resumed.model).plan.to_json()) == plan
+    assert adahop.get_controller(resumed.model).step == 45
+
+    # resume from step 20, mid-calibration: the vote continues (10 more steps) and freezes the same plan
+    mid, _ = _trainer(tmp_path / "mid", 40)
+    import shutil
+
+    shutil.copytree(tmp_path / "run" / "checkpoint-20", tmp_path / "mid" / "checkpoint-20")
+    mid.train(resume_from_checkpoint=str(tmp_path / "mid" / "checkpoint-20"))
+    assert json.loads(adahop.get_controller(mid.model).plan.to_json()) == plan
+
+
+# ---- accelerate ---------------------------------------------------------------------------------------
+
+
+def test_accelerate_counts_optimizer_steps_not_micro_steps_and_save_state_keeps_the_plan(tmp_path):
+    from accelerate import Accelerator
+
+    from adahop.integrations.accelerate import prepare_adahop
+
+    def run(n_micro: int, load: Path | None = None):
+        acc = Accelerator(cpu=True, gradient_accumulation_steps=2, project_dir=str(tmp_path / "proj"))
+        model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        prepare_adahop(model, opt, "adahop-lv2", accelerator=acc, exclude=None, calib_steps=3)
+        model, opt = acc.prepare(model, opt)
+        if load is not None:
+            acc.load_state(str(load))
+        freeze_at = None
+        g = torch.Generator().manual_seed(0)
+        for i in range(n_micro):
+            with acc.accumulate(model):
+                acc.backward(model(torch.randn(8, 64, generator=g)).square().mean())
+                opt.step()
+                opt.zero_grad()
+            if freeze_at is None and not adahop.get_controller(model).calibrating:
+                freeze_at = i + 1
+        return acc, model, freeze_at
+
+    acc, model, freeze_at = run(10)
+    ctrl = adahop.get_controller(model)
+    assert freeze_at == 6 and ctrl.step == 5  # 3 optimizer steps = 6 micro-batches; 10 micro-batches = 5 steps
+    assert json.loads((tmp_path / "proj" / "plan.json").read_text()) == json.loads(ctrl.plan.to_json())
+    acc.save_state(str(tmp_path / "ckpt"))
+    _, again, freeze_again = run(0, load=tmp_path / "ckpt")
+    c2 = adahop.get_controller(again)
+    assert not c2.calibrating and c2.calibrator is None and c2.step == 5
+    assert c2.plan.to_json() == ctrl.plan.to_json()
+
+
+def test_the_readme_accelerate_example_runs_verbatim(tmp_path, monkeypatch):
+    out = _run_readme_block("accelerate", tmp_path, monkeypatch)
+    assert "plan frozen" in out and "model.layers.1.mlp.down_proj" in out and (tmp_path / "ckpt").is_dir()
+
+
+def test_the_readme_trainer_example_runs_verbatim(tmp_path, monkeypatch):
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    out = _run_readme_block("Hugging Face Trainer", tmp_path, monkeypatch)
+    assert "plan frozen" in out and "model.layers.1.mlp.down_proj" in out
+    plan = json.loads((tmp_path / "runs" / "hf" / "plan.json").read_text())
+    assert json.loads((tmp_path / "runs" / "hf" / "checkpoint-40" / "plan.json").read_text()) == plan
+
+
+def test_adahop_imports_and_converts_under_the_meta_device():
+    """torchtitan builds models under torch.device("meta"); adahop's kernels, first imported there,
+    used to build a module constant on the meta device and fail (Tensor.item() on a meta tensor)."""
+    import subprocess
+    import sys
+
+    code = ("import torch\nwith torch.device('meta'):\n    import adahop.kernels\n    import adahop\n"
+            "    m = adahop.convert_model(torch.nn.Sequential(torch.nn.Linear(64, 64)), 'mxfp4')\n"
+            "print(m[0].weight.device, type(m[0]).__name__)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split()[-2:] == ["meta", "LowPrecisionLinear"]
