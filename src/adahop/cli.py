@@ -1,4 +1,4 @@
-"""The `adahop` command line: data prepare, train, compare, recipes, analyze, bench."""
+"""The `adahop` command line: data prepare, train, compare, recipes, analyze, bench, eval."""
 
 from __future__ import annotations
 
@@ -74,6 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench import add_arguments as add_bench
 
     add_bench(bench)
+
+    ev = sub.add_parser("eval", help="zero-shot tasks (lm-eval, offline data) and perplexity of a trained model")
+    from .eval.cli import add_arguments as add_eval  # light: heavy imports happen inside run()
+
+    add_eval(ev)
     return p
 
 
@@ -139,6 +144,10 @@ def main(argv: list[str] | None = None) -> int:
             from .bench import run as run_bench
 
             run_bench(args)
+        elif args.cmd == "eval":
+            from .eval.cli import run as run_eval
+
+            run_eval(args)
     except ValueError as e:
         print(f"adahop {args.cmd}: error: {e}", file=sys.stderr)
         _leave_error(args, f"adahop {args.cmd}: error: {e}")
