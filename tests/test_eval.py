@@ -232,14 +232,20 @@ def test_a_failed_download_says_how_to_work_offline(tmp_path, monkeypatch):
 # ---- a trained run: perplexity = train's validation loss; the command end to end -----------------
 
 
+def _run_cfg(data: Path, out: Path):
+    from adahop.train import TrainConfig
+
+    return TrainConfig(model="llama-tiny", data=str(data), out=str(out), seq_len=32, batch_size=4, steps=4, warmup_steps=1,
+                       eval_every=4, eval_batches=3, ckpt_every=4, log_every=1, device="cpu", recipe="bf16")
+
+
 @pytest.fixture(scope="module")
 def run_dir(prepare_real_text, tmp_path_factory) -> Path:
-    from adahop.train import TrainConfig, train
+    """A finished 4-step bf16 run of llama-tiny, in a folder named as `adahop compare` names it."""
+    from adahop.train import train
 
-    data = prepare_real_text(150_000)
-    out = tmp_path_factory.mktemp("run") / "bf16"
-    train(TrainConfig(model="llama-tiny", data=str(data), out=str(out), seq_len=32, batch_size=4, steps=4, warmup_steps=1,
-                      eval_every=4, eval_batches=3, ckpt_every=4, log_every=1, device="cpu", recipe="bf16"))
+    out = tmp_path_factory.mktemp("cmp") / "bf16"
+    train(_run_cfg(prepare_real_text(150_000), out))
     return out
 
 
@@ -299,3 +305,36 @@ def test_an_adahop_recipe_without_a_plan_and_a_folder_without_a_model_are_refuse
     assert "is missing" in capsys.readouterr().err  # the task data is checked before the model loads
     assert main(["eval", str(tmp_path), "--tasks", "none", "--data", "x"]) == 2
     assert "no config.json" in capsys.readouterr().err
+
+
+def test_compare_adds_the_zero_shot_columns_and_reuses_the_evaluation(run_dir, task_root, prepare_real_text, monkeypatch,
+                                                                      capsys):
+    pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install 'adahop[eval]')")
+    import dataclasses
+
+    from adahop.eval import compare as ev_compare
+    from adahop.train.compare import COLUMNS, compare
+
+    out = run_dir.parent
+    cfg = dataclasses.replace(_run_cfg(prepare_real_text(150_000), out), out=str(out))
+    kw = dict(eval_tasks="piqa,winogrande", eval_limit=2, task_data=str(task_root))
+    compare(["bf16"], cfg, out, **kw)  # the run is reused (same settings); only `adahop eval` runs, in its own process
+    ev = json.loads((run_dir / "eval.json").read_text())
+    assert ev["settings"]["limit"] == 2 and ev["tasks"]["winogrande"]["n_samples"]["effective"] == 2
+    import csv
+
+    rows = list(csv.reader(open(out / "compare.csv")))
+    assert rows[0] == [*COLUMNS, "PIQA acc", "WinoGrande acc", "Avg"]
+    piqa, wino = (100 * ev["tasks"][t]["metrics"]["acc"] for t in ("piqa", "winogrande"))
+    assert rows[1][0] == "bf16" and rows[1][len(COLUMNS)] == f"{piqa:.2f} ± {100 * ev['tasks']['piqa']['stderr']['acc']:.2f}"
+    assert rows[1][-1] == f"{(piqa + wino) / 2:.2f}"
+    assert rows[2] == ["chance"] + [""] * (len(COLUMNS) - 1) + ["50.00", "50.00", "50.00"]
+
+    def no_second_run(*a, **k):
+        raise AssertionError("the evaluation of an unchanged run was run again")
+
+    monkeypatch.setattr(ev_compare.subprocess, "run", no_second_run)
+    compare(["bf16"], cfg, out, **kw)
+    assert list(csv.reader(open(out / "compare.csv"))) == rows
+    with pytest.raises(ValueError, match="unknown task 'piqaa'"):
+        compare(["bf16"], cfg, out, eval_tasks="piqaa")

@@ -62,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--recipes", default="bf16,adahop-lv2", help="comma-separated recipe names")
     _add_config_flags(cmp, TrainConfig, skip=("recipe", "resume"))
     cmp.set_defaults(out="runs/compare")
+    cmp.add_argument("--eval-tasks", default=None, help="after training, `adahop eval` each recipe on these tasks "
+                     "(e.g. piqa,hellaswag,arc_easy,lambada_openai) and add their columns")
+    cmp.add_argument("--eval-limit", type=int, default=None, help="`adahop eval --limit` of --eval-tasks")
+    cmp.add_argument("--task-data", default=None, help="`adahop eval --task-data` of --eval-tasks")
 
     sub.add_parser("recipes", help="list the recipe presets and what each GEMM does")
 
@@ -127,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
             from .train.compare import compare
 
             cfg = _config_from(args, TrainConfig)
-            summaries = compare([r.strip() for r in args.recipes.split(",") if r.strip()], cfg, Path(cfg.out))
+            ev = dict(eval_tasks=args.eval_tasks, eval_limit=args.eval_limit, task_data=args.task_data) if args.eval_tasks else {}
+            summaries = compare([r.strip() for r in args.recipes.split(",") if r.strip()], cfg, Path(cfg.out), **ev)
             failed = [r for r, s in summaries.items() if "error" in s]
             if failed:  # the table is written; a script must still see that it is incomplete
                 print(f"adahop compare: error: {', '.join(failed)} failed (see the table)", file=sys.stderr)

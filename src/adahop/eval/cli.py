@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-__all__ = ["add_arguments", "run", "ALL_TASKS"]
+__all__ = ["add_arguments", "run", "settings", "ALL_TASKS"]
 
 ALL_TASKS = "piqa,hellaswag,arc_easy,arc_challenge,lambada_openai,winogrande"
 
@@ -67,7 +66,7 @@ def run(args: argparse.Namespace) -> dict:
     from .. import __version__
 
     res = {"model": loaded.info, "dtype": "bf16" if bf16 else "fp32", "device": str(device),
-           "adahop_version": __version__, "git_revision": git_revision(), "argv": sys.argv[1:]}
+           "adahop_version": __version__, "git_revision": git_revision(), "settings": settings(args)}
     if args.data is not None:
         res["perplexity"] = _perplexity(args, loaded, device, bf16)
         pp = res["perplexity"]
@@ -91,6 +90,13 @@ def run(args: argparse.Namespace) -> dict:
         Path(args.out).write_text(json.dumps(res, indent=1))
         print(f"wrote {args.out}")
     return res
+
+
+def settings(args: argparse.Namespace) -> dict:
+    """The options of an `adahop eval` run that decide its numbers (stored in the results JSON)."""
+    keys = ("model", "tasks", "limit", "task_data", "data", "split", "seq_len", "eval_batches", "recipe", "plan",
+            "batch_size", "device", "dtype")
+    return {k: getattr(args, k) for k in keys}
 
 
 def _specs(tasks: str):
