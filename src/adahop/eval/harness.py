@@ -152,10 +152,17 @@ def score(lm, specs: list[TaskSpec], root: Path, *, limit: int | None = None, se
         tm = TaskManager(include_path=tmp, include_defaults=False)
         built = tm.load([s.name for s in specs])["tasks"]
         chance = {s.name: _chance(built[s.name], limit) for s in specs}
-        out = lm_eval.simple_evaluate(model=lm, tasks=[built[s.name] for s in specs], task_manager=tm, limit=limit,
-                                      num_fewshot=0, bootstrap_iters=BOOTSTRAP_ITERS, log_samples=False,
-                                      random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
-                                      fewshot_random_seed=seed)
+        try:
+            out = lm_eval.simple_evaluate(model=lm, tasks=[built[s.name] for s in specs], task_manager=tm, limit=limit,
+                                          num_fewshot=0, bootstrap_iters=BOOTSTRAP_ITERS, log_samples=False,
+                                          random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+                                          fewshot_random_seed=seed)
+        except AssertionError as e:  # HFLM asserts that each continuation fits its window
+            window = getattr(lm, "max_length", None)
+            raise ValueError(f"lm-eval stopped on its check {str(e)[:100] or 'of a request'}: most likely an answer "
+                             f"longer than the model's window of {window} tokens (a model trained at a short --seq-len); "
+                             f"pass a larger --max-length (a RoPE model then scores positions beyond its training "
+                             f"length) or fewer tasks") from None
     tasks = {}
     for s in specs:
         r = out["results"][s.name]
