@@ -348,3 +348,20 @@ def test_an_answer_longer_than_the_window_is_an_error_naming_max_length(run_dir,
     m = load_model(run_dir, device=torch.device("cpu"))
     with pytest.raises(ValueError, match="window of 3 tokens.*--max-length"):
         score(hf_lm(m.model, m.tokenizer, max_length=3), get_tasks("piqa"), task_root, limit=1)
+
+
+def test_an_adahop_recipe_scores_with_the_runs_frozen_plan(prepare_real_text, tmp_path):
+    import dataclasses
+
+    from adahop.nn import get_controller
+    from adahop.patterns import Plan
+    from adahop.train import train
+    from adahop.eval.model import load_model
+
+    run = tmp_path / "lv2"
+    train(dataclasses.replace(_run_cfg(prepare_real_text(150_000), run), recipe="adahop-lv2", calib_steps=2))
+    m = load_model(run, device=torch.device("cpu"), recipe="adahop-lv2")
+    assert m.info["plan"] == str(run / "plan.json")
+    assert get_controller(m.model).plan.layers == Plan.load(run / "plan.json").layers
+    with pytest.raises(ValueError, match="--plan is for AdaHOP recipes"):
+        load_model(run, device=torch.device("cpu"), recipe="mxfp4", plan=str(run / "plan.json"))
