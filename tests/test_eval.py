@@ -159,6 +159,7 @@ def test_a_first_choice_model_scores_the_share_of_golds_that_are_first(task_root
     assert lam["metrics"]["acc"] == sum(n % 2 == 0 for n in lengths) / limit
     assert lam["chance"] == {}
     assert res["limit"] == limit and res["lm_eval_version"]
+    assert t["piqa"]["source_sha256"] == wheel.sha256_of(task_root / TASKS["piqa"].source)
 
 
 # ---- the table ----------------------------------------------------------------------------------

@@ -66,7 +66,11 @@ def run(args: argparse.Namespace) -> dict:
         raise ValueError("nothing to do: --tasks none and no --data; pass tasks, a data folder, or both")
     device = resolve_device(args.device)
     bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda")
-    root = _task_root(specs, args.task_data) if specs else None  # data problems fail before the model loads
+    if specs:  # a missing lm-eval or task data fails before the model loads
+        from .harness import require_lm_eval
+
+        require_lm_eval()
+    root = _task_root(specs, args.task_data) if specs else None
     loaded = load_model(args.model, device=device, recipe=args.recipe, plan=args.plan)
     from .. import __version__
 

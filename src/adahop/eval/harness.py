@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from .tasks import TaskSpec, read_docs
-from .wheel import TaskDataError
+from .wheel import TaskDataError, sha256_of
 
 __all__ = ["require_lm_eval", "hf_lm", "score", "BOOTSTRAP_ITERS"]
 
@@ -100,7 +100,8 @@ def _write_task_configs(specs: list[TaskSpec], root: Path, folder: Path) -> dict
         cfg = {"include": str(base), "task": spec.name, "dataset_path": "arrow", "dataset_name": None,
                "dataset_kwargs": {"data_files": {spec.split: str(data)}, "cache_dir": str(folder / "hf_cache")}, **splits}
         (folder / f"{spec.name}.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
-        info[spec.name] = {"source": spec.source, "split": spec.split, "docs": table.num_rows, "lm_eval_yaml": str(base)}
+        info[spec.name] = {"source": spec.source, "source_sha256": sha256_of(Path(root) / spec.source), "split": spec.split,
+                           "docs": table.num_rows, "lm_eval_yaml": str(base)}
     return info
 
 
