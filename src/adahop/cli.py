@@ -1,4 +1,4 @@
-"""The `adahop` command line: data prepare, train, compare, recipes, analyze, bench.
+"""The `adahop` command line: data prepare, train, compare, recipes, analyze, bench, eval.
 
 Building the parser imports nothing heavy (no torch, transformers or kernels): ``--help`` and option
 errors answer at once; each command imports what it needs when it runs.
@@ -41,6 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
     cmp = sub.add_parser("compare", help="train several recipes on the same data; table and plots")
     cmp.add_argument("--recipes", default="bf16,adahop-lv2", help="comma-separated recipe names")
     add_config_flags(cmp, TrainConfig, skip=("recipe", "resume", "reschedule"), defaults={"out": "runs/compare"})
+    cmp.add_argument("--eval-tasks", default=None, help="after training, `adahop eval` each recipe on these tasks "
+                     "(e.g. piqa,hellaswag,arc_easy,lambada_openai) and add their columns")
+    cmp.add_argument("--eval-limit", type=int, default=None, help="`adahop eval --limit` of --eval-tasks")
+    cmp.add_argument("--task-data", default=None, help="`adahop eval --task-data` of --eval-tasks")
 
     sub.add_parser("recipes", help="list the recipe presets and what each GEMM does")
 
@@ -53,6 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench_options import add_arguments as add_bench
 
     add_bench(bench)
+
+    ev = sub.add_parser("eval", help="zero-shot tasks (lm-eval, offline data) and perplexity of a trained model")
+    from .eval.cli import add_arguments as add_eval  # light: heavy imports happen inside run()
+
+    add_eval(ev)
     return p
 
 
@@ -138,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
             from .train.compare import Interrupted, compare
 
             try:
-                summaries = compare([r.strip() for r in args.recipes.split(",") if r.strip()], cfg, Path(cfg.out))
+                ev = dict(eval_tasks=args.eval_tasks, eval_limit=args.eval_limit, task_data=args.task_data) if args.eval_tasks else {}
+                summaries = compare([r.strip() for r in args.recipes.split(",") if r.strip()], cfg, Path(cfg.out), **ev)
             except Interrupted as e:  # the running recipe wrote its checkpoint (or was aborted): say how to go on
                 print(f"adahop compare: {e}", file=sys.stderr)
                 return 130
@@ -160,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
             from .bench import run as run_bench
 
             run_bench(args)
+        elif args.cmd == "eval":
+            from .eval.cli import run as run_eval
+
+            run_eval(args)
     except ValueError as e:
         print(f"adahop {args.cmd}: error: {e}", file=sys.stderr)
         _leave_error(args, f"adahop {args.cmd}: error: {e}")

@@ -70,16 +70,16 @@ def format_table(summaries: dict[str, dict], baseline: str = "bf16") -> list[lis
     return rows
 
 
-def write_csv(path: Path, rows: list[list[str]]) -> None:
-    """Write ``rows`` (lists of cell strings, as :func:`format_table` makes) to ``path`` as CSV under the
-    header :data:`COLUMNS`; cells holding a comma (``1,663`` tokens/s) are quoted. Raises OSError
+def write_csv(path: Path, rows: list[list[str]], header=COLUMNS) -> None:
+    """Write ``rows`` (lists of cell strings, as :func:`format_table` makes) to ``path`` as CSV under
+    ``header`` (default :data:`COLUMNS`); cells holding a comma (``1,663`` tokens/s) are quoted. Raises OSError
     for a path that cannot be written."""
     with open(path, "w", newline="") as f:
-        csv.writer(f).writerows([list(COLUMNS), *rows])
+        csv.writer(f).writerows([list(header), *rows])
 
 
-def _markdown(rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+def _markdown(rows: list[list[str]], header=COLUMNS) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(lines)
 
@@ -135,9 +135,13 @@ def _interrupted(out: Path, recipe: str, left: list[str], *, aborted: bool) -> s
             f"again (same --out and settings) to resume {recipe}{rest}; the table is written when every recipe is done")
 
 
-def compare(recipes: list[str], cfg: TrainConfig, out: Path) -> dict[str, dict]:
+def compare(recipes: list[str], cfg: TrainConfig, out: Path, *, eval_tasks: str | None = None,
+            eval_limit: int | None = None, task_data: str | None = None) -> dict[str, dict]:
     """Train ``cfg`` under each recipe into ``out/<recipe>``; write compare.md, compare.csv,
-    compare.json, loss_curves.png and loss_diff.png into ``out``; print the table.
+    compare.json, loss_curves.png and loss_diff.png into ``out``; print the table. With
+    ``eval_tasks`` (e.g. ``"piqa,hellaswag"``), `adahop eval` scores each trained run on them
+    (first ``eval_limit`` documents, data from ``task_data``) and the table gets their columns
+    (:func:`adahop.eval.compare.eval_columns`).
 
     Run again with the same ``out`` and settings, it reuses the recipes that finished and resumes
     the ones that were interrupted (from their last checkpoint).
@@ -154,6 +158,10 @@ def compare(recipes: list[str], cfg: TrainConfig, out: Path) -> dict[str, dict]:
                          "runs launch `torchrun ... -m adahop train --recipe R --out OUT/R` per recipe")
     for r in recipes:
         get_recipe(r)
+    if eval_tasks:  # a bad task name fails now, not after the training
+        from ..eval.tasks import get_tasks
+
+        get_tasks(eval_tasks)
     out = Path(out)
     keys = [f.name for f in dataclasses.fields(cfg) if f.name not in (*RESULT_NEUTRAL_KEYS, "recipe")]
     for r in recipes:  # every earlier run must be this comparison's, or its numbers would be mixed in
@@ -191,10 +199,18 @@ def compare(recipes: list[str], cfg: TrainConfig, out: Path) -> dict[str, dict]:
             continue
         summaries[r] = read_json(summary_path, "the run summary")
         curves[r] = read_metrics(out / r / "metrics.jsonl")
-    rows = format_table(summaries)
-    md = _markdown(rows)
+    rows, header = format_table(summaries), list(COLUMNS)
+    if eval_tasks:  # zero-shot columns, and a chance row under them
+        from ..eval.compare import eval_columns
+
+        titles, cells, chance = eval_columns(summaries, out, eval_tasks, limit=eval_limit, task_data=task_data,
+                                             device=cfg.device)
+        rows = [row + cells.get(r, [""] * len(titles)) for r, row in zip(summaries, rows)]
+        header += titles
+        rows += [["chance"] + [""] * (len(COLUMNS) - 1) + chance] if titles else []
+    md = _markdown(rows, header)
     (out / "compare.md").write_text(md + "\n")
-    write_csv(out / "compare.csv", rows)
+    write_csv(out / "compare.csv", rows, header)
     (out / "compare.json").write_text(json.dumps(summaries, indent=1))
     plot_compare(curves, out, title=f"{cfg.model}, {cfg.steps} steps x {cfg.batch_size * cfg.seq_len} tokens")
     print(md)

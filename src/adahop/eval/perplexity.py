@@ -1,0 +1,74 @@
+"""Perplexity and bits per byte on a split of a prepared data folder, by the definition `adahop train`
+uses for its validation loss: :func:`adahop.train.loop.evaluate` over the split's windows in order
+(:meth:`adahop.data.TokenStream.val_batches`), so the same model, split, ``--seq-len``,
+``--batch-size`` and number of batches give the same loss as the run's ``val_loss``."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+__all__ = ["perplexity", "check_same_tokenizer"]
+
+
+def check_same_tokenizer(data_dir: Path, model_dir: Path, vocab_size: int) -> None:
+    """Raise ValueError when the data in ``data_dir`` was tokenized with another tokenizer than the
+    model's: the perplexity of a model on foreign token ids is a silently wrong number.
+
+    The check compares the vocabulary, merges, normalizer, pre-tokenizer and special tokens of the
+    ``tokenizer.json`` of both folders where both have one, and the data's
+    vocabulary against the model's embedding size (``vocab_size``) always.
+    """
+    from ..data import Manifest
+
+    m = Manifest.load(data_dir)
+    if m.tokenizer.vocab_size > vocab_size:
+        raise ValueError(f"--data {data_dir}: its tokenizer has {m.tokenizer.vocab_size} tokens, the model only "
+                         f"{vocab_size}; prepare the data with the model's tokenizer (--tokenizer hf:{model_dir})")
+    a, b = Path(data_dir) / "tokenizer.json", Path(model_dir) / "tokenizer.json"
+    if a.exists() and b.exists() and _text_to_ids(a) != _text_to_ids(b):
+        raise ValueError(f"--data {data_dir} was tokenized with another tokenizer than {model_dir}'s (their "
+                         f"tokenizer.json differ); prepare the data with --tokenizer hf:{model_dir}")
+
+
+def _text_to_ids(path: Path) -> list:
+    """The parts of a tokenizer.json that decide which ids a text becomes (the export's
+    ``save_pretrained`` adds a post-processor that inserts nothing, so whole files may differ)."""
+    d = json.loads(path.read_text())
+    return [d.get(k) for k in ("normalizer", "pre_tokenizer", "model", "added_tokens")]
+
+
+def perplexity(model: torch.nn.Module, data_dir: str | Path, *, split: str = "val", seq_len: int, batch_size: int,
+               max_batches: int | None = None, device: torch.device, bf16: bool) -> dict:
+    """Mean cross-entropy of ``model`` on ``split`` of ``data_dir``, as perplexity and bits per byte.
+
+    Args:
+        model: a causal LM taking ``input_ids`` [B, T] (int64) and returning logits [B, T, V].
+        data_dir: a folder written by ``adahop data prepare``.
+        split: ``val`` or ``train``.
+        seq_len: tokens per window (``--seq-len``; ``adahop train`` validates at its own).
+        batch_size: windows per batch.
+        max_batches: the first this many batches (``adahop train --eval-batches``); None: every full batch.
+        device: where the model is.
+        bf16: forward under BF16 autocast (what ``adahop train`` validates with on CUDA).
+
+    Returns:
+        ``{"split", "loss" (nats/token), "perplexity" (exp of loss), "bpb" (bits per UTF-8 byte), "tokens"
+        (scored), "batches", "seq_len", "batch_size"}``.
+
+    Raises:
+        ValueError: an unknown split, or too few tokens for one batch (the message names the options).
+    """
+    from ..data import TokenStream
+    from ..train.loop import evaluate
+
+    stream = TokenStream(data_dir, split, seq_len, batch_size, seed=0)
+    n = stream.steps_per_epoch if max_batches is None else min(max_batches, stream.steps_per_epoch)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
+    loss, bpb = evaluate(model, stream, device, autocast, n)
+    model.eval()  # evaluate() leaves the model in training mode, as the training loop needs
+    return {"split": split, "loss": loss, "perplexity": math.exp(loss), "bpb": bpb, "tokens": n * batch_size * seq_len,
+            "batches": n, "seq_len": seq_len, "batch_size": batch_size}

