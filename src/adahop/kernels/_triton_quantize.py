@@ -267,8 +267,11 @@ def _mx_quantize_kernel(x_ptr, stride_r, stride_k, rows, kc, kp,
             tl.store(sptr, sval)
 
         if WRITE_FP8:  # q · 2^(e - E), exact in E4M3 because e - E is in [-8, 0]
-            f = tl.where(neg, -val, val) * _exp2i(e - row_e[:, None])[:, :, None]
-            bits = tl.where(bad[:, :, None], 0x7F, f.to(tl.float8e4nv).to(tl.uint8, bitcast=True))  # 0x7F: NaN
+            # the magnitude's E4M3 bits, then the sign bit: -0 (code 8) must be 0x80 as the reference
+            # fold writes it, and on the GPU a negated 0.0 came out +0 (0x00)
+            f = val * _exp2i(e - row_e[:, None])[:, :, None]
+            bits = f.to(tl.float8e4nv).to(tl.uint8, bitcast=True) | (neg.to(tl.uint8) << 7)
+            bits = tl.where(bad[:, :, None], 0x7F, bits)  # 0x7F: NaN
             fptr = fp8_ptr + r[:, None, None] * kp + kb[None, :, :]
             if MASK_R or MASK_K:
                 tl.store(fptr, bits, mask=row_ok & (kb < kp)[None, :, :])

@@ -95,6 +95,12 @@ class LowPrecisionLinearFn(torch.autograd.Function):
             layer.saved_bytes = x.numel() * x.element_size() if ctx.x_prep is None else ctx.x_prep.nbytes
             if ctx.w_prep is not None:
                 layer.saved_bytes += ctx.w_prep.nbytes
+        if bias is None and torch.compiler.is_compiling():
+            # torch 2.11's dynamo (the GPU image's; not seen with 2.13 on the CPU) can return the
+            # output tensor twice from the traced function and bind y's gradient to the later copy:
+            # layer 0 of a compiled Llama then got no gradient (H200, round 5 and this round). A view
+            # is a distinct output that keeps dY. Eager mode returns y itself, never a view.
+            y = y.view_as(y)
         return y
 
     @staticmethod
