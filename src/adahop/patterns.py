@@ -261,7 +261,12 @@ class Plan:
     @classmethod
     def from_json(cls, text: str) -> "Plan":
         """Parse :meth:`to_json` output. Raises ValueError for a missing key or unknown strategy."""
-        d = json.loads(text)
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Plan":
+        """The plan of ``json.loads(plan.to_json())`` (as checkpoints and controller states hold it),
+        its calibration window included. Raises ValueError for a missing key or unknown strategy."""
         if "table" not in d or "layers" not in d:
             raise ValueError("not an adahop plan: expected keys 'table' and 'layers'")
         for name, entry in d["layers"].items():

@@ -195,7 +195,7 @@ def load_controller_state(model: nn.Module, state: dict) -> None:
         ValueError: ``model`` is not converted, or the plan was made for another model."""
     ctrl = get_controller(model)
     if state.get("plan"):
-        ctrl.set_plan(Plan(table=state["plan"]["table"], layers=state["plan"]["layers"]))
+        ctrl.set_plan(Plan.from_dict(state["plan"]))
     elif state.get("calibration_history") is not None and ctrl.calibrator is not None:
         ctrl.calibrator.history = state["calibration_history"]
     ctrl.step = int(state["step"])

@@ -334,7 +334,7 @@ def load_sharded(path: Path, model: nn.Module, opt: torch.optim.Optimizer | None
     torch.set_rng_state(torch.tensor(meta["rng"], dtype=torch.uint8))
     ctrl = get_controller(model)
     if meta.get("plan"):
-        ctrl.set_plan(Plan(table=meta["plan"]["table"], layers=meta["plan"]["layers"]))
+        ctrl.set_plan(Plan.from_dict(meta["plan"]))
     elif meta.get("calibration_histories") is not None and ctrl.calibrator is not None:
         rank, world = (dist.get_rank(), dist.get_world_size()) if _active() else (0, 1)
         hs = meta["calibration_histories"]
