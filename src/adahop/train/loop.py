@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from ..kernels import resolve_backend
 from ..nn import convert_model, get_controller, on_step, saved_bytes, seed_compiled_rng
+from ..optim import convert_master_weights, memory_bytes
 from . import distributed as dp
 from .checkpoint import complete_checkpoints, latest_checkpoint, save_checkpoint
 from .config import TrainConfig
@@ -133,8 +134,9 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
     model = make_model(cfg, train_s.manifest, device)
     convert_model(model, recipe, seed=dp.rank_seed(cfg.seed, rank, world), plan=plan, backend=cfg.backend)
     dp.agree_on_plan(model)
+    convert_master_weights(model, cfg.master_weights)  # --master-weights: the Parameters hold the master as stored
     fwd = dp.wrap(model, cfg.parallel, device, compile=cfg.compile)
-    opt = build_optimizer(cfg, model)
+    opt = build_optimizer(cfg, model, seed=dp.rank_seed(cfg.seed, rank, world))
     start = 0
     if cfg.resume and (ck := latest_checkpoint(run)) is not None:
         try:
@@ -249,7 +251,8 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
                    plan_frozen=_plan_frozen(model), plan_checked_on_ranks=plan_ranks, world_size=world,
                    graph_breaks_steady_state=breaks, saved_bytes=ours, saved_bytes_bf16=bf16,
                    unquantizable_layers=len(get_controller(model).unquantizable), device=str(device),
-                   interrupted=stop["now"])
+                   interrupted=stop["now"], optimizer=cfg.optimizer, master_weights=cfg.master_weights,
+                   optimizer_states=cfg.optimizer_states, **memory_bytes(model, opt))  # bytes of this rank's shards
     if is_main:
         (run / "summary.json").write_text(json.dumps(summary, indent=1))
         metrics.plot(run / "loss.png", title=f"{cfg.recipe} on {cfg.model}")
