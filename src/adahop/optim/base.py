@@ -105,13 +105,16 @@ class MasterOptimizer(torch.optim.Optimizer):
                 loss = closure()
         index = 0
         for group in self.param_groups:
+            scalars = {}  # one set of constants per step count in the group (host time: one per tensor adds up)
             for p in group["params"]:
                 index += 1
                 if p.grad is None:
                     continue
                 st = self._init_state(p)
                 st["step"] += 1
-                s = self._scalars(group, st["step"])
+                if st["step"] not in scalars:
+                    scalars[st["step"]] = self._scalars(group, st["step"])
+                s = scalars[st["step"]]
                 seed = mix_seed(self.seed, "optim", st["step"], index - 1)
                 states = [_local(st[n]) for n in STATE_NAMES[self.algorithm]]
                 if isinstance(p, PackedMaster):
