@@ -21,7 +21,9 @@ Checks, each printed as PASS/FAIL with its numbers:
   covers every tile plan of the quantizer (a [64, 4, 32] tile once compiled wrong on sm_90);
 - ``fold_to_fp8`` (Triton, the backward's unpack of saved packed MXFP4) vs the reference fold,
   byte for byte, with its time;
-- ``torch.compile(fullgraph=True)`` of quantize + GEMM equals eager.
+- ``torch.compile(fullgraph=True)`` of quantize + GEMM equals eager;
+- the fused optimizer step (``optim``): every algorithm, BF16/FP32 weights and states, RNE and
+  stochastic rounding, bit for bit against its reference under a fixed Philox seed.
 
 Exits 1 if any check fails. ``--small`` runs tiny shapes (also on the CPU under TRITON_INTERPRET=1).
 Usage: ``python scripts/validate_kernels.py [--small] [--log PATH] [--only gemm,compile]``.
@@ -255,7 +257,33 @@ def check_baseline(how, t, k, n, dev, gen):
            rel_err_y_dx_dw=[f"{v:.1e}" for v in errs])
 
 
-SECTIONS = ("quantize", "outputs", "sweep", "fold", "sr", "gemm", "compile", "baselines")
+def check_optim_step(name, n, alg, w_dtype, s_dtype, rounding, dev, gen):
+    """The fused optimizer step (Triton) vs its reference: weights and states bit for bit, under a
+    fixed Philox seed for stochastic rounding; then SR fresh across seeds."""
+    from adahop.kernels.optim_step import STATE_NAMES, optim_step, step_scalars
+
+    w0 = (torch.randn(n, device=dev, generator=gen)
+          * torch.exp2(torch.randint(-10, 10, (n,), device=dev, generator=gen).float())).to(w_dtype)
+    g = torch.randn(n, device=dev, generator=gen).to(torch.bfloat16)
+    st0 = [(torch.rand(n, device=dev, generator=gen) * 1e-3).to(s_dtype) for _ in STATE_NAMES[alg]]
+    sc = step_scalars(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=7, mul_lr=3e-2, cap=2.0)
+    outs = []
+    for backend in ("reference", "triton"):
+        w, st = w0.clone(), [t.clone() for t in st0]
+        optim_step(alg, w, g, st, sc, rounding=rounding, seed=20261201, backend=backend)
+        outs.append((w, st))
+    bits = lambda t: t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)  # noqa: E731
+    bad_w = int((bits(outs[0][0]) != bits(outs[1][0])).sum())
+    bad_s = sum(int((bits(a) != bits(b)).sum()) for a, b in zip(outs[0][1], outs[1][1]))
+    detail = dict(w_mismatch=bad_w, state_mismatch=bad_s)
+    if rounding == "stochastic":  # another seed moves other elements
+        w2 = w0.clone()
+        optim_step(alg, w2, g, [t.clone() for t in st0], sc, rounding=rounding, seed=20261202, backend="triton")
+        detail["differs_across_seeds"] = int((bits(w2) != bits(outs[1][0])).sum())
+    record(name, bad_w == 0 and bad_s == 0 and detail.get("differs_across_seeds", 1) > 0, **detail)
+
+
+SECTIONS = ("quantize", "outputs", "sweep", "fold", "sr", "gemm", "compile", "baselines", "optim")
 
 
 def main() -> int:
@@ -347,6 +375,15 @@ def main() -> int:
             check_baseline(how, 2048, 4096, 1024, dev, gen)
             check_baseline(how, 1024, 2048, 512, dev, gen)  # M/128 = 4 row tiles, fewer than a group of 8
 
+    if "optim" in only:
+        # --- the fused optimizer step (adahop.kernels.optim_step) -------------------------------------
+        from adahop.kernels.optim_step import ALGORITHMS
+
+        for alg in ALGORITHMS:
+            for wdt, sdt, rnd in ((bf, bf, "nearest"), (bf, bf, "stochastic"), (bf, f32, "nearest"), (f32, f32, "nearest")):
+                n = (1 << 22) + 123 if s else 3000  # a ragged last block
+                check_optim_step(f"optim {alg} w={str(wdt)[6:]} states={str(sdt)[6:]} {rnd}", n, alg, wdt, sdt, rnd,
+                                 dev, gen)
     n_fail = sum(not r["ok"] for r in RESULTS)
     print(f"\n{len(RESULTS) - n_fail}/{len(RESULTS)} checks passed in {time.time() - t0:.0f} s")
     if args.log:

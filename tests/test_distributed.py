@@ -292,3 +292,23 @@ def test_compiled_sr_recipe_draws_are_seeded_per_step_and_rank(single_thread):
     assert torch.equal(a, grad(seed=1, step=5))  # reproducible (and so resumable)
     assert not torch.equal(a, grad(seed=1, step=6))  # fresh bits every step
     assert not torch.equal(a, grad(seed=2, step=5))  # another rank (its seed is mixed with the rank)
+
+
+def test_bf16_masters_and_madam_states_shard_like_params(data_dir, tmp_path, single_thread):
+    # BF16 masters + M+Adam under DDP and FSDP2: the update runs on each rank's local shard, so FSDP's
+    # states are half of a single process's on each of 2 ranks, DDP's whole; the losses follow the
+    # single-process run (gradients are averaged in BF16 across ranks: BF16-level differences)
+    kw = dict(recipe="bf16", optimizer="m+adam", master_weights="bf16", optimizer_states="bf16", eval_every=0,
+              ckpt_every=STEPS, steps=3)
+    train(_cfg(data_dir, tmp_path / "single", **kw))
+    _spawn([_cfg(data_dir, tmp_path / "fsdp", parallel="fsdp", **kw), _cfg(data_dir, tmp_path / "ddp", parallel="ddp", **kw)])
+    single = _losses(tmp_path / "single")
+    sums = {p: json.loads((tmp_path / p / "summary.json").read_text()) for p in ("single", "fsdp", "ddp")}
+    for par in ("fsdp", "ddp"):
+        multi = _losses(tmp_path / par)
+        assert sorted(multi) == sorted(single) == [1, 2, 3]
+        assert _rel(multi[1], single[1]) < 1e-3, (par, multi, single)  # the same initial weights
+        assert all(_rel(multi[s], single[s]) < 2e-2 for s in single), (par, multi, single)
+    assert sums["ddp"]["state_bytes"] == sums["single"]["state_bytes"]
+    assert 0.4 < sums["fsdp"]["state_bytes"] / sums["single"]["state_bytes"] < 0.6
+    assert sums["single"]["bytes_per_param"] == 8.0

@@ -228,14 +228,15 @@ def test_machine_and_folder_errors_name_the_option_and_are_left_in_the_run_folde
 def test_compare_table_fields():
     summaries = {
         "bf16": dict(final_val_loss=4.0, final_val_bpb=1.5, tok_per_s=1000.0, peak_memory_bytes=2**30,
-                     saved_bytes=2**20, saved_bytes_bf16=2**20),
+                     saved_bytes=2**20, saved_bytes_bf16=2**20, bytes_per_param=16.0),
         "adahop-lv2": dict(final_val_loss=4.02, final_val_bpb=1.51, tok_per_s=900.0, peak_memory_bytes=2**29,
                            saved_bytes=2**18, saved_bytes_bf16=2**20),
         "broken": {"error": "exit code 1"},
         "halo-2": dict(final_val_loss=4.1, unquantizable_layers=2),
     }
     rows = format_table(summaries)
-    assert len(COLUMNS) == 7 and all(len(r) == 7 for r in rows)
+    assert len(COLUMNS) == 8 and all(len(r) == 8 for r in rows)
+    assert rows[0][7] == "16.00" and rows[1][7] == "-"
     assert rows[0][:5] == ["bf16", "4.0000", "+0.00", "1.5000", "1,000"]
     assert rows[1][2] == "+0.50" and rows[1][6] == "0.25 (1.00)"
     assert rows[3][0] == "halo-2 (2 layers BF16: shape)" and rows[3][2] == "+2.50"

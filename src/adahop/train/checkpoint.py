@@ -1,7 +1,8 @@
 """Checkpoints: safetensors for tensors, JSON for the rest, each written atomically.
 
-A checkpoint is the folder ``checkpoints/step_NNNNNNN/`` holding ``model.safetensors`` (FP32
-master weights), ``optimizer.safetensors`` (AdamW moments), and ``state.json`` (step, optimizer
+A checkpoint is the folder ``checkpoints/step_NNNNNNN/`` holding ``model.safetensors`` (the master
+weights in their own dtype; packed FP8/FP4 ones as codes and scales), ``optimizer.safetensors``
+(the optimizer states in their own dtype), and ``state.json`` (step, optimizer
 hyper-parameters, the AdaHOP plan or the calibration history so far, RNG state). It is written to a
 temporary folder and renamed into place, so a crash never leaves a half-written checkpoint; a write
 that fails (disk full, I/O error, an abort) removes its temporary folder and leaves the complete
@@ -22,6 +23,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..nn.convert import controller_state, load_controller_state
+from ..optim.master import pack_state_dict, unpack_state_dict
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "complete_checkpoints", "publish_checkpoint",
            "CheckpointWriteError", "discard_failed_write"]
@@ -84,7 +86,7 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, opt: torch
         full = model.state_dict()
         tied = tied_keys(full)
         state = {k: v.detach().cpu().contiguous() for k, v in full.items() if k not in tied}
-        save_file(state, tmp / "model.safetensors")
+        save_file(pack_state_dict(state), tmp / "model.safetensors")  # packed FP8/FP4 masters as their parts
         tensors, meta = _optim_tensors(opt)
         save_file(tensors, tmp / "optimizer.safetensors")
         cs = controller_state(model)
@@ -145,7 +147,7 @@ def load_checkpoint(path: Path, model: torch.nn.Module, opt: torch.optim.Optimiz
     """Restore model, optimizer, RNG, AdaHOP plan/calibration and step from ``path``; returns state.json."""
     path = Path(path)
     meta = json.loads((path / "state.json").read_text())
-    weights = load_file(path / "model.safetensors")
+    weights = unpack_state_dict(load_file(path / "model.safetensors"), model)
     missing, unexpected = model.load_state_dict(weights, strict=False)
     tied = tied_keys(model.state_dict())
     missing = [k for k in missing if k not in tied]  # tied weights come back through the one stored

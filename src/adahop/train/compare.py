@@ -33,7 +33,8 @@ __all__ = ["compare", "format_table", "COLUMNS", "Interrupted"]
 class Interrupted(Exception):
     """Ctrl-C stopped ``adahop compare``; the message says what was kept and how to continue."""
 
-COLUMNS = ("recipe", "final val loss", "gap to bf16 %", "val bpb", "tokens/s", "peak memory MB", "saved for bwd MB (vs plain nn.Linear)")
+COLUMNS = ("recipe", "final val loss", "gap to bf16 %", "val bpb", "tokens/s", "peak memory MB", "saved for bwd MB (vs plain nn.Linear)",
+           "weights+state B/param")
 
 
 def _run_args(cfg: TrainConfig) -> list[str]:
@@ -56,7 +57,7 @@ def format_table(summaries: dict[str, dict], baseline: str = "bf16") -> list[lis
     rows = []
     for name, s in summaries.items():
         if "error" in s:
-            rows.append([name, "failed", "", "", "", "", s["error"][:160]])
+            rows.append([name, "failed", "", "", "", "", s["error"][:160], ""])
             continue
         vl = s.get("final_val_loss")
         gap = f"{100 * (vl - base) / base:+.2f}" if (base and vl is not None) else "-"
@@ -66,7 +67,8 @@ def format_table(summaries: dict[str, dict], baseline: str = "bf16") -> list[lis
         if s.get("unquantizable_layers"):  # those layers ran BF16 GEMMs: the row is partly BF16's result
             name = f"{name} ({s['unquantizable_layers']} layers BF16: shape)"
         rows.append([name, f"{vl:.4f}" if vl is not None else "-", gap, f"{s['final_val_bpb']:.4f}" if s.get("final_val_bpb") else "-",
-                     f"{tps:,.0f}" if tps else "-", f"{mem / 2**20:,.0f}" if mem else "-", saved])
+                     f"{tps:,.0f}" if tps else "-", f"{mem / 2**20:,.0f}" if mem else "-", saved,
+                     f"{s['bytes_per_param']:.2f}" if s.get("bytes_per_param") else "-"])
     return rows
 
 

@@ -59,6 +59,16 @@ class TrainConfig:
     """AdamW beta1."""
     beta2: float = 0.95
     """AdamW beta2."""
+    optimizer: str = "adamw"
+    """adamw, sr-adamw (stochastic rounding of the master update), kahan-adamw (compensated) or m+adam (docs/optim.md)."""
+    master_weights: str = "fp32"
+    """Master-weight storage: fp32, bf16, fp8 (E4M3, a power-of-two scale per 32), fp4 (MXFP4) or nvfp4; no wider copy is kept."""
+    optimizer_states: str = "fp32"
+    """Dtype of the optimizer states (moments, Kahan buffer): fp32 or bf16."""
+    madam_form: str = "arxiv-relative"
+    """M+Adam update form: arxiv-relative, arxiv (the literal third-party reading) or workshop (docs/optim.md)."""
+    madam_mul_lr: float = 10.0
+    """M+Adam's multiplicative learning rate as a multiple of --lr (it follows the same schedule)."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (0 disables)."""
     eval_every: int = 50
@@ -128,6 +138,10 @@ class TrainConfig:
         from .metrics import parse_log_to
 
         parse_log_to(self.log_to)  # an unknown or uninstalled logger fails before any work
+
+        from ..optim.checks import check_optimizer_options  # the optimizer's own choices and combinations
+
+        check_optimizer_options(self, bad)
 
     def to_dict(self) -> dict:
         """The config as a plain dict (stored in config.json)."""

@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from ..kernels import resolve_backend
 from ..nn import convert_model, get_controller, on_step, saved_bytes, seed_compiled_rng
+from ..optim import convert_master_weights, memory_bytes
 from . import distributed as dp
 from .checkpoint import complete_checkpoints, latest_checkpoint, save_checkpoint
 from .config import TrainConfig
@@ -208,8 +209,9 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
                          f"for a {recipe.name} result. Use a model whose layer dims are multiples of the recipe's block "
                          f"size (32, or 16 for NVFP4) with more blocks than the recipe keeps in BF16, or --recipe bf16")
     dp.agree_on_plan(model)
+    convert_master_weights(model, cfg.master_weights)  # --master-weights: the Parameters hold the master as stored
     fwd = dp.wrap(model, cfg.parallel, device, compile=cfg.compile)
-    opt = build_optimizer(cfg, model)
+    opt = build_optimizer(cfg, model, seed=dp.rank_seed(cfg.seed, rank, world))
     start, meta = 0, None
     if cfg.resume and (ck := latest_checkpoint(run)) is not None:
         try:
@@ -351,7 +353,8 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
                    graph_breaks_steady_state=breaks, saved_bytes=ours, saved_bytes_bf16=bf16,
                    unquantizable_layers=len(get_controller(model).unquantizable), bf16_layers=bf16_layers,
                    parameters=sum(p.numel() for p in model.parameters()), epochs=epochs, lr_schedule_steps=schedule,
-                   device=str(device), interrupted=stop["now"])
+                   device=str(device), interrupted=stop["now"], optimizer=cfg.optimizer, master_weights=cfg.master_weights,
+                   optimizer_states=cfg.optimizer_states, **memory_bytes(model, opt))  # bytes of this rank's shards
     if is_main:
         (run / "summary.json").write_text(json.dumps(summary, indent=1))
         metrics.plot(run / "loss.png", title=f"{cfg.recipe} on {cfg.model}")

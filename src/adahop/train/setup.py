@@ -26,7 +26,8 @@ __all__ = ["resolve_device", "resolve_data", "prepared_path", "settings_diff", "
 RESUME_KEYS = ("recipe", "model", "model_config", "seq_len", "batch_size", "grad_accum", "seed", "data", "vocab_size",
                "tokenizer", "calib_steps", "plan", "backend",
                # the optimizer and its schedule: a resumed run continues the same one (--steps may grow)
-               "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "grad_clip", "beta1", "beta2")
+               "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "grad_clip", "beta1", "beta2",
+               "optimizer", "master_weights", "optimizer_states", "madam_form", "madam_mul_lr")
 
 #: Settings that do not change a finished run's results (`adahop compare` reuses a run whose other
 #: settings all equal the new ones).
@@ -335,12 +336,19 @@ def resolve_recipe(cfg: TrainConfig):
     return recipe, plan
 
 
-def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (norm gains and biases are not decayed)."""
+def build_optimizer(cfg: TrainConfig, model: torch.nn.Module, seed: int | None = None) -> torch.optim.Optimizer:
+    """``--optimizer`` (AdamW by default: ``torch.optim.AdamW`` with FP32 masters and states) with
+    weight decay on matrices only (norm gains and biases are not decayed). ``seed``: this rank's
+    stochastic-rounding seed (default ``--seed``). Build it after the master weights are converted
+    (:func:`adahop.optim.convert_master_weights`) and the model is wrapped."""
+    from ..optim import build_optimizer as build
+
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
+    return build(cfg.optimizer, groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8, weight_decay=cfg.weight_decay,
+                 master=cfg.master_weights, states=cfg.optimizer_states, madam_form=cfg.madam_form,
+                 mul_lr_scale=cfg.madam_mul_lr, seed=cfg.seed if seed is None else seed, backend=cfg.backend)
 
 
 def lr_at(cfg: TrainConfig, step: int, total: int | None = None) -> float:

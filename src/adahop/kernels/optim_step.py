@@ -1,0 +1,254 @@
+"""The fused optimizer update of one tensor: reference and Triton twins (`DESIGN.md` §2 layer 5).
+
+One elementwise pass reads the master weight ``w`` (FP32 or BF16), its gradient ``g`` and the
+optimizer states (FP32 or BF16), computes the update in FP32, rounds once to each storage dtype and
+writes everything back in place. The algorithms (``ALGORITHMS``; `specs/related_methods.md` §3):
+
+- ``adamw``: AdamW with decoupled weight decay (Loshchilov & Hutter), states ``exp_avg``,
+  ``exp_avg_sq``; the master update is rounded to nearest-even or stochastically;
+- ``kahan``: the same step added with Kahan compensation: ``y = Δ + c``, ``w' = round(w + y)``,
+  ``c' = y − (w' − w)`` (extra state ``comp``);
+- ``madam-arxiv``: M+Adam as the arXiv Algorithm 1 is read by a third party (spec §3.2 B):
+  ``w' = (1 − η_a λ) w + w·u_e/ρ − η_a m̂/(√v̂ + ε)`` with ``u_e = −η_mul g_e/(√v̂_e + ε)``,
+  ``g_e = ln2·w·g``, ``ρ = sign0(w)·max(|w|, τ)`` (states ``exp_avg``, ``exp_avg_sq``, ``exp_avg_sq_e``);
+- ``madam-arxiv-relative``: the same with the multiplicative term ``ln2·ρ·u_e`` (spec §3.2, "[Ours]
+  dimensional warning": a step proportional to ``|w|``, floored at τ);
+- ``madam-workshop``: the workshop's mantissa–exponent form (spec §3.2 A): ``w = m·2^e`` with
+  ``2^e = 2^⌊log2 max(|w|, τ)⌋``, Adam on ``g_m = 2^e g`` and on ``g_e = ln2·w·g`` (four states),
+  each normalized step clamped to ``±cap``; ``w' = ((1 − η λ) m − η r_m)·2^e · 2^(−η_mul r_e)``,
+  clamped to ``±w_max``.
+
+Bit-exactness of the twins: the reference uses only correctly rounded FP32 operations (``*``, ``+``,
+``-``, ``/``, ``sqrt``) in the kernel's order, every scalar is an FP32 value computed once on the
+host (:func:`step_scalars`), the kernel uses ``div_rn``/``sqrt_rn`` and is compiled without FMA
+contraction, ``2^y`` is the same Horner polynomial in both, and stochastic rounding takes 16 bits of
+``tl.randint(seed, index)`` (:func:`adahop.kernels.philox.philox_randint` reproduces it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .fold import resolve_backend
+from .philox import philox_randint
+
+__all__ = ["ALGORITHMS", "ROUNDINGS", "STATE_NAMES", "StepScalars", "step_scalars", "optim_update", "round_bf16",
+           "optim_step", "optim_step_reference", "optim_step_triton", "LN2"]
+
+#: The update rules, with the names of their state buffers (in kernel argument order).
+STATE_NAMES: dict[str, tuple[str, ...]] = {
+    "adamw": ("exp_avg", "exp_avg_sq"),
+    "kahan": ("exp_avg", "exp_avg_sq", "comp"),
+    "madam-arxiv": ("exp_avg", "exp_avg_sq", "exp_avg_sq_e"),
+    "madam-arxiv-relative": ("exp_avg", "exp_avg_sq", "exp_avg_sq_e"),
+    "madam-workshop": ("exp_avg_m", "exp_avg_sq_m", "exp_avg_e", "exp_avg_sq_e"),
+}
+ALGORITHMS = tuple(STATE_NAMES)
+ALG_IDS = {a: i for i, a in enumerate(ALGORITHMS)}
+ROUNDINGS = ("nearest", "stochastic")
+LN2 = float(np.float32(math.log(2.0)))
+#: Taylor coefficients of e^t (t = y·ln2) for 2^y, |y| <= 1, in FP32 (Horner, highest first).
+EXP_COEFFS = tuple(float(np.float32(1.0 / math.factorial(k))) for k in range(8, -1, -1))
+
+
+def _f32(v: float) -> float:
+    return float(np.float32(v))
+
+
+@dataclass(frozen=True)
+class StepScalars:
+    """The per-step constants of an update, each already an FP32 value (a Python float).
+
+    ``b1, omb1, b2, omb2``: β1, 1−β1, β2, 1−β2; ``eps``; ``decay = 1 − lr·λ``; ``wdlr = lr·λ``;
+    ``step_size = lr / (1 − β1^t)``; ``rbc1 = 1 / (1 − β1^t)``; ``rsbc2 = 1 / √(1 − β2^t)``;
+    ``lr``; ``mul_lr`` (η_mul of the multiplicative branch); ``tau``; ``cap`` (largest |normalized
+    step| of the workshop form, inf: none); ``w_max`` (inf: none).
+    """
+
+    lr: float
+    b1: float
+    omb1: float
+    b2: float
+    omb2: float
+    eps: float
+    decay: float
+    wdlr: float
+    step_size: float
+    rbc1: float
+    rsbc2: float
+    mul_lr: float
+    tau: float
+    cap: float
+    w_max: float
+
+
+def step_scalars(*, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
+                 mul_lr: float = 0.0, tau: float = 1e-6, cap: float = math.inf, w_max: float = math.inf) -> StepScalars:
+    """The FP32 constants of optimizer step ``step`` (1 for the first), computed in float64 once.
+
+    Raises:
+        ValueError: ``step < 1``, β outside [0, 1), non-positive ``eps``, ``tau`` or ``cap``.
+    """
+    if step < 1:
+        raise ValueError(f"step={step} must be >= 1 (the first update is step 1)")
+    if not (0 <= beta1 < 1 and 0 <= beta2 < 1):
+        raise ValueError(f"betas=({beta1}, {beta2}) must be in [0, 1)")
+    if not (eps > 0 and tau > 0 and cap > 0):
+        raise ValueError(f"eps={eps}, tau={tau} and cap={cap} must be > 0")
+    bc1, bc2 = 1 - beta1**step, 1 - beta2**step
+    return StepScalars(lr=_f32(lr), b1=_f32(beta1), omb1=_f32(1 - beta1), b2=_f32(beta2), omb2=_f32(1 - beta2),
+                       eps=_f32(eps), decay=_f32(1 - lr * weight_decay), wdlr=_f32(lr * weight_decay),
+                       step_size=_f32(lr / bc1), rbc1=_f32(1 / bc1), rsbc2=_f32(1 / math.sqrt(bc2)), mul_lr=_f32(mul_lr),
+                       tau=_f32(tau), cap=_f32(cap), w_max=_f32(w_max))
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def _sqrt(x: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded FP32 square root (torch's vectorized CPU sqrt is not; float64 then one
+    rounding is, since 53 >= 2·24 + 2)."""
+    return torch.sqrt(x.double()).float()
+
+
+def _exp2_small(y: torch.Tensor) -> torch.Tensor:
+    """2^y for |y| <= 1 (clamped there) as the kernel computes it: Horner on e^(y·ln2)."""
+    t = y.clamp(-1.0, 1.0) * LN2
+    p = torch.full_like(t, EXP_COEFFS[0])
+    for c in EXP_COEFFS[1:]:
+        p = p * t + c
+    return p
+
+
+def _pow2_floor(a: torch.Tensor) -> torch.Tensor:
+    """2^⌊log2 a⌋ for positive normal FP32 ``a``: its exponent bits with a zero mantissa."""
+    return (a.view(torch.int32) & 0x7F800000).view(torch.float32)
+
+
+def _adam_dir(m, v, g, s: StepScalars):
+    """Moments updated with ``g``, and the bias-corrected normalized step m̂ / (√v̂ + ε)."""
+    m = m * s.b1 + g * s.omb1
+    v = v * s.b2 + (g * g) * s.omb2
+    return m, v, (m * s.rbc1) / (_sqrt(v) * s.rsbc2 + s.eps)
+
+
+def optim_update(algorithm: str, w: torch.Tensor, g: torch.Tensor, states: list[torch.Tensor],
+                 s: StepScalars) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One update in FP32: ``(w_new, new_states)`` from FP32 ``w``, ``g`` and ``states``
+    (:data:`STATE_NAMES` order), all of one shape. Pure (inputs are not modified). For ``kahan``
+    ``w_new`` is the unrounded ``w + y`` and the new ``comp`` is computed by :func:`optim_step_reference`
+    after rounding (it needs the stored value); here it is returned as ``y``."""
+    if algorithm in ("adamw", "kahan"):
+        m, v = _adam_dir(states[0], states[1], g, s)[:2]
+        step = (m / (_sqrt(v) * s.rsbc2 + s.eps)) * s.step_size  # torch AdamW's order: m·lr/bc1 / denom
+        if algorithm == "adamw":
+            return w * s.decay - step, [m, v]
+        y = (-(w * s.wdlr) - step) + states[2]  # the whole increment, plus what earlier roundings lost
+        return w + y, [m, v, y]
+    if algorithm in ("madam-arxiv", "madam-arxiv-relative"):
+        m, v = _adam_dir(states[0], states[1], g, s)[:2]
+        ge = (w * LN2) * g
+        ve = states[2] * s.b2 + (ge * ge) * s.omb2
+        u_add = (m / (_sqrt(v) * s.rsbc2 + s.eps)) * s.step_size
+        u_e = -((ge * s.mul_lr) / (_sqrt(ve) * s.rsbc2 + s.eps))
+        rho = torch.where(w >= 0, 1.0, -1.0) * torch.clamp(w.abs(), min=s.tau)
+        mul = (w * u_e) / rho if algorithm == "madam-arxiv" else (rho * LN2) * u_e
+        return (w * s.decay + mul) - u_add, [m, v, ve]
+    if algorithm == "madam-workshop":
+        p2 = _pow2_floor(torch.clamp(w.abs(), min=s.tau))
+        mant = w / p2  # exact: a power of two
+        mm, vm, r_m = _adam_dir(states[0], states[1], g * p2, s)
+        me, ve, r_e = _adam_dir(states[2], states[3], (w * LN2) * g, s)
+        r_m, r_e = r_m.clamp(-s.cap, s.cap), r_e.clamp(-s.cap, s.cap)
+        w_new = ((mant * s.decay - r_m * s.lr) * p2) * _exp2_small(-(r_e * s.mul_lr))
+        return w_new.clamp(-s.w_max, s.w_max), [mm, vm, me, ve]
+    raise ValueError(f"algorithm={algorithm!r} is not known; use one of {ALGORITHMS}")
+
+
+def round_bf16(x: torch.Tensor, rounding: str, seed: int = 0) -> torch.Tensor:
+    """FP32 ``x`` → BF16, to nearest-even or stochastically: ``(bits + r) >> 16`` with ``r`` the low
+    16 bits of ``philox_randint(seed, flat index)`` (up with probability = the dropped fraction).
+    NaN stays NaN, ±Inf stays ±Inf. Shape kept; ``x`` must be contiguous FP32."""
+    if rounding == "nearest":
+        return x.to(torch.bfloat16)
+    bits = x.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    r = philox_randint(seed, torch.arange(x.numel(), device=x.device)).view(x.shape) & 0xFFFF
+    hi = ((bits + r) >> 16) & 0xFFFF
+    hi = torch.where(torch.isnan(x), 0x7FC0, hi)
+    out = hi << 16
+    out = torch.where(hi >= 0x8000, out - (1 << 32), out)  # the sign bit: as int32 bits
+    return out.to(torch.int32).view(torch.float32).to(torch.bfloat16)  # exact: the low 16 bits are zero
+
+
+def _check(algorithm: str, w, g, states, rounding: str) -> None:
+    if algorithm not in STATE_NAMES:
+        raise ValueError(f"algorithm={algorithm!r} is not known; use one of {ALGORITHMS}")
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding={rounding!r}; use one of {ROUNDINGS}")
+    want = len(STATE_NAMES[algorithm])
+    if len(states) != want:
+        raise ValueError(f"{algorithm} takes {want} states {STATE_NAMES[algorithm]}, got {len(states)}")
+    for name, t in [("w", w), ("g", g)] + list(zip(STATE_NAMES[algorithm], states)):
+        if t.shape != w.shape or t.device != w.device:
+            raise ValueError(f"{name}: shape {tuple(t.shape)} on {t.device}, but w is {tuple(w.shape)} on {w.device}")
+        if t.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"{name}: dtype {t.dtype}; the fused step takes float32 or bfloat16")
+        if name != "g" and not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (it is written in place)")
+    if w.numel() >= 2**31:
+        raise ValueError(f"w has {w.numel()} elements; the fused step takes fewer than 2**31 per tensor")
+
+
+def optim_step_reference(algorithm: str, w: torch.Tensor, g: torch.Tensor, states: list[torch.Tensor],
+                         s: StepScalars, *, rounding: str = "nearest", seed: int = 0) -> None:
+    """Update ``w`` and ``states`` in place (see the module docstring; arguments as :func:`optim_step`)."""
+    _check(algorithm, w, g, states, rounding)
+    w32, g32 = w.float(), g.float()
+    new_w, new_states = optim_update(algorithm, w32, g32, [t.float() for t in states], s)
+    if w.dtype == torch.bfloat16:
+        stored = round_bf16(new_w, rounding, seed)
+    else:
+        stored = new_w
+    if algorithm == "kahan":  # what the stored weight failed to take up is carried to the next step
+        new_states[2] = new_states[2] - (stored.float() - w32)
+    w.copy_(stored)
+    for t, v in zip(states, new_states):
+        t.copy_(v)  # to the state's dtype: round to nearest-even
+
+
+def optim_step_triton(algorithm: str, w: torch.Tensor, g: torch.Tensor, states: list[torch.Tensor],
+                      s: StepScalars, *, rounding: str = "nearest", seed: int = 0) -> None:
+    """The fused Triton kernel: same arguments and results as :func:`optim_step_reference`, bit for
+    bit (one launch per tensor; ``_triton_optim_step.py``)."""
+    _check(algorithm, w, g, states, rounding)
+    from . import _triton_optim_step  # lazy: Triton only here
+
+    _triton_optim_step.launch(ALG_IDS[algorithm], w, g.contiguous(), states, s, rounding == "stochastic", seed)
+
+
+def optim_step(algorithm: str, w: torch.Tensor, g: torch.Tensor, states: list[torch.Tensor], s: StepScalars, *,
+               rounding: str = "nearest", seed: int = 0, backend: str = "auto") -> None:
+    """Apply one optimizer update to one tensor, in place.
+
+    Args:
+        algorithm: one of :data:`ALGORITHMS`.
+        w: the master weight, float32 or bfloat16, contiguous, any shape (< 2^31 elements).
+        g: its gradient, same shape, float32 or bfloat16.
+        states: the algorithm's state tensors (:data:`STATE_NAMES`), each w's shape, float32 or
+            bfloat16, contiguous; zeros before the first step.
+        s: the step's FP32 constants (:func:`step_scalars`).
+        rounding: ``"nearest"`` (even) or ``"stochastic"`` for a BF16 ``w`` (states always round to
+            nearest; an FP32 ``w`` is not rounded).
+        seed: 64-bit Philox seed of this tensor's stochastic rounding (fresh per step and rank).
+        backend: ``"auto"`` (Triton on CUDA, else reference), ``"triton"`` or ``"reference"``.
+
+    Raises:
+        ValueError: unknown algorithm or rounding, wrong state count, shape, dtype or layout.
+        RuntimeError: ``backend="triton"`` without Triton or a CUDA device.
+    """
+    fn = optim_step_triton if resolve_backend(backend, w.device) == "triton" else optim_step_reference
+    fn(algorithm, w, g, states, s, rounding=rounding, seed=seed)

@@ -1,0 +1,136 @@
+"""`MasterOptimizer`: the shared step of every optimizer here, over any master-weight storage.
+
+Each parameter is updated by one fused elementwise pass (:func:`adahop.kernels.optim_step`: the
+Triton kernel on CUDA, its bit-exact PyTorch reference elsewhere) for FP32/BF16 masters, or by the
+same FP32 update followed by a re-pack (:func:`adahop.optim.master.write_master`) for packed FP8/FP4
+masters. States live in ``state_dtype`` (FP32 or BF16) and keep it through ``load_state_dict``
+(torch's loader would cast them to the parameter's dtype). Under FSDP2 a parameter is a DTensor
+and the update runs on its local shard, so the states are sharded exactly like the parameters.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..kernels.optim_step import STATE_NAMES, optim_step, optim_update, step_scalars
+from ..utils import mix_seed
+from .master import PackedMaster, read_master, write_master
+
+__all__ = ["MasterOptimizer", "STATE_DTYPES"]
+
+STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (FSDP2), else ``t``."""
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+class MasterOptimizer(torch.optim.Optimizer):
+    """Adam-family optimizer for FP32, BF16 or packed master weights (subclasses pick the rule).
+
+    Args:
+        params: parameters or parameter groups, as for ``torch.optim.AdamW``.
+        lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (decoupled weight decay).
+        state_dtype: ``torch.float32`` or ``torch.bfloat16`` for every state buffer.
+        seed: run seed of the stochastic rounding; each parameter's Philox seed mixes it with the
+            step and the parameter's index (pass a per-rank seed under data parallelism).
+        backend: ``auto`` (fused Triton kernel on CUDA), ``triton`` or ``reference``.
+        rounding: ``nearest`` or ``stochastic`` rounding of the master write.
+        **extra: per-group hyper-parameters of the rule (``mul_lr_scale``, ``tau``, ``cap``, ``w_max``).
+
+    Raises:
+        ValueError: a bad hyper-parameter, state dtype, rounding or backend.
+    """
+
+    algorithm = "adamw"  # a key of adahop.kernels.optim_step.STATE_NAMES
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0, *,
+                 state_dtype: torch.dtype = torch.float32, seed: int = 0, backend: str = "auto",
+                 rounding: str = "nearest", **extra):
+        if not lr > 0:
+            raise ValueError(f"lr={lr} must be > 0")
+        if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
+            raise ValueError(f"betas={betas} must be in [0, 1)")
+        if state_dtype not in STATE_DTYPES.values():
+            raise ValueError(f"state_dtype={state_dtype}; use torch.float32 or torch.bfloat16")
+        if rounding not in ("nearest", "stochastic"):
+            raise ValueError(f"rounding={rounding!r}; use 'nearest' or 'stochastic'")
+        if backend not in ("auto", "triton", "reference"):
+            raise ValueError(f"backend={backend!r}; use auto, triton or reference")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **extra))
+        self.state_dtype, self.seed, self.backend, self.rounding = state_dtype, seed, backend, rounding
+        self._stash = None
+        self.register_load_state_dict_pre_hook(lambda opt, sd: setattr(opt, "_stash", sd["state"]))
+        self.register_load_state_dict_post_hook(lambda opt: opt._restore_state_dtypes())
+
+    # -- state ------------------------------------------------------------------------------
+    def _init_state(self, p: torch.Tensor) -> dict:
+        st = self.state[p]
+        if not st:
+            st["step"] = 0
+            for name in STATE_NAMES[self.algorithm]:
+                st[name] = torch.zeros(p.shape, dtype=self.state_dtype, device=p.device) if isinstance(p, PackedMaster) \
+                    else torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.contiguous_format)
+        return st
+
+    def _restore_state_dtypes(self) -> None:
+        """After ``load_state_dict``: the states as saved (their own dtype), not cast to the parameter's."""
+        stash, self._stash = self._stash, None
+        if not stash:
+            return
+        params = [p for g in self.param_groups for p in g["params"]]
+        for idx, saved in stash.items():
+            p = params[int(idx)]
+            for k, v in saved.items():
+                if torch.is_tensor(v) and k != "step":
+                    self.state[p][k] = v.to(device=self.state[p][k].device).clone()
+
+    def _scalars(self, group: dict, step: int):
+        b1, b2 = group["betas"]
+        cap, w_max = group.get("cap"), group.get("w_max")
+        return step_scalars(lr=group["lr"], beta1=b1, beta2=b2, eps=group["eps"], weight_decay=group["weight_decay"],
+                            step=step, mul_lr=group["lr"] * group.get("mul_lr_scale", 0.0), tau=group.get("tau", 1e-6),
+                            cap=math.inf if cap is None else cap, w_max=math.inf if w_max is None else w_max)
+
+    # -- step -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One update of every parameter that has a gradient; returns ``closure()`` if given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        index = 0
+        for group in self.param_groups:
+            scalars = {}  # one set of constants per step count in the group (host time: one per tensor adds up)
+            for p in group["params"]:
+                index += 1
+                if p.grad is None:
+                    continue
+                st = self._init_state(p)
+                st["step"] += 1
+                if st["step"] not in scalars:
+                    scalars[st["step"]] = self._scalars(group, st["step"])
+                s = scalars[st["step"]]
+                seed = mix_seed(self.seed, "optim", st["step"], index - 1)
+                states = [_local(st[n]) for n in STATE_NAMES[self.algorithm]]
+                if isinstance(p, PackedMaster):
+                    self._packed_step(p, p.grad, states, s, seed)
+                else:
+                    optim_step(self.algorithm, _local(p), _local(p.grad), states, s, rounding=self.rounding, seed=seed,
+                               backend=self.backend)
+        return loss
+
+    def _packed_step(self, p: PackedMaster, g: torch.Tensor, states: list, s, seed: int) -> None:
+        # the FP32 update of the fused step, then one rounding into the packed format
+        w32 = read_master(p)
+        new_w, new_states = optim_update(self.algorithm, w32, g.float(), [t.float() for t in states], s)
+        gen = torch.Generator(device=p.device).manual_seed(seed) if self.rounding == "stochastic" else None
+        write_master(p, new_w, self.rounding, gen)
+        if self.algorithm == "kahan":
+            new_states[2] = new_states[2] - (read_master(p) - w32)
+        for t, v in zip(states, new_states):
+            t.copy_(v)

@@ -1,0 +1,42 @@
+"""Which optimizer options combine, checked before a run builds anything (`adahop train`)."""
+
+from __future__ import annotations
+
+from .madam import MADAM_FORMS
+from .master import MASTER_FORMATS, PACKED_FORMATS
+
+__all__ = ["check_optimizer_options"]
+
+OPTIMIZERS = ("adamw", "sr-adamw", "kahan-adamw", "m+adam")
+STATES = ("fp32", "bf16")
+
+
+def check_optimizer_options(cfg, bad) -> None:
+    """Call ``bad(field, message)`` (it raises) for an unknown choice or a combination that cannot
+    run; each message names the fix. ``cfg`` is a :class:`adahop.train.TrainConfig`.
+
+    Refused: packed (fp8/fp4/nvfp4) masters under ``--parallel ddp|fsdp`` (DDP and FSDP2 move
+    parameters as plain tensors) or with ``--compile`` (the packed tensor is not traced);
+    ``sr-adamw`` on FP32 masters (nothing to round: it would be ``adamw``); a non-positive
+    ``--madam-mul-lr``.
+    """
+    if cfg.optimizer not in OPTIMIZERS:
+        bad("optimizer", f"{cfg.optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
+    if cfg.master_weights not in MASTER_FORMATS:
+        bad("master_weights", f"{cfg.master_weights!r}; use one of {', '.join(MASTER_FORMATS)}")
+    if cfg.optimizer_states not in STATES:
+        bad("optimizer_states", f"{cfg.optimizer_states!r}; use fp32 or bf16")
+    if cfg.madam_form not in MADAM_FORMS:
+        bad("madam_form", f"{cfg.madam_form!r}; use one of {', '.join(MADAM_FORMS)}")
+    if not cfg.madam_mul_lr > 0:
+        bad("madam_mul_lr", f"must be > 0, got {cfg.madam_mul_lr}")
+    packed = cfg.master_weights in PACKED_FORMATS
+    if packed and cfg.parallel != "none":
+        bad("master_weights", f"{cfg.master_weights} masters are packed tensors, which --parallel {cfg.parallel} cannot "
+                              f"shard or broadcast; use --master-weights bf16 with --parallel, or run one process")
+    if packed and cfg.compile:
+        bad("master_weights", f"{cfg.master_weights} masters are dequantized on the fly by a tensor subclass that "
+                              "torch.compile does not trace here; drop --compile, or use --master-weights bf16")
+    if cfg.optimizer == "sr-adamw" and cfg.master_weights == "fp32":
+        bad("optimizer", "sr-adamw rounds the master update stochastically, and FP32 masters are not rounded; pass "
+                         "--master-weights bf16 (or fp8/fp4), or use --optimizer adamw")

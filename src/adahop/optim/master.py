@@ -1,0 +1,271 @@
+"""Master-weight storage: FP32, BF16, or block-scaled FP8 / FP4 with no wider copy kept anywhere.
+
+Design (the least invasive one that keeps every module, the optimizer and autograd unchanged):
+
+- ``fp32`` / ``bf16``: the ``nn.Parameter`` itself holds the master in that dtype
+  (:func:`convert_master_weights` casts ``p.data``). Forward reads it as always; gradients arrive in
+  the same dtype.
+- ``fp8`` / ``fp4`` / ``nvfp4``: each matrix Parameter (``ndim == 2``: linear weights, embeddings)
+  becomes a :class:`PackedMaster`: a tensor subclass that *presents* itself as a BF16 tensor of the
+  weight's shape but stores only packed codes and block scales. Any op that reads it (``.to()``,
+  ``F.linear``, ``F.embedding``, ...) sees the dequantized BF16 values, made on the fly and freed
+  after use; autograd treats it as an ordinary BF16 leaf, so ``p.grad`` is a plain BF16 gradient.
+  :class:`adahop.nn.LowPrecisionLinear` calls ``self.weight.to(dtype)``, which here returns the
+  dequantized weight (a differentiable view in autograd terms), so the converted layers need no
+  change. Vectors (norm gains, biases) stay BF16. The optimizer writes new codes and scales through
+  :func:`write_master`; in-place ops on a packed weight from anywhere else are refused.
+
+Formats (elements along the last dim, padded per row to the block):
+
+- ``fp8``: E4M3 elements, one power-of-two (E8M0) scale per 32 elements, chosen so the block
+  maximum is at most 448 (never clips): 8.25 bits per weight.
+- ``fp4``: MXFP4 (:func:`adahop.formats.quantize_mxfp4`, the ``ceil`` scale rule, which never clips,
+  so stochastic rounding stays unbiased): 4.25 bits per weight.
+- ``nvfp4``: NVFP4 (:func:`adahop.formats.quantize_nvfp4`): E2M1, an E4M3 scale per 16, one FP32 tensor
+  scale: 4.5 bits per weight.
+
+The block-scale policy of M+Adam's FP8/FP4 masters is not published (`specs/related_methods.md`
+§3.3); this one rescales every block from its new values at every write.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from ..formats import MXTensor, NVFP4Tensor, quantize_mxfp4, quantize_nvfp4
+from ..formats.common import move_and_pad, unpad_and_restore
+
+__all__ = ["MASTER_FORMATS", "PACKED_FORMATS", "PackedMaster", "convert_master_weights", "read_master",
+           "write_master", "master_format", "weight_bytes", "pack_state_dict", "unpack_state_dict"]
+
+MASTER_FORMATS = ("fp32", "bf16", "fp8", "fp4", "nvfp4")
+PACKED_FORMATS = ("fp8", "fp4", "nvfp4")
+E4M3_MAX = 448.0
+FP8_BLOCK = 32
+_SEP = "::"  # checkpoint keys of packed parts: "<param>::<format>.<part>"
+
+aten = torch.ops.aten
+
+
+# ----------------------------------------------------------------------------- packing
+def _quantize_fp8(x: torch.Tensor, rounding: str, generator) -> dict[str, torch.Tensor]:
+    """E4M3 codes [*, Kp] and E8M0 scales [*, Kp/32] of FP32 ``x`` [*, K]."""
+    xm = move_and_pad(x.float(), x.ndim - 1, FP8_BLOCK)
+    blocks = xm.reshape(*xm.shape[:-1], -1, FP8_BLOCK)
+    amax = blocks.abs().amax(-1)
+    mant, ex = torch.frexp(amax / E4M3_MAX)  # amax/448 = mant·2^ex, mant in [0.5, 1)
+    e = torch.where(mant == 0.5, ex - 1, ex).clamp(-127, 127)  # ceil(log2(amax/448)): nothing clips
+    e = torch.where(amax > 0, e, torch.full_like(e, -127))
+    s = torch.ldexp(blocks, (-e).unsqueeze(-1).float()).clamp(-E4M3_MAX, E4M3_MAX)
+    if rounding == "stochastic":
+        a = s.abs()
+        # the E4M3 spacing at |s|: 2^(floor(log2|s|) - 3) for normals (>= 2^-6), 2^-9 below
+        ulp = torch.ldexp(torch.ones_like(a), (torch.frexp(a)[1] - 4).clamp(min=-9))
+        lo = torch.floor(a / ulp) * ulp
+        u = torch.rand(a.shape, generator=generator, device=a.device)
+        s = torch.sign(s) * torch.where(u < (a - lo) / ulp, lo + ulp, lo).clamp(max=E4M3_MAX)
+    return {"codes": s.to(torch.float8_e4m3fn).flatten(-2), "scales": (e + 127).to(torch.uint8)}
+
+
+def _dequantize_fp8(d: dict, shape) -> torch.Tensor:
+    blocks = d["codes"].float().reshape(*d["scales"].shape, FP8_BLOCK)
+    x = torch.ldexp(blocks, (d["scales"].to(torch.int32) - 127).unsqueeze(-1).float())
+    return unpad_and_restore(x.flatten(-2), tuple(shape), len(shape) - 1)
+
+
+def pack(x: torch.Tensor, fmt: str, rounding: str = "nearest", generator=None) -> dict[str, torch.Tensor]:
+    """The packed parts of FP32 ``x`` (blocks along the last dim) in ``fmt`` (:data:`PACKED_FORMATS`)."""
+    if fmt == "fp8":
+        return _quantize_fp8(x, rounding, generator)
+    if fmt == "fp4":
+        q = quantize_mxfp4(x, axis=-1, scale_rule="ceil", rounding=rounding, generator=generator)
+        return {"codes": q.codes, "scales": q.scales}
+    if fmt == "nvfp4":
+        q = quantize_nvfp4(x, axis=-1, rounding=rounding, generator=generator)
+        return {"codes": q.codes, "scales": q.scales, "global_scale": q.global_scale.reshape(1)}
+    raise ValueError(f"fmt={fmt!r}: packed master formats are {PACKED_FORMATS}")
+
+
+def unpack(d: dict[str, torch.Tensor], fmt: str, shape) -> torch.Tensor:
+    """FP32 values of the packed parts ``d`` (inverse of :func:`pack` up to its rounding)."""
+    shape = tuple(shape)
+    if fmt == "fp8":
+        return _dequantize_fp8(d, shape)
+    if fmt == "fp4":
+        return MXTensor(codes=d["codes"], scales=d["scales"], shape=shape, axis=len(shape) - 1).dequantize()
+    return NVFP4Tensor(codes=d["codes"], scales=d["scales"], global_scale=d["global_scale"].reshape(()), shape=shape,
+                       axis=len(shape) - 1).dequantize()
+
+
+# ----------------------------------------------------------------------------- the tensor subclass
+class _Dequantize(torch.autograd.Function):
+    """BF16 values of a packed master; the gradient passes straight to the packed leaf."""
+
+    @staticmethod
+    def forward(ctx, p):
+        return unpack(p.parts, p.fmt, p.shape).to(torch.bfloat16)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class PackedMaster(torch.Tensor):
+    """A master weight stored packed (``fmt`` in :data:`PACKED_FORMATS`) that reads as BF16.
+
+    ``parts``: the packed tensors (``codes``, ``scales``[, ``global_scale``]); shape and dtype
+    (bfloat16) are the logical weight's. Reading ops dequantize; ``copy_`` from a float tensor
+    re-packs it (round to nearest), from another PackedMaster copies its parts exactly.
+    """
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, parts: dict, fmt: str, shape):
+        return torch.Tensor._make_wrapper_subclass(cls, tuple(shape), dtype=torch.bfloat16,
+                                                   device=parts["codes"].device, requires_grad=False)
+
+    def __init__(self, parts: dict, fmt: str, shape):
+        self.parts, self.fmt = parts, fmt
+
+    def __repr__(self) -> str:
+        return f"PackedMaster(fmt={self.fmt}, shape={tuple(self.shape)}, bytes={self.packed_bytes})"
+
+    @property
+    def packed_bytes(self) -> int:
+        """Bytes held by the packed parts."""
+        return sum(t.numel() * t.element_size() for t in self.parts.values())
+
+    def dequantize(self) -> torch.Tensor:
+        """The FP32 values (no autograd)."""
+        return unpack(self.parts, self.fmt, self.shape)
+
+    def data_ptr(self) -> int:  # tied weights are found by storage (checkpoint.tied_keys)
+        return self.parts["codes"].data_ptr()
+
+    def to(self, *args, **kwargs):
+        # `.to(bfloat16)` of a BF16 tensor would return the packed tensor itself: give the values
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        if device is not None and torch.device(device) != self.device:
+            raise RuntimeError("a packed master weight cannot move devices; convert master weights after model.to()")
+        return _Dequantize.apply(self).to(dtype or torch.bfloat16)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (aten.detach.default, aten.alias.default):
+            p = args[0]
+            return PackedMaster(p.parts, p.fmt, p.shape)
+        if func is aten.copy_.default and isinstance(args[0], PackedMaster):
+            dst, src = args[0], args[1]
+            new = dict(src.parts) if isinstance(src, PackedMaster) and src.fmt == dst.fmt else pack(
+                src.dequantize() if isinstance(src, PackedMaster) else src.float(), dst.fmt)
+            for k, t in new.items():
+                dst.parts[k].copy_(t)
+            return dst
+        if func is aten._to_copy.default and isinstance(args[0], PackedMaster) and set(kwargs) <= {"device"}:
+            p = args[0]  # a device move keeps the format (`.cpu()` of a checkpoint)
+            return PackedMaster({k: t.to(kwargs.get("device", t.device)) for k, t in p.parts.items()}, p.fmt, p.shape)
+        if func._schema.is_mutable and isinstance(args[0], PackedMaster):
+            raise RuntimeError(f"{func} would modify a packed ({args[0].fmt}) "
+                               "master weight in place; only adahop.optim writes it (write_master)")
+        unwrap = lambda t: t.dequantize().to(torch.bfloat16) if isinstance(t, PackedMaster) else t  # noqa: E731
+        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+
+
+# ----------------------------------------------------------------------------- model conversion
+def master_format(p: torch.Tensor) -> str:
+    """The storage format of master weight ``p``: ``fp32``, ``bf16`` or a packed format."""
+    if isinstance(p, PackedMaster):
+        return p.fmt
+    return {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(p.dtype, str(p.dtype))
+
+
+def convert_master_weights(model: nn.Module, fmt: str) -> nn.Module:
+    """Store ``model``'s parameters as ``fmt`` master weights, in place (tied parameters stay tied).
+
+    Args:
+        model: any module, already on its device.
+        fmt: ``fp32`` (unchanged), ``bf16`` (every parameter), or ``fp8``/``fp4``/``nvfp4`` (matrices
+            packed, round to nearest; vectors BF16).
+
+    Returns:
+        ``model``. Build the optimizer after this call.
+
+    Raises:
+        ValueError: unknown ``fmt``.
+    """
+    if fmt not in MASTER_FORMATS:
+        raise ValueError(f"master weights {fmt!r}: use one of {MASTER_FORMATS}")
+    if fmt == "fp32":
+        return model
+    done: dict[int, nn.Parameter] = {}
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in done:
+                if fmt != "bf16" and p.ndim == 2:
+                    done[id(p)] = nn.Parameter(PackedMaster(pack(p.detach().float(), fmt), fmt, p.shape),
+                                               requires_grad=p.requires_grad)
+                else:
+                    p.data = p.data.to(torch.bfloat16)
+                    done[id(p)] = p
+            mod._parameters[name] = done[id(p)]
+    return model
+
+
+def read_master(p: torch.Tensor) -> torch.Tensor:
+    """The FP32 values of master weight ``p`` (a copy for packed and BF16 masters, ``p`` for FP32)."""
+    if isinstance(p, PackedMaster):
+        return p.dequantize()
+    return p.detach().float()
+
+
+@torch.no_grad()
+def write_master(p: torch.Tensor, w: torch.Tensor, rounding: str = "nearest", generator=None) -> None:
+    """Store FP32 values ``w`` into packed master ``p``, rounded once to its format (``rounding``
+    ``nearest`` or ``stochastic``, bits from ``generator``); block scales follow the new values."""
+    for k, t in pack(w, p.fmt, rounding, generator).items():
+        p.parts[k].copy_(t)
+
+
+def weight_bytes(p: torch.Tensor) -> int:
+    """Bytes the master weight ``p`` occupies."""
+    return p.packed_bytes if isinstance(p, PackedMaster) else p.numel() * p.element_size()
+
+
+# ----------------------------------------------------------------------------- checkpoints
+def pack_state_dict(state: dict) -> dict:
+    """A state dict safetensors can store: each PackedMaster ``k`` becomes its parts
+    ``k::<fmt>.<part>`` in their own dtypes; other entries unchanged."""
+    out = {}
+    for k, v in state.items():
+        if isinstance(v, PackedMaster):
+            for part, t in v.parts.items():
+                out[f"{k}{_SEP}{v.fmt}.{part}"] = t.detach().cpu().contiguous()
+        else:
+            out[k] = v
+    return out
+
+
+def unpack_state_dict(state: dict, model: nn.Module) -> dict:
+    """Inverse of :func:`pack_state_dict` for ``model`` (whose parameters give the shapes): packed
+    parts become PackedMaster values, which ``load_state_dict`` copies bit for bit."""
+    shapes = {k: v.shape for k, v in model.state_dict().items()}
+    grouped: dict[str, dict] = {}
+    out = {}
+    for k, v in state.items():
+        if _SEP in k:
+            name, rest = k.split(_SEP, 1)
+            fmt, part = rest.split(".", 1)
+            grouped.setdefault((name, fmt), {})[part] = v
+        else:
+            out[k] = v
+    for (name, fmt), parts in grouped.items():
+        if name not in shapes:
+            raise ValueError(f"checkpoint holds packed weight {name!r}, which the model does not have")
+        out[name] = PackedMaster(parts, fmt, shapes[name])
+    return out

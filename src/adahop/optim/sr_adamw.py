@@ -1,0 +1,19 @@
+"""`SRAdamW`: AdamW whose master write is rounded stochastically (the standard fix for the additive
+stall: ``E[round(w + Δ)] = w + Δ``, so small steps survive on average)."""
+
+from __future__ import annotations
+
+from .base import MasterOptimizer
+
+__all__ = ["SRAdamW"]
+
+
+class SRAdamW(MasterOptimizer):
+    """AdamW with stochastic rounding of the master update (Philox bits per step, parameter and
+    rank; bit-exact between the Triton kernel and its reference). Arguments: :class:`MasterOptimizer`."""
+
+    algorithm = "adamw"
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0, **kw):
+        kw["rounding"] = "stochastic"
+        super().__init__(params, lr, betas, eps, weight_decay, **kw)
