@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from .madam import MADAM_FORMS
-from .master import MASTER_FORMATS, PACKED_FORMATS
+from .names import MADAM_FORMS, MASTER_FORMATS, OPTIMIZERS, PACKED_FORMATS
 
 __all__ = ["check_optimizer_options"]
 
-OPTIMIZERS = ("adamw", "sr-adamw", "kahan-adamw", "m+adam")
 STATES = ("fp32", "bf16")
 
 

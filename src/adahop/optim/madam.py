@@ -15,11 +15,10 @@ The formulas are in :mod:`adahop.kernels.optim_step`.
 from __future__ import annotations
 
 from .base import MasterOptimizer
+from .names import MADAM_FORMS
 
 __all__ = ["MAdam", "MADAM_FORMS"]
 
-#: ``form`` → update rule of :mod:`adahop.kernels.optim_step`.
-MADAM_FORMS = {"arxiv-relative": "madam-arxiv-relative", "arxiv": "madam-arxiv", "workshop": "madam-workshop"}
 
 
 class MAdam(MasterOptimizer):

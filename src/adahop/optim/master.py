@@ -36,12 +36,11 @@ from torch.utils._pytree import tree_map
 
 from ..formats import MXTensor, NVFP4Tensor, quantize_mxfp4, quantize_nvfp4
 from ..formats.common import move_and_pad, unpad_and_restore
+from .names import MASTER_FORMATS, PACKED_FORMATS
 
 __all__ = ["MASTER_FORMATS", "PACKED_FORMATS", "PackedMaster", "convert_master_weights", "read_master",
            "write_master", "master_format", "weight_bytes", "pack_state_dict", "unpack_state_dict"]
 
-MASTER_FORMATS = ("fp32", "bf16", "fp8", "fp4", "nvfp4")
-PACKED_FORMATS = ("fp8", "fp4", "nvfp4")
 E4M3_MAX = 448.0
 FP8_BLOCK = 32
 _SEP = "::"  # checkpoint keys of packed parts: "<param>::<format>.<part>"

@@ -1,0 +1,64 @@
+"""The name -> optimizer table of ``adahop train --optimizer`` and the bytes a run's weights and
+states take (:mod:`adahop.optim`)."""
+
+from __future__ import annotations
+
+import torch
+
+from .adamw import AdamW
+from .base import STATE_DTYPES
+from .kahan_adamw import KahanAdamW
+from .madam import MAdam
+from .master import weight_bytes
+from .names import MADAM_FORMS, MASTER_FORMATS, OPTIMIZERS
+from .sr_adamw import SRAdamW
+
+__all__ = ["build_optimizer", "memory_bytes"]
+
+_CLASSES = {"adamw": AdamW, "sr-adamw": SRAdamW, "kahan-adamw": KahanAdamW, "m+adam": MAdam}
+
+
+def build_optimizer(name: str, params, *, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                    master: str = "fp32", states: str = "fp32", madam_form: str = "arxiv-relative",
+                    mul_lr_scale: float = 1.0, seed: int = 0, backend: str = "auto") -> torch.optim.Optimizer:
+    """The optimizer ``name`` (:data:`OPTIMIZERS`) over ``params`` (parameters or groups).
+
+    ``adamw`` with FP32 masters and FP32 states is ``torch.optim.AdamW`` itself (the reference, as
+    before); every other combination is a :class:`MasterOptimizer`. ``master`` only checks the
+    combination (the parameters already carry their storage: :func:`convert_master_weights`).
+
+    Raises:
+        ValueError: unknown name, state dtype or M+Adam form, naming the choices.
+    """
+    if name not in _CLASSES:
+        raise ValueError(f"--optimizer {name!r}: use one of {OPTIMIZERS}")
+    if states not in STATE_DTYPES:
+        raise ValueError(f"--optimizer-states {states!r}: use one of {tuple(STATE_DTYPES)}")
+    if master not in MASTER_FORMATS:
+        raise ValueError(f"--master-weights {master!r}: use one of {MASTER_FORMATS}")
+    if name == "adamw" and master == "fp32" and states == "fp32":
+        return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    kw = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, state_dtype=STATE_DTYPES[states], seed=seed,
+              backend=backend)
+    if name == "m+adam":
+        if madam_form not in MADAM_FORMS:
+            raise ValueError(f"--madam-form {madam_form!r}: use one of {tuple(MADAM_FORMS)}")
+        return MAdam(params, form=madam_form, mul_lr_scale=mul_lr_scale, **kw)
+    return _CLASSES[name](params, **kw)
+
+
+def memory_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
+    """Bytes of master weights and optimizer state on this rank (local shards under FSDP2), and
+    per parameter: ``{"params", "weight_bytes", "state_bytes", "bytes_per_param"}``. Tied parameters
+    count once; state scalars (the step count) are not counted."""
+    seen, n, wb = set(), 0, 0
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        local = p._local_tensor if hasattr(p, "_local_tensor") else p
+        n += local.numel()
+        wb += weight_bytes(local)
+    sb = sum((v._local_tensor if hasattr(v, "_local_tensor") else v).numel() * v.element_size()
+             for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.ndim > 0)
+    return dict(params=n, weight_bytes=wb, state_bytes=sb, bytes_per_param=(wb + sb) / n if n else None)

@@ -1,0 +1,9 @@
+"""Names of ``adahop train --optimizer`` (torch-free: the config checks them before torch loads)."""
+
+OPTIMIZERS = ("adamw", "sr-adamw", "kahan-adamw", "m+adam")
+
+#: ``form`` → update rule of :mod:`adahop.kernels.optim_step`.
+MADAM_FORMS = {"arxiv-relative": "madam-arxiv-relative", "arxiv": "madam-arxiv", "workshop": "madam-workshop"}
+
+MASTER_FORMATS = ("fp32", "bf16", "fp8", "fp4", "nvfp4")
+PACKED_FORMATS = ("fp8", "fp4", "nvfp4")
