@@ -40,6 +40,9 @@
 #   r7a (round 7, one GPU): the full kernel validation (the byte-level encoding of issue 19), then the
 #      compiled-gradient checks of issue 24: the SR recipes' mean dW projected on dY^T X under Inductor,
 #      and compiled vs eager gradients of a llama-20m model
+#   r7b (round 7, one GPU): the full kernel validation after the signed-zero fix and with the fused
+#      optimizer step (section optim), compiled vs eager gradients of llama-20m (the view output kept
+#      for torch 2.11), the optimizer-step benchmark against AdamW(fused=True)
 # JOBS: the quality runs still to do, RECIPE:SEED,... (default: this session's list).
 # Needs .carry/{corpus_main.txt.xz,gpt2.tiktoken} and .whl/zstandard-*.whl (carried).
 set -u
@@ -67,6 +70,16 @@ if [ "$STAGE" = r7a ]; then
     | grep -v Warning | tee $OUT/projection.log | grep projection; echo "projection done at $(el) s"
   timeout $(( 570 - $(el) )) python3 scripts/check_compiled_grads.py --model llama-20m --recipes mxfp4-had,adahop-lv2,tseng,nvfp4 2>&1 \
     | tee $OUT/compiled_grads.log | grep -E "loss eager|Error"; echo "stage $STAGE done at $(el) s"; exit 0
+fi
+if [ "$STAGE" = r7b ]; then
+  export CUDA_VISIBLE_DEVICES=0
+  timeout 300 python3 scripts/validate_kernels.py --log $OUT/validate.json > $OUT/validate.log 2>&1; tail -1 $OUT/validate.log
+  grep -E "^FAIL" $OUT/validate.log | head -20; grep -E "optim" $OUT/validate.log | head -8; echo "validate done at $(el) s"
+  timeout 200 python3 scripts/check_compiled_grads.py --model llama-20m --recipes adahop-lv2,mxfp4-had,tseng 2>&1 \
+    | tee $OUT/compiled_grads.log | grep -E "loss eager|Error"; echo "grads done at $(el) s"
+  for M in llama-125m llama3.2-1b; do timeout $(( 575 - $(el) )) python3 scripts/bench_optim.py --model $M --json $OUT/bench_optim_$M.json 2>&1 \
+    | tee $OUT/bench_optim_$M.log | tail -12; done
+  echo "stage $STAGE done at $(el) s"; exit 0
 fi
 if [ "$STAGE" = i19c ]; then
   export CUDA_VISIBLE_DEVICES=0
