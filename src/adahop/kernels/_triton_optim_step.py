@@ -14,16 +14,16 @@ import triton.language as tl
 
 from .optim_step import EXP_COEFFS, LN2
 
-_LN2: tl.constexpr = LN2
-_C0: tl.constexpr = EXP_COEFFS[0]
-_C1: tl.constexpr = EXP_COEFFS[1]
-_C2: tl.constexpr = EXP_COEFFS[2]
-_C3: tl.constexpr = EXP_COEFFS[3]
-_C4: tl.constexpr = EXP_COEFFS[4]
-_C5: tl.constexpr = EXP_COEFFS[5]
-_C6: tl.constexpr = EXP_COEFFS[6]
-_C7: tl.constexpr = EXP_COEFFS[7]
-_C8: tl.constexpr = EXP_COEFFS[8]
+_LN2 = tl.constexpr(LN2)  # a global a @triton.jit function reads must be a constexpr instance (Triton 3.6)
+_C0 = tl.constexpr(EXP_COEFFS[0])
+_C1 = tl.constexpr(EXP_COEFFS[1])
+_C2 = tl.constexpr(EXP_COEFFS[2])
+_C3 = tl.constexpr(EXP_COEFFS[3])
+_C4 = tl.constexpr(EXP_COEFFS[4])
+_C5 = tl.constexpr(EXP_COEFFS[5])
+_C6 = tl.constexpr(EXP_COEFFS[6])
+_C7 = tl.constexpr(EXP_COEFFS[7])
+_C8 = tl.constexpr(EXP_COEFFS[8])
 BLOCK = 1024
 
 

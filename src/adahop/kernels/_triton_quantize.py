@@ -268,10 +268,12 @@ def _mx_quantize_kernel(x_ptr, stride_r, stride_k, rows, kc, kp,
 
         if WRITE_FP8:  # q · 2^(e - E), exact in E4M3 because e - E is in [-8, 0]
             # the magnitude's E4M3 bits, then the sign bit: -0 (code 8) must be 0x80 as the reference
-            # fold writes it, and on the GPU a negated 0.0 came out +0 (0x00)
+            # fold writes it, and on the GPU a negated 0.0 came out +0 (0x00). The bit operations run in
+            # int32, as in _triton_fold: OR-ing a uint8 shift corrupted every 8th byte of the
+            # transposing tiles on the H200 (Triton 3.6)
             f = val * _exp2i(e - row_e[:, None])[:, :, None]
-            bits = f.to(tl.float8e4nv).to(tl.uint8, bitcast=True) | (neg.to(tl.uint8) << 7)
-            bits = tl.where(bad[:, :, None], 0x7F, bits)  # 0x7F: NaN
+            bits = f.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32) | (neg.to(tl.int32) << 7)
+            bits = tl.where(bad[:, :, None], 0x7F, bits).to(tl.uint8)  # 0x7F: NaN
             fptr = fp8_ptr + r[:, None, None] * kp + kb[None, :, :]
             if MASK_R or MASK_K:
                 tl.store(fptr, bits, mask=row_ok & (kb < kp)[None, :, :])
