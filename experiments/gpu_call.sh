@@ -71,11 +71,11 @@ if [ "$STAGE" = r7a ]; then
   timeout $(( 570 - $(el) )) python3 scripts/check_compiled_grads.py --model llama-20m --recipes mxfp4-had,adahop-lv2,tseng,nvfp4 2>&1 \
     | tee $OUT/compiled_grads.log | grep -E "loss eager|Error"; echo "stage $STAGE done at $(el) s"; exit 0
 fi
-if [ "$STAGE" = r7b ]; then
+if [ "$STAGE" = r7b ] || [ "$STAGE" = r7c ]; then  # r7c: the same after the Triton 3.6 fixes, without the gradient check
   export CUDA_VISIBLE_DEVICES=0
   timeout 300 python3 scripts/validate_kernels.py --log $OUT/validate.json > $OUT/validate.log 2>&1; tail -1 $OUT/validate.log
   grep -E "^FAIL" $OUT/validate.log | head -20; grep -E "optim" $OUT/validate.log | head -8; echo "validate done at $(el) s"
-  timeout 200 python3 scripts/check_compiled_grads.py --model llama-20m --recipes adahop-lv2,mxfp4-had,tseng 2>&1 \
+  [ "$STAGE" = r7c ] || timeout 200 python3 scripts/check_compiled_grads.py --model llama-20m --recipes adahop-lv2,mxfp4-had,tseng 2>&1 \
     | tee $OUT/compiled_grads.log | grep -E "loss eager|Error"; echo "grads done at $(el) s"
   for M in llama-125m llama3.2-1b; do timeout $(( 575 - $(el) )) python3 scripts/bench_optim.py --model $M --json $OUT/bench_optim_$M.json 2>&1 \
     | tee $OUT/bench_optim_$M.log | tail -12; done
