@@ -341,7 +341,7 @@ def test_interp_fold_bit_exact(case):
     x[4 % x.shape[0], 3 % x.shape[1]] = float("nan")
     q = quantize_mxfp4(x, axis=axis, scale_rule=rule, max_scale_range=8)
     q = dataclasses.replace(q, codes=q.codes.clone())
-    q.codes.view(-1)[-1] |= 0x80  # a -0 code in the last element (0x8 decodes to -0.0, FP8 0x80)
+    q.codes.view(-1)[-1] |= 0x80  # a -0 code in the last element (0x8 decodes to -0.0; both folds write FP8 +0)
     ft, st = fold_to_fp8(q, backend="triton")
     fr, sr = fold_to_fp8(q, backend="reference")
     assert ft.dtype == torch.float8_e4m3fn and ft.shape == fr.shape and st.shape == sr.shape
@@ -558,3 +558,16 @@ def test_interp_emulated_mx_linear_matches_the_reference(how="dequant-bf16"):
     with torch.no_grad():  # the fprop alone: the same output, nothing saved
         layer.saved_bytes = -1
         assert torch.equal(layer(x), y.detach()) and layer.saved_bytes == -1
+
+
+def test_fold_writes_a_negative_zero_code_as_positive_zero():
+    """Code 8 (-0, which the official encoder writes for a negative value that rounds to zero) folds
+    to FP8 +0 (0x00) in the reference table, the byte the Triton quantizer and fold write on the H200;
+    -0.5 (code 9) keeps its sign."""
+    from adahop.formats import MXTensor
+
+    codes = torch.tensor([[0x98] + [0] * 15], dtype=torch.uint8)  # elements: code 8, code 9, then +0
+    q = MXTensor(codes=codes, scales=torch.tensor([[127]], dtype=torch.uint8), shape=(1, 32), axis=1, scale_range=8)
+    f8, rs = fold_to_fp8(q, backend="reference")
+    assert f8.view(torch.uint8)[0, :2].tolist() == [0x00, torch.tensor(-0.5).to(torch.float8_e4m3fn).view(torch.uint8).item()]
+    assert rs.tolist() == [1.0]

@@ -50,8 +50,9 @@ def _fold_kernel(codes_ptr, scales_ptr, fp8_ptr, rscale_ptr, rows, kp,
         # blocks more than 8 below the row hold only zeros (the quantizer's max_scale_range=8)
         shift = tl.minimum(row_e[:, None] - tl.where(bad, row_e[:, None], sc - 127), 8)
         mag = _e2m1_value(code & 7) * _exp2i(-shift)[:, :, None]  # exact in E4M3
-        # the sign as a bit, so a -0 code (0x8) folds to -0 (0x80) as in the reference table
-        bits = mag.to(tl.float8e4nv).to(tl.uint8, bitcast=True) | ((code & 8) << 4).to(tl.uint8)
+        # the sign as a bit, of nonzero magnitudes only: a -0 code (0x8) folds to +0, as in the reference table
+        sign = tl.where((code & 7) != 0, (code & 8) << 4, 0).to(tl.uint8)
+        bits = mag.to(tl.float8e4nv).to(tl.uint8, bitcast=True) | sign
         bits = tl.where(bad[:, :, None], 0x7F, bits)  # 0x7F: NaN
         fptr = fp8_ptr + r[:, None, None] * kp + k[None, :, :]
         if MASK:

@@ -243,8 +243,9 @@ def _mx_quantize_kernel(x_ptr, stride_r, stride_k, rows, kc, kp,
             u0, u1, u2, u3 = tl.rand4x(tl.load(seed_ptr), (r[:, None, None] * (kp // 4) + k4[None, :, :]).to(tl.uint32))
             u = tl.reshape(tl.join(tl.join(u0, u1), tl.join(u2, u3)), [BR, BK // 32, 32])
             mag = _e2m1_sr(a, u)
+            val = _e2m1_value(mag)
         else:
-            _, mag = _e2m1_round(a)
+            val, mag = _e2m1_round(a)
         neg = s.to(tl.int32, bitcast=True) < 0  # the sign bit, kept at magnitude 0 too (code 8 = -0)
         code = tl.where(bad[:, :, None], 0, mag | (neg.to(tl.int32) << 3))  # [BR, NB, 32]
 
@@ -266,13 +267,12 @@ def _mx_quantize_kernel(x_ptr, stride_r, stride_k, rows, kc, kp,
             tl.store(sptr, sval)
 
         if WRITE_FP8:  # q · 2^(e - E), exact in E4M3 because e - E is in [-8, 0]
-            # the fold of the codes just written, computed as _triton_fold computes it (its sign as a
-            # bit: code 8 = -0 folds to 0x80, the reference table's byte). Deriving it from the
-            # float value instead gave +0 for -0 and, with the sign OR-ed from `neg`, wrong bytes in
-            # some transposing tiles on the H200 (Triton 3.6)
-            f = _e2m1_value(code & 7) * _exp2i(e - row_e[:, None])[:, :, None]
-            bits = f.to(tl.float8e4nv).to(tl.uint8, bitcast=True) | ((code & 8) << 4).to(tl.uint8)
-            bits = tl.where(bad[:, :, None], 0x7F, bits)  # 0x7F: NaN
+            # a code-8 (-0) element folds to +0, as the reference table has it: a GEMM operand, where
+            # the sign of a zero is no number. The sign comes from a float where() on nonzero
+            # magnitudes only, the round-6 form: negating 0.0, or OR-ing the sign as a bit, gave wrong
+            # bytes in some tiles on the H200 (Triton 3.6, round 7)
+            f = tl.where(neg & (mag > 0), -val, val) * _exp2i(e - row_e[:, None])[:, :, None]
+            bits = tl.where(bad[:, :, None], 0x7F, f.to(tl.float8e4nv).to(tl.uint8, bitcast=True))  # 0x7F: NaN
             fptr = fp8_ptr + r[:, None, None] * kp + kb[None, :, :]
             if MASK_R or MASK_K:
                 tl.store(fptr, bits, mask=row_ok & (kb < kp)[None, :, :])

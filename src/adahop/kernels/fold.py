@@ -77,10 +77,11 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
 
 def _make_fold_table() -> torch.Tensor:
     """uint8 [(FOLD_RANGE + 1) * 16]: the E4M3 bits of ``decode_e2m1(code) · 2^-shift`` at
-    ``shift * 16 + code``; the last entry is the E4M3 NaN (0x7F)."""
+    ``shift * 16 + code`` (-0, code 8, as +0); the last entry is the E4M3 NaN (0x7F)."""
     codes = torch.arange(16, dtype=torch.uint8)
     shifts = torch.arange(FOLD_RANGE + 1, dtype=torch.float32)
     vals = decode_e2m1(codes)[None, :] * torch.exp2(-shifts)[:, None]
+    vals = torch.where(vals == 0, 0.0, vals)  # code 8 (-0) folds to +0: a GEMM operand, where a zero's sign is no number
     bits = vals.to(torch.float8_e4m3fn).view(torch.uint8).flatten()
     return torch.cat((bits, torch.tensor([float("nan")]).to(torch.float8_e4m3fn).view(torch.uint8)))
 
