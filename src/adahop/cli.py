@@ -14,8 +14,6 @@ from .train.config import add_config_flags, config_from
 
 __all__ = ["main", "build_parser"]
 
-_add_config_flags, _config_from = add_config_flags, config_from  # the names other modules used before the move
-
 
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of every ``adahop`` subcommand."""
