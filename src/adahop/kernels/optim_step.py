@@ -37,7 +37,7 @@ from .fold import resolve_backend
 from .philox import philox_randint
 
 __all__ = ["ALGORITHMS", "ROUNDINGS", "STATE_NAMES", "StepScalars", "step_scalars", "optim_update", "round_bf16",
-           "optim_step", "optim_step_reference", "optim_step_triton", "LN2"]
+           "optim_step", "optim_step_reference", "optim_step_triton", "bit_mismatches", "LN2"]
 
 #: The update rules, with the names of their state buffers (in kernel argument order).
 STATE_NAMES: dict[str, tuple[str, ...]] = {
@@ -252,3 +252,22 @@ def optim_step(algorithm: str, w: torch.Tensor, g: torch.Tensor, states: list[to
     """
     fn = optim_step_triton if resolve_backend(backend, w.device) == "triton" else optim_step_reference
     fn(algorithm, w, g, states, s, rounding=rounding, seed=seed)
+
+
+def bit_mismatches(algorithm: str, w: torch.Tensor, g: torch.Tensor, states: list[torch.Tensor], s: StepScalars, *,
+                   rounding: str = "nearest", seed: int = 0) -> tuple[int, int, torch.Tensor]:
+    """The Triton step against its reference on copies of ``w`` and ``states`` (left as they are):
+    ``(weight elements whose bits differ, state elements whose bits differ, Triton's new weight)``.
+    Arguments as :func:`optim_step`; shared by the interpreter tests and ``scripts/validate_kernels.py``.
+
+    Raises:
+        as :func:`optim_step` with ``backend="triton"``."""
+    outs = []
+    for backend in ("reference", "triton"):
+        w1, st1 = w.clone(), [t.clone() for t in states]
+        optim_step(algorithm, w1, g, st1, s, rounding=rounding, seed=seed, backend=backend)
+        outs.append((w1, st1))
+    bits = lambda t: t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)  # noqa: E731
+    bad_w = int((bits(outs[0][0]) != bits(outs[1][0])).sum())
+    bad_s = sum(int((bits(a) != bits(b)).sum()) for a, b in zip(outs[0][1], outs[1][1]))
+    return bad_w, bad_s, outs[1][0]
