@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import load_file
 
 from adahop.kernels.fold import triton_available
-from adahop.kernels.optim_step import (ALGORITHMS, ROUNDINGS, STATE_NAMES, bit_mismatches, optim_step, optim_step_reference, round_bf16,
-                                       step_scalars)
+from adahop.kernels.optim_step import (ALGORITHMS, ROUNDINGS, STATE_NAMES, bit_mismatches, optim_step_reference,
+                                       round_bf16, step_scalars)
 from adahop.kernels.philox import philox_randint
 from adahop.optim import (AdamW, MAdam, PackedMaster, build_optimizer, convert_master_weights, memory_bytes,
                           read_master)
