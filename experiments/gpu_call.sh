@@ -43,6 +43,8 @@
 #   r7b (round 7, one GPU): the full kernel validation after the signed-zero fix and with the fused
 #      optimizer step (section optim), compiled vs eager gradients of llama-20m (the view output kept
 #      for torch 2.11), the optimizer-step benchmark against AdamW(fused=True)
+#   r8a (round 8, one GPU): the full kernel validation (the FP8 form of the Triton quantizer after the
+#      signed-zero change), then the issue-19 census (stage i19c) in the time left
 # JOBS: the quality runs still to do, RECIPE:SEED,... (default: this session's list).
 # Needs .carry/{corpus_main.txt.xz,gpt2.tiktoken} and .whl/zstandard-*.whl (carried).
 set -u
@@ -55,7 +57,7 @@ export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 ADAHOP_CACHE=/tmp/adahop
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())"
-if [ "${STAGE#i19}" != "$STAGE" ]; then  # issue 19: data and compile caches in an ignored folder that outlives the call
+if [ "${STAGE#i19}" != "$STAGE" ] || [ "$STAGE" = r8a ]; then  # issue 19: data and compile caches in an ignored folder that outlives the call
   mkdir -p runs/issue19
   export TORCHINDUCTOR_CACHE_DIR=$PWD/runs/issue19/inductor TRITON_CACHE_DIR=$PWD/runs/issue19/triton ADAHOP_CACHE=$PWD/runs/issue19/adahop
   [ -f runs/issue19/main/manifest.json ] || python3 -m adahop data prepare --source .carry/corpus_main.txt.xz \
@@ -80,6 +82,11 @@ if [ "$STAGE" = r7b ] || [ "$STAGE" = r7c ]; then  # r7c: the same after the Tri
   for M in llama-125m llama3.2-1b; do timeout $(( 575 - $(el) )) python3 scripts/bench_optim.py --model $M --json $OUT/bench_optim_$M.json 2>&1 \
     | tee $OUT/bench_optim_$M.log | tail -12; done
   echo "stage $STAGE done at $(el) s"; exit 0
+fi
+if [ "$STAGE" = r8a ]; then
+  export CUDA_VISIBLE_DEVICES=0
+  timeout 300 python3 scripts/validate_kernels.py --log $OUT/validate.json > $OUT/validate.log 2>&1; tail -1 $OUT/validate.log
+  grep -E "^FAIL" $OUT/validate.log | head -20; echo "validate done at $(el) s"; STAGE=i19c
 fi
 if [ "$STAGE" = i19c ]; then
   export CUDA_VISIBLE_DEVICES=0
