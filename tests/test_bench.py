@@ -51,21 +51,11 @@ def test_layer_step_runs_forward_and_backward_of_each_kind_on_cpu():
         assert torch.nn.functional.cosine_similarity(grads[kind], grads["bf16"], dim=0) > 0.95
 
 
-def _profile_model_script():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / "profile_model.py"
-    spec = importlib.util.spec_from_file_location("profile_model", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_profile_model_flops_and_amdahl():
     """The step breakdown's arithmetic: training FLOPs of the converted linears and of the LM head
     (6 · params · tokens), Amdahl's end-to-end speedup and its inverse, and the kernel classes."""
-    pm = _profile_model_script()
+    from adahop.bench import profile_model as pm
+
     # 4 blocks of Llama-3.1-8B: q, o 4096², k, v 4096·1024, gate, up, down 4096·14336; LM head 4096·32768
     lin, head = pm.linear_and_head_flops("llama3.1-8b", 4, 8192)
     assert lin == 6 * 4 * (2 * 4096**2 + 2 * 4096 * 1024 + 3 * 4096 * 14336) * 8192

@@ -6,7 +6,7 @@ median of many repetitions, fresh random (never zero) inputs.
 - ``linear``: one layer's forward + backward at the Llama linear shapes, for BF16 ``nn.Linear``,
   the FP8-folded fast path (plain MXFP4, IHT, and IHT with OE-Right on wgrad as AdaHOP-Lv2 gives
   the Column-pattern X), MXFP4 emulated the two ways Hopper allows (torchao-style dequantize to BF16
-  + BF16 GEMM, and Triton ``tl.dot_scaled``; `adahop.emulated`), and the reference backend
+  + BF16 GEMM, and Triton ``tl.dot_scaled``; `adahop.bench.emulated`), and the reference backend
   (PyTorch quantizer, dequantize, FP32 matmul).
 - ``model``: end-to-end training tokens/s and peak memory for BF16 and each recipe, eager and
   with ``torch.compile``.
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .bench_options import COMPILE_MODES, add_arguments  # torch-free, so that `adahop --help` stays fast
+from .options import COMPILE_MODES, add_arguments  # torch-free, so that `adahop --help` stays fast
 
 __all__ = ["add_arguments", "run", "bench_linear", "bench_model", "model_step", "cuda_graph_time_ms", "LINEAR_SHAPES"]
 
@@ -73,13 +73,13 @@ def cuda_graph_time_ms(fn, reps: int = 20) -> float:
     return cuda_time_ms(graph.replay, reps)
 
 
-#: ``bench linear`` rows of MXFP4 emulated the two ways Hopper allows (`adahop.emulated`)
+#: ``bench linear`` rows of MXFP4 emulated the two ways Hopper allows (`adahop.bench.emulated`)
 EMULATED_KINDS = {"mxfp4 dequant-to-bf16 (torchao-style)": "dequant-bf16", "mxfp4 tl.dot_scaled": "dot_scaled"}
 
 
 def _layer(kind: str, k: int, n: int, device) -> torch.nn.Module:
-    from .nn import convert_model, get_controller
-    from .patterns import Plan
+    from ..nn import convert_model, get_controller
+    from ..patterns import Plan
 
     lin = torch.nn.Linear(k, n, bias=False, device=device)
     if kind == "bf16":
@@ -132,7 +132,7 @@ def bench_linear(models=("llama3.1-8b",), tokens=(8192, 16384), reps: int = 20, 
     ``graph_speedup_vs_bf16``): the device time without the host's launch cost.
     """
     from .emulated import EmulatedMXLinear
-    from .nn import LowPrecisionLinear
+    from ..nn import LowPrecisionLinear
 
     dev = torch.device("cuda")
     kinds = ["bf16", "mxfp4 fast", "iht fast", "adahop-lv2 fast (iht, wgrad oe_right)", *EMULATED_KINDS,
@@ -212,9 +212,9 @@ def model_step(model: str, recipe: str, mode: str, seq_len: int, batch: int, lay
     """
     import torch.nn.functional as F
 
-    from .models import build_model
-    from .nn import convert_model, on_step
-    from .recipes import get_recipe
+    from ..models import build_model
+    from ..nn import convert_model, on_step
+    from ..recipes import get_recipe
 
     dev = torch.device(device)
     torch.manual_seed(0)
@@ -298,7 +298,7 @@ def _strategy_counts(model: torch.nn.Module) -> str:
     """How many converted GEMMs run each strategy, e.g. ``"iht 40, bf16 8"`` (what the row measured)."""
     from collections import Counter
 
-    from .nn import LowPrecisionLinear
+    from ..nn import LowPrecisionLinear
 
     c = Counter(s for m in model.modules() if isinstance(m, LowPrecisionLinear) for s in m.strategies().values())
     return ", ".join(f"{k} {v}" for k, v in c.most_common())
