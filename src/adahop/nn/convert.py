@@ -110,8 +110,7 @@ def convert_layers(model: nn.Module, recipe: Recipe, names: list[str], *, layer_
             set (the recipe holds the accumulation now)."""
     if "ADAHOP_GEMM_ACCUMULATION" in os.environ:  # once read at import: the numbers must not follow the environment
         raise ValueError("ADAHOP_GEMM_ACCUMULATION is no longer read: the FP8 fast path's accumulation is part of the "
-                         "recipe; unset it and convert with recipe.with_accumulation('fp32') (GemmSpec.accumulation), "
-                         "or pass --gemm-accumulation fp32 to adahop train/compare")
+                         "recipe; unset it and convert with recipe.with_accumulation('fp32') (GemmSpec.accumulation)")
     controller = Controller(recipe, seed=seed, plan=plan)
     blocks = sorted({int(m.group(1)) for n in names if (m := _BLOCK_RE.search(n))})
     n_blocks = (max(blocks) + 1) if blocks else 0
