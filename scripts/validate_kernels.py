@@ -238,9 +238,9 @@ def check_compile(dev, gen):
 
 
 def check_baseline(how, t, k, n, dev, gen):
-    """A bench baseline (`adahop.emulated`): y, dX, dW vs the reference quantizer's dequantized
+    """A bench baseline (`adahop.bench.emulated`): y, dX, dW vs the reference quantizer's dequantized
     operands multiplied in FP32, to the BF16 rounding of the GEMM outputs."""
-    from adahop.emulated import EmulatedMXLinear
+    from adahop.bench.emulated import EmulatedMXLinear
     from adahop.formats import quantize_mxfp4
 
     lin = torch.nn.Linear(k, n, bias=False, device=dev)

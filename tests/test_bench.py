@@ -3,6 +3,7 @@ timings themselves live in docs/benchmarks.md, never in tests)."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -51,21 +52,11 @@ def test_layer_step_runs_forward_and_backward_of_each_kind_on_cpu():
         assert torch.nn.functional.cosine_similarity(grads[kind], grads["bf16"], dim=0) > 0.95
 
 
-def _profile_model_script():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / "profile_model.py"
-    spec = importlib.util.spec_from_file_location("profile_model", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_profile_model_flops_and_amdahl():
     """The step breakdown's arithmetic: training FLOPs of the converted linears and of the LM head
     (6 · params · tokens), Amdahl's end-to-end speedup and its inverse, and the kernel classes."""
-    pm = _profile_model_script()
+    from adahop.bench import profile_model as pm
+
     # 4 blocks of Llama-3.1-8B: q, o 4096², k, v 4096·1024, gate, up, down 4096·14336; LM head 4096·32768
     lin, head = pm.linear_and_head_flops("llama3.1-8b", 4, 8192)
     assert lin == 6 * 4 * (2 * 4096**2 + 2 * 4096 * 1024 + 3 * 4096 * 14336) * 8192
@@ -80,3 +71,88 @@ def test_profile_model_flops_and_amdahl():
     assert pm.classify("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16") == "attention"
     assert pm.classify("_mx_quantize_kernel") == "quantize + fold (adahop)"
     assert pm.classify("triton_poi_fused_mul_silu_0").startswith("other")
+
+
+# ----------------------------------------------------------------------------- rows and --json
+
+
+def test_rows_merge_replaces_the_same_configuration_and_appends_the_rest(tmp_path):
+    from adahop.bench.rows import ROW_FIELDS, merge_rows
+
+    path = tmp_path / "sub" / "benchmarks.json"
+    a = dict(bench="model", model="m", recipe="bf16", mode="eager", tok_per_s=10.0, date="2026-12-01")
+    b = dict(bench="model", model="m", recipe="mxfp4", mode="eager", tok_per_s=5.0, peak_mem_gib=float("nan"))
+    assert [r["recipe"] for r in merge_rows(path, [a, b])] == ["bf16", "mxfp4"]
+    again = dict(a, tok_per_s=12.0, date="2026-12-02")  # measured again: replaces, keeps its place
+    other = dict(a, mode="compiled")
+    rows = json.loads(path.read_text())  # strict JSON: the NaN peak is null
+    assert rows[1]["peak_mem_gib"] is None and all(set(ROW_FIELDS) <= set(r) for r in rows)
+    rows = merge_rows(path, [again, other])
+    assert [(r["recipe"], r["mode"], r["tok_per_s"]) for r in rows] == [("bf16", "eager", 12.0), ("mxfp4", "eager", 5.0),
+                                                                       ("bf16", "compiled", 10.0)]
+    assert json.loads(path.read_text()) == rows
+    path.write_text('{"not": "a list"}')
+    with pytest.raises(ValueError, match="not a list of row objects"):
+        merge_rows(path, [a])
+
+
+def test_bench_model_rows_have_the_row_fields_and_count_small_gemms():
+    from adahop.bench.rows import ROW_FIELDS
+
+    rows = bench_model("llama-tiny", recipes=("bf16", "mxfp4"), seq_len=32, batch=2, steps=1, modes=("eager",),
+                       device="cpu", small_gemms=True)
+    for r in rows:
+        assert list(r)[: len(ROW_FIELDS)] == list(ROW_FIELDS) and r["peak_mem_gib"] is None
+        assert r["bench"] == "model" and r["gpu"] == "cpu" and r["bf16_small_gemms"] is True
+    assert json.loads(json.dumps(rows, allow_nan=False)) == rows
+    # llama-tiny (128 wide, MLP 384): every one of its 14 linears is under the rule's K·N, so all
+    # 42 GEMMs run BF16, and the model computes BF16's loss exactly
+    bf16, mx = rows
+    assert bf16["small_gemms_bf16"] == 0 and mx["small_gemms_bf16"] == 42
+    assert mx["loss"] == bf16["loss"]
+
+
+# ----------------------------------------------------------------------------- torchao rows
+
+
+def test_torchao_rows_fail_clearly_on_the_cpu():
+    rows = bench_model("llama-tiny", recipes=("torchao-fp8-rowwise", "torchao-fp8-blockwise"), seq_len=32, batch=2,
+                       steps=1, modes=("eager",), device="cpu")
+    assert "needs a CUDA GPU with FP8 tensor cores" in rows[0]["error"] and rows[0]["tok_per_s"] is None
+    assert "unknown torchao recipe 'torchao-fp8-blockwise'" in rows[1]["error"]
+
+
+def test_torchao_config_checks_the_gpu_and_picks_the_scaling(monkeypatch):
+    """The capability gate (monkeypatched: no GPU here) and the torchao recipe behind each name."""
+    import torch
+
+    pytest.importorskip("torchao")
+    from torchao.float8.config import ScalingGranularity
+
+    from adahop.bench.torchao_fp8 import float8_config
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (8, 0))
+    with pytest.raises(RuntimeError, match="capability 8.9 or more.*8.0"):
+        float8_config("torchao-fp8-rowwise", "cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (9, 0))
+    row = float8_config("torchao-fp8-rowwise", "cuda")
+    ten = float8_config("torchao-fp8-tensorwise", "cuda")
+    assert row.cast_config_input.scaling_granularity == ScalingGranularity.AXISWISE
+    assert ten.cast_config_input.scaling_granularity == ScalingGranularity.TENSORWISE
+
+
+def test_torchao_conversion_swaps_the_linears_adahop_converts(monkeypatch):
+    """Conversion alone runs on the CPU: every block linear becomes torchao's Float8Linear, the LM
+    head stays, as under adahop's convert_model."""
+    import torch
+
+    pytest.importorskip("torchao")
+    from torchao.float8.float8_linear import Float8Linear
+
+    from adahop.bench.torchao_fp8 import convert_float8, float8_config
+    from adahop.models import build_model
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (9, 0))
+    m = build_model("llama-tiny", vocab_size=256, max_seq_len=32)
+    assert convert_float8(m, float8_config("torchao-fp8-tensorwise", "cuda")) == 14
+    assert not isinstance(m.lm_head, Float8Linear) and isinstance(m.model.layers[0].mlp.down_proj, Float8Linear)

@@ -538,7 +538,7 @@ def test_interp_emulated_mx_linear_matches_the_reference(how="dequant-bf16"):
     quantizer's dequantized operands multiplied in FP32 (floor rule, no range limit), to BF16 output
     rounding. (The ``dot_scaled`` baseline is checked the same way on the GPU by
     ``scripts/validate_kernels.py``: Triton 3.6's interpreter cannot run ``tl.dot_scaled``.)"""
-    from adahop.emulated import EmulatedMXLinear
+    from adahop.bench.emulated import EmulatedMXLinear
 
     torch.manual_seed(0)
     lin = torch.nn.Linear(128, 256, bias=False)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from adahop.kernels.fold import triton_available
+from adahop.kernels.backend import triton_available
 from adahop.kernels.optim_step import (ALGORITHMS, ROUNDINGS, STATE_NAMES, bit_mismatches, optim_step_reference,
                                        round_bf16, step_scalars)
 from adahop.kernels.philox import philox_randint

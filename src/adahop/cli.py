@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_analyze(an)
 
     bench = sub.add_parser("bench", help="speed and memory against BF16 and other MXFP4 emulations")
-    from .bench_options import add_arguments as add_bench
+    from .bench.options import add_arguments as add_bench
 
     add_bench(bench)
 

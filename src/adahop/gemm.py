@@ -254,7 +254,8 @@ def multiply(pa: Prepared, pb: Prepared, spec: GemmSpec, *, out_dtype: torch.dty
     # (columns) of the product are exactly 0 and the slab products are written there, not added.
     oe_only = spec.outer_a is None and spec.outer_b is None and spec.mean_split == "none"
     if isinstance(pa.q, MXTensor) and isinstance(pb.q, MXTensor):
-        c = _kernels().mx_matmul(pa.q, pb.q, out_dtype=out_dtype if oe_only else torch.float32, backend=backend)
+        c = _kernels().mx_matmul(pa.q, pb.q, out_dtype=out_dtype if oe_only else torch.float32, backend=backend,
+                                 accumulation=spec.accumulation)
     else:
         c = pa.q.dequantize(torch.float32) @ pb.q.dequantize(torch.float32)
     if oe_only:

@@ -14,12 +14,21 @@ import torch
 from .common import check_float_input, move_and_pad, unpad_and_restore
 from .e2m1 import E2M1_EMAX, decode_e2m1, decode_e8m0, encode_e2m1, encode_e8m0, pack_e2m1, unpack_e2m1
 
-__all__ = ["MXTensor", "quantize_mxfp4", "SCALE_RULES", "block_exponents", "check_mx_options"]
+__all__ = ["MXTensor", "quantize_mxfp4", "SCALE_RULES", "block_exponents", "check_mx_options", "FOLD_RANGE", "folds_exactly"]
 
 #: Scale rules: how the E8M0 exponent of a block follows from its amax.
 SCALE_RULES = ("floor", "ceil", "adahop", "tseng")
 _CLIPPING_RULES = ("floor", "adahop")
 E8M0_MIN_EXP, E8M0_MAX_EXP = -127, 127
+#: Largest block-exponent range within a row that folds exactly into FP8 E4M3 (`DESIGN.md` §3:
+#: every E2M1 value times 2^d is an E4M3 value for d = 0 … −8, and not below).
+FOLD_RANGE = 8
+
+
+def folds_exactly(max_scale_range: int | None) -> bool:
+    """Whether a quantizer with this ``max_scale_range`` (None or -1: no limit) yields rows that fold
+    exactly into FP8, so that it can write the fold itself (`DESIGN.md` §3)."""
+    return max_scale_range is not None and 0 <= max_scale_range <= FOLD_RANGE
 
 
 @dataclass(frozen=True, eq=False)

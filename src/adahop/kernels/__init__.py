@@ -7,7 +7,8 @@ dispatcher taking ``backend: "auto" | "triton" | "reference"``:
   operand, fused with the FP8 fold (``MXTensor.fp8``);
 - :func:`mx_matmul` (``mx_matmul.py``): the MXFP4 GEMM as a row-wise-scaled FP8 GEMM;
 - :func:`fold_to_fp8` (``fold.py``, Triton kernel in ``_triton_fold.py``): saved packed MXFP4 →
-  the FP8 operand, for the backward GEMMs; :func:`resolve_backend`.
+  the FP8 operand, for the backward GEMMs;
+- :func:`resolve_backend` (``backend.py``): which of the two runs, below every op module.
 
 Triton is imported only when a Triton kernel runs. The fast ops are registered as
 ``torch.library`` custom ops (``adahop::iht_quantize_mxfp4``, ``adahop::fp8_rowwise_mm``,
@@ -15,16 +16,9 @@ Triton is imported only when a Triton kernel runs. The fast ops are registered a
 ``torch.compile`` traces them without graph breaks.
 """
 
-from .fold import (
-    BACKENDS,
-    FOLD_RANGE,
-    fold_to_fp8,
-    fold_to_fp8_reference,
-    fold_to_fp8_triton,
-    folds_exactly,
-    resolve_backend,
-    triton_available,
-)
+from ..formats.mxfp4 import FOLD_RANGE, folds_exactly
+from .backend import BACKENDS, resolve_backend, triton_available
+from .fold import fold_to_fp8, fold_to_fp8_reference, fold_to_fp8_triton
 from .mx_matmul import ACCUMULATIONS, check_mm_layout, mx_matmul, mx_matmul_fp8, mx_matmul_reference, mx_transpose
 from .quantize_mxfp4 import (
     hadamard_butterfly,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .optim_step import EXP_COEFFS, LN2
+from .exp2_poly import EXP_COEFFS, LN2
 
 _LN2 = tl.constexpr(LN2)  # a global a @triton.jit function reads must be a constexpr instance (Triton 3.6)
 _C0 = tl.constexpr(EXP_COEFFS[0])

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fold import folds_exactly
+from ..formats.mxfp4 import folds_exactly
 
 RULE_IDS = {"floor": 0, "ceil": 1, "adahop": 2, "tseng": 3}
 

@@ -1,4 +1,4 @@
-"""Fold an MXFP4 tensor into FP8 E4M3 with one FP32 scale per row, and pick the kernel backend.
+"""Fold an MXFP4 tensor into FP8 E4M3 with one FP32 scale per row.
 
 The fold is the Hopper fast path of `DESIGN.md` §3: every E2M1 value ``q`` times ``2^d`` is exact in
 E4M3 for ``d = 0 … −8``. A row whose finite block exponents ``e`` all lie within 8 of the row's
@@ -8,71 +8,13 @@ largest ``E`` (quantize with ``max_scale_range=8``) is therefore exactly ``fp8 �
 
 from __future__ import annotations
 
-import importlib.util
-import os
-from typing import Literal
-
 import torch
 
 from ..formats.e2m1 import decode_e2m1, decode_e8m0, unpack_e2m1
-from ..formats.mxfp4 import MXTensor
+from ..formats.mxfp4 import FOLD_RANGE, MXTensor, folds_exactly
+from .backend import resolve_backend
 
-__all__ = ["BACKENDS", "Backend", "resolve_backend", "fold_to_fp8", "fold_to_fp8_reference", "fold_to_fp8_triton",
-           "triton_available", "FOLD_RANGE", "folds_exactly"]
-
-Backend = Literal["auto", "triton", "reference"]
-#: Values of every ``backend=`` argument in `adahop.kernels`.
-BACKENDS = ("auto", "triton", "reference")
-#: Largest block-exponent range within a row that folds exactly into E4M3.
-FOLD_RANGE = 8
-
-
-def folds_exactly(max_scale_range: int | None) -> bool:
-    """Whether a quantizer with this ``max_scale_range`` (None or -1: no limit) yields rows that fold
-    exactly into FP8, so that it can write the fold itself (`DESIGN.md` §3)."""
-    return max_scale_range is not None and 0 <= max_scale_range <= FOLD_RANGE
-
-_HAS_TRITON = importlib.util.find_spec("triton") is not None
-
-
-def triton_available() -> bool:
-    """True when the ``triton`` package can be imported (it is not imported here)."""
-    return _HAS_TRITON
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def resolve_backend(backend: str, device: torch.device | str) -> str:
-    """Resolve ``backend`` for tensors on ``device``: ``"triton"`` or ``"reference"``.
-
-    ``"auto"`` gives ``"triton"`` on a CUDA device when Triton is importable, else
-    ``"reference"``. ``"triton"`` is also accepted on the CPU under ``TRITON_INTERPRET=1``
-    (Triton's interpreter, used by the CPU tests).
-
-    Raises:
-        ValueError: unknown ``backend``.
-        RuntimeError: ``"triton"`` asked for without Triton or without a CUDA device.
-    """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is not supported; use one of {BACKENDS}")
-    dev = torch.device(device)
-    if backend == "reference":
-        return "reference"
-    usable = _HAS_TRITON and (dev.type == "cuda" or _interpreting())
-    if backend == "auto":
-        return "triton" if usable and dev.type == "cuda" else "reference"
-    if not _HAS_TRITON:
-        raise RuntimeError(
-            "backend='triton' needs triton (pip install 'adahop[triton]'); use backend='reference' or 'auto'"
-        )
-    if not usable:
-        raise RuntimeError(
-            f"backend='triton' needs a CUDA device, got tensors on {dev}; use backend='reference' or 'auto' "
-            "(or set TRITON_INTERPRET=1 to run the kernels in Triton's CPU interpreter)"
-        )
-    return "triton"
+__all__ = ["fold_to_fp8", "fold_to_fp8_reference", "fold_to_fp8_triton"]
 
 
 def _make_fold_table() -> torch.Tensor:

@@ -7,29 +7,24 @@ no fast accumulation). The operands are exact; the sum is not quite FP32: Hopper
 (‖Δ‖/‖|A|·|B|‖ ≈ 4e-6–1.5e-5 at K = 32768–4096 on the H200, falling as 1/√K: a fixed error per
 instruction; the BF16 tensor cores give 1e-8 on the same operands; `scripts/diag_gemm.py`).
 ``accumulation="fp32"`` multiplies the same FP8 operands on the BF16 tensor cores instead (exact
-products, FP32 sums) at BF16 GEMM speed; ``ADAHOP_GEMM_ACCUMULATION=fp32`` makes it the default.
+products, FP32 sums) at BF16 GEMM speed; converted layers take it from their recipe
+(``GemmSpec.accumulation``, ``Recipe.with_accumulation``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 import torch.nn.functional as F
 
 from ..formats.mxfp4 import MXTensor
-from .fold import fold_to_fp8, resolve_backend
+from ..recipes.spec import ACCUMULATIONS
+from .backend import resolve_backend
+from .fold import fold_to_fp8
 
 __all__ = ["mx_matmul", "mx_matmul_reference", "mx_matmul_fp8", "mx_transpose", "check_mm_layout", "ACCUMULATIONS"]
 
-#: ``"fp8-mma"``: FP8 tensor cores (fast; per-instruction sums below FP32). ``"fp32"``: the same
-#: FP8-exact operands on the BF16 tensor cores, FP32 accumulation (as fast as a BF16 GEMM).
-ACCUMULATIONS = ("fp8-mma", "fp32")
-_DEFAULT_ACCUMULATION = os.environ.get("ADAHOP_GEMM_ACCUMULATION", "fp8-mma")
-if _DEFAULT_ACCUMULATION not in ACCUMULATIONS:
-    raise ValueError(f"ADAHOP_GEMM_ACCUMULATION={_DEFAULT_ACCUMULATION!r} is not one of {ACCUMULATIONS}; "
-                     f"unset it for the FP8 tensor cores or set it to fp32")
 
 
 def mx_transpose(q: MXTensor) -> MXTensor:
@@ -119,15 +114,14 @@ def _(a, a_scale, b, b_scale, out_dtype, fp32_accumulation=False):
     return a.new_empty(a.shape[0], b.shape[0], dtype=out_dtype)
 
 
-def _check_accumulation(accumulation: str | None) -> str:
-    accumulation = accumulation or _DEFAULT_ACCUMULATION
+def _check_accumulation(accumulation: str) -> str:
     if accumulation not in ACCUMULATIONS:
         raise ValueError(f"accumulation={accumulation!r} is not supported; use one of {ACCUMULATIONS}")
     return accumulation
 
 
 def mx_matmul_fp8(qa: MXTensor, qb: MXTensor, *, out_dtype: torch.dtype = torch.float32,
-                  backend: str = "triton", accumulation: str | None = None) -> torch.Tensor:
+                  backend: str = "triton", accumulation: str = "fp8-mma") -> torch.Tensor:
     """FP8 fast path of :func:`mx_matmul`: fold (or reuse ``q.fp8``), then one row-wise-scaled FP8 GEMM."""
     check_mm_layout(qa, qb)
     exact = _check_accumulation(accumulation) == "fp32"
@@ -138,7 +132,7 @@ def mx_matmul_fp8(qa: MXTensor, qb: MXTensor, *, out_dtype: torch.dtype = torch.
 
 
 def mx_matmul(qa: MXTensor, qb: MXTensor, *, out_dtype: torch.dtype = torch.float32,
-              backend: str = "auto", accumulation: str | None = None) -> torch.Tensor:
+              backend: str = "auto", accumulation: str = "fp8-mma") -> torch.Tensor:
     """MXFP4 GEMM ``dequant(qa) @ dequant(qb)``, accumulated in FP32 (between FP8 MMA instructions
     on the default FP8 path; see ``accumulation``).
 
@@ -150,8 +144,8 @@ def mx_matmul(qa: MXTensor, qb: MXTensor, *, out_dtype: torch.dtype = torch.floa
         backend: ``"auto"`` (FP8 GEMM on CUDA, else reference), ``"triton"`` (the FP8 path) or
             ``"reference"``.
         accumulation: FP8 path only: ``"fp8-mma"`` (FP8 tensor cores) or ``"fp32"`` (BF16 tensor
-            cores, exact FP32-accumulated MXFP4 GEMM); None: ``$ADAHOP_GEMM_ACCUMULATION`` or
-            ``"fp8-mma"``. See the module docstring for the accuracy of each.
+            cores, exact FP32-accumulated MXFP4 GEMM). See the module docstring for the accuracy
+            of each.
 
     Returns:
         ``[M, N]`` tensor of ``out_dtype``.

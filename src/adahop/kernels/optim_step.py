@@ -33,7 +33,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .fold import resolve_backend
+from .backend import resolve_backend
+from .exp2_poly import EXP_COEFFS, LN2
 from .philox import philox_randint
 
 __all__ = ["ALGORITHMS", "ROUNDINGS", "STATE_NAMES", "StepScalars", "step_scalars", "optim_update", "round_bf16",
@@ -50,9 +51,6 @@ STATE_NAMES: dict[str, tuple[str, ...]] = {
 ALGORITHMS = tuple(STATE_NAMES)
 ALG_IDS = {a: i for i, a in enumerate(ALGORITHMS)}
 ROUNDINGS = ("nearest", "stochastic")
-LN2 = float(np.float32(math.log(2.0)))
-#: Taylor coefficients of e^t (t = y·ln2) for 2^y, |y| <= 1, in FP32 (Horner, highest first).
-EXP_COEFFS = tuple(float(np.float32(1.0 / math.factorial(k))) for k in range(8, -1, -1))
 
 
 def _f32(v: float) -> float:

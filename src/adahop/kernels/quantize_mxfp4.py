@@ -13,9 +13,9 @@ import math
 
 import torch
 
-from ..formats.mxfp4 import MXTensor, check_mx_options, quantize_mxfp4
+from ..formats.mxfp4 import MXTensor, check_mx_options, folds_exactly, quantize_mxfp4
 from ..hadamard import check_block_size
-from .fold import folds_exactly, resolve_backend
+from .backend import resolve_backend
 
 __all__ = [
     "iht_quantize_mxfp4",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import os
 import re
 import warnings
 
@@ -11,12 +12,13 @@ import torch
 from torch import nn
 
 from ..patterns import Plan
-from ..recipes import Recipe, get_recipe
+from ..recipes import GEMMS, Recipe, get_recipe
 from ..utils import mix_seed
 from .linear import Controller, LowPrecisionLinear, plan_for_another_model
 
 __all__ = ["convert_model", "convert_layers", "on_step", "get_controller", "describe", "saved_bytes", "seed_compiled_rng",
-           "supports_shape", "controller_state", "load_controller_state", "register_step_hook", "plan_rows", "strategy_counts"]
+           "supports_shape", "controller_state", "load_controller_state", "register_step_hook", "plan_rows", "strategy_counts",
+           "small_gemm_count"]
 
 _BLOCK_RE = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)\.")
 
@@ -104,7 +106,11 @@ def convert_layers(model: nn.Module, recipe: Recipe, names: list[str], *, layer_
     same BF16 edge layers, shape check and warning as :func:`convert_model`. Returns ``model``.
 
     Raises:
-        ValueError: a ``plan`` without an entry for a converted layer."""
+        ValueError: a ``plan`` without an entry for a converted layer, or ``ADAHOP_GEMM_ACCUMULATION``
+            set (the recipe holds the accumulation now)."""
+    if "ADAHOP_GEMM_ACCUMULATION" in os.environ:  # once read at import: the numbers must not follow the environment
+        raise ValueError("ADAHOP_GEMM_ACCUMULATION is no longer read: the FP8 fast path's accumulation is part of the "
+                         "recipe; unset it and convert with recipe.with_accumulation('fp32') (GemmSpec.accumulation)")
     controller = Controller(recipe, seed=seed, plan=plan)
     blocks = sorted({int(m.group(1)) for n in names if (m := _BLOCK_RE.search(n))})
     n_blocks = (max(blocks) + 1) if blocks else 0
@@ -269,17 +275,35 @@ def _kib(ours: int, plain: int) -> str:
 def describe(model: nn.Module) -> str:
     """A text table: each converted layer, its shape, the pattern of X, W, ∇Y, the strategy of
     fprop, dgrad and wgrad, and the KiB it saved for backward at its last forward (in brackets:
-    what a plain ``nn.Linear`` saves, X and the cast W)."""
+    what a plain ``nn.Linear`` saves, X and the cast W). The first line gives the recipe, the step,
+    the calibration state and the fast path's accumulation (``GemmSpec.accumulation``); a GEMM
+    that ``recipe.bf16_small_gemms`` runs in BF16 shows as ``bf16 (small)``, and the last line
+    counts them."""
     ctrl = get_controller(model)
+    acc = ctrl.recipe.accumulations
+    acc_text = acc["fprop"] if len(set(acc.values())) == 1 else ", ".join(f"{g} {a}" for g, a in acc.items())
     head = (f"{'layer':<44} {'K->N':>12} {'X':>2} {'W':>2} {'dY':>2}  {'fprop':<13} {'dgrad':<13} {'wgrad':<13} "
             f"{'saved KiB (plain)':>18}")
-    lines = [f"recipe {ctrl.recipe.name}, step {ctrl.step}, " + ("calibrating" if ctrl.calibrating else "plan frozen" if ctrl.plan else "fixed strategies"), head, "-" * len(head)]
+    state = "calibrating" if ctrl.calibrating else "plan frozen" if ctrl.plan else "fixed strategies"
+    lines = [f"recipe {ctrl.recipe.name}, step {ctrl.step}, {state}, fast-path accumulation {acc_text}", head, "-" * len(head)]
     for m in ctrl.layers:
-        s, p = m.strategies(), m.patterns
+        p = m.patterns
+        s = {g: "bf16 (small)" if g in getattr(m, "small_bf16", ()) else v for g, v in m.strategies().items()}
         lines.append(f"{m.name:<44} {f'{m.in_features}->{m.out_features}':>12} {p.get('x', '-'):>2} {p.get('w', '-'):>2} "
                      f"{p.get('dy', '-'):>2}  {s['fprop']:<13} {s['dgrad']:<13} {s['wgrad']:<13} "
                      f"{_kib(m.saved_bytes, getattr(m, 'hp_saved_bytes', 0)):>18}")
+    if ctrl.recipe.bf16_small_gemms is not None:
+        rule = ctrl.recipe.bf16_small_gemms
+        lines.append(f"{small_gemm_count(model)} of {len(GEMMS) * len(ctrl.layers)} GEMMs run BF16 as too small for the "
+                     f"fast path (bf16_small_gemms: K·N < {rule.min_kn}, or outer dim < {rule.min_outer})")
     return "\n".join(lines)
+
+
+def small_gemm_count(model: nn.Module) -> int:
+    """How many GEMMs of a converted model's layers the recipe's ``bf16_small_gemms`` rule runs in
+    BF16 (0 without the rule; layers BF16 for another reason, an edge block or a shape the recipe
+    cannot quantize, are not counted)."""
+    return sum(len(getattr(m, "small_bf16", ())) for m in model.modules() if isinstance(m, LowPrecisionLinear))
 
 
 #: The columns of :func:`plan_rows`.

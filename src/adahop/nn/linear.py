@@ -128,7 +128,10 @@ class LowPrecisionLinear(nn.Linear):
         new.in_features, new.out_features = mod.in_features, mod.out_features
         new.weight, new.bias = mod.weight, mod.bias
         new.recipe, new.name, new.layer_id, new.backend = recipe, name, layer_id, backend
-        new.controller, new.force_bf16 = controller, force_bf16
+        # GEMMs too small for the fast path (recipe.bf16_small_gemms), decided once from the shape;
+        # a layer with all three so is an exact nn.Linear, as the recipe's BF16 edge layers are
+        new.small_bf16 = () if force_bf16 else recipe.small_bf16_gemms(mod.in_features, mod.out_features)
+        new.controller, new.force_bf16 = controller, force_bf16 or len(new.small_bf16) == len(GEMMS)
         new.saved_bytes, new.patterns, new._calls = 0, {}, {}
         new._specs = None
         controller.register(new)
@@ -156,7 +159,9 @@ class LowPrecisionLinear(nn.Linear):
                     self._specs = None  # still calibrating
                     return
                 spec = spec.with_strategy(plan.strategy(self.name, g))
-            if g == "wgrad" and spec.strategy == "iht+oe_left":
+            if g in self.small_bf16:
+                spec = spec.with_strategy("bf16")
+            elif g == "wgrad" and spec.strategy == "iht+oe_left":
                 spec = self._wgrad_oe_left_as_iht(spec)
             specs[g] = spec
         self._specs = specs

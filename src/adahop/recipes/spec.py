@@ -21,7 +21,8 @@ from dataclasses import dataclass, field, replace
 from ..formats import SCALE_RULES
 from ..hadamard import SUPPORTED_SIZES
 
-__all__ = ["OperandSpec", "Transform", "GemmSpec", "CalibSpec", "Recipe", "STRATEGIES", "GEMMS", "DETECTOR_RULES"]
+__all__ = ["OperandSpec", "Transform", "GemmSpec", "CalibSpec", "Recipe", "STRATEGIES", "GEMMS", "DETECTOR_RULES",
+           "ACCUMULATIONS", "SmallGemmRule"]
 
 #: The GEMM vocabulary used in fields, logs, plans and tables.
 GEMMS = ("fprop", "dgrad", "wgrad")
@@ -30,6 +31,11 @@ STRATEGIES = ("bf16", "none", "iht", "iht+oe_left", "iht+oe_right")
 #: Outlier-pattern decision rules (`adahop.patterns.classify`): the official ratio test, and the
 #: earlier reconstruction kept for comparison (`specs/adahop.md` §2.2).
 DETECTOR_RULES = ("ratio", "significance")
+#: How the FP8 fast path sums an MXFP4 GEMM (`adahop.kernels.mx_matmul`): ``"fp8-mma"`` on the FP8
+#: tensor cores (fast; each instruction's 32 products are added below FP32, ‖Δ‖/‖|A||B|‖ ≈ 1e-5 on
+#: the H200), ``"fp32"`` the same FP8-exact operands on the BF16 tensor cores (exact products, FP32
+#: sums, BF16 GEMM speed). The reference backend computes in FP32 either way.
+ACCUMULATIONS = ("fp8-mma", "fp32")
 _FORMATS = ("mxfp4", "nvfp4", "none")
 _ROUNDINGS = ("nearest", "stochastic")
 _SIGNS = ("none", "fixed", "per_call")
@@ -118,6 +124,9 @@ class GemmSpec:
     dgrad) or ``"inner"`` (token means of both operands over Kc: wgrad)."""
     mean_cross_terms: bool = True
     """For ``mean_split='inner'``: keep the two cross terms of Averis Eq. 12."""
+    accumulation: str = "fp8-mma"
+    """How the FP8 fast path sums the quantized product: ``"fp8-mma"`` or ``"fp32"`` (see
+    :data:`ACCUMULATIONS`); set every GEMM's at once with :meth:`Recipe.with_accumulation`."""
 
     def validate(self, where: str) -> None:
         """Raise ValueError naming ``where`` and the field when a value is not allowed."""
@@ -135,6 +144,7 @@ class GemmSpec:
         _check(self.oe_rank >= 1, where, f"oe_rank={self.oe_rank} must be >= 1")
         _check(self.mean_split in ("none", "a_rows", "inner"), where,
                f"mean_split={self.mean_split!r}; allowed ('none', 'a_rows', 'inner')")
+        _check(self.accumulation in ACCUMULATIONS, where, f"accumulation={self.accumulation!r}; allowed {ACCUMULATIONS}")
 
     @property
     def transform(self) -> Transform | None:
@@ -189,6 +199,50 @@ class CalibSpec:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class SmallGemmRule:
+    """Which GEMMs of a linear layer ``K → N`` are too small to gain from the FP8 fast path: those
+    run exact BF16 GEMMs instead (issue 18 §3; our rule, after torchtitan's ``auto_filter_small_kn``,
+    which skips whole layers by torchao's H100 float8 tables).
+
+    Decided from the layer's static shape, per GEMM (the token count T is taken as large, as in
+    training, where T ≥ K, N). The FP8 GEMM saves time in proportion to its product
+    ``M·Kc·N'``; what it costs on top is (1) a fixed host and launch cost per GEMM call (the
+    quantizers, the fold, the scales), which a per-token product ``K·N`` below :attr:`min_kn` does not
+    pay back, and (2) the quantizer's memory traffic, ``∝ M·Kc + Kc·N'``, so that the gain per byte
+    grows with the *outer* dimensions ``M·N'/(M + N')``: with T large, N for fprop
+    (``[T,K]·[K,N]``), K for dgrad (``[T,N]·[N,K]``), and the smaller of N and K for wgrad
+    (``[N,T]·[T,K]``), compared with :attr:`min_outer`.
+
+    The defaults are a first choice, to be measured (`adahop bench model --bf16-small-gemms`):
+    on the H200 of issue 18 every llama-125m GEMM (768 wide, ``K·N`` ≤ 1.6M) ran slower than BF16
+    even replayed from CUDA graphs (0.83×), while 4 blocks of Llama-3.1-8B (``K·N`` ≥ 4.2M) ran
+    1.11× faster; torchao's rowwise filter keeps a layer only above 2048 inputs and 1024 outputs.
+    With them: llama-125m and llama-350m run all-BF16, Llama-3.2-1B keeps every layer but k/v_proj
+    (2048 → 512), Llama-3.1-8B keeps all.
+    """
+
+    min_kn: int = 2048 * 2048
+    """A layer with ``K·N`` (in_features · out_features) below this runs its three GEMMs in BF16."""
+    min_outer: int = 1024
+    """A GEMM whose static outer dimension (fprop N, dgrad K, wgrad min(K, N)) is below this runs in BF16."""
+
+    def validate(self, where: str) -> None:
+        """Raise ValueError naming ``where`` and the field when a value is not allowed."""
+        _check(isinstance(self.min_kn, int) and self.min_kn >= 0, where, f"min_kn={self.min_kn!r} must be an int >= 0")
+        _check(isinstance(self.min_outer, int) and self.min_outer >= 0, where,
+               f"min_outer={self.min_outer!r} must be an int >= 0")
+
+    def bf16_gemms(self, in_features: int, out_features: int) -> tuple[str, ...]:
+        """The GEMMs (of :data:`GEMMS`, in that order) of a layer ``in_features → out_features`` that
+        this rule runs in BF16."""
+        k, n = in_features, out_features
+        if k * n < self.min_kn:
+            return GEMMS
+        outer = {"fprop": n, "dgrad": k, "wgrad": min(k, n)}
+        return tuple(g for g in GEMMS if outer[g] < self.min_outer)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Recipe:
     """A named training recipe: one :class:`GemmSpec` per GEMM plus layer-level options."""
 
@@ -203,6 +257,10 @@ class Recipe:
     """Transformer blocks at the end of the model whose linears stay BF16 (NVIDIA recipe)."""
     bf16_first_layers: int = 0
     """Transformer blocks at the start of the model whose linears stay BF16."""
+    bf16_small_gemms: SmallGemmRule | None = None
+    """GEMMs too small to gain from the FP8 fast path (:class:`SmallGemmRule`) run exact BF16.
+    None (the presets): every GEMM runs the recipe, so a recipe's numerics never depend on the
+    model's width; ``recipe.with_small_gemms_bf16()`` turns the default rule on (a speed choice)."""
 
     def __post_init__(self) -> None:
         for g in GEMMS:
@@ -214,12 +272,41 @@ class Recipe:
             self.calibration.validate(f"recipe {self.name!r} calibration")
         if self.bf16_last_layers < 0 or self.bf16_first_layers < 0:
             raise ValueError(f"recipe {self.name!r}: bf16_first_layers/bf16_last_layers must be >= 0")
+        if self.bf16_small_gemms is not None:
+            _check(isinstance(self.bf16_small_gemms, SmallGemmRule), f"recipe {self.name!r}",
+                   f"bf16_small_gemms must be a SmallGemmRule or None, got {type(self.bf16_small_gemms).__name__}")
+            self.bf16_small_gemms.validate(f"recipe {self.name!r} bf16_small_gemms")
 
     def gemm(self, name: str) -> GemmSpec:
         """The spec of GEMM ``name`` (fprop, dgrad or wgrad)."""
         if name not in GEMMS:
             raise ValueError(f"unknown GEMM {name!r}; use one of {GEMMS}")
         return getattr(self, name)
+
+    def with_accumulation(self, accumulation: str) -> "Recipe":
+        """A copy whose three GEMMs sum on the fast path as ``accumulation`` (:data:`ACCUMULATIONS`).
+
+        Raises:
+            ValueError: an unknown ``accumulation``."""
+        if accumulation not in ACCUMULATIONS:
+            raise ValueError(f"recipe {self.name!r}: accumulation={accumulation!r}; allowed {ACCUMULATIONS}")
+        return replace(self, **{g: replace(getattr(self, g), accumulation=accumulation) for g in GEMMS})
+
+    def with_small_gemms_bf16(self, rule: SmallGemmRule | None = SmallGemmRule()) -> "Recipe":
+        """A copy that runs the GEMMs ``rule`` finds too small in BF16 (None: none of them)."""
+        return replace(self, bf16_small_gemms=rule)
+
+    def small_bf16_gemms(self, in_features: int, out_features: int) -> tuple[str, ...]:
+        """The GEMMs of a layer ``in_features → out_features`` that :attr:`bf16_small_gemms` runs in
+        BF16 (none when it is None or the recipe is all-BF16 anyway)."""
+        if self.bf16_small_gemms is None or self.is_bf16:
+            return ()
+        return self.bf16_small_gemms.bf16_gemms(in_features, out_features)
+
+    @property
+    def accumulations(self) -> dict[str, str]:
+        """The fast path's accumulation of each GEMM, ``{"fprop": "fp8-mma", ...}``."""
+        return {g: getattr(self, g).accumulation for g in GEMMS}
 
     @property
     def is_bf16(self) -> bool:

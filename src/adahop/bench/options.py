@@ -13,6 +13,10 @@ __all__ = ["add_arguments", "COMPILE_MODES"]
 COMPILE_MODES = {"eager": None, "compiled": "default", "compiled+cudagraphs": "reduce-overhead"}
 
 
+_JSON_HELP = ("merge the rows into this JSON list (created if absent; a row of the same configuration is replaced, "
+              "others are appended), e.g. docs/benchmarks.json")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``adahop bench linear`` and ``adahop bench model``."""
     sub = p.add_subparsers(dest="bench_cmd", required=True)
@@ -22,13 +26,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     lin.add_argument("--reps", type=int, default=20)
     lin.add_argument("--cuda-graphs", action="store_true",
                      help="also time each layer replayed from a CUDA graph (device time, no host launch cost)")
-    lin.add_argument("--json", help="write the rows here")
+    lin.add_argument("--json", metavar="PATH", help=_JSON_HELP)
     mod = sub.add_parser("model", help="end-to-end training step")
     mod.add_argument("--model", default="llama3.2-1b")
     mod.add_argument("--layers", type=int, help="keep only the first N blocks (e.g. 4 with llama3.1-8b)")
-    mod.add_argument("--recipes", default="bf16,adahop-lv2,mxfp4")
+    mod.add_argument("--recipes", default="bf16,adahop-lv2,mxfp4",
+                     help="comma-separated: adahop presets (adahop recipes lists them) and torchao's float8 training, "
+                          "torchao-fp8-rowwise, torchao-fp8-tensorwise (CUDA sm_89+, needs torchao)")
     mod.add_argument("--seq-len", type=int, default=4096)
     mod.add_argument("--batch-size", type=int, default=4)
     mod.add_argument("--steps", type=int, default=6)
     mod.add_argument("--modes", default="eager,compiled", help=f"comma-separated, of {', '.join(COMPILE_MODES)}")
-    mod.add_argument("--json", help="write the rows here")
+    mod.add_argument("--bf16-small-gemms", action="store_true",
+                     help="adahop recipes run the GEMMs too small to gain from FP8 in BF16 (Recipe.bf16_small_gemms, "
+                          "the default SmallGemmRule); each row counts them (small_gemms_bf16)")
+    mod.add_argument("--json", metavar="PATH", help=_JSON_HELP)

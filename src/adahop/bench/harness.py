@@ -6,7 +6,7 @@ median of many repetitions, fresh random (never zero) inputs.
 - ``linear``: one layer's forward + backward at the Llama linear shapes, for BF16 ``nn.Linear``,
   the FP8-folded fast path (plain MXFP4, IHT, and IHT with OE-Right on wgrad as AdaHOP-Lv2 gives
   the Column-pattern X), MXFP4 emulated the two ways Hopper allows (torchao-style dequantize to BF16
-  + BF16 GEMM, and Triton ``tl.dot_scaled``; `adahop.emulated`), and the reference backend
+  + BF16 GEMM, and Triton ``tl.dot_scaled``; `adahop.bench.emulated`), and the reference backend
   (PyTorch quantizer, dequantize, FP32 matmul).
 - ``model``: end-to-end training tokens/s and peak memory for BF16 and each recipe, eager and
   with ``torch.compile``.
@@ -19,11 +19,11 @@ import json
 import statistics
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-from .bench_options import COMPILE_MODES, add_arguments  # torch-free, so that `adahop --help` stays fast
+from .options import COMPILE_MODES, add_arguments  # torch-free, so that `adahop --help` stays fast
+from .rows import merge_rows, normalize_row
 
 __all__ = ["add_arguments", "run", "bench_linear", "bench_model", "model_step", "cuda_graph_time_ms", "LINEAR_SHAPES"]
 
@@ -73,13 +73,13 @@ def cuda_graph_time_ms(fn, reps: int = 20) -> float:
     return cuda_time_ms(graph.replay, reps)
 
 
-#: ``bench linear`` rows of MXFP4 emulated the two ways Hopper allows (`adahop.emulated`)
+#: ``bench linear`` rows of MXFP4 emulated the two ways Hopper allows (`adahop.bench.emulated`)
 EMULATED_KINDS = {"mxfp4 dequant-to-bf16 (torchao-style)": "dequant-bf16", "mxfp4 tl.dot_scaled": "dot_scaled"}
 
 
 def _layer(kind: str, k: int, n: int, device) -> torch.nn.Module:
-    from .nn import convert_model, get_controller
-    from .patterns import Plan
+    from ..nn import convert_model, get_controller
+    from ..patterns import Plan
 
     lin = torch.nn.Linear(k, n, bias=False, device=device)
     if kind == "bf16":
@@ -128,11 +128,15 @@ def layer_step(kind: str, t: int, k: int, n: int, device) -> tuple[torch.nn.Modu
 def bench_linear(models=("llama3.1-8b",), tokens=(8192, 16384), reps: int = 20, cuda_graphs: bool = False) -> list[dict]:
     """Forward+backward milliseconds, TFLOP/s and ratio to BF16 for each layer kind and shape.
 
-    ``cuda_graphs``: also time each fast kind and BF16 replayed from a CUDA graph (``graph_ms``,
-    ``graph_speedup_vs_bf16``): the device time without the host's launch cost.
+    ``cuda_graphs``: also time each fast kind and BF16 replayed from a CUDA graph: a second row
+    of mode ``"cuda-graph"``, the device time without the host's launch cost. Every row has the
+    fields of :data:`adahop.bench.rows.ROW_FIELDS` (``recipe`` is the layer kind, ``tok_per_s`` the
+    layer's tokens per second of forward + backward, ``warmup_s`` the first call's seconds).
     """
+    import time
+
     from .emulated import EmulatedMXLinear
-    from .nn import LowPrecisionLinear
+    from ..nn import LowPrecisionLinear
 
     dev = torch.device("cuda")
     kinds = ["bf16", "mxfp4 fast", "iht fast", "adahop-lv2 fast (iht, wgrad oe_right)", *EMULATED_KINDS,
@@ -143,28 +147,41 @@ def bench_linear(models=("llama3.1-8b",), tokens=(8192, 16384), reps: int = 20, 
             for name, k, n in LINEAR_SHAPES[model]:
                 base = gbase = None
                 for kind in kinds:
+                    torch.cuda.reset_peak_memory_stats()
+                    t_warm = time.perf_counter()
                     layer, step = layer_step(kind, t, k, n, dev)
+                    step()  # the first call: lazy state, Triton's compile
+                    torch.cuda.synchronize()
+                    warmup_s = time.perf_counter() - t_warm
                     ms = cuda_time_ms(step, reps if "emulated" not in kind else max(3, reps // 4))
+                    peak = torch.cuda.max_memory_allocated() / 2**30
                     flops = 6 * t * k * n
                     lp = next((m for m in layer.modules() if isinstance(m, (LowPrecisionLinear, EmulatedMXLinear))), None)
                     saved = lp.saved_bytes if lp is not None else (t * k + n * k) * 2
                     base = base or ms
-                    row = dict(model=model, layer=name, tokens=t, K=k, N=n, kind=kind, ms=ms,
-                               tflops=flops / ms / 1e9, speedup_vs_bf16=base / ms, saved_bytes=saved,
-                               saved_ratio_vs_bf16=(t * k + n * k) * 2 / saved)
+                    row = normalize_row(dict(
+                        bench="linear", model=model, recipe=kind, mode="eager", tok_per_s=t / ms * 1e3, vs_bf16=base / ms,
+                        peak_mem_gib=peak, warmup_s=warmup_s, layer=name, tokens=t, K=k, N=n, kind=kind, ms=ms,
+                        tflops=flops / ms / 1e9, speedup_vs_bf16=base / ms, saved_bytes=saved,
+                        saved_ratio_vs_bf16=(t * k + n * k) * 2 / saved, **_where(dev)))
+                    rows.append(row)
+                    print("row:", json.dumps(row), flush=True)  # a run cut short keeps the finished rows
                     if cuda_graphs and "emulated" not in kind:  # the reference backend syncs with the host
                         gms = cuda_graph_time_ms(step, reps)
                         gbase = gbase or gms
-                        row.update(graph_ms=gms, graph_speedup_vs_bf16=gbase / gms)
-                    rows.append(row)
-                    print("row:", json.dumps(row), flush=True)  # a run cut short keeps the finished rows
+                        # graph_ms / graph_speedup_vs_bf16: the names of the earlier rounds' logs
+                        rows.append({**row, "mode": "cuda-graph", "tok_per_s": t / gms * 1e3, "vs_bf16": gbase / gms,
+                                     "ms": gms, "tflops": flops / gms / 1e9, "speedup_vs_bf16": gbase / gms,
+                                     "graph_ms": gms, "graph_speedup_vs_bf16": gbase / gms})
+                        print("row:", json.dumps(rows[-1]), flush=True)
                     del layer, step
                     torch.cuda.empty_cache()
     return rows
 
 
 def bench_model(model: str = "llama3.2-1b", *, recipes=("bf16", "adahop-lv2", "mxfp4"), seq_len: int = 4096, batch: int = 4,
-                layers: int | None = None, steps: int = 6, modes=("eager", "compiled"), device: str = "cuda") -> list[dict]:
+                layers: int | None = None, steps: int = 6, modes=("eager", "compiled"), device: str = "cuda",
+                small_gemms: bool = False) -> list[dict]:
     """Training tokens/s (median step time after warm-up) and peak memory, same process for all.
 
     ``modes`` are keys of :data:`COMPILE_MODES`. A row that fails (out of memory, a compile
@@ -173,6 +190,10 @@ def bench_model(model: str = "llama3.2-1b", *, recipes=("bf16", "adahop-lv2", "m
     One more untimed step records what the model computed: ``loss``, ``grad_norm`` (all
     parameters) and ``params_with_grad`` (of ``params``), equal across modes of one recipe;
     ``grads_ok`` is False when some parameter got no gradient (such a row's speed is not valid).
+    Recipes: adahop presets and torchao's float8 training (:mod:`adahop.bench.torchao_fp8`).
+    ``small_gemms``: the adahop recipes run their too-small GEMMs in BF16 (``Recipe.bf16_small_gemms``);
+    every row counts them (``small_gemms_bf16``). The fields of :data:`adahop.bench.rows.ROW_FIELDS`
+    are in every row (None where a row has no value).
 
     Raises:
         ValueError: an unknown mode.
@@ -184,9 +205,11 @@ def bench_model(model: str = "llama3.2-1b", *, recipes=("bf16", "adahop-lv2", "m
     for mode in modes:
         for recipe in recipes:
             try:
-                rows.append(_bench_model_row(model, recipe, mode, seq_len, batch, layers, steps, device))
+                rows.append(_bench_model_row(model, recipe, mode, seq_len, batch, layers, steps, device, small_gemms))
             except Exception as e:  # noqa: BLE001 - one failing row must not lose the others
-                rows.append(dict(model=model, layers=layers, recipe=recipe, mode=mode, error=f"{type(e).__name__}: {e}"[:300]))
+                rows.append(dict(bench="model", model=model, layers=layers, seq_len=seq_len, batch=batch, recipe=recipe,
+                                 mode=mode, bf16_small_gemms=small_gemms, error=f"{type(e).__name__}: {e}"[:300],
+                                 **_where(device)))
             print("row:", json.dumps(rows[-1]), flush=True)  # a run cut short keeps the finished rows
             torch.compiler.reset()
             if device == "cuda":
@@ -194,11 +217,11 @@ def bench_model(model: str = "llama3.2-1b", *, recipes=("bf16", "adahop-lv2", "m
     for r in rows:
         base = next((b.get("tok_per_s") for b in rows if b["recipe"] == "bf16" and b["mode"] == r["mode"]), None)
         r["vs_bf16"] = r["tok_per_s"] / base if base and "tok_per_s" in r else None
-    return rows
+    return [normalize_row(r) for r in rows]
 
 
 def model_step(model: str, recipe: str, mode: str, seq_len: int, batch: int, layers: int | None = None,
-               device: str = "cuda") -> tuple[torch.nn.Module, Callable[..., dict]]:
+               device: str = "cuda", small_gemms: bool = False) -> tuple[torch.nn.Module, Callable[..., dict]]:
     """The model of ``bench model`` and one training step of it: ``(model, step)``.
 
     A ``transformers`` model of ``model``'s shapes (vocabulary 32768; the first ``layers`` blocks
@@ -209,24 +232,40 @@ def model_step(model: str, recipe: str, mode: str, seq_len: int, batch: int, lay
     what the step computed (``loss``, ``grad_norm``, ``params_with_grad``, ``params``,
     ``grads_ok``), else ``{}``. ``mode`` is a key of :data:`COMPILE_MODES`. Used by
     ``bench model`` (timing) and ``scripts/profile_model.py`` (kernel breakdown).
+
+    ``recipe`` is an adahop preset, or one of :data:`adahop.bench.torchao_fp8.TORCHAO_RECIPES`
+    (torchao's float8 training of the same linears: CUDA sm_89+ only). ``small_gemms``: run the
+    GEMMs too small for the fast path in BF16 (``Recipe.with_small_gemms_bf16()``, adahop recipes).
+
+    Raises:
+        ValueError / RuntimeError: an unknown recipe, or a torchao recipe this device cannot run
+            (before the model is built).
     """
     import torch.nn.functional as F
 
-    from .models import build_model
-    from .nn import convert_model, on_step
-    from .recipes import get_recipe
+    from ..models import build_model
+    from ..nn import convert_model, on_step
+    from ..recipes import get_recipe
+
+    from .torchao_fp8 import convert_float8, float8_config, is_torchao_recipe
 
     dev = torch.device(device)
+    torchao = is_torchao_recipe(recipe)
+    fp8_config = float8_config(recipe, dev) if torchao else None  # fails before the model is built
+    r = get_recipe("bf16") if torchao else get_recipe(recipe)
     torch.manual_seed(0)
     m = build_model(model, vocab_size=32768, max_seq_len=seq_len)
     if layers is not None:
         m.model.layers = m.model.layers[:layers]
         m.config.num_hidden_layers = layers
     m = m.to(dev)
-    r = get_recipe(recipe)
+    if small_gemms:
+        r = r.with_small_gemms_bf16()
     if r.calibration is not None:
         r = dataclasses.replace(r, calibration=dataclasses.replace(r.calibration, steps=2))
-    if not r.is_bf16:  # the BF16 row is the plain transformers model, nn.Linear and all
+    if torchao:
+        convert_float8(m, fp8_config)
+    elif not r.is_bf16:  # the BF16 row is the plain transformers model, nn.Linear and all
         convert_model(m, r)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True)
     compile_mode = COMPILE_MODES[mode]
@@ -257,10 +296,24 @@ def model_step(model: str, recipe: str, mode: str, seq_len: int, batch: int, lay
 
 
 def _bench_model_row(model: str, recipe: str, mode: str, seq_len: int, batch: int, layers: int | None, steps: int,
-                     device: str = "cuda") -> dict:
+                     device: str = "cuda", small_gemms: bool = False) -> dict:
+    if recipe == "torchao-fp8-rowwise" and mode != "eager":
+        # as torchtitan does for this recipe (pytorch/pytorch#150859: Inductor's rowwise casts
+        # otherwise round differently from eager's); only for this row
+        import torch._inductor.config as inductor_config
+
+        with inductor_config.patch(emulate_precision_casts=True):
+            return _bench_model_row_timed(model, recipe, mode, seq_len, batch, layers, steps, device, small_gemms)
+    return _bench_model_row_timed(model, recipe, mode, seq_len, batch, layers, steps, device, small_gemms)
+
+
+def _bench_model_row_timed(model: str, recipe: str, mode: str, seq_len: int, batch: int, layers: int | None, steps: int,
+                           device: str, small_gemms: bool) -> dict:
     import time
 
-    m, step = model_step(model, recipe, mode, seq_len, batch, layers, device)
+    from ..nn import small_gemm_count
+
+    m, step = model_step(model, recipe, mode, seq_len, batch, layers, device, small_gemms)
     cuda = torch.device(device).type == "cuda"
     t_warm = time.perf_counter()
     for i in range(5):  # calibration (2 steps), the compile after the plan freeze, CUDA-graph recording
@@ -287,18 +340,28 @@ def _bench_model_row(model: str, recipe: str, mode: str, seq_len: int, batch: in
             step(i)
             times.append((time.perf_counter() - t0) * 1e3)
     ms = statistics.median(times)
-    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None  # no peak-memory counter on the CPU
     check = step(5 + steps, record=True)  # untimed
-    return dict(model=model, layers=layers or m.config.num_hidden_layers, recipe=recipe, mode=mode, step_ms=ms,
-                tok_per_s=batch * seq_len / ms * 1e3, peak_mem_gib=peak, warmup_s=warmup_s,
-                strategies=_strategy_counts(m), **check)
+    return dict(bench="model", model=model, layers=layers or m.config.num_hidden_layers, seq_len=seq_len, batch=batch,
+                recipe=recipe, mode=mode, step_ms=ms, tok_per_s=batch * seq_len / ms * 1e3, peak_mem_gib=peak,
+                warmup_s=warmup_s, bf16_small_gemms=small_gemms, small_gemms_bf16=small_gemm_count(m),
+                strategies=_strategy_counts(m), **check, **_where(device))
+
+
+def _where(device) -> dict:
+    """Where and when a row was measured: the GPU (or CPU), torch's version, the date (UTC)."""
+    import datetime
+
+    dev = torch.device(device)
+    gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    return dict(gpu=gpu, torch=torch.__version__, date=datetime.datetime.now(datetime.timezone.utc).date().isoformat())
 
 
 def _strategy_counts(model: torch.nn.Module) -> str:
     """How many converted GEMMs run each strategy, e.g. ``"iht 40, bf16 8"`` (what the row measured)."""
     from collections import Counter
 
-    from .nn import LowPrecisionLinear
+    from ..nn import LowPrecisionLinear
 
     c = Counter(s for m in model.modules() if isinstance(m, LowPrecisionLinear) for s in m.strategies().values())
     return ", ".join(f"{k} {v}" for k, v in c.most_common())
@@ -313,7 +376,8 @@ def _print(rows: list[dict]) -> None:
 
 
 def run(args) -> None:
-    """Run the chosen benchmark, print its table and optionally write JSON. ValueError without CUDA."""
+    """Run the chosen benchmark, print its table and merge its rows into ``--json`` (:func:`merge_rows`).
+    ValueError without CUDA."""
     if not torch.cuda.is_available():
         raise ValueError("adahop bench needs a CUDA GPU; the CPU reference path is for correctness, not speed")
     if args.bench_cmd == "linear":
@@ -321,7 +385,9 @@ def run(args) -> None:
                             cuda_graphs=args.cuda_graphs)
     else:
         rows = bench_model(args.model, recipes=tuple(args.recipes.split(",")), seq_len=args.seq_len, batch=args.batch_size,
-                           layers=args.layers, steps=args.steps, modes=tuple(args.modes.split(",")))
+                           layers=args.layers, steps=args.steps, modes=tuple(args.modes.split(",")),
+                           small_gemms=args.bf16_small_gemms)
     _print(rows)
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        n = len(merge_rows(args.json, rows))
+        print(f"{len(rows)} rows merged into {args.json} ({n} in all)")

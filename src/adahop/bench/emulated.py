@@ -24,7 +24,7 @@ EMULATIONS = ("dequant-bf16", "dot_scaled")
 
 def _quantize(t: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP4 of ``t`` [R, C] along ``axis``: (codes [rows, kp/2], E8M0 scales [rows, kp/32]), rows = the other dim."""
-    from .kernels._triton_quantize import mx_quantize
+    from ..kernels._triton_quantize import mx_quantize
 
     codes, scales, _, _ = mx_quantize(t, axis, 0, None, False, "floor", -1, None, True, False)
     return codes, scales
@@ -32,7 +32,7 @@ def _quantize(t: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _mm(a, b, how: str, out_dtype: torch.dtype) -> torch.Tensor:
     """``A·Bᵀ`` for MXFP4 A [M, kp] and B [N, kp] given as (codes, scales)."""
-    from .kernels._triton_baselines import dequant_bf16, dot_scaled_mm
+    from ._triton_baselines import dequant_bf16, dot_scaled_mm
 
     if how == "dot_scaled":
         return dot_scaled_mm(*a, *b, out_dtype=out_dtype)
