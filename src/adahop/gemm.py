@@ -7,7 +7,8 @@ the spec's letters: A ``[M, Kc]``, B ``[Kc, N]``.
 
 Strategies (`specs/adahop.md` §3–§5): ``bf16`` exact; ``none`` plain MX; ``iht`` block Hadamard
 along Kc on both operands; ``iht+oe_left`` the top-k rows of A (L2 norm) go through a high-
-precision GEMM and are scatter-added; ``iht+oe_right`` likewise for the top-k columns of B.
+precision GEMM and are scatter-added; ``iht+oe_right`` likewise for the top-k columns of B. ``GemmSpec.oe_select="foid"`` ranks them by
+the norm of the first 64 elements along Kc only (FOID, the paper's Figure 9).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from .formats import MXTensor, NVFP4Tensor, quantize_nvfp4
 from .hadamard import block_hadamard, hashed_signs, random_signs
 from .recipes.spec import GemmSpec, OperandSpec, Transform
 
-__all__ = ["Prepared", "prepare", "multiply", "gemm", "lowp_matmul", "draw_signs", "without_quantization"]
+__all__ = ["Prepared", "prepare", "multiply", "gemm", "lowp_matmul", "draw_signs", "without_quantization", "oe_indices"]
 
 Quantized = MXTensor | NVFP4Tensor
 
@@ -210,9 +211,8 @@ def prepare(
     t = _outer(t, spec.outer_a if side == "a" else spec.outer_b, outer_axis, f"operand {side.upper()}")
     own_oe = "iht+oe_left" if side == "a" else "iht+oe_right"
     if strategy == own_oe:
-        k = min(spec.oe_rank, rows)
-        norms = torch.linalg.vector_norm(t, dim=kc_axis, dtype=torch.float32)[:rows]  # no FP32 copy of t
-        idx = torch.topk(norms, k).indices
+        idx = oe_indices(t.narrow(outer_axis, 0, rows), kc_axis, min(spec.oe_rank, rows),
+                         None if spec.oe_select == "exact" else spec.foid_prefix)
         prep.oe_idx = idx
         prep.oe_slab = t.index_select(outer_axis, idx)  # [k, Kc] or [Kc, k], high precision
 
@@ -230,6 +230,30 @@ def prepare(
 
             prep.mean = fake_quantize(prep.mean, op.fmt, **op.quant_kwargs(), generator=generator).clone()
     return prep
+
+
+def oe_indices(t: torch.Tensor, kc_axis: int, k: int, prefix: int | None = None) -> torch.Tensor:
+    """The ``k`` indices along the outer axis of ``t`` with the largest L2 norm along ``kc_axis``:
+    the rows (``kc_axis=1``) or columns (``kc_axis=0``) OE extracts. With ``prefix`` the norm covers
+    the first ``prefix`` elements along Kc only: FOID (`GemmSpec.oe_select`, the paper's Figure 9).
+
+    Args:
+        t: a 2-D operand. kc_axis: 0 or 1. k: how many, ``1 <= k <= outer size``.
+        prefix: FOID's prefix length (64 in the paper), or None for the exact top-k.
+
+    Returns:
+        int64 ``[k]`` indices, in decreasing norm order.
+
+    Raises:
+        ValueError: ``t`` not 2-D, a bad axis, or ``k`` out of range.
+    """
+    if t.ndim != 2 or kc_axis not in (0, 1):
+        raise ValueError(f"oe_indices needs a 2-D operand and kc_axis 0 or 1, got shape {tuple(t.shape)}, axis {kc_axis}")
+    outer = t.shape[1 - kc_axis]
+    if not 1 <= k <= outer:
+        raise ValueError(f"k={k} must be in [1, {outer}] (the operand's outer size)")
+    scan = t if prefix is None else t.narrow(kc_axis, 0, min(prefix, t.shape[kc_axis]))
+    return torch.topk(torch.linalg.vector_norm(scan, dim=kc_axis, dtype=torch.float32), k).indices  # no FP32 copy of t
 
 
 def _own(c: torch.Tensor, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
@@ -304,6 +328,7 @@ def lowp_matmul(
     strategy: str,
     fmt: str = "mxfp4",
     oe_rank: int = 64,
+    oe_select: str = "exact",
     rounding: str = "nearest",
     scale_rule: str = "floor",
     max_scale_range: int | None = None,
@@ -317,6 +342,8 @@ def lowp_matmul(
         a: ``[M, K]`` float tensor. b: ``[K, N]`` float tensor.
         strategy: ``"bf16"``, ``"none"``, ``"iht"``, ``"iht+oe_left"`` or ``"iht+oe_right"``.
         fmt: ``"mxfp4"`` or ``"nvfp4"``. oe_rank: rows/columns extracted by OE (64).
+        oe_select: ``"exact"`` (top-k of the full norm along K) or ``"foid"`` (of the first 64
+            elements along K; `adahop.recipes.spec.OE_SELECTS`).
         rounding, scale_rule, max_scale_range: quantizer settings for both operands.
         generator: stochastic-rounding bits.
         quantize: False runs every strategy with the quantizer switched off (the transforms and
@@ -331,7 +358,7 @@ def lowp_matmul(
     if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"lowp_matmul needs a [M, K] and b [K, N], got {tuple(a.shape)} and {tuple(b.shape)}")
     op = OperandSpec(fmt=fmt, rounding=rounding, scale_rule=scale_rule, max_scale_range=max_scale_range)
-    spec = GemmSpec(strategy=strategy, a=op, b=op, oe_rank=oe_rank)
+    spec = GemmSpec(strategy=strategy, a=op, b=op, oe_rank=oe_rank, oe_select=oe_select)
     spec.validate("lowp_matmul")
     if not quantize:
         spec = without_quantization(spec)

@@ -25,7 +25,7 @@ def register(recipe: Recipe) -> Recipe:
 
 #: Variants a recipe name may carry after ``@`` (`get_recipe`): the per-GEMM ablation and the
 #: exponent-range arm of issue 19.
-VARIANTS = ("only-fprop", "only-dgrad", "only-wgrad", "msr-none")
+VARIANTS = ("only-fprop", "only-dgrad", "only-wgrad", "msr-none", "foid")
 
 
 def get_recipe(name: str) -> Recipe:
@@ -39,6 +39,8 @@ def get_recipe(name: str) -> Recipe:
     - ``msr-none``: every MXFP4 operand without the row exponent-range limit (``max_scale_range``
       None instead of 8: blocks may sit more than 2⁸ below their row's largest, so the FP8 fold
       does not apply; run it with ``--backend reference`` against the base on the same backend).
+    - ``foid``: OE picks its rows/columns by FOID (the norm of the first 64 elements along Kc)
+      instead of the exact top-k (`GemmSpec.oe_select`; issue 18).
 
     Raises:
         ValueError: unknown preset (lists the known names) or variant, or a variant given twice.
@@ -66,6 +68,9 @@ def _variant(recipe: Recipe, variant: str) -> Recipe:
         specs = {g: replace(getattr(recipe, g), a=unlimited(recipe.gemm(g).a), b=unlimited(recipe.gemm(g).b))
                  for g in GEMMS}
         return replace(recipe, description=f"{recipe.description} [MXFP4 without the exponent-range limit]", **specs)
+    if variant == "foid":
+        specs = {g: replace(getattr(recipe, g), oe_select="foid") for g in GEMMS}
+        return replace(recipe, description=f"{recipe.description} [OE indices by FOID]", **specs)
     raise ValueError(f"unknown recipe variant {variant!r}; allowed after '@': {', '.join(VARIANTS)}")
 
 

@@ -22,7 +22,7 @@ from ..formats import SCALE_RULES
 from ..hadamard import SUPPORTED_SIZES
 
 __all__ = ["OperandSpec", "Transform", "GemmSpec", "CalibSpec", "Recipe", "STRATEGIES", "GEMMS", "DETECTOR_RULES",
-           "ACCUMULATIONS", "SmallGemmRule"]
+           "ACCUMULATIONS", "OE_SELECTS", "SmallGemmRule"]
 
 #: The GEMM vocabulary used in fields, logs, plans and tables.
 GEMMS = ("fprop", "dgrad", "wgrad")
@@ -36,6 +36,10 @@ DETECTOR_RULES = ("ratio", "significance")
 #: the H200), ``"fp32"`` the same FP8-exact operands on the BF16 tensor cores (exact products, FP32
 #: sums, BF16 GEMM speed). The reference backend computes in FP32 either way.
 ACCUMULATIONS = ("fp8-mma", "fp32")
+#: How OE picks its rows/columns (`specs/adahop.md` §2.2, §4; issue 18): ``"exact"`` the top-k by the
+#: L2 norm along Kc; ``"foid"`` Fast Outlier Index Detection, the top-k by the norm of the first
+#: :attr:`GemmSpec.foid_prefix` elements along Kc only (the paper's Figure 9).
+OE_SELECTS = ("exact", "foid")
 _FORMATS = ("mxfp4", "nvfp4", "none")
 _ROUNDINGS = ("nearest", "stochastic")
 _SIGNS = ("none", "fixed", "per_call")
@@ -115,6 +119,11 @@ class GemmSpec:
     ``IHT32`` when this is None."""
     oe_rank: int = 64
     """Rows of A (OE-Left) or columns of B (OE-Right) routed through the BF16 path."""
+    oe_select: str = "exact"
+    """How OE picks them (:data:`OE_SELECTS`): ``"exact"`` top-k of the full L2 norm along Kc,
+    ``"foid"`` top-k of the norm over the first ``foid_prefix`` elements along Kc."""
+    foid_prefix: int = 64
+    """FOID's prefix length along Kc (64 in the paper)."""
     outer_a: Transform | None = None
     """Hadamard along A's rows (M), undone on the output (HALO-2's token rotation of ∇Y)."""
     outer_b: Transform | None = None
@@ -142,6 +151,8 @@ class GemmSpec:
                        f"{name} signs={t.signs!r}; an outer Hadamard is undone on the output unsigned, "
                        "use signs='none'")
         _check(self.oe_rank >= 1, where, f"oe_rank={self.oe_rank} must be >= 1")
+        _check(self.oe_select in OE_SELECTS, where, f"oe_select={self.oe_select!r}; allowed {OE_SELECTS}")
+        _check(self.foid_prefix >= 1, where, f"foid_prefix={self.foid_prefix} must be >= 1")
         _check(self.mean_split in ("none", "a_rows", "inner"), where,
                f"mean_split={self.mean_split!r}; allowed ('none', 'a_rows', 'inner')")
         _check(self.accumulation in ACCUMULATIONS, where, f"accumulation={self.accumulation!r}; allowed {ACCUMULATIONS}")

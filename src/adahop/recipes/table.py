@@ -41,7 +41,8 @@ def _transform(t: Transform | None, dim: str) -> str:
 
 def _strategy(spec: GemmSpec) -> str:
     if spec.strategy.startswith("iht+oe") or spec.strategy == "calibrated":
-        return f"{spec.strategy} (OE k={spec.oe_rank})"
+        sel = "" if spec.oe_select == "exact" else f", FOID first {spec.foid_prefix}"
+        return f"{spec.strategy} (OE k={spec.oe_rank}{sel})"
     return spec.strategy
 
 

@@ -1,0 +1,68 @@
+"""FOID (Fast Outlier Index Detection, issue 18): OE's indices from the first 64 elements along Kc."""
+
+import pytest
+import torch
+
+from adahop.analysis.foid import foid_compare, foid_markdown, foid_synthetic
+from adahop.gemm import gemm, lowp_matmul, oe_indices
+from adahop.recipes import GemmSpec, get_recipe
+from adahop.recipes.table import gemm_table
+
+
+def test_oe_indices_exact_is_topk_of_full_norm_and_foid_of_the_prefix():
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(40, 200, generator=g)
+    t[7, 100:] *= 50  # large only past the prefix: exact finds it, FOID cannot
+    t[3, :64] *= 20  # large only inside the prefix
+    exact = oe_indices(t, 1, 2)
+    assert exact.tolist() == torch.topk(t.norm(dim=1), 2).indices.tolist()
+    assert exact[0] == 7
+    foid = oe_indices(t, 1, 2, prefix=64)
+    assert foid.tolist() == torch.topk(t[:, :64].norm(dim=1), 2).indices.tolist()
+    assert foid[0] == 3 and 7 not in foid.tolist()
+    # a prefix at least Kc long is the exact rule; columns (kc_axis 0) the same on the transpose
+    assert oe_indices(t, 1, 5, prefix=500).tolist() == oe_indices(t, 1, 5).tolist()
+    assert oe_indices(t.t(), 0, 5, prefix=64).tolist() == oe_indices(t, 1, 5, prefix=64).tolist()
+
+
+def test_oe_indices_rejects_bad_rank():
+    with pytest.raises(ValueError, match="must be in"):
+        oe_indices(torch.zeros(4, 8), 1, 5)
+
+
+def test_foid_equals_exact_on_row_and_column_patterns_and_loses_on_tail_outliers():
+    rows = foid_synthetic(256, n_out=8, rank=16, seeds=(0,), prefix=64)
+    by = {(r.name.split("/")[0], r.strategy): r for r in rows}
+    for side in ("iht+oe_left", "iht+oe_right"):
+        full, tail = by[("full", side)], by[("tail", side)]
+        # whole-length outliers (a Row/Column pattern): FOID keeps all their energy, the same error
+        assert full.energy > 0.95
+        assert abs(full.err_foid - full.err_exact) < 0.1 * full.err_exact
+        # outliers past the prefix: FOID misses them and the error grows
+        assert tail.energy < 0.5
+        assert tail.err_foid > 1.3 * tail.err_exact
+    assert "mean of 6" in foid_markdown(rows)
+
+
+def test_foid_gemm_through_the_spec_matches_lowp_matmul():
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(64, 128, generator=g), torch.randn(128, 48, generator=g)
+    a[5] *= 30
+    spec = GemmSpec(strategy="iht+oe_left", oe_rank=4, oe_select="foid")
+    spec.validate("test")
+    y = gemm(a, b, spec)
+    ref = lowp_matmul(a, b, strategy="iht+oe_left", oe_rank=4, oe_select="foid", scale_rule="floor")
+    torch.testing.assert_close(y, ref, rtol=0, atol=0)
+    row = foid_compare(a, b, "iht+oe_left", rank=1, scale_rule="floor", max_scale_range=None)
+    assert row.overlap == 1.0 and row.err_foid == row.err_exact  # the outlier row is large from its start
+
+
+def test_foid_variant_and_validation():
+    r = get_recipe("adahop-lv2@foid")
+    assert {r.gemm(g).oe_select for g in ("fprop", "dgrad", "wgrad")} == {"foid"}
+    assert get_recipe("adahop-lv2").fprop.oe_select == "exact"
+    assert "FOID first 64" in gemm_table(r)
+    with pytest.raises(ValueError, match="oe_select"):
+        GemmSpec(strategy="iht+oe_left", oe_select="approx").validate("x")
+    with pytest.raises(ValueError, match="FOID applies"):
+        foid_compare(torch.zeros(4, 4), torch.zeros(4, 4), "iht")
