@@ -2,7 +2,7 @@
 
     python experiments/quality/report.py OUT --docs docs/results
 
-Writes ``table.md`` (recipe, final val loss, gap to BF16 absolute and %, val bits per byte,
+Writes ``table.md`` (with the zero-shot scores of runs that have an eval.json) (recipe, final val loss, gap to BF16 absolute and %, val bits per byte,
 tokens/s, peak memory, saved-for-backward bytes; then, for recipes with several seeds, the gap as
 mean ± std over seeds), ``loss_curves.png`` and ``loss_diff.png`` (training loss minus BF16's of
 the same seed, Figure 1 of the AdaHOP paper) into --docs, and prints the table. Run folders are
@@ -17,6 +17,7 @@ import re
 import statistics
 from pathlib import Path
 
+from adahop.eval import report as eval_report
 from adahop.plots import plot_compare
 from adahop.train.metrics import read_metrics
 
@@ -80,6 +81,11 @@ def main() -> None:
         lines.append(f"\nBF16 across seeds: {', '.join(f'{x:.4f}' for x in base.values())} (spread {v[-1] - v[0]:.4f}, "
                      f"{100 * (v[-1] - v[0]) / v[0]:.2f}%).")
     lines += _mean_std(runs, base)
+    scored = {n: json.loads((out / n / "eval.json").read_text()) for n in order if (out / n / "eval.json").exists()}
+    if scored:  # zero-shot scores of the runs that have them (`run.py --eval-tasks`), chance last
+        header, rows = eval_report.table_rows(scored)
+        lines += ["", f"Zero-shot ({len(scored)} of {len(runs)} runs scored; accuracy %, ± the standard error):", "",
+                  eval_report.markdown(header, rows)]
     table = "\n".join(lines)
     (docs / "table.md").write_text(table + "\n")
     curves = {name: read_metrics(out / name / "metrics.jsonl") for name in runs}
