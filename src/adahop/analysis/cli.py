@@ -31,6 +31,7 @@ from ..train.setup import build_optimizer, lr_at, make_model, make_streams, reso
 from . import census as cs
 from . import figures, report
 from .foid import foid_markdown, foid_on_captures
+from .scale_range import range_hits_on_captures, range_markdown
 from .options import add_arguments
 from .recorder import PatternRecorder, linear_names
 
@@ -253,7 +254,7 @@ def _run_model(args, out: Path) -> dict[str, Path]:
     paths = {k: out / v for k, v in dict(census_md="census.md", census_csv="census.csv", patterns="patterns.csv",
                                          records="records.csv", plan="plan.json", over_steps="patterns_over_steps.png",
                                          by_depth="patterns_by_depth.png", gain_png="iht_gain.png",
-                                         gain_csv="iht_gain.csv", foid="foid.md", report="report.md",
+                                         gain_csv="iht_gain.csv", foid="foid.md", scale_range="scale_range.md", report="report.md",
                                          meta="analysis.json").items()}
     what = f"run {Path(args.run).name}" if args.run else f"{Path(cfg.model_config).stem if cfg.model_config else cfg.model} on {cfg.data}"
     paths["census_md"].write_text(report.census_markdown(census_, table=args.table, window=window_text,
@@ -272,11 +273,18 @@ def _run_model(args, out: Path) -> dict[str, Path]:
     paths["foid"].write_text(f"# FOID against the exact top-k on real GEMMs (step {rec.capture_step}) — {what}\n\n"
                              "`adahop.analysis.foid`: OE-Left on dgrad, OE-Right on wgrad and fprop, whatever the plan "
                              "assigns; OE rank min(rank, outer dim / 4); FOID's prefix 64.\n\n" + foid_markdown(foid_rows))
+    msr = q.max_scale_range if q.max_scale_range is not None else 8
+    paths["scale_range"].write_text(
+        f"# Blocks raised by the exponent-range limit (max_scale_range {msr}) on real GEMMs (step {rec.capture_step}) — {what}\n\n"
+        "`adahop.analysis.scale_range`: both operands of every captured GEMM, blocks of 32 along Kc after IHT-32, "
+        f"scale rule {q.scale_rule}.\n\n"
+        + range_markdown(range_hits_on_captures(rec.captures, scale_rule=q.scale_rule, max_scale_range=msr), msr))
     paths["tensor_3d"] = _plot_3d(rec.captures, chosen, out, what)
     figs = {"census (markdown)": "census.md", "census (CSV)": "census.csv",
             "patterns over steps (Figures 4/8)": "patterns_over_steps.png", "patterns by depth": "patterns_by_depth.png",
             "IHT/OE error reduction on real GEMMs (Figure 3, right)": "iht_gain.png", "IHT/OE per GEMM (CSV)": "iht_gain.csv",
             "FOID against the exact OE top-k per GEMM": "foid.md",
+            "blocks raised by the FP8 fold's exponent-range limit": "scale_range.md",
             f"3-D tensors of {chosen} and left vs right Hadamard (Figure 2)": paths["tensor_3d"].name,
             f"plan ({args.table}; `adahop train --plan plan.json`)": "plan.json",
             "voted patterns, stability and strategies per layer": "patterns.csv",
