@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device command of the GPU work on a 2-GPU H200 machine (nvidia-h200-x2); docs/benchmarks.md
+# One device command of the GPU work on a 2-GPU H200 machine (nvidia-h200-x2); docs/benchmarks_history.md
 # and docs/results.md say what each stage produced.
 # Usage on the device machine, from the repo root:  bash experiments/gpu_call.sh STAGE [JOBS]
 #   a: GPU 0: kernel validation, bench linear, bench model (Llama-3.2-1B), then quality runs;

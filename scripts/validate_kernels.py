@@ -215,7 +215,7 @@ def check_compile(dev, gen):
     record("torch.compile(fullgraph) fprop == eager", ok, **({"error": err} if err else {}))
 
     # a whole converted layer, forward and backward, without a bias: torch 2.11 gave its gradient to a
-    # duplicate output of the traced autograd function (round 4's lost gradients, docs/benchmarks.md)
+    # duplicate output of the traced autograd function (round 4's lost gradients, docs/benchmarks_history.md)
     import adahop
 
     def layer_grads(compiled: bool):

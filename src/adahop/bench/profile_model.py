@@ -14,7 +14,7 @@ head (which stays BF16, DESIGN.md §3) in proportion to their FLOPs, and prints 
 speedup that a linear-layer speedup ``r`` allows (Amdahl): ``T / (T - L + L / r)``, where ``T`` is
 the step's kernel time (the sum over its kernels; the step's wall time is a little longer) and ``L``
 the linear layers' GEMM time. That says which e2e target a layer speedup can
-reach (`docs/benchmarks.md`).
+reach (`docs/benchmarks_history.md`, round 6).
 """
 
 from __future__ import annotations
