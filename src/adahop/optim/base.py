@@ -1,9 +1,9 @@
 """`MasterOptimizer`: the shared step of every optimizer here, over any master-weight storage.
 
-Each parameter is updated by one fused elementwise pass (:func:`adahop.kernels.optim_step`: the
-Triton kernel on CUDA, its bit-exact PyTorch reference elsewhere) for FP32/BF16 masters, or by the
-same FP32 update followed by a re-pack (:func:`adahop.optim.master.write_master`) for packed FP8/FP4
-masters. States live in ``state_dtype`` (FP32 or BF16) and keep it through ``load_state_dict``
+The FP32/BF16 masters of a parameter group are updated by one fused elementwise launch
+(:func:`adahop.kernels.optim_step.optim_step_multi`: the Triton kernel on CUDA, its bit-exact PyTorch
+reference elsewhere); packed FP8/FP4 masters one by one, by the same FP32 update followed by a
+re-pack (:func:`adahop.optim.master.write_master`). States live in ``state_dtype`` (FP32 or BF16) and keep it through ``load_state_dict``
 (torch's loader would cast them to the parameter's dtype). Under FSDP2 a parameter is a DTensor
 and the update runs on its local shard, so the states are sharded exactly like the parameters.
 """
@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from ..kernels.optim_step import STATE_NAMES, optim_step, optim_update, step_scalars
+from ..kernels.optim_step import STATE_NAMES, optim_step_multi, optim_update, step_scalars
 from ..utils import mix_seed
 from .master import PackedMaster, read_master, write_master
 
@@ -35,8 +35,9 @@ class MasterOptimizer(torch.optim.Optimizer):
         params: parameters or parameter groups, as for ``torch.optim.AdamW``.
         lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (decoupled weight decay).
         state_dtype: ``torch.float32`` or ``torch.bfloat16`` for every state buffer.
-        seed: run seed of the stochastic rounding; each parameter's Philox seed mixes it with the
-            step and the parameter's index (pass a per-rank seed under data parallelism).
+        seed: run seed of the stochastic rounding; each step's Philox key mixes it with the step,
+            and each parameter draws from its own stream (its index); pass a per-rank seed under
+            data parallelism.
         backend: ``auto`` (fused Triton kernel on CUDA), ``triton`` or ``reference``.
         rounding: ``nearest`` or ``stochastic`` rounding of the master write.
         **extra: per-group hyper-parameters of the rule (``mul_lr_scale``, ``tau``, ``cap``, ``w_max``).
@@ -98,30 +99,49 @@ class MasterOptimizer(torch.optim.Optimizer):
     # -- step -------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
-        """One update of every parameter that has a gradient; returns ``closure()`` if given."""
+        """One update of every parameter that has a gradient; returns ``closure()`` if given.
+
+        FP32/BF16 masters of a group go to :func:`optim_step_multi` in one launch per (step count,
+        device, dtypes) bucket, normally one per group; stochastic rounding keys Philox with one seed
+        per step (``mix_seed(seed, "optim", step)``) and gives each parameter its own stream (its
+        index over all groups). Packed masters update one by one."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        index = 0
+        names = STATE_NAMES[self.algorithm]
+        index = -1
         for group in self.param_groups:
-            scalars = {}  # one set of constants per step count in the group (host time: one per tensor adds up)
+            buckets: dict = {}
             for p in group["params"]:
                 index += 1
                 if p.grad is None:
                     continue
-                st = self._init_state(p)
+                st = self.state[p]
+                if not st:
+                    st = self._init_state(p)
                 st["step"] += 1
-                if st["step"] not in scalars:
-                    scalars[st["step"]] = self._scalars(group, st["step"])
-                s = scalars[st["step"]]
-                seed = mix_seed(self.seed, "optim", st["step"], index - 1)
-                states = [_local(st[n]) for n in STATE_NAMES[self.algorithm]]
+                step = st["step"]
                 if isinstance(p, PackedMaster):
-                    self._packed_step(p, p.grad, states, s, seed)
-                else:
-                    optim_step(self.algorithm, _local(p), _local(p.grad), states, s, rounding=self.rounding, seed=seed,
-                               backend=self.backend)
+                    s = self._scalars(group, step)
+                    self._packed_step(p, p.grad, [_local(st[n]) for n in names], s,
+                                      mix_seed(self.seed, "optim", step, index))
+                    continue
+                w, g = _local(p), _local(p.grad)
+                if not g.is_contiguous():
+                    g = g.contiguous()
+                states = [_local(st[n]) for n in names]
+                key = (step, w.device, w.dtype, g.dtype, states[0].dtype)
+                b = buckets.get(key)
+                if b is None:
+                    b = buckets[key] = ([], [], [], [])
+                b[0].append(w)
+                b[1].append(g)
+                b[2].append(states)
+                b[3].append(index)
+            for (step, *_), (ws, gs, sts, streams) in buckets.items():
+                optim_step_multi(self.algorithm, ws, gs, sts, self._scalars(group, step), rounding=self.rounding,
+                                 seed=mix_seed(self.seed, "optim", step), streams=streams, backend=self.backend)
         return loss
 
     def _packed_step(self, p: PackedMaster, g: torch.Tensor, states: list, s, seed: int) -> None:
