@@ -176,11 +176,10 @@ def _optim_step_kernel(w_ptr, g_ptr, s0_ptr, s1_ptr, s2_ptr, s3_ptr, n, seed, st
 def _as_ptr(addr, BF16: tl.constexpr):
     """A table's int64 address as a pointer to int16 (BF16 bits) or float32, 16-byte aligned
     (the host checks it), so that loads vectorize as they do for pointer arguments."""
-    addr = tl.multiple_of(addr, 16)
-    if BF16:
-        return addr.to(tl.pointer_type(tl.int16))
+    if BF16:  # the hint goes on the pointer: on the integer it does not reach the loads
+        return tl.multiple_of(addr.to(tl.pointer_type(tl.int16)), 16)
     else:
-        return addr.to(tl.pointer_type(tl.float32))
+        return tl.multiple_of(addr.to(tl.pointer_type(tl.float32)), 16)
 
 
 @triton.jit
@@ -196,11 +195,17 @@ def _optim_multi_kernel(tab_ptr, blk_ptr, seed,
     k = pid - tl.load(row + 7).to(tl.int32)
     stream = tl.load(row + 8).to(tl.int32)
     offs = k * BLOCK + tl.arange(0, BLOCK)
-    _step_block(_as_ptr(tl.load(row + 0), W_BF16), _as_ptr(tl.load(row + 1), G_BF16),
-                _as_ptr(tl.load(row + 2), S_BF16), _as_ptr(tl.load(row + 3), S_BF16),
-                _as_ptr(tl.load(row + 4), S_BF16), _as_ptr(tl.load(row + 5), S_BF16), offs, offs < n, seed, stream,
-                lr, b1, omb1, b2, omb2, eps, decay, wdlr, step_size, rbc1, rsbc2, mul_lr, tau, cap, w_max,
-                ALG, W_BF16, G_BF16, S_BF16, STOCHASTIC)
+    w_ptr, g_ptr = _as_ptr(tl.load(row + 0), W_BF16), _as_ptr(tl.load(row + 1), G_BF16)
+    s0_ptr, s1_ptr = _as_ptr(tl.load(row + 2), S_BF16), _as_ptr(tl.load(row + 3), S_BF16)
+    s2_ptr, s3_ptr = _as_ptr(tl.load(row + 4), S_BF16), _as_ptr(tl.load(row + 5), S_BF16)
+    if (k + 1) * BLOCK <= n:  # a full block: a constant mask lets the loads and stores vectorize
+        _step_block(w_ptr, g_ptr, s0_ptr, s1_ptr, s2_ptr, s3_ptr, offs, tl.full((BLOCK,), 1, tl.int1), seed, stream,
+                    lr, b1, omb1, b2, omb2, eps, decay, wdlr, step_size, rbc1, rsbc2, mul_lr, tau, cap, w_max,
+                    ALG, W_BF16, G_BF16, S_BF16, STOCHASTIC)
+    else:  # the tensor's last block: n is a loaded value the compiler knows nothing of
+        _step_block(w_ptr, g_ptr, s0_ptr, s1_ptr, s2_ptr, s3_ptr, offs, offs < n, seed, stream,
+                    lr, b1, omb1, b2, omb2, eps, decay, wdlr, step_size, rbc1, rsbc2, mul_lr, tau, cap, w_max,
+                    ALG, W_BF16, G_BF16, S_BF16, STOCHASTIC)
 
 
 def _bits(t):
@@ -231,70 +236,50 @@ def launch(alg: int, w, g, states: list, s, stochastic: bool, seed: int, stream:
 #: Elements per program and warps of the multi-tensor kernel (results do not depend on them: the
 #: SR counter is the element's index in its tensor). ``scripts/bench_optim.py --multi-configs`` times others.
 MULTI_BLOCK, MULTI_WARPS = 2048, 8
-_TABLES: dict = {}  # key (addresses, sizes, streams, block) → (table, block map) on the device
-_MAX_TABLES = 32
 
 
-def _tables(key, rows: list, block: int, device):
-    """The device table [tensors, TAB_COLS] int64 and block map [blocks] int32 of ``rows``
-    ``(w, g, s0, s1, s2, s3 addresses, numel, stream)``, cached under ``key``, so that a step whose
-    tensors have not moved copies nothing to the device."""
+def build_table(ws: list, gs: list, states: list, streams: list, block: int):
+    """``(table, block map, odd)`` for a multi-tensor launch: the table [tensors, TAB_COLS] int64
+    (w, g, s0..s3 addresses, numel, first block, Philox stream) and the block map [blocks] int32
+    (block → table row) on the tensors' device, copied from pinned memory without a host sync;
+    ``odd``: indices of tensors with an address not 16-byte aligned (the table's loads assume it),
+    which take the one-tensor kernel. Empty tensors are left out."""
     import torch
 
-    counts = [(r[6] + block - 1) // block for r in rows]
-    first, acc = [], 0
-    for c in counts:
-        first.append(acc)
-        acc += c
-    tab = torch.tensor([[*r[:7], f, r[7]] for r, f in zip(rows, first)], dtype=torch.int64)
-    blk = torch.repeat_interleave(torch.arange(len(rows), dtype=torch.int32), torch.tensor(counts))
-    if torch.device(device).type == "cuda":  # pinned and asynchronous: no host sync
-        tab = tab.pin_memory().to(device, non_blocking=True)
-        blk = blk.pin_memory().to(device, non_blocking=True)
-    if len(_TABLES) >= _MAX_TABLES:
-        _TABLES.pop(next(iter(_TABLES)))
-    _TABLES[key] = (tab, blk)
-    return tab, blk
-
-
-def launch_multi(alg: int, ws: list, gs: list, states: list, streams: list, s, stochastic: bool, seed: int,
-                 check, block: int | None = None, num_warps: int | None = None) -> None:
-    """One launch over every tensor of ``ws`` (see ``optim_step.optim_step_triton_multi``).
-    ``check()`` validates the arguments; it runs only when the tensors' addresses, sizes or dtypes
-    are not those of a cached table (a step of a training loop checks nothing). Tensors with an
-    address not 16-byte aligned take the one-tensor kernel instead."""
-    import torch
-
-    if not ws:
-        return
-    block, num_warps = block or MULTI_BLOCK, num_warps or MULTI_WARPS
-    wd, gd, sd = dtypes = (ws[0].dtype, gs[0].dtype, states[0][0].dtype)
-    rows, odd, mixed = [], [], False
-    for w, g, st, k in zip(ws, gs, states, streams):
+    rows, odd, first = [], [], 0
+    for i, (w, g, st, k) in enumerate(zip(ws, gs, states, streams)):
         n = w.numel()
-        mixed = (mixed or w.dtype != wd or g.dtype != gd or any(t.dtype != sd for t in st) or not w.is_contiguous()
-                 or not g.is_contiguous())  # then check() raises
         if n == 0:
             continue
         a = [w.data_ptr(), g.data_ptr(), *(t.data_ptr() for t in st)]
         a += [a[2]] * (6 - len(a))  # unused state slots: never read
         if any(x & 15 for x in a):
-            odd.append((w, g, st, k))
-        else:
-            rows.append((*a, n, k))
-    key = (str(ws[0].device), block, dtypes, tuple(rows))
-    hit = None if odd or mixed else _TABLES.get(key)
-    if hit is None:
-        check()
-    for w, g, st, k in odd:
-        launch(alg, w, g, st, s, stochastic, seed, k)
+            odd.append(i)
+            continue
+        rows.append([*a, n, first, k])
+        first += (n + block - 1) // block
     if not rows:
-        return
-    tab, blk = hit or _tables(key, rows, block, ws[0].device)
+        return None, None, odd
+    tab = torch.tensor(rows, dtype=torch.int64)
+    counts = torch.tensor([(r[6] + block - 1) // block for r in rows])
+    blk = torch.repeat_interleave(torch.arange(len(rows), dtype=torch.int32), counts)
+    dev = ws[0].device
+    if dev.type == "cuda":
+        tab = tab.pin_memory().to(dev, non_blocking=True)
+        blk = blk.pin_memory().to(dev, non_blocking=True)
+    return tab, blk, odd
+
+
+def launch_table(alg: int, tab, blk, s, stochastic: bool, seed: int, w_dtype, g_dtype, s_dtype, block: int,
+                 num_warps: int) -> None:
+    """One launch of the multi-tensor kernel over a :func:`build_table` table (every weight of
+    ``w_dtype``, gradient of ``g_dtype``, state of ``s_dtype``)."""
+    import torch
+
+    bf = torch.bfloat16
     _optim_multi_kernel[(blk.numel(),)](
         tab, blk, seed,
         s.lr, s.b1, s.omb1, s.b2, s.omb2, s.eps, s.decay, s.wdlr, s.step_size, s.rbc1, s.rsbc2, s.mul_lr, s.tau,
         s.cap, s.w_max,
-        ALG=alg, W_BF16=dtypes[0] == torch.bfloat16, G_BF16=dtypes[1] == torch.bfloat16,
-        S_BF16=dtypes[2] == torch.bfloat16, STOCHASTIC=bool(stochastic) and dtypes[0] == torch.bfloat16,
-        BLOCK=block, num_warps=num_warps, enable_fp_fusion=False)
+        ALG=alg, W_BF16=w_dtype == bf, G_BF16=g_dtype == bf, S_BF16=s_dtype == bf,
+        STOCHASTIC=bool(stochastic) and w_dtype == bf, BLOCK=block, num_warps=num_warps, enable_fp_fusion=False)

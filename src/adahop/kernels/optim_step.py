@@ -44,7 +44,7 @@ from .fold import resolve_backend
 from .philox import philox_randint
 
 __all__ = ["ALGORITHMS", "ROUNDINGS", "STATE_NAMES", "StepScalars", "step_scalars", "optim_update", "round_bf16",
-           "optim_step", "optim_step_reference", "optim_step_triton", "optim_step_multi", "bit_mismatches",
+           "optim_step", "optim_step_reference", "optim_step_triton", "optim_step_multi", "MultiTensorStep", "bit_mismatches",
            "bit_mismatches_multi", "LN2"]
 
 #: The update rules, with the names of their state buffers (in kernel argument order).
@@ -272,13 +272,65 @@ def _check_multi(algorithm: str, ws, gs, states, streams, rounding: str) -> None
         raise ValueError("optim_step_multi: streams must be distinct and in [0, 2**32) (one Philox stream per tensor)")
     for w, g, st in zip(ws, gs, states):
         _check(algorithm, w, g, st, rounding)
-        if g.stride() != w.stride():
-            raise ValueError(f"optim_step_multi: a gradient of strides {g.stride()} for a weight of {w.stride()}; "
-                             "pass contiguous gradients")
+        if not g.is_contiguous():
+            raise ValueError(f"optim_step_multi: a gradient of strides {g.stride()}; pass contiguous gradients")
     kinds = {(w.device, w.dtype, g.dtype, *(t.dtype for t in st)) for w, g, st in zip(ws, gs, states)}
     if len(kinds) > 1:
         raise ValueError(f"optim_step_multi: one launch takes one device and one dtype each for weights, gradients "
                          f"and states, got {len(kinds)} kinds; group the tensors (MasterOptimizer does)")
+
+
+class MultiTensorStep:
+    """:func:`optim_step_multi` prepared for fixed state tensors, for a training loop: the Triton
+    table of addresses is built on the first call and again only when a weight or gradient has
+    moved (its address is the key: a step of a training loop copies nothing to the device, checks
+    nothing but the addresses and the gradients' layout, and never syncs).
+
+    Args:
+        algorithm, rounding, backend: as :func:`optim_step`.
+        states: per tensor its state list (:data:`STATE_NAMES` order), one dtype for all, on one device.
+        streams: distinct Philox streams, one per tensor, in ``[0, 2**32)``.
+        block, num_warps: the Triton kernel's elements per program and warps (results do not depend
+            on them; default ``_triton_optim_step.MULTI_BLOCK``/``MULTI_WARPS``).
+
+    Call with ``(ws, gs, s, seed)``: the weights and their gradients, in the order of ``states``.
+
+    Raises:
+        ValueError: as :func:`optim_step_multi`, at the first call or when the tensors have moved.
+    """
+
+    def __init__(self, algorithm: str, states: list[list[torch.Tensor]], streams: list[int], *,
+                 rounding: str = "nearest", backend: str = "auto", block: int | None = None,
+                 num_warps: int | None = None):
+        if algorithm not in STATE_NAMES:
+            raise ValueError(f"algorithm={algorithm!r} is not known; use one of {ALGORITHMS}")
+        self.algorithm, self.states, self.streams, self.rounding = algorithm, states, list(streams), rounding
+        dev = states[0][0].device if states else torch.device("cpu")
+        self.triton = bool(states) and resolve_backend(backend, dev) == "triton"
+        self.block, self.num_warps = block, num_warps
+        self._key = None
+
+    def __call__(self, ws: list[torch.Tensor], gs: list[torch.Tensor], s: StepScalars, seed: int) -> None:
+        if not self.triton:
+            _check_multi(self.algorithm, ws, gs, self.states, self.streams, self.rounding)
+            for w, g, st, k in zip(ws, gs, self.states, self.streams):
+                optim_step_reference(self.algorithm, w, g, st, s, rounding=self.rounding, seed=seed, stream=k)
+            return
+        from . import _triton_optim_step as K  # lazy: Triton only here
+
+        key = (*map(torch.Tensor.data_ptr, ws), *map(torch.Tensor.data_ptr, gs))
+        if key != self._key or not all(map(torch.Tensor.is_contiguous, gs)):
+            self._key = None
+            _check_multi(self.algorithm, ws, gs, self.states, self.streams, self.rounding)
+            self.block, self.num_warps = self.block or K.MULTI_BLOCK, self.num_warps or K.MULTI_WARPS
+            self._tab, self._blk, self._odd = K.build_table(ws, gs, self.states, self.streams, self.block)
+            self._dtypes = (ws[0].dtype, gs[0].dtype, self.states[0][0].dtype)
+            self._key = key
+        alg, sr = ALG_IDS[self.algorithm], self.rounding == "stochastic"
+        for i in self._odd:
+            K.launch(alg, ws[i], gs[i], self.states[i], s, sr, seed, self.streams[i])
+        if self._tab is not None:
+            K.launch_table(alg, self._tab, self._blk, s, sr, seed, *self._dtypes, self.block, self.num_warps)
 
 
 def optim_step_multi(algorithm: str, ws: list[torch.Tensor], gs: list[torch.Tensor], states: list[list[torch.Tensor]],
@@ -288,35 +340,30 @@ def optim_step_multi(algorithm: str, ws: list[torch.Tensor], gs: list[torch.Tens
 
     The result is bit for bit that of ``optim_step(algorithm, ws[i], gs[i], states[i], s,
     rounding=rounding, seed=seed, stream=streams[i])`` for each ``i``. The Triton kernel reads a
-    table of the tensors' addresses (built once and cached while they stay where they are, so a
-    training step copies nothing to the device and syncs nothing); the reference loops.
+    table of the tensors' addresses (and launches the one-tensor kernel for any tensor not 16-byte
+    aligned); the reference loops. A training loop keeps a :class:`MultiTensorStep` instead, which
+    builds that table once.
 
     Args:
         algorithm, s, rounding, seed, backend: as :func:`optim_step`.
         ws, gs, states: per tensor the weight, its gradient and its state list, as :func:`optim_step`
             takes them; all on one device, with one dtype for every weight, one for every gradient and
-            one for every state; gradients with their weight's strides.
+            one for every state; gradients contiguous.
         streams: distinct Philox streams, one per tensor (default ``0, 1, ...``).
-        block, num_warps: the Triton kernel's elements per program and warps (results do not depend
-            on them; default ``_triton_optim_step.MULTI_BLOCK``/``MULTI_WARPS``).
+        block, num_warps: as :class:`MultiTensorStep`.
 
     Raises:
         ValueError: as :func:`optim_step`; lists of different lengths, repeated streams, mixed
-            devices or dtypes.
+            devices or dtypes, non-contiguous gradients.
         RuntimeError: ``backend="triton"`` without Triton or a CUDA device.
     """
-    streams = list(range(len(ws))) if streams is None else list(streams)
     if not ws:
         return
-    if resolve_backend(backend, ws[0].device) != "triton":
-        _check_multi(algorithm, ws, gs, states, streams, rounding)
-        for w, g, st, k in zip(ws, gs, states, streams):
-            optim_step_reference(algorithm, w, g, st, s, rounding=rounding, seed=seed, stream=k)
-        return
-    from . import _triton_optim_step  # lazy: Triton only here
-
-    _triton_optim_step.launch_multi(ALG_IDS[algorithm], ws, gs, states, streams, s, rounding == "stochastic", seed,
-                                    lambda: _check_multi(algorithm, ws, gs, states, streams, rounding), block, num_warps)
+    streams = list(range(len(ws))) if streams is None else list(streams)
+    if len(states) != len(ws):
+        raise ValueError(f"optim_step_multi: {len(ws)} weights but {len(states)} state lists; give one per tensor")
+    MultiTensorStep(algorithm, states, streams, rounding=rounding, backend=backend, block=block,
+                    num_warps=num_warps)(ws, gs, s, seed)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
