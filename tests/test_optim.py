@@ -475,3 +475,33 @@ def test_interp_multi_step_builds_its_table_only_when_tensors_move(monkeypatch):
         fused(ws, [gs[0].float()] + gs[1:], s, 5)
     with pytest.raises(ValueError, match="contiguous"):
         fused(ws, gs[:1] + [torch.randn(2 * 1100).bfloat16()[::2]] + gs[2:], s, 5)
+
+
+# ----------------------------------------------------------------------------- the multi kernel, compiled (no GPU)
+def _sm90_ptx(alg: int, bf16: bool) -> str:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    from adahop.kernels import _triton_optim_step as K
+
+    names = "lr b1 omb1 b2 omb2 eps decay wdlr step_size rbc1 rsbc2 mul_lr tau cap w_max".split()
+    consts = dict(ALG=alg, W_BF16=bf16, G_BF16=bf16, S_BF16=bf16, STOCHASTIC=bf16, BLOCK=K.MULTI_BLOCK)
+    sig = {"tab_ptr": "*i64", "blk_ptr": "*i32", "seed": "i64", **dict.fromkeys(names, "fp32"),
+           **dict.fromkeys(consts, "constexpr")}
+    src = ASTSource(K._optim_multi_kernel, sig, consts, attrs={(0,): [["tt.divisibility", 16]],
+                                                               (1,): [["tt.divisibility", 16]]})
+    return compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=K.MULTI_WARPS,
+                                                                       enable_fp_fusion=False)).asm["ptx"]
+
+
+@pytest.mark.skipif(not triton_available() or INTERPRET, reason="needs triton's CUDA backend (compiles, runs nothing)")
+@pytest.mark.parametrize("alg,bf16,tensors", [(0, True, 4), (4, False, 6)], ids=["adamw-bf16-sr", "workshop-fp32"])
+def test_multi_kernel_full_blocks_move_16_bytes_per_access(alg, bf16, tensors):
+    # the table's addresses are loaded values: without the alignment hint on the pointer and the
+    # constant mask of full blocks, every element would be its own 2- or 4-byte load (round 7's fix)
+    try:
+        ptx = _sm90_ptx(alg, bf16)
+    except (ImportError, RuntimeError) as e:  # a Triton build without the NVIDIA backend
+        pytest.skip(f"no sm_90 compile here: {e}")
+    assert ptx.count("ld.global.v4") >= tensors  # w, g and each state, in the full-block branch
+    assert ptx.count("st.global.v4") >= tensors - 1  # w and each state
