@@ -442,6 +442,11 @@ def test_interp_multi_step_bit_exact(case):
                                              num_warps=4)
     assert (bad_w, bad_s) == (0, 0)
     assert not torch.equal(out[1], ws[1]) and not torch.equal(out[5], ws[5])  # the step did move them
+    if rounding == "stochastic":  # streams past 2^31 (int64 kernel arguments), in both kernels
+        big = [2**32 - 1, 2**31, 5, 6, 2**31 + 7, 2**32 - 2]
+        assert bit_mismatches_multi(alg, ws, gs, sts, s, rounding=rounding, seed=99, streams=big)[:2] == (0, 0)
+        assert bit_mismatches_multi(alg, ws, gs, sts, s, rounding=rounding, seed=99, streams=big,
+                                    one_tensor=True)[:2] == (0, 0)
     # the default block gives the same bits (the SR counter is the index in the tensor, not the block)
     assert bit_mismatches_multi(alg, ws, gs, sts, s, rounding=rounding, seed=99, streams=streams)[:2] == (0, 0)
 

@@ -137,7 +137,8 @@ def _step_block(w_ptr, g_ptr, s0_ptr, s1_ptr, s2_ptr, s3_ptr, offs, mask, seed, 
         r16 = 0
         if STOCHASTIC:
             zero = tl.zeros_like(offs)
-            r, _r1, _r2, _r3 = philox(seed, offs, zero + stream, zero, zero)
+            # int32 counter words keep Philox4x32 (a stream >= 2^31 arrives as int64: its low 32 bits)
+            r, _r1, _r2, _r3 = philox(seed, offs, zero + stream.to(tl.int32), zero, zero)
             r16 = (r & 0xFFFF).to(tl.int32)
         wb = _bf16_bits(w_new, r16, STOCHASTIC)
         tl.store(w_ptr + offs, wb.to(tl.int16), mask=mask)
