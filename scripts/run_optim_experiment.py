@@ -141,7 +141,8 @@ def launch(args, settings) -> int:
                 log = open(root / f"{name}.log", "a")
                 cmd = command(row, recipe, seed, args.data, root / name, args.steps, args.eval_every, args.ckpt_every,
                               args.extra, settings)
-                running.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), name, time.time()))
+                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+                running.append((proc, name, time.time()))
                 print(f"started {name}", flush=True)
             if (over or stopping) and not running:
                 break
@@ -240,7 +241,8 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=None,
                     help="wall seconds for this call: no run starts after it, running ones stop with a checkpoint")
     ap.add_argument("--grace-s", type=float, default=60.0, help="after --budget-s, seconds before a run is killed")
-    ap.add_argument("--smoke", action="store_true", help="llama-tiny, 4 steps, one seed: the pipeline end to end on a CPU")
+    ap.add_argument("--smoke", action="store_true",
+                    help="llama-tiny, 4 steps, one seed: the pipeline end to end on a CPU")
     ap.add_argument("--report", action="store_true", help="only write table.md and loss_curves.png from OUT")
     ap.add_argument("extra", nargs="*", help="more `adahop train` flags after --, e.g. -- --madam-form workshop")
     args = ap.parse_args()

@@ -438,11 +438,11 @@ def test_interp_multi_step_bit_exact(case):
     ws, gs, sts = _multi_case(alg, wdt, sdt)
     s = step_scalars(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=3, mul_lr=3e-2, cap=2.0)
     streams = [4, 0, 9, 2, 1, 7]
-    bad_w, bad_s, out = bit_mismatches_multi(alg, ws, gs, sts, s, rounding=rounding, seed=99, streams=streams, block=1024,
-                                             num_warps=4)
+    bad_w, bad_s, out = bit_mismatches_multi(alg, ws, gs, sts, s, rounding=rounding, seed=99, streams=streams,
+                                             block=1024, num_warps=4)
     assert (bad_w, bad_s) == (0, 0)
     assert not torch.equal(out[1], ws[1]) and not torch.equal(out[5], ws[5])  # the step did move them
-    if rounding == "stochastic":  # streams past 2^31 (int64 kernel arguments), in both kernels
+    if rounding == "stochastic" and alg == "adamw":  # streams past 2^31 (int64 kernel arguments), both kernels
         big = [2**32 - 1, 2**31, 5, 6, 2**31 + 7, 2**32 - 2]
         assert bit_mismatches_multi(alg, ws, gs, sts, s, rounding=rounding, seed=99, streams=big)[:2] == (0, 0)
         assert bit_mismatches_multi(alg, ws, gs, sts, s, rounding=rounding, seed=99, streams=big,

@@ -44,8 +44,8 @@ from .fold import resolve_backend
 from .philox import philox_randint
 
 __all__ = ["ALGORITHMS", "ROUNDINGS", "STATE_NAMES", "StepScalars", "step_scalars", "optim_update", "round_bf16",
-           "optim_step", "optim_step_reference", "optim_step_triton", "optim_step_multi", "MultiTensorStep", "bit_mismatches",
-           "bit_mismatches_multi", "LN2"]
+           "optim_step", "optim_step_reference", "optim_step_triton", "optim_step_multi", "MultiTensorStep",
+           "bit_mismatches", "bit_mismatches_multi", "LN2"]
 
 #: The update rules, with the names of their state buffers (in kernel argument order).
 STATE_NAMES: dict[str, tuple[str, ...]] = {
@@ -383,8 +383,8 @@ def bit_mismatches(algorithm: str, w: torch.Tensor, g: torch.Tensor, states: lis
     return bad_w, bad_s, ws[0]
 
 
-def bit_mismatches_multi(algorithm: str, ws: list[torch.Tensor], gs: list[torch.Tensor], states: list[list[torch.Tensor]],
-                         s: StepScalars, *, rounding: str = "nearest", seed: int = 0, streams: list[int] | None = None,
+def bit_mismatches_multi(algorithm: str, ws: list[torch.Tensor], gs: list[torch.Tensor],
+                         states: list[list[torch.Tensor]], s: StepScalars, *, rounding: str = "nearest", seed: int = 0, streams: list[int] | None = None,
                          one_tensor: bool = False, **launch) -> tuple[int, int, list[torch.Tensor]]:
     """:func:`bit_mismatches` of :func:`optim_step_multi` (``one_tensor``: of :func:`optim_step` on
     each tensor): the Triton launch against the reference on copies; ``launch``: ``block``,

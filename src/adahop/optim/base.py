@@ -3,7 +3,8 @@
 The FP32/BF16 masters of a parameter group are updated by one fused elementwise launch
 (:func:`adahop.kernels.optim_step.optim_step_multi`: the Triton kernel on CUDA, its bit-exact PyTorch
 reference elsewhere); packed FP8/FP4 masters one by one, by the same FP32 update followed by a
-re-pack (:func:`adahop.optim.master.write_master`). States live in ``state_dtype`` (FP32 or BF16) and keep it through ``load_state_dict``
+re-pack (:func:`adahop.optim.master.write_master`). States live in ``state_dtype`` (FP32 or BF16)
+and keep it through ``load_state_dict``
 (torch's loader would cast them to the parameter's dtype). Under FSDP2 a parameter is a DTensor
 and the update runs on its local shard, so the states are sharded exactly like the parameters.
 """
