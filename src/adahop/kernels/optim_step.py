@@ -294,6 +294,8 @@ class MultiTensorStep:
             on them; default ``_triton_optim_step.MULTI_BLOCK``/``MULTI_WARPS``).
 
     Call with ``(ws, gs, s, seed)``: the weights and their gradients, in the order of ``states``.
+    ``builds`` counts the tables built (1 in a loop whose gradients keep their addresses, as the
+    caching allocator's usually do).
 
     Raises:
         ValueError: as :func:`optim_step_multi`, at the first call or when the tensors have moved.
@@ -308,7 +310,7 @@ class MultiTensorStep:
         dev = states[0][0].device if states else torch.device("cpu")
         self.triton = bool(states) and resolve_backend(backend, dev) == "triton"
         self.block, self.num_warps = block, num_warps
-        self._key = None
+        self._key, self.builds = None, 0
 
     def __call__(self, ws: list[torch.Tensor], gs: list[torch.Tensor], s: StepScalars, seed: int) -> None:
         if not self.triton:
@@ -325,7 +327,7 @@ class MultiTensorStep:
             self.block, self.num_warps = self.block or K.MULTI_BLOCK, self.num_warps or K.MULTI_WARPS
             self._tab, self._blk, self._odd = K.build_table(ws, gs, self.states, self.streams, self.block)
             self._dtypes = (ws[0].dtype, gs[0].dtype, self.states[0][0].dtype)
-            self._key = key
+            self._key, self.builds = key, self.builds + 1
         alg, sr = ALG_IDS[self.algorithm], self.rounding == "stochastic"
         for i in self._odd:
             K.launch(alg, ws[i], gs[i], self.states[i], s, sr, seed, self.streams[i])
