@@ -197,8 +197,9 @@ def report(args) -> int:
                 continue
             s = runs[next(k for k in runs if k.startswith(f"{row}-{recipe}-s"))]
             gap = f"{100 * (vl - ref) / ref:+.2f}" if ref else "-"
+            tps = f"{s['tok_per_s']:,.0f}" if s.get("tok_per_s") else "-"  # None: too few steps to time
             lines.append(f"| {row} | {recipe} | {n} | {vl:.4f} | {gap} | {s.get('bytes_per_param', 0):.2f} | "
-                         f"{s['peak_memory_bytes'] / 2**20:,.0f} | {s['tok_per_s'] or 0:,.0f} |")
+                         f"{s['peak_memory_bytes'] / 2**20:,.0f} | {tps} |")
     (root / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     try:
