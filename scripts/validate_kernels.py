@@ -274,7 +274,42 @@ def check_optim_step(name, n, alg, w_dtype, s_dtype, rounding, dev, gen):
         w2 = w0.clone()
         optim_step(alg, w2, g, [t.clone() for t in st0], sc, rounding=rounding, seed=20261202, backend="triton")
         detail["differs_across_seeds"] = int((bits(w2) != bits(w_triton)).sum())
+        detail["of"] = n  # expect about a third: 2f(1-f) averaged over the dropped fractions f
     record(name, bad_w == 0 and bad_s == 0 and detail.get("differs_across_seeds", 1) > 0, **detail)
+
+
+def check_optim_multi(name, alg, w_dtype, s_dtype, rounding, dev, gen, small):
+    """The multi-tensor launch (adahop.kernels.optim_step.optim_step_multi) vs the reference on each
+    tensor: ragged sizes, an empty tensor, one not 16-byte aligned (a view at element 1), streams out
+    of order; bit for bit. Under SR: exact ties split between two seeds about half and half."""
+    from adahop.kernels.optim_step import STATE_NAMES, bit_mismatches_multi, optim_step_multi, step_scalars
+
+    sizes = [3000, 5, 0, 64, 1100, 77] if small else [(1 << 21) + 5, 4096, 0, 1, 333333, 2048 * 50, 1 << 20]
+    ws = [(torch.randn(n + 1, device=dev, generator=gen)
+           * torch.exp2(torch.randint(-10, 10, (n + 1,), device=dev, generator=gen).float())).to(w_dtype)
+          for n in sizes]
+    ws = [w[1:] if i == 1 else w[:-1] for i, w in enumerate(ws)]  # ws[1]: misaligned
+    gs = [torch.randn(n, device=dev, generator=gen).to(torch.bfloat16) for n in sizes]
+    sts = [[(torch.rand(n, device=dev, generator=gen) * 1e-3).to(s_dtype) for _ in STATE_NAMES[alg]] for n in sizes]
+    sc = step_scalars(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=7, mul_lr=3e-2, cap=2.0)
+    streams = list(range(len(sizes)))[::-1]
+    bad_w, bad_s, _ = bit_mismatches_multi(alg, ws, gs, sts, sc, rounding=rounding, seed=20261202, streams=streams)
+    detail = dict(w_mismatch=bad_w, state_mismatch=bad_s)
+    ok = bad_w == 0 and bad_s == 0
+    if rounding == "stochastic" and alg == "adamw":  # ties: 1 + half an ulp, two seeds
+        n = sizes[0]
+        tie = step_scalars(lr=2.0**-8, beta1=0.0, beta2=0.0, eps=1e-30, weight_decay=0.0, step=1)
+        out = []
+        for seed in (11, 12):
+            w = [torch.ones(n, device=dev, dtype=torch.bfloat16)]
+            moments = [[torch.zeros(n, device=dev), torch.zeros(n, device=dev)]]
+            optim_step_multi("adamw", w, [-torch.ones(n, device=dev)], moments, tie, rounding="stochastic", seed=seed,
+                             backend="triton")
+            out.append(w[0])
+        frac = float((out[0] != out[1]).float().mean())
+        detail["ties_differing_across_seeds"] = round(frac, 4)
+        ok = ok and abs(frac - 0.5) < 0.03
+    record(name, ok, **detail)
 
 
 SECTIONS = ("quantize", "outputs", "sweep", "fold", "sr", "gemm", "compile", "baselines", "optim")
@@ -378,6 +413,9 @@ def main() -> int:
                 n = (1 << 22) + 123 if s else 3000  # a ragged last block
                 check_optim_step(f"optim {alg} w={str(wdt)[6:]} states={str(sdt)[6:]} {rnd}", n, alg, wdt, sdt, rnd,
                                  dev, gen)
+            for wdt, sdt, rnd in ((bf, bf, "nearest"), (bf, bf, "stochastic"), (f32, f32, "nearest")):
+                check_optim_multi(f"optim multi-tensor {alg} w={str(wdt)[6:]} states={str(sdt)[6:]} {rnd}", alg, wdt,
+                                  sdt, rnd, dev, gen, not s)
     n_fail = sum(not r["ok"] for r in RESULTS)
     print(f"\n{len(RESULTS) - n_fail}/{len(RESULTS)} checks passed in {time.time() - t0:.0f} s")
     if args.log:

@@ -15,11 +15,12 @@ import torch
 from safetensors.torch import load_file
 
 from adahop.kernels.backend import triton_available
-from adahop.kernels.optim_step import (ALGORITHMS, ROUNDINGS, STATE_NAMES, bit_mismatches, optim_step_reference,
-                                       round_bf16, step_scalars)
+from adahop.kernels.optim_step import (ALGORITHMS, ROUNDINGS, STATE_NAMES, bit_mismatches, bit_mismatches_multi,
+                                       optim_step, optim_step_multi, optim_step_reference, round_bf16, step_scalars)
 from adahop.kernels.philox import philox_randint
 from adahop.optim import (AdamW, MAdam, PackedMaster, build_optimizer, convert_master_weights, memory_bytes,
                           read_master)
+from adahop.utils import mix_seed
 
 COMBOS = [("adamw", "fp32"), ("adamw", "bf16"), ("sr-adamw", "bf16"), ("kahan-adamw", "bf16"), ("m+adam", "bf16"),
           ("m+adam", "fp8"), ("m+adam", "fp4"), ("sr-adamw", "nvfp4")]
@@ -124,6 +125,121 @@ def test_sr_adamw_steps_are_unbiased_and_fresh_per_step():
     frac = [m.float().mean().item() for m in moved]
     assert all(abs(f - 0.1) < 0.015 for f in frac), frac
     assert not torch.equal(moved[0], moved[1])
+
+
+# seed pairs that must draw independent SR bits: another seed, one bit of the key's high half, the next seed
+SEED_PAIRS = [(7, 8), (2**40 + 5, 5), (mix_seed(0, "optim", 1), mix_seed(0, "optim", 2))]
+
+
+def _tie_disagreement(backend, seed_a, seed_b, stream_a=0, stream_b=0, n=8192):
+    """Fraction of exact ties (1 + half a BF16 ulp) that two (seed, stream) draws round differently,
+    through the fused step (AdamW, betas 0, step = +half an ulp): 1/2 for independent bits."""
+    s = step_scalars(lr=2.0**-8, beta1=0.0, beta2=0.0, eps=1e-30, weight_decay=0.0, step=1)
+    ws = [torch.ones(n, dtype=torch.bfloat16) for _ in range(2)]
+    g = -torch.ones(n)
+    for w, seed, stream in ((ws[0], seed_a, stream_a), (ws[1], seed_b, stream_b)):
+        optim_step("adamw", w, g, [torch.zeros(n), torch.zeros(n)], s, rounding="stochastic", seed=seed, stream=stream,
+                   backend=backend)
+        assert set(w.float().unique().tolist()) == {1.0, 1.0 + 2.0**-7}
+        assert abs((w.float() > 1).float().mean().item() - 0.5) < 5 * (0.25 / n) ** 0.5
+    return (ws[0] != ws[1]).float().mean().item()
+
+
+@pytest.mark.parametrize("pair", SEED_PAIRS, ids=["next", "high-half", "steps"])
+def test_sr_decisions_are_independent_across_seeds(pair):
+    # half of the ties differ (5 sd: 0.028); a seed that barely entered the stream would give ~0
+    assert abs(_tie_disagreement("reference", *pair) - 0.5) < 0.028
+    assert _tie_disagreement("reference", pair[0], pair[0]) == 0.0
+
+
+def test_sr_decisions_are_independent_across_streams():
+    assert abs(_tie_disagreement("reference", 7, 7, 0, 1) - 0.5) < 0.028
+    assert abs(_tie_disagreement("reference", 7, 7, 3, 2**32 - 1) - 0.5) < 0.028
+
+
+def test_optimizer_sr_is_fresh_per_parameter_and_per_seed():
+    # the optimizer's seed and each parameter's index both reach the rounding: ties split 50/50
+    def run(seed):
+        ps = [torch.nn.Parameter(torch.ones(8192, dtype=torch.bfloat16)) for _ in range(2)]
+        opt = build_optimizer("sr-adamw", ps, lr=2.0**-8, betas=(0.0, 0.0), eps=1e-30, master="bf16", seed=seed)
+        for p in ps:
+            p.grad = -torch.ones_like(p)
+        opt.step()
+        return [p.detach().clone() for p in ps]
+    a, b = run(0), run(1)
+    for x, y in ((a[0], a[1]), (a[0], b[0]), (a[1], b[1])):
+        assert abs((x != y).float().mean().item() - 0.5) < 0.028
+
+
+@pytest.mark.parametrize("missing", [(0, 1), (2, 1), None], ids=["first-step", "after-plan", "none"])
+def test_optimizer_step_is_optim_step_per_parameter(missing):
+    # what MasterOptimizer.step does, spelled out per tensor: one launch per bucket of one step count,
+    # a parameter without a gradient is skipped but keeps its index (its Philox stream); the kept
+    # plan of a group (from the second step on) gives the same bits and is dropped when it no longer fits
+    torch.manual_seed(0)
+    shapes = [(3, 5), (7,), (2, 2, 2)]
+    ps = [torch.nn.Parameter(torch.randn(sh).bfloat16()) for sh in shapes]
+    ref = [p.detach().clone() for p in ps]
+    kw = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    opt = MAdam([{"params": ps[:2]}, {"params": ps[2:], "weight_decay": 0.0}], state_dtype=torch.bfloat16, seed=3,
+                rounding="stochastic", **kw)
+    states = [[torch.zeros(sh, dtype=torch.bfloat16) for _ in range(3)] for sh in shapes]
+    steps = [0, 0, 0]
+    for it in range(4):
+        grads = [torch.randn(sh).bfloat16() for sh in shapes]
+        for i, p in enumerate(ps):
+            p.grad = None if (it, i) == missing else grads[i].clone()
+        opt.step()
+        if missing is None and it >= 1:
+            assert all(opt._plans[gi] is not None for gi in (0, 1))  # the kept buckets did this step
+        for i in range(3):
+            if ps[i].grad is None:
+                continue
+            steps[i] += 1
+            s = step_scalars(lr=kw["lr"], beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1 if i < 2 else 0.0,
+                             step=steps[i], mul_lr=kw["lr"] * 1.0, cap=1.0)
+            optim_step("madam-arxiv-relative", ref[i], grads[i], states[i], s, rounding="stochastic",
+                       seed=mix_seed(3, "optim", steps[i]), stream=i, backend="reference")
+        for p, r in zip(ps, ref):
+            assert torch.equal(p.detach().view(torch.int16), r.view(torch.int16)), it
+
+
+def test_load_state_dict_into_a_stepped_optimizer_drops_its_plans():
+    import copy
+
+    def run(reload):
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(64).bfloat16())
+        opt = build_optimizer("kahan-adamw", [p], lr=1e-2, master="bf16", states="bf16")
+        snap = None
+        for it in range(4):
+            if it == 2:
+                snap = (p.detach().clone(), copy.deepcopy(opt.state_dict()))
+            p.grad = torch.randn(64, generator=torch.Generator().manual_seed(it)).bfloat16()
+            opt.step()
+        if reload:  # back to step 2 in the same optimizer, then the same two steps again
+            with torch.no_grad():
+                p.copy_(snap[0])
+            opt.load_state_dict(snap[1])
+            for it in (2, 3):
+                p.grad = torch.randn(64, generator=torch.Generator().manual_seed(it)).bfloat16()
+                opt.step()
+        return p.detach().clone(), [v.clone() for k, v in opt.state[p].items() if k != "step"]
+
+    (w1, st1), (w2, st2) = run(False), run(True)
+    assert torch.equal(w1.view(torch.int16), w2.view(torch.int16))
+    assert all(torch.equal(a, b) for a, b in zip(st1, st2))
+
+
+def test_multi_step_refuses_mixed_dtypes_and_repeated_streams():
+    s = step_scalars(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, step=1)
+    w = [torch.zeros(4), torch.zeros(4, dtype=torch.bfloat16)]
+    g = [torch.zeros(4), torch.zeros(4)]
+    st = [[torch.zeros(4), torch.zeros(4)] for _ in w]
+    with pytest.raises(ValueError, match="one dtype each"):
+        optim_step_multi("adamw", w, g, st, s)
+    with pytest.raises(ValueError, match="streams must be distinct"):
+        optim_step_multi("adamw", [w[0], w[0].clone()], g, st, s, streams=[1, 1])
 
 
 def test_our_adamw_matches_torch_adamw_in_fp32():
@@ -289,3 +405,108 @@ def test_interp_fused_step_bit_exact(case):
     st0 = [(torch.rand(n, generator=gen) * 1e-3).to(sdt) for _ in STATE_NAMES[alg]]
     s = step_scalars(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=3, mul_lr=3e-2, cap=2.0)
     assert bit_mismatches(alg, w0, g, st0, s, rounding=rounding, seed=1234)[:2] == (0, 0)  # weights, states
+
+
+@pytest.mark.parametrize("pair", SEED_PAIRS, ids=["next", "high-half", "steps"])
+@interp
+def test_interp_sr_decisions_are_independent_across_seeds(pair):
+    assert abs(_tie_disagreement("triton", *pair) - 0.5) < 0.028
+    assert abs(_tie_disagreement("triton", pair[0], pair[0], 0, 5) - 0.5) < 0.028  # and across streams
+
+
+def _multi_case(alg, wdt, sdt, seed=0):
+    """Tensors of ragged sizes (one empty, one misaligned: a view at element 1 of its storage)."""
+    gen = torch.Generator().manual_seed(seed)
+    sizes = [5, 1100, 0, 64, 2049, 300]
+    ws = [(torch.randn(n + 1, generator=gen) * torch.exp2(torch.randint(-8, 8, (n + 1,), generator=gen).float()))
+          .to(wdt) for n in sizes]
+    ws = [w[1:] if i == 5 else w[:-1] for i, w in enumerate(ws)]  # ws[5]: not 16-byte aligned
+    gs = [torch.randn(n, generator=gen).to(torch.bfloat16) for n in sizes]
+    sts = [[(torch.rand(n, generator=gen) * 1e-3).to(sdt) for _ in STATE_NAMES[alg]] for n in sizes]
+    return ws, gs, sts
+
+
+MULTI_CASES = [(a, torch.bfloat16, torch.bfloat16, "stochastic") for a in ALGORITHMS] + [
+    ("adamw", torch.float32, torch.float32, "nearest"), ("madam-workshop", torch.float32, torch.float32, "nearest"),
+    ("kahan", torch.bfloat16, torch.float32, "nearest")]
+
+
+@pytest.mark.parametrize("case", MULTI_CASES, ids=lambda c: f"{c[0]}-w{str(c[1])[6:]}-s{str(c[2])[6:]}-{c[3]}")
+@interp
+def test_interp_multi_step_bit_exact(case):
+    alg, wdt, sdt, rounding = case
+    ws, gs, sts = _multi_case(alg, wdt, sdt)
+    s = step_scalars(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=3, mul_lr=3e-2, cap=2.0)
+    streams = [4, 0, 9, 2, 1, 7]
+    bad_w, bad_s, out = bit_mismatches_multi(alg, ws, gs, sts, s, rounding=rounding, seed=99, streams=streams,
+                                             block=1024, num_warps=4)
+    assert (bad_w, bad_s) == (0, 0)
+    assert not torch.equal(out[1], ws[1]) and not torch.equal(out[5], ws[5])  # the step did move them
+    if rounding == "stochastic" and alg == "adamw":  # streams past 2^31 (int64 kernel arguments), both kernels
+        big = [2**32 - 1, 2**31, 5, 6, 2**31 + 7, 2**32 - 2]
+        assert bit_mismatches_multi(alg, ws, gs, sts, s, rounding=rounding, seed=99, streams=big)[:2] == (0, 0)
+        assert bit_mismatches_multi(alg, ws, gs, sts, s, rounding=rounding, seed=99, streams=big,
+                                    one_tensor=True)[:2] == (0, 0)
+    # the default block gives the same bits (the SR counter is the index in the tensor, not the block)
+    assert bit_mismatches_multi(alg, ws, gs, sts, s, rounding=rounding, seed=99, streams=streams)[:2] == (0, 0)
+
+
+@interp
+def test_interp_multi_step_builds_its_table_only_when_tensors_move(monkeypatch):
+    from adahop.kernels import _triton_optim_step as K
+    from adahop.kernels.optim_step import MultiTensorStep
+
+    ws, gs, sts = _multi_case("adamw", torch.bfloat16, torch.bfloat16, seed=1)
+    ref_w, ref_st = [w.clone() for w in ws], [[t.clone() for t in st] for st in sts]
+    s = step_scalars(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=2)
+    builds = []
+    build = K.build_table
+    monkeypatch.setattr(K, "build_table", lambda *a: builds.append(1) or build(*a))
+    fused = MultiTensorStep("adamw", sts, list(range(6)), rounding="stochastic", backend="triton")
+
+    def step(gs):
+        fused(ws, gs, s, 5)
+        optim_step_multi("adamw", ref_w, gs, ref_st, s, rounding="stochastic", seed=5, backend="reference")
+
+    step(gs)
+    step(gs)  # the same tensors: the kept table
+    assert len(builds) == fused.builds == 1
+    gs = [g.clone() for g in gs]  # new gradient tensors: a new table
+    step(gs)
+    assert len(builds) == fused.builds == 2
+    for a, b in zip(ws, ref_w):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    with pytest.raises(ValueError, match="one dtype each"):  # a moved tensor is checked again
+        fused(ws, [gs[0].float()] + gs[1:], s, 5)
+    with pytest.raises(ValueError, match="contiguous"):
+        fused(ws, gs[:1] + [torch.randn(2 * 1100).bfloat16()[::2]] + gs[2:], s, 5)
+
+
+# ----------------------------------------------------------------------------- the multi kernel, compiled (no GPU)
+def _sm90_ptx(alg: int, bf16: bool) -> str:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    from adahop.kernels import _triton_optim_step as K
+
+    names = "lr b1 omb1 b2 omb2 eps decay wdlr step_size rbc1 rsbc2 mul_lr tau cap w_max".split()
+    consts = dict(ALG=alg, W_BF16=bf16, G_BF16=bf16, S_BF16=bf16, STOCHASTIC=bf16, BLOCK=K.MULTI_BLOCK)
+    sig = {"tab_ptr": "*i64", "blk_ptr": "*i32", "seed": "i64", **dict.fromkeys(names, "fp32"),
+           **dict.fromkeys(consts, "constexpr")}
+    src = ASTSource(K._optim_multi_kernel, sig, consts, attrs={(0,): [["tt.divisibility", 16]],
+                                                               (1,): [["tt.divisibility", 16]]})
+    return compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=K.MULTI_WARPS,
+                                                                       enable_fp_fusion=False)).asm["ptx"]
+
+
+@pytest.mark.skipif(not triton_available() or INTERPRET, reason="needs triton's CUDA backend (compiles, runs nothing)")
+@pytest.mark.parametrize("alg,bf16,tensors", [(0, True, 4), (4, False, 6)], ids=["adamw-bf16-sr", "workshop-fp32"])
+def test_multi_kernel_full_blocks_move_16_bytes_per_access(alg, bf16, tensors):
+    # the table's addresses are loaded values: without the alignment hint on the pointer and the
+    # constant mask of full blocks, every element would be its own 2- or 4-byte load (round 7's fix)
+    try:
+        ptx = _sm90_ptx(alg, bf16)
+    except (ImportError, RuntimeError) as e:  # a Triton build without the NVIDIA backend
+        pytest.skip(f"no sm_90 compile here: {e}")
+    assert ptx.count("ld.global.v4") >= tensors  # w, g and each state, in the full-block branch
+    assert ptx.count("st.global.v4") >= tensors - 1  # w and each state

@@ -22,7 +22,14 @@ Bit-exactness of the twins: the reference uses only correctly rounded FP32 opera
 ``-``, ``/``, ``sqrt``) in the kernel's order, every scalar is an FP32 value computed once on the
 host (:func:`step_scalars`), the kernel uses ``div_rn``/``sqrt_rn`` and is compiled without FMA
 contraction, ``2^y`` is the same Horner polynomial in both, and stochastic rounding takes 16 bits of
-``tl.randint(seed, index)`` (:func:`adahop.kernels.philox.philox_randint` reproduces it).
+Philox(key ``seed``, counter ``(index, stream, 0, 0)``) (:func:`adahop.kernels.philox.philox_randint`
+reproduces Triton's ``philox``): ``index`` is the element's flat index in its tensor, ``stream`` a
+number per tensor (the optimizer passes the parameter's index), so one seed per step serves every
+tensor of a launch.
+
+:func:`optim_step_multi` updates a list of tensors in one launch (a table of their addresses; the
+per-tensor launches of :func:`optim_step` were host-bound); its results are those of
+:func:`optim_step` on each tensor with its stream, bit for bit.
 """
 
 from __future__ import annotations
@@ -38,7 +45,8 @@ from .exp2_poly import EXP_COEFFS, LN2
 from .philox import philox_randint
 
 __all__ = ["ALGORITHMS", "ROUNDINGS", "STATE_NAMES", "StepScalars", "step_scalars", "optim_update", "round_bf16",
-           "optim_step", "optim_step_reference", "optim_step_triton", "bit_mismatches", "LN2"]
+           "optim_step", "optim_step_reference", "optim_step_triton", "optim_step_multi", "MultiTensorStep",
+           "bit_mismatches", "bit_mismatches_multi", "LN2"]
 
 #: The update rules, with the names of their state buffers (in kernel argument order).
 STATE_NAMES: dict[str, tuple[str, ...]] = {
@@ -167,14 +175,14 @@ def optim_update(algorithm: str, w: torch.Tensor, g: torch.Tensor, states: list[
     raise ValueError(f"algorithm={algorithm!r} is not known; use one of {ALGORITHMS}")
 
 
-def round_bf16(x: torch.Tensor, rounding: str, seed: int = 0) -> torch.Tensor:
+def round_bf16(x: torch.Tensor, rounding: str, seed: int = 0, stream: int = 0) -> torch.Tensor:
     """FP32 ``x`` → BF16, to nearest-even or stochastically: ``(bits + r) >> 16`` with ``r`` the low
-    16 bits of ``philox_randint(seed, flat index)`` (up with probability = the dropped fraction).
-    NaN stays NaN, ±Inf stays ±Inf. Shape kept; ``x`` must be contiguous FP32."""
+    16 bits of ``philox_randint(seed, flat index, stream=stream)`` (up with probability = the dropped
+    fraction). NaN stays NaN, ±Inf stays ±Inf. Shape kept; ``x`` must be contiguous FP32."""
     if rounding == "nearest":
         return x.to(torch.bfloat16)
     bits = x.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    r = philox_randint(seed, torch.arange(x.numel(), device=x.device)).view(x.shape) & 0xFFFF
+    r = philox_randint(seed, torch.arange(x.numel(), device=x.device), stream=stream).view(x.shape) & 0xFFFF
     hi = ((bits + r) >> 16) & 0xFFFF
     hi = torch.where(torch.isnan(x), 0x7FC0, hi)
     out = hi << 16
@@ -202,13 +210,13 @@ def _check(algorithm: str, w, g, states, rounding: str) -> None:
 
 
 def optim_step_reference(algorithm: str, w: torch.Tensor, g: torch.Tensor, states: list[torch.Tensor],
-                         s: StepScalars, *, rounding: str = "nearest", seed: int = 0) -> None:
+                         s: StepScalars, *, rounding: str = "nearest", seed: int = 0, stream: int = 0) -> None:
     """Update ``w`` and ``states`` in place (see the module docstring; arguments as :func:`optim_step`)."""
     _check(algorithm, w, g, states, rounding)
     w32, g32 = w.float(), g.float()
     new_w, new_states = optim_update(algorithm, w32, g32, [t.float() for t in states], s)
     if w.dtype == torch.bfloat16:
-        stored = round_bf16(new_w, rounding, seed)
+        stored = round_bf16(new_w, rounding, seed, stream)
     else:
         stored = new_w
     if algorithm == "kahan":  # what the stored weight failed to take up is carried to the next step
@@ -219,17 +227,17 @@ def optim_step_reference(algorithm: str, w: torch.Tensor, g: torch.Tensor, state
 
 
 def optim_step_triton(algorithm: str, w: torch.Tensor, g: torch.Tensor, states: list[torch.Tensor],
-                      s: StepScalars, *, rounding: str = "nearest", seed: int = 0) -> None:
+                      s: StepScalars, *, rounding: str = "nearest", seed: int = 0, stream: int = 0) -> None:
     """The fused Triton kernel: same arguments and results as :func:`optim_step_reference`, bit for
     bit (one launch per tensor; ``_triton_optim_step.py``)."""
     _check(algorithm, w, g, states, rounding)
     from . import _triton_optim_step  # lazy: Triton only here
 
-    _triton_optim_step.launch(ALG_IDS[algorithm], w, g.contiguous(), states, s, rounding == "stochastic", seed)
+    _triton_optim_step.launch(ALG_IDS[algorithm], w, g.contiguous(), states, s, rounding == "stochastic", seed, stream)
 
 
 def optim_step(algorithm: str, w: torch.Tensor, g: torch.Tensor, states: list[torch.Tensor], s: StepScalars, *,
-               rounding: str = "nearest", seed: int = 0, backend: str = "auto") -> None:
+               rounding: str = "nearest", seed: int = 0, stream: int = 0, backend: str = "auto") -> None:
     """Apply one optimizer update to one tensor, in place.
 
     Args:
@@ -241,7 +249,9 @@ def optim_step(algorithm: str, w: torch.Tensor, g: torch.Tensor, states: list[to
         s: the step's FP32 constants (:func:`step_scalars`).
         rounding: ``"nearest"`` (even) or ``"stochastic"`` for a BF16 ``w`` (states always round to
             nearest; an FP32 ``w`` is not rounded).
-        seed: 64-bit Philox seed of this tensor's stochastic rounding (fresh per step and rank).
+        seed: 64-bit Philox seed (key) of the stochastic rounding (fresh per step and rank).
+        stream: Philox counter word 1, ``0 <= stream < 2**32``: tensors rounded under one seed
+            need distinct streams.
         backend: ``"auto"`` (Triton on CUDA, else reference), ``"triton"`` or ``"reference"``.
 
     Raises:
@@ -249,7 +259,115 @@ def optim_step(algorithm: str, w: torch.Tensor, g: torch.Tensor, states: list[to
         RuntimeError: ``backend="triton"`` without Triton or a CUDA device.
     """
     fn = optim_step_triton if resolve_backend(backend, w.device) == "triton" else optim_step_reference
-    fn(algorithm, w, g, states, s, rounding=rounding, seed=seed)
+    fn(algorithm, w, g, states, s, rounding=rounding, seed=seed, stream=stream)
+
+
+def _check_multi(algorithm: str, ws, gs, states, streams, rounding: str) -> None:
+    if not len(ws) == len(gs) == len(states) == len(streams):
+        raise ValueError(f"optim_step_multi: {len(ws)} weights, {len(gs)} gradients, {len(states)} state lists and "
+                         f"{len(streams)} streams; give one of each per tensor")
+    if len(set(streams)) != len(streams) or any(not 0 <= k < 2**32 for k in streams):
+        raise ValueError("optim_step_multi: streams must be distinct and in [0, 2**32) (one Philox stream per tensor)")
+    for w, g, st in zip(ws, gs, states):
+        _check(algorithm, w, g, st, rounding)
+        if not g.is_contiguous():
+            raise ValueError(f"optim_step_multi: a gradient of strides {g.stride()}; pass contiguous gradients")
+    kinds = {(w.device, w.dtype, g.dtype, *(t.dtype for t in st)) for w, g, st in zip(ws, gs, states)}
+    if len(kinds) > 1:
+        raise ValueError(f"optim_step_multi: one launch takes one device and one dtype each for weights, gradients "
+                         f"and states, got {len(kinds)} kinds; group the tensors (MasterOptimizer does)")
+
+
+class MultiTensorStep:
+    """:func:`optim_step_multi` prepared for fixed state tensors, for a training loop: the Triton
+    table of addresses is built on the first call and again only when a weight or gradient has
+    moved (its address is the key: a step of a training loop copies nothing to the device, checks
+    nothing but the addresses and the gradients' layout, and never syncs).
+
+    Args:
+        algorithm, rounding, backend: as :func:`optim_step`.
+        states: per tensor its state list (:data:`STATE_NAMES` order), one dtype for all, on one device.
+        streams: distinct Philox streams, one per tensor, in ``[0, 2**32)``.
+        block, num_warps: the Triton kernel's elements per program and warps (results do not depend
+            on them; default ``_triton_optim_step.MULTI_BLOCK``/``MULTI_WARPS``).
+
+    Call with ``(ws, gs, s, seed)``: the weights and their gradients, in the order of ``states``.
+    ``builds`` counts the tables built (1 in a loop whose gradients keep their addresses, as the
+    caching allocator's usually do).
+
+    Raises:
+        ValueError: as :func:`optim_step_multi`, at the first call or when the tensors have moved.
+    """
+
+    def __init__(self, algorithm: str, states: list[list[torch.Tensor]], streams: list[int], *,
+                 rounding: str = "nearest", backend: str = "auto", block: int | None = None,
+                 num_warps: int | None = None):
+        if algorithm not in STATE_NAMES:
+            raise ValueError(f"algorithm={algorithm!r} is not known; use one of {ALGORITHMS}")
+        self.algorithm, self.states, self.streams, self.rounding = algorithm, states, list(streams), rounding
+        dev = states[0][0].device if states else torch.device("cpu")
+        self.triton = bool(states) and resolve_backend(backend, dev) == "triton"
+        self.block, self.num_warps = block, num_warps
+        self._key, self.builds = None, 0
+
+    def __call__(self, ws: list[torch.Tensor], gs: list[torch.Tensor], s: StepScalars, seed: int) -> None:
+        if not self.triton:
+            _check_multi(self.algorithm, ws, gs, self.states, self.streams, self.rounding)
+            for w, g, st, k in zip(ws, gs, self.states, self.streams):
+                optim_step_reference(self.algorithm, w, g, st, s, rounding=self.rounding, seed=seed, stream=k)
+            return
+        from . import _triton_optim_step as K  # lazy: Triton only here
+
+        key = (*map(torch.Tensor.data_ptr, ws), *map(torch.Tensor.data_ptr, gs))
+        if key != self._key or not all(map(torch.Tensor.is_contiguous, gs)):
+            self._key = None
+            _check_multi(self.algorithm, ws, gs, self.states, self.streams, self.rounding)
+            self.block, self.num_warps = self.block or K.MULTI_BLOCK, self.num_warps or K.MULTI_WARPS
+            self._tab, self._blk, self._odd = K.build_table(ws, gs, self.states, self.streams, self.block)
+            self._dtypes = (ws[0].dtype, gs[0].dtype, self.states[0][0].dtype)
+            self._key, self.builds = key, self.builds + 1
+        alg, sr = ALG_IDS[self.algorithm], self.rounding == "stochastic"
+        for i in self._odd:
+            K.launch(alg, ws[i], gs[i], self.states[i], s, sr, seed, self.streams[i])
+        if self._tab is not None:
+            K.launch_table(alg, self._tab, self._blk, s, sr, seed, *self._dtypes, self.block, self.num_warps)
+
+
+def optim_step_multi(algorithm: str, ws: list[torch.Tensor], gs: list[torch.Tensor], states: list[list[torch.Tensor]],
+                     s: StepScalars, *, rounding: str = "nearest", seed: int = 0, streams: list[int] | None = None,
+                     backend: str = "auto", block: int | None = None, num_warps: int | None = None) -> None:
+    """Apply one optimizer update to every tensor of a list, in place, in one kernel launch.
+
+    The result is bit for bit that of ``optim_step(algorithm, ws[i], gs[i], states[i], s,
+    rounding=rounding, seed=seed, stream=streams[i])`` for each ``i``. The Triton kernel reads a
+    table of the tensors' addresses (and launches the one-tensor kernel for any tensor not 16-byte
+    aligned); the reference loops. A training loop keeps a :class:`MultiTensorStep` instead, which
+    builds that table once.
+
+    Args:
+        algorithm, s, rounding, seed, backend: as :func:`optim_step`.
+        ws, gs, states: per tensor the weight, its gradient and its state list, as :func:`optim_step`
+            takes them; all on one device, with one dtype for every weight, one for every gradient and
+            one for every state; gradients contiguous.
+        streams: distinct Philox streams, one per tensor (default ``0, 1, ...``).
+        block, num_warps: as :class:`MultiTensorStep`.
+
+    Raises:
+        ValueError: as :func:`optim_step`; lists of different lengths, repeated streams, mixed
+            devices or dtypes, non-contiguous gradients.
+        RuntimeError: ``backend="triton"`` without Triton or a CUDA device.
+    """
+    if not ws:
+        return
+    streams = list(range(len(ws))) if streams is None else list(streams)
+    if len(states) != len(ws):
+        raise ValueError(f"optim_step_multi: {len(ws)} weights but {len(states)} state lists; give one per tensor")
+    MultiTensorStep(algorithm, states, streams, rounding=rounding, backend=backend, block=block,
+                    num_warps=num_warps)(ws, gs, s, seed)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
 
 
 def bit_mismatches(algorithm: str, w: torch.Tensor, g: torch.Tensor, states: list[torch.Tensor], s: StepScalars, *,
@@ -260,12 +378,28 @@ def bit_mismatches(algorithm: str, w: torch.Tensor, g: torch.Tensor, states: lis
 
     Raises:
         as :func:`optim_step` with ``backend="triton"``."""
+    bad_w, bad_s, ws = bit_mismatches_multi(algorithm, [w], [g], [states], s, rounding=rounding, seed=seed,
+                                            streams=[0], one_tensor=True)
+    return bad_w, bad_s, ws[0]
+
+
+def bit_mismatches_multi(algorithm: str, ws: list[torch.Tensor], gs: list[torch.Tensor],
+                         states: list[list[torch.Tensor]], s: StepScalars, *, rounding: str = "nearest", seed: int = 0, streams: list[int] | None = None,
+                         one_tensor: bool = False, **launch) -> tuple[int, int, list[torch.Tensor]]:
+    """:func:`bit_mismatches` of :func:`optim_step_multi` (``one_tensor``: of :func:`optim_step` on
+    each tensor): the Triton launch against the reference on copies; ``launch``: ``block``,
+    ``num_warps``. Returns ``(weight bits differing, state bits differing, Triton's new weights)``."""
+    streams = list(range(len(ws))) if streams is None else streams
     outs = []
     for backend in ("reference", "triton"):
-        w1, st1 = w.clone(), [t.clone() for t in states]
-        optim_step(algorithm, w1, g, st1, s, rounding=rounding, seed=seed, backend=backend)
+        w1, st1 = [w.clone() for w in ws], [[t.clone() for t in st] for st in states]
+        if one_tensor:
+            for w, g, st, k in zip(w1, gs, st1, streams):
+                optim_step(algorithm, w, g, st, s, rounding=rounding, seed=seed, stream=k, backend=backend)
+        else:
+            optim_step_multi(algorithm, w1, gs, st1, s, rounding=rounding, seed=seed, streams=streams, backend=backend,
+                             **launch)
         outs.append((w1, st1))
-    bits = lambda t: t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)  # noqa: E731
-    bad_w = int((bits(outs[0][0]) != bits(outs[1][0])).sum())
-    bad_s = sum(int((bits(a) != bits(b)).sum()) for a, b in zip(outs[0][1], outs[1][1]))
+    bad_w = sum(int((_bits(a) != _bits(b)).sum()) for a, b in zip(outs[0][0], outs[1][0]))
+    bad_s = sum(int((_bits(a) != _bits(b)).sum()) for sa, sb in zip(outs[0][1], outs[1][1]) for a, b in zip(sa, sb))
     return bad_w, bad_s, outs[1][0]

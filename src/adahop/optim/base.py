@@ -1,9 +1,10 @@
 """`MasterOptimizer`: the shared step of every optimizer here, over any master-weight storage.
 
-Each parameter is updated by one fused elementwise pass (:func:`adahop.kernels.optim_step`: the
-Triton kernel on CUDA, its bit-exact PyTorch reference elsewhere) for FP32/BF16 masters, or by the
-same FP32 update followed by a re-pack (:func:`adahop.optim.master.write_master`) for packed FP8/FP4
-masters. States live in ``state_dtype`` (FP32 or BF16) and keep it through ``load_state_dict``
+The FP32/BF16 masters of a parameter group are updated by one fused elementwise launch
+(:func:`adahop.kernels.optim_step.optim_step_multi`: the Triton kernel on CUDA, its bit-exact PyTorch
+reference elsewhere); packed FP8/FP4 masters one by one, by the same FP32 update followed by a
+re-pack (:func:`adahop.optim.master.write_master`). States live in ``state_dtype`` (FP32 or BF16)
+and keep it through ``load_state_dict``
 (torch's loader would cast them to the parameter's dtype). Under FSDP2 a parameter is a DTensor
 and the update runs on its local shard, so the states are sharded exactly like the parameters.
 """
@@ -14,7 +15,7 @@ import math
 
 import torch
 
-from ..kernels.optim_step import STATE_NAMES, optim_step, optim_update, step_scalars
+from ..kernels.optim_step import STATE_NAMES, MultiTensorStep, optim_step_multi, optim_update, step_scalars
 from ..utils import mix_seed
 from .master import PackedMaster, read_master, write_master
 
@@ -35,8 +36,9 @@ class MasterOptimizer(torch.optim.Optimizer):
         params: parameters or parameter groups, as for ``torch.optim.AdamW``.
         lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (decoupled weight decay).
         state_dtype: ``torch.float32`` or ``torch.bfloat16`` for every state buffer.
-        seed: run seed of the stochastic rounding; each parameter's Philox seed mixes it with the
-            step and the parameter's index (pass a per-rank seed under data parallelism).
+        seed: run seed of the stochastic rounding; each step's Philox key mixes it with the step,
+            and each parameter draws from its own stream (its index); pass a per-rank seed under
+            data parallelism.
         backend: ``auto`` (fused Triton kernel on CUDA), ``triton`` or ``reference``.
         rounding: ``nearest`` or ``stochastic`` rounding of the master write.
         **extra: per-group hyper-parameters of the rule (``mul_lr_scale``, ``tau``, ``cap``, ``w_max``).
@@ -63,6 +65,7 @@ class MasterOptimizer(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **extra))
         self.state_dtype, self.seed, self.backend, self.rounding = state_dtype, seed, backend, rounding
         self._stash = None
+        self._plans: dict[int, _Plan] = {}  # group index → its kept buckets (step)
         self.register_load_state_dict_pre_hook(lambda opt, sd: setattr(opt, "_stash", sd["state"]))
         self.register_load_state_dict_post_hook(lambda opt: opt._restore_state_dtypes())
 
@@ -79,6 +82,7 @@ class MasterOptimizer(torch.optim.Optimizer):
     def _restore_state_dtypes(self) -> None:
         """After ``load_state_dict``: the states as saved (their own dtype), not cast to the parameter's."""
         stash, self._stash = self._stash, None
+        self._plans.clear()  # they hold the old state tensors
         if not stash:
             return
         params = [p for g in self.param_groups for p in g["params"]]
@@ -98,31 +102,51 @@ class MasterOptimizer(torch.optim.Optimizer):
     # -- step -------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
-        """One update of every parameter that has a gradient; returns ``closure()`` if given."""
+        """One update of every parameter that has a gradient; returns ``closure()`` if given.
+
+        FP32/BF16 masters go to the fused multi-tensor step, one launch per (device, dtypes) bucket
+        of a group, normally one per group; stochastic rounding keys Philox with one seed per step
+        (``mix_seed(seed, "optim", step)``) and gives each parameter its own stream (its index over
+        all groups). Packed masters update one by one. Once every parameter of a group has the same
+        step count and a gradient, the group's buckets are kept (:class:`_Plan`) and a step only
+        reads the gradients and launches."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        index = 0
-        for group in self.param_groups:
-            scalars = {}  # one set of constants per step count in the group (host time: one per tensor adds up)
-            for p in group["params"]:
-                index += 1
-                if p.grad is None:
-                    continue
-                st = self._init_state(p)
-                st["step"] += 1
-                if st["step"] not in scalars:
-                    scalars[st["step"]] = self._scalars(group, st["step"])
-                s = scalars[st["step"]]
-                seed = mix_seed(self.seed, "optim", st["step"], index - 1)
-                states = [_local(st[n]) for n in STATE_NAMES[self.algorithm]]
-                if isinstance(p, PackedMaster):
-                    self._packed_step(p, p.grad, states, s, seed)
-                else:
-                    optim_step(self.algorithm, _local(p), _local(p.grad), states, s, rounding=self.rounding, seed=seed,
-                               backend=self.backend)
+        base = 0
+        for gi, group in enumerate(self.param_groups):
+            plan = self._plans.get(gi)
+            if plan is None or not plan.step(self, group, base):
+                self._plans.pop(gi, None)
+                self._general_step(group, base)
+                self._plans[gi] = _Plan.build(self, group, base)
+            base += len(group["params"])
         return loss
+
+    def _general_step(self, group: dict, base: int) -> None:
+        names = STATE_NAMES[self.algorithm]
+        buckets: dict = {}
+        for index, p in enumerate(group["params"], base):
+            if p.grad is None:
+                continue
+            st = self._init_state(p)
+            st["step"] += 1
+            step = st["step"]
+            if isinstance(p, PackedMaster):
+                self._packed_step(p, p.grad, [_local(st[n]) for n in names], self._scalars(group, step),
+                                  mix_seed(self.seed, "optim", step, index))
+                continue
+            w, g = _local(p), _local(p.grad)
+            if not g.is_contiguous():
+                g = g.contiguous()
+            states = [_local(st[n]) for n in names]
+            b = buckets.setdefault((step, w.device, w.dtype, g.dtype, states[0].dtype), ([], [], [], []))
+            for lst, v in zip(b, (w, g, states, index)):
+                lst.append(v)
+        for (step, *_), (ws, gs, sts, streams) in buckets.items():
+            optim_step_multi(self.algorithm, ws, gs, sts, self._scalars(group, step), rounding=self.rounding,
+                             seed=mix_seed(self.seed, "optim", step), streams=streams, backend=self.backend)
 
     def _packed_step(self, p: PackedMaster, g: torch.Tensor, states: list, s, seed: int) -> None:
         # the FP32 update of the fused step, then one rounding into the packed format
@@ -134,3 +158,68 @@ class MasterOptimizer(torch.optim.Optimizer):
             new_states[2] = new_states[2] - (read_master(p) - w32)
         for t, v in zip(states, new_states):
             t.copy_(v)
+
+
+class _Plan:
+    """A parameter group's fused buckets, kept between steps while nothing about the group changes:
+    the same parameter list, every parameter with a gradient (contiguous) and one step count, the
+    same rounding and backend, states not reloaded (``load_state_dict`` drops every plan). A step
+    then costs the gradients' addresses and one launch per bucket (host time was the fused step's
+    bottleneck: `docs/benchmarks.md` round 7)."""
+
+    @classmethod
+    def build(cls, opt: MasterOptimizer, group: dict, base: int):
+        params = group["params"]
+        if not params or any(p.grad is None for p in params):
+            return None
+        sts = [opt.state[p] for p in params]
+        if len({st["step"] for st in sts}) != 1:
+            return None
+        self = cls()
+        self.params, self.n, self.base, self.cfg = params, len(params), base, (opt.rounding, opt.backend)
+        self.states, self.count = sts, sts[0]["step"]
+        self.local = any(hasattr(p, "_local_tensor") for p in params)
+        names = STATE_NAMES[opt.algorithm]
+        self.packed = [i for i, p in enumerate(params) if isinstance(p, PackedMaster)]
+        groups: dict = {}
+        for i, p in enumerate(params):
+            if not isinstance(p, PackedMaster):
+                w, g, s0 = _local(p), _local(p.grad), _local(sts[i][names[0]])
+                groups.setdefault((w.device, w.dtype, g.dtype, s0.dtype), []).append(i)
+        self.buckets = [(idx, MultiTensorStep(opt.algorithm, [[_local(sts[i][n]) for n in names] for i in idx],
+                                              [base + i for i in idx], rounding=opt.rounding, backend=opt.backend))
+                        for idx in groups.values()]
+        self.whole = len(self.buckets) == 1 and len(self.buckets[0][0]) == self.n
+        return self
+
+    def step(self, opt: MasterOptimizer, group: dict, base: int) -> bool:
+        """One step of the group; False (nothing done) if the plan no longer fits it."""
+        params = group["params"]
+        if params is not self.params or len(params) != self.n or base != self.base or \
+                self.cfg != (opt.rounding, opt.backend):
+            return False
+        gs = [p.grad for p in params]
+        for g in gs:
+            if g is None:
+                return False
+        if self.local:
+            ws, gs = [_local(p) for p in params], [_local(g) for g in gs]
+        else:
+            ws = params
+        if not all(map(torch.Tensor.is_contiguous, gs)):
+            return False
+        step = self.count = self.count + 1
+        for st in self.states:
+            st["step"] = step
+        s = opt._scalars(group, step)
+        seed = mix_seed(opt.seed, "optim", step)
+        if self.whole:
+            self.buckets[0][1](ws, gs, s, seed)
+        else:
+            for idx, fused in self.buckets:
+                fused([ws[i] for i in idx], [gs[i] for i in idx], s, seed)
+        names = STATE_NAMES[opt.algorithm]
+        for i in self.packed:
+            opt._packed_step(params[i], gs[i], [_local(self.states[i][n]) for n in names], s,
+                             mix_seed(opt.seed, "optim", step, base + i))
+        return True
