@@ -129,7 +129,7 @@ def fit_harp(w: torch.Tensor, h: torch.Tensor, transform: TwoSided, grid: Grid, 
         loss.backward()
         opt.step()
         if step % 50 == 0:
-            hist.append(float(loss))
+            hist.append(float(loss.detach()))
     transform.u.round_params_fp16()
     transform.v.round_params_fp16()
     if sync:

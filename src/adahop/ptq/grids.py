@@ -60,14 +60,20 @@ class Grid:
 
     def fake_quantize(self, w: torch.Tensor) -> torch.Tensor:
         """RTN of ``w`` ``[m, n]``: every group rounded under its own scales (float32)."""
-        self.prepare(w)
-        return torch.cat([self.round(w[:, a:b], self.scales(w[:, a:b]))[1] for a, b in _groups(w.shape[1], self.group_size)], 1)
+        return self.quantize(w)[2]
 
     def quantize(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """RTN with everything the artifact needs: (codes uint8 ``[m, n]``, scales ``[m, n_groups]``, values)."""
         self.prepare(w)
+        m, n = w.shape
+        g = self.group_size
+        if n % g == 0:  # all groups at once: one row per (row, group)
+            wg = w.reshape(m * (n // g), g)
+            s = self.scales(wg)
+            c, v = self.round(wg, s)
+            return c.reshape(m, n), s.reshape(m, n // g), v.reshape(m, n)
         codes, scales, vals = [], [], []
-        for a, b in _groups(w.shape[1], self.group_size):
+        for a, b in _groups(n, g):
             s = self.scales(w[:, a:b])
             c, v = self.round(w[:, a:b], s)
             codes.append(c), scales.append(s), vals.append(v)
