@@ -70,6 +70,12 @@ def test_the_two_sided_transform_is_exact(rot, gen):
     else:
         u, v = RHTRotation(m), RHTRotation(n)
     t = TwoSided.random_signs(u, v, generator=gen)
+    with torch.no_grad():
+        _check_exact(t, u, v, w, gen)
+
+
+def _check_exact(t, u, v, w, gen):
+    n = w.shape[1]
     wt = t.weight(w)
     su, sv = torch.diag(t.s_out), torch.diag(t.s_in)
     uu, vv = u.dense(), v.dense()
