@@ -96,3 +96,18 @@ def test_bad_input_is_refused_with_the_fix(run_dir, tmp_path, capsys):
     assert not (tmp_path / "a").exists()  # refused before anything was loaded or written
     assert _ptq(run_dir, tmp_path / "b", "--method", "rtn", "--bits", "4", "--calib-tokens", "0") == 2
     assert "--calib-tokens 0: must be >= 1" in capsys.readouterr().err
+
+
+def test_eval_tasks_add_the_zero_shot_average(run_dir, tmp_path, capsys):
+    pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install 'adahop[eval]')")
+    from test_eval import make_task_data  # the wheel-layout fixture of the eval tests
+
+    root = make_task_data(tmp_path / "tasks")
+    out = tmp_path / "rtn4"
+    assert _ptq(run_dir, out, "--method", "rtn", "--bits", "4", "--skip-baseline", "--eval-tasks", "piqa",
+                "--eval-limit", "3", "--task-data", str(root)) == 0
+    res = json.loads((out / "ptq.json").read_text())
+    acc = res["zero_shot"]["tasks"]["piqa"]["metrics"]["acc"]
+    assert res["zero_shot"]["tasks"]["piqa"]["n_samples"]["effective"] == 3
+    printed = capsys.readouterr().out
+    assert "zero-shot avg |" in printed and f"| {100 * acc:.2f} |" in printed
