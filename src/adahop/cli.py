@@ -1,4 +1,4 @@
-"""The `adahop` command line: data prepare, train, compare, recipes, analyze, bench, eval.
+"""The `adahop` command line: data prepare, train, compare, recipes, analyze, bench, eval, ptq.
 
 Building the parser imports nothing heavy (no torch, transformers or kernels): ``--help`` and option
 errors answer at once; each command imports what it needs when it runs.
@@ -60,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     from .eval.cli import add_arguments as add_eval  # light: heavy imports happen inside run()
 
     add_eval(ev)
+
+    pq = sub.add_parser("ptq", help="post-training quantization: RTN / GPTQ, with RHT or HARP rotations, 2-4 bits")
+    from .ptq.cli import add_arguments as add_ptq  # light: heavy imports happen inside run()
+
+    add_ptq(pq)
     return p
 
 
@@ -172,6 +177,11 @@ def main(argv: list[str] | None = None) -> int:
             from .eval.cli import run as run_eval
 
             run_eval(args)
+        elif args.cmd == "ptq":
+            _quiet_imports()
+            from .ptq.cli import run as run_ptq
+
+            run_ptq(args)
     except ValueError as e:
         print(f"adahop {args.cmd}: error: {e}", file=sys.stderr)
         _leave_error(args, f"adahop {args.cmd}: error: {e}")

@@ -1,0 +1,230 @@
+"""The PTQ table of issue 22: method × bits for each model, then MXFP4 W4 with RHT and HARP.
+
+    # GPU (the lead's H200): models trained with `adahop train`, a prepared corpus
+    python scripts/run_ptq_experiment.py --data data/main --models runs/m125-bf16,runs/m125-lv2,runs/m350-bf16,runs/m350-lv2 \
+        --out experiments/ptq --budget-s 5400
+    # CPU smoke run: trains llama-tiny for 60 steps on the default corpus, then a short table (~10 min on 2 cores)
+    python scripts/run_ptq_experiment.py --smoke --out experiments/ptq-smoke
+
+Each cell is one `adahop ptq` process (a crash or an out-of-memory error costs that cell only) writing
+``OUT/<model>/<method>-w<bits>-<quantizer>/``; a cell whose ``ptq.json`` exists is finished and is
+skipped when the script runs again, so an interrupted or budget-cut run resumes where it stopped.
+The unquantized perplexity of each model comes from `adahop eval` with the same windows. Cells start
+only while ``--budget-s`` lasts, and each is given what is left of it as its timeout. The results go
+to ``OUT/summary.json`` and ``OUT/summary.md`` (tables, the ordering target of the issue checked cell
+by cell, the BF16- vs adahop-lv2-trained comparison at MXFP4 W4, and HARP fitting time per layer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+INT_METHODS = ("rtn", "gptq", "rht-gptq", "harp-gptq")
+MX_METHODS = ("rht-gptq", "harp-gptq")
+
+
+def cells(models: list[str], bits: list[int], methods: list[str], mx: bool) -> list[tuple[str, str, int, str]]:
+    """(model, method, bits, quantizer) in the order they run: the cheap cells of every model first,
+    then HARP (the expensive one), 2 bits first, where the issue expects the largest gap."""
+    cheap = [m for m in methods if not m.startswith("harp")]
+    harp = [m for m in methods if m.startswith("harp")]
+    out = [(mo, me, b, "int") for mo in models for b in bits for me in cheap]
+    if mx:
+        out += [(mo, me, 4, "mxfp4") for mo in models for me in MX_METHODS if not me.startswith("harp")]
+    out += [(mo, me, b, "int") for b in bits for mo in models for me in harp]
+    if mx:
+        out += [(mo, me, 4, "mxfp4") for mo in models for me in MX_METHODS if me.startswith("harp")]
+    return out
+
+
+def cell_dir(out: Path, model: str, method: str, bits: int, quantizer: str) -> Path:
+    return out / Path(model).name / f"{method}-w{bits}-{quantizer}"
+
+
+def run(cmd: list[str], log: Path, timeout: float) -> tuple[int | str, float]:
+    """Run ``cmd`` with its output in ``log``; returns (exit code or "timeout", seconds)."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        f.write(" ".join(cmd) + "\n\n")
+        f.flush()
+        try:
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=max(timeout, 1), env={**os.environ, "TQDM_DISABLE": "1"}).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    return rc, time.perf_counter() - t0
+
+
+def baseline(args, model: str, out: Path, deadline: float) -> dict | None:
+    """The unquantized model's perplexity, by `adahop eval` on the windows `adahop ptq` scores."""
+    path = out / Path(model).name / "baseline.json"
+    if not path.exists():
+        cmd = [sys.executable, "-m", "adahop", "eval", model, "--tasks", "none", "--data", args.data,
+               "--batch-size", str(args.batch_size), "--device", args.device, "--out", str(path)]
+        cmd += ["--seq-len", str(args.seq_len)] if args.seq_len else []
+        cmd += ["--eval-batches", str(args.eval_batches)] if args.eval_batches else []
+        rc, _ = run(cmd, path.with_suffix(".log"), deadline - time.time())
+        if rc != 0:
+            print(f"  baseline of {model}: failed ({rc}), see {path.with_suffix('.log')}")
+            return None
+    return json.loads(path.read_text())["perplexity"]
+
+
+def ptq_cmd(args, model, method, bits, quantizer, d: Path) -> list[str]:
+    cmd = [sys.executable, "-m", "adahop", "ptq", model, "--method", method, "--bits", str(bits), "--quantizer", quantizer,
+           "--calib-data", args.data, "--calib-tokens", str(args.calib_tokens), "--batch-size", str(args.batch_size),
+           "--harp-steps", str(args.harp_steps), "--device", args.device, "--skip-baseline", "--out", str(d)]
+    cmd += ["--seq-len", str(args.seq_len)] if args.seq_len else []
+    cmd += ["--eval-batches", str(args.eval_batches)] if args.eval_batches else []
+    cmd += ["--group-size", str(args.group_size)] if quantizer == "int" and args.group_size else []
+    return cmd
+
+
+def smoke_model(args, out: Path) -> str:
+    """llama-tiny trained for 60 steps on the default corpus (once), for the CPU smoke mode."""
+    run_dir = out / "smoke-llama-tiny"
+    if not (run_dir / "summary.json").exists():
+        cmd = [sys.executable, "-m", "adahop", "train", "--recipe", "bf16", "--model", "llama-tiny", "--data", "default",
+               "--steps", "60", "--device", "cpu", "--out", str(run_dir)]
+        rc, secs = run(cmd, out / "smoke-train.log", 3600)
+        if rc != 0:
+            raise SystemExit(f"training the smoke model failed ({rc}); see {out / 'smoke-train.log'}")
+        print(f"trained {run_dir} in {secs:.0f} s")
+    return str(run_dir)
+
+
+def summarize(out: Path, rows: list[dict], bases: dict[str, dict | None]) -> str:
+    """summary.md: per model the method × bits table, the ordering check, MXFP4 by training recipe, fit times."""
+    lines = [f"# PTQ experiment ({time.strftime('%Y-%m-%d')})", "", f"Command: `{' '.join(sys.argv)}`", ""]
+    models = sorted({r["model"] for r in rows}, key=lambda m: [r["model"] for r in rows].index(m))
+    for mo in models:
+        base = bases.get(mo)
+        lines += [f"## {mo}", "", f"Unquantized perplexity: {base['perplexity']:.4f}" if base else "Unquantized: not measured", "",
+                  "| method | bits | quantizer | bits/weight | perplexity | Δ ppl % | quantize s | HARP s/layer |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in (r for r in rows if r["model"] == mo):
+            if r.get("perplexity") is None:
+                lines.append(f"| {r['method']} | {r['bits']} | {r['quantizer']} | - | {r['status']} | - | - | - |")
+                continue
+            gap = f"{100 * (r['perplexity'] / base['perplexity'] - 1):+.2f}" if base else "-"
+            fit = f"{r['harp_s_per_layer']:.2f}" if r.get("harp_s_per_layer") else "-"
+            lines.append(f"| {r['method']} | {r['bits']} | {r['quantizer']} | {r['bits_per_weight']:.3f} | "
+                         f"{r['perplexity']:.4f} | {gap} | {r['seconds_quantize']:.0f} | {fit} |")
+        lines += ["", "Target (issue 22): harp-gptq < rht-gptq < gptq < rtn in perplexity, int grid:", ""]
+        for b in sorted({r["bits"] for r in rows if r["model"] == mo and r["quantizer"] == "int"}):
+            got = {r["method"]: r.get("perplexity") for r in rows if r["model"] == mo and r["bits"] == b and r["quantizer"] == "int"}
+            order = [m for m in ("harp-gptq", "rht-gptq", "gptq", "rtn") if got.get(m) is not None]
+            ok = all(got[a] < got[c] for a, c in zip(order, order[1:]))
+            gap = ""
+            if got.get("harp-gptq") and got.get("rht-gptq"):
+                gap = f"; harp-gptq vs rht-gptq {100 * (got['harp-gptq'] / got['rht-gptq'] - 1):+.2f}%"
+            lines.append(f"- W{b}: {' < '.join(order) if ok else 'not in that order'} "
+                         f"({', '.join(f'{m} {got[m]:.3f}' for m in order)}){gap}")
+        lines.append("")
+    mx = [r for r in rows if r["quantizer"] == "mxfp4" and r.get("perplexity") is not None and bases.get(r["model"])]
+    if mx:
+        lines += ["## MXFP4 W4: perplexity lost by training recipe", "",
+                  "| model | method | unquantized | W4 MXFP4 | Δ ppl % |", "|---|---|---|---|---|"]
+        for r in mx:
+            b = bases[r["model"]]["perplexity"]
+            lines.append(f"| {r['model']} | {r['method']} | {b:.4f} | {r['perplexity']:.4f} | {100 * (r['perplexity'] / b - 1):+.2f} |")
+        lines.append("")
+    fits = {}
+    for r in rows:
+        for shape, s in (r.get("harp_fit_by_shape") or {}).items():
+            fits.setdefault((r["model"], shape), []).extend(s)
+    if fits:
+        lines += ["## HARP fitting time per layer", "", "| model | layer shape (out × in) | layers | mean s | max s |", "|---|---|---|---|---|"]
+        for (mo, shape), s in sorted(fits.items()):
+            lines.append(f"| {mo} | {shape} | {len(s)} | {sum(s) / len(s):.2f} | {max(s):.2f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def collect(d: Path, model, method, bits, quantizer, status) -> dict:
+    row = {"model": Path(model).name, "path": model, "method": method, "bits": bits, "quantizer": quantizer, "status": status}
+    res_path = d / "ptq.json"
+    if res_path.exists():
+        res = json.loads(res_path.read_text())
+        by_shape = {}
+        for lay in res["layers"].values():
+            if "harp" in lay:
+                by_shape.setdefault("×".join(map(str, lay["shape"])), []).append(lay["harp"]["seconds"])
+        row.update(status="done", perplexity=res["perplexity"]["perplexity"], loss=res["perplexity"]["loss"],
+                   bits_per_weight=res["bits_per_weight"], seconds_quantize=res["seconds_quantize"],
+                   seconds_total=res["seconds_total"], harp_s_per_layer=res["harp_fit_seconds_per_layer"],
+                   harp_fit_by_shape=by_shape, device=res["device"], calib_tokens=res["calib_tokens"])
+    return row
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", help="a prepared data folder (calibration: train split; perplexity: val split)")
+    p.add_argument("--models", help="comma-separated `adahop train` run folders (or transformers folders)")
+    p.add_argument("--out", required=True, help="results folder (resumable)")
+    p.add_argument("--budget-s", type=float, default=5400, help="start no cell after this many seconds (default 5400)")
+    p.add_argument("--bits", default="2,3,4")
+    p.add_argument("--methods", default=",".join(INT_METHODS))
+    p.add_argument("--no-mx", action="store_true", help="skip the MXFP4 W4 cells")
+    p.add_argument("--calib-tokens", type=int, default=131072)
+    p.add_argument("--harp-steps", type=int, default=1200)
+    p.add_argument("--group-size", type=int, default=None, help="--group-size of the int cells (default: adahop ptq's, 128)")
+    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--eval-batches", type=int, default=None)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--smoke", action="store_true", help="CPU: llama-tiny (trained here unless --models), short settings")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    deadline = t0 + args.budget_s
+    if args.smoke:
+        args.device = "cpu" if args.device == "auto" else args.device
+        args.calib_tokens = min(args.calib_tokens, 4096)
+        args.harp_steps = min(args.harp_steps, 40)
+        args.eval_batches = args.eval_batches or 8
+        args.group_size = args.group_size or 64
+        if not args.models:
+            args.models = smoke_model(args, out)
+    if not args.models:
+        p.error("--models is required (or --smoke)")
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    if not args.data:
+        args.data = json.loads((Path(models[0]) / "config.json").read_text()).get("adahop", {}).get("data_dir")
+        if not args.data:
+            p.error("--data is required for a model that is not an `adahop train` run folder")
+    todo = cells(models, [int(b) for b in args.bits.split(",")], [m.strip() for m in args.methods.split(",")], not args.no_mx)
+    bases = {Path(m).name: baseline(args, m, out, deadline) for m in models}
+    rows = []
+    for i, (model, method, bits, quantizer) in enumerate(todo):
+        d = cell_dir(out, model, method, bits, quantizer)
+        tag = f"[{i + 1}/{len(todo)}] {Path(model).name} {method} W{bits} {quantizer}"
+        status = "done"
+        if not (d / "ptq.json").exists():
+            left = deadline - time.time()
+            if left <= 0:
+                status = "not run (budget)"
+            else:
+                rc, secs = run(ptq_cmd(args, model, method, bits, quantizer, d), d.with_name(d.name + ".log"), left)
+                status = "done" if rc == 0 else ("timeout (budget)" if rc == "timeout" else f"failed (exit {rc})")
+                print(f"{tag}: {status} in {secs:.0f} s")
+        else:
+            print(f"{tag}: finished before, skipped")
+        rows.append(collect(d, model, method, bits, quantizer, status))
+        (out / "summary.json").write_text(json.dumps({"rows": rows, "baselines": bases, "argv": sys.argv}, indent=1))
+    md = summarize(out, rows, bases)
+    (out / "summary.md").write_text(md)
+    print(md)
+    print(f"wrote {out / 'summary.json'} and {out / 'summary.md'} ({time.time() - t0:.0f} s)")
+    return 0 if all(r["status"] == "done" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""`adahop ptq MODEL`: post-training quantization (RTN, GPTQ; RHT or HARP incoherence) of a trained model.
+
+    adahop ptq runs/lv2 --method harp-gptq --bits 2 --calib-data data/sotu --out runs/lv2-harp2
+    adahop ptq runs/lv2 --method rht-gptq --bits 4 --quantizer mxfp4 --calib-data data/sotu --out runs/lv2-mx4
+
+Calibration uses the train split of ``--calib-data``, perplexity its val split. The printed
+perplexity is that of the written folder reloaded from disk (BF16 weights), so any tool that loads
+``--out`` measures the same number. This module imports nothing heavy at the top.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of `adahop ptq`."""
+    from .names import METHODS, MIXERS, QUANTIZERS
+
+    p.add_argument("model", metavar="MODEL", help="a run folder of `adahop train`, or a transformers causal-LM folder")
+    p.add_argument("--method", required=True, choices=METHODS, help="backend, optionally after RHT or HARP incoherence")
+    p.add_argument("--bits", required=True, type=int, choices=(2, 3, 4), help="bits per weight code")
+    p.add_argument("--quantizer", default="int", choices=QUANTIZERS,
+                   help="int (symmetric, FP16 group scales), mxfp4 (E8M0 per 32) or nvfp4 (E4M3 per 16); the last two need --bits 4")
+    p.add_argument("--group-size", type=int, default=None, metavar="G", help="input columns per scale of --quantizer int (default 128)")
+    p.add_argument("--calib-data", required=True, metavar="DATA", help="an `adahop data prepare` folder: calibration from its "
+                   "train split, perplexity on its val split")
+    p.add_argument("--calib-tokens", type=int, default=131072, metavar="N", help="calibration tokens (default 131072)")
+    p.add_argument("--out", required=True, metavar="DIR", help="the quantized transformers folder, packed artifact and ptq.json")
+    g = p.add_argument_group("evaluation")
+    g.add_argument("--seq-len", type=int, default=None, help="tokens per window, calibration and perplexity (default: the run's)")
+    g.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass (default 8)")
+    g.add_argument("--eval-batches", type=int, default=None, metavar="N", help="perplexity on the first N val batches (default: all)")
+    g.add_argument("--skip-baseline", action="store_true", help="do not score the unquantized model")
+    g.add_argument("--eval-tasks", default=None, help="also score these zero-shot tasks (as `adahop eval --tasks`)")
+    g.add_argument("--eval-limit", type=int, default=None, metavar="N", help="first N documents of each task")
+    g.add_argument("--task-data", default=None, metavar="DIR", help="as `adahop eval --task-data`")
+    g = p.add_argument_group("GPTQ and HARP")
+    g.add_argument("--damp", type=float, default=0.01, help="GPTQ damping, a fraction of mean(diag H) (default 0.01)")
+    g.add_argument("--harp-steps", type=int, default=1200, help="Adam steps per layer (default 1200, the paper's)")
+    g.add_argument("--harp-lr", type=float, default=0.03, help="Adam learning rate (default 0.03)")
+    g.add_argument("--hbd-lambda", type=float, default=0.1, help="weight of H̃'s off-block-diagonal energy (default 0.1)")
+    g.add_argument("--hbd-block", type=int, default=8, help="block of that term (default 8)")
+    g.add_argument("--radix", type=int, default=8, help="HARP's preferred radix (default 8)")
+    g.add_argument("--max-radix", type=int, default=8, help="largest other radix (default 8)")
+    g.add_argument("--passes", type=int, default=1, help="repeats of the staged product (default 1)")
+    g.add_argument("--mixer", default="had_or_qr", choices=MIXERS, help="fixed block mixer M_b (default had_or_qr)")
+    g.add_argument("--seed", type=int, default=0, help="random signs, calibration windows and QR mixers")
+    g.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
+
+
+def _check(args) -> None:
+    for flag in ("calib_tokens", "batch_size", "seq_len", "eval_batches", "eval_limit", "harp_steps", "passes"):
+        v = getattr(args, flag)
+        if v is not None and v < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} {v}: must be >= 1")
+    if not args.damp > 0:
+        raise ValueError(f"--damp {args.damp}: must be > 0 (GPTQ needs H + damp·I positive definite)")
+    out = Path(args.out)
+    from .export import RESULTS_FILE
+
+    if (out / RESULTS_FILE).exists():
+        raise ValueError(f"--out {out} already holds a quantized model ({RESULTS_FILE}); pass another --out or delete it")
+
+
+def _data(args, run_config: dict | None) -> Path:
+    """The prepared folder of ``--calib-data`` (what ``adahop train --data`` takes is prepared once)."""
+    from ..train.config import TrainConfig
+    from ..train.setup import resolve_data
+
+    data = Path(args.calib_data)
+    if (data / "manifest.json").exists():
+        return data
+    keys = ("tokenizer", "vocab_size", "val_fraction")
+    return resolve_data(TrainConfig(data=args.calib_data, **{k: (run_config or {})[k] for k in keys if k in (run_config or {})}))
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Run `adahop ptq`; returns the results written to ``DIR/ptq.json``. Raises ValueError for bad input."""
+    _check(args)
+    from .grids import make_grid
+
+    make_grid(args.quantizer, args.bits, args.group_size)  # a bad combination fails before anything loads
+    import torch
+
+    from ..eval.model import load_model
+    from ..eval.perplexity import check_same_tokenizer, perplexity
+    from ..train.export import git_revision
+    from ..train.setup import resolve_device
+    from ..utils import atomic_write_text
+    from .calibrate import calibration_batches, quantize_model
+    from .export import PACKED_FILE, RESULTS_FILE, save_quantized
+    from .fit import FitOptions
+    from .quantize import RotationOptions, quantize_layer
+
+    fit_opts = FitOptions(steps=args.harp_steps, lr=args.harp_lr, hbd_lambda=args.hbd_lambda, hbd_block=args.hbd_block)
+    rot_opts = RotationOptions(radix=args.radix, max_radix=args.max_radix, passes=args.passes, mixer=args.mixer)
+    device = resolve_device(args.device)
+    bf16 = device.type == "cuda"  # perplexity as `adahop train` validates: BF16 autocast on CUDA, FP32 on CPU
+    t_start = time.perf_counter()
+    loaded = load_model(args.model, device=device)
+    model, rc = loaded.model, loaded.run_config or {}
+    data = _data(args, rc)
+    check_same_tokenizer(data, Path(args.model), model.config.vocab_size)
+    seq_len = args.seq_len or rc.get("seq_len") or model.config.max_position_embeddings
+
+    def ppl(m):
+        with torch.no_grad():
+            return perplexity(m, data, split="val", seq_len=seq_len, batch_size=args.batch_size,
+                              max_batches=args.eval_batches, device=device, bf16=bf16)
+
+    base = None if args.skip_baseline else ppl(model)
+    batches = calibration_batches(data, tokens=args.calib_tokens, seq_len=seq_len, batch_size=args.batch_size, seed=args.seed)
+    gen = torch.Generator().manual_seed(args.seed)
+    grid0 = make_grid(args.quantizer, args.bits, args.group_size)
+
+    def quantize(name, w, h):
+        return quantize_layer(w, h, args.method, make_grid(args.quantizer, args.bits, args.group_size), generator=gen,
+                              rot_opts=rot_opts, fit_opts=fit_opts, damp=args.damp, seed=args.seed)
+
+    t_q = time.perf_counter()
+    layers = quantize_model(model, batches, quantize, device=device)
+    quant_s = time.perf_counter() - t_q
+    n_weights = sum(r.weight.numel() for r in layers.values())
+    bpw = sum(r.stored_bits for r in layers.values()) / n_weights
+    meta = {"method": args.method, "bits": args.bits, "quantizer": args.quantizer, "group_size": grid0.group_size,
+            "seed": args.seed, "rotation": {k: getattr(rot_opts, k) for k in rot_opts.__slots__},
+            "source_model": str(args.model), "calib_data": str(data), "calib_tokens": len(batches) * args.batch_size * seq_len}
+    out = Path(args.out)
+    save_quantized(model, loaded.tokenizer, out, layers, meta)
+    del model
+    reloaded = load_model(out, device=device)  # the number printed is the written folder's
+    res_ppl = ppl(reloaded.model)
+    fits = [r.stats["harp"] for r in layers.values() if "harp" in r.stats]
+    res = {**meta, "bits_per_weight": bpw, "quantized_weights": n_weights, "perplexity": res_ppl, "baseline": base,
+           "seq_len": seq_len, "device": str(device), "seconds_quantize": quant_s, "seconds_total": None,
+           "harp_fit_seconds_per_layer": (sum(f["seconds"] for f in fits) / len(fits)) if fits else None,
+           "git_revision": git_revision(), "packed": str(out / PACKED_FILE),
+           "layers": {n: {"shape": list(r.weight.shape), "stored_bits": r.stored_bits, **r.stats} for n, r in layers.items()}}
+    if args.eval_tasks:
+        res["zero_shot"] = _zero_shot(args, reloaded, bf16)
+    res["seconds_total"] = time.perf_counter() - t_start
+    print(_table(res))
+    atomic_write_text(out / RESULTS_FILE, json.dumps(res, indent=1))  # written last: its presence means finished
+    print(f"wrote {out} (transformers folder, {PACKED_FILE}, {RESULTS_FILE}) in {res['seconds_total']:.0f} s")
+    return res
+
+
+def _zero_shot(args, loaded, bf16: bool) -> dict:
+    import torch
+
+    from ..eval import harness
+    from ..eval.cli import _specs, _task_root
+
+    harness.require_lm_eval()
+    specs = _specs(args.eval_tasks)
+    lm = harness.hf_lm(loaded.model, loaded.tokenizer, batch_size=args.batch_size, dtype="bf16" if bf16 else "fp32")
+    with torch.no_grad():
+        return harness.score(lm, specs, _task_root(specs, args.task_data), limit=args.eval_limit)
+
+
+def _table(res: dict) -> str:
+    """The printed table: the unquantized model (when scored) and the quantized one."""
+    zs = "zero_shot" in res
+    head = "| method | bits | quantizer | bits/weight | perplexity | Δ ppl % |" + (" zero-shot avg |" if zs else "")
+    rows = [head, "|" + "---|" * (6 + zs)]
+    base = res["baseline"]
+    if base is not None:
+        rows.append(f"| unquantized | 16 | - | 16 | {base['perplexity']:.4f} | +0.00 |" + (" - |" if zs else ""))
+    p = res["perplexity"]["perplexity"]
+    gap = f"{100 * (p / base['perplexity'] - 1):+.2f}" if base is not None else "-"
+    row = f"| {res['method']} | {res['bits']} | {res['quantizer']} | {res['bits_per_weight']:.3f} | {p:.4f} | {gap} |"
+    if zs:
+        from ..eval.report import cells
+
+        row += f" {cells(res['zero_shot'])[-1]} |"
+    rows.append(row)
+    return "\n".join(rows)

@@ -1,0 +1,86 @@
+"""What `adahop ptq` writes: a transformers folder with the dequantized weights in BF16, and beside it
+the packed artifact (codes, scales, signs, HARP parameters) from which those weights are rebuilt.
+
+``DIR/`` holds ``config.json``, ``model.safetensors`` (BF16: ``S U Q(W̃) Vᵀ S`` per quantized layer,
+the rest as loaded), the tokenizer, ``ptq_packed.safetensors`` and ``ptq.json`` (the results).
+``transformers.AutoModelForCausalLM.from_pretrained(DIR)`` loads it, so any tool can evaluate it.
+:func:`dequantize_packed` rebuilds each layer's weight from the artifact alone (FP32; the BF16 export is
+that weight rounded), which shows the artifact holds everything the weights need.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .grids import make_grid
+from .incoherence import RHTRotation, TwoSided
+from .quantize import RotationOptions, parse_method, unpack_bits
+from .rotation import HARPRotation
+
+__all__ = ["PACKED_FILE", "RESULTS_FILE", "save_quantized", "dequantize_packed"]
+
+PACKED_FILE = "ptq_packed.safetensors"
+RESULTS_FILE = "ptq.json"
+
+
+def save_quantized(model, tokenizer, out: Path, layers: dict, meta: dict) -> None:
+    """Write ``model`` (quantized in place) in BF16 with ``tokenizer`` to ``out``, and the packed artifact.
+
+    Args:
+        model: the transformers causal LM whose quantized layers hold their dequantized weights.
+        tokenizer: saved beside it (``save_pretrained``).
+        out: the folder (created).
+        layers: ``{name: LayerResult}`` of :func:`adahop.ptq.calibrate.quantize_model`.
+        meta: method, bits, quantizer, group size, seed and rotation options; stored in the
+            artifact's metadata with each layer's shape, and as ``adahop_ptq`` in config.json.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = model.config
+    if hasattr(cfg, "adahop"):  # a run folder's training section: this folder is no run folder
+        delattr(cfg, "adahop")
+    cfg.adahop_ptq = meta
+    model.to(torch.bfloat16).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    tensors = {f"{name}.{k}": v.contiguous() for name, r in layers.items() for k, v in r.stored.items()}
+    shapes = {name: list(r.weight.shape) for name, r in layers.items()}
+    save_file(tensors, out / PACKED_FILE, metadata={"adahop_ptq": json.dumps({**meta, "layers": shapes})})
+
+
+def dequantize_packed(path: str | Path) -> dict[str, torch.Tensor]:
+    """Each layer's float32 weight ``[m, n]`` rebuilt from ``ptq_packed.safetensors`` alone.
+
+    Raises:
+        ValueError: a file without the ``adahop_ptq`` metadata.
+    """
+    with safe_open(str(path), framework="pt") as f:
+        md = f.metadata() or {}
+        if "adahop_ptq" not in md:
+            raise ValueError(f"{path}: no adahop_ptq metadata; pass a {PACKED_FILE} written by `adahop ptq`")
+        meta = json.loads(md["adahop_ptq"])
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    rot, _ = parse_method(meta["method"])
+    ro = RotationOptions(**meta["rotation"])
+    out = {}
+    for name, (m, n) in meta["layers"].items():
+        t = {k[len(name) + 1:]: v for k, v in tensors.items() if k.startswith(name + ".")}
+        grid = make_grid(meta["quantizer"], meta["bits"], meta["group_size"])
+        codes = unpack_bits(t["codes"], grid.bits, m * n).reshape(m, n)
+        q = grid.decode(codes, t)
+        if rot is None:
+            out[name] = q
+            continue
+        signs = [1.0 - 2.0 * unpack_bits(t[f"signs_{s}"], 1, d).float() for s, d in (("out", m), ("in", n))]
+        if rot == "rht":
+            u, v = RHTRotation(m, min_block=ro.min_block), RHTRotation(n, min_block=ro.min_block)
+        else:
+            u, v = (HARPRotation(d, ro.radix, ro.max_radix, ro.passes, ro.mixer, seed=meta["seed"]) for d in (m, n))
+            for side, r in (("out", u), ("in", v)):
+                r.load_packed_params([t[f"theta_{side}.{i}"] for i in range(len(r.stages))])
+        with torch.no_grad():
+            out[name] = TwoSided(u, v, *signs).weight_inverse(q)
+    return out

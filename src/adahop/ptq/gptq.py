@@ -1,0 +1,84 @@
+"""GPTQ / LDLQ: quantize a weight column by column, feeding each column's rounding error forward
+through the inverse Hessian so the layer's output error ``tr((Ŵ−W) H (Ŵ−W)ᵀ)`` stays small.
+
+Frantar et al., GPTQ (arXiv 2210.17323) Alg. 1; LDLQ (QuIP, arXiv 2307.13304 §3) is the same
+update written with the LDL factor of ``H``. We use the upper Cholesky factor ``U`` of ``H⁻¹``
+(``H⁻¹ = Uᵀ U``): after rounding column ``j`` with error ``e = (w_j − q_j) / U_jj``, the columns
+to its right move by ``−e·U_{j, j+1:}``. Columns go in lazy batches of ``block`` (the result is
+the same, the updates are matrix products). A group's scales are set when GPTQ enters it, from
+the updated weights (as the reference implementation's ``static_groups=False``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .grids import Grid
+
+__all__ = ["gptq", "proxy_error"]
+
+
+def proxy_error(w: torch.Tensor, q: torch.Tensor, h: torch.Tensor) -> float:
+    """The layer-output error GPTQ minimizes: ``tr((Q−W) H (Q−W)ᵀ) / m`` (float64 accumulate)."""
+    d = (q - w).double()
+    return float(torch.einsum("ij,jk,ik->", d, h.double(), d) / w.shape[0])
+
+
+def gptq(w: torch.Tensor, h: torch.Tensor, grid: Grid, *, damp: float = 0.01, block: int = 128) -> dict:
+    """GPTQ of ``w`` (``[m, n]``) on ``h = E[x xᵀ]`` (``[n, n]``) with ``grid``.
+
+    Args:
+        w: the weight, float, any device; not modified.
+        h: the proxy Hessian, symmetric positive semi-definite, on ``w``'s device.
+        grid: the quantizer (:mod:`adahop.ptq.grids`).
+        damp: ``λ = damp · mean(diag H)`` is added to the diagonal (GPTQ's ``percdamp``) so the
+            Cholesky factorization exists.
+        block: columns per lazy batch.
+
+    Returns:
+        ``{"q": float32 [m, n] dequantized, "codes": uint8 [m, n], "scales": float32 [m, n_groups]}``.
+        With ``h = I`` this is exactly :meth:`Grid.quantize` (RTN): no error reaches other columns.
+
+    Raises:
+        ValueError: shapes that do not match, or a non-positive ``damp`` with a singular ``h``.
+    """
+    m, n = w.shape
+    if h.shape != (n, n):
+        raise ValueError(f"gptq: H is {tuple(h.shape)}, the weight has {n} input columns; H must be [{n}, {n}]")
+    w = w.float().clone()
+    h = h.float().clone()
+    grid.prepare(w)
+    dead = torch.diagonal(h) == 0  # inputs that never fire: their columns do not matter, zero them
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+    h += damp * torch.diagonal(h).mean() * torch.eye(n, device=h.device)
+    try:
+        hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    except torch._C._LinAlgError:  # noqa: SLF001 (torch exposes the error class only there)
+        raise ValueError(f"gptq: H + {damp}·mean(diag H)·I is not positive definite; raise --damp") from None
+    q = torch.zeros_like(w)
+    codes = torch.zeros(m, n, dtype=torch.uint8, device=w.device)
+    g = grid.group_size
+    scales = torch.zeros(m, -(-n // g), device=w.device)
+    scale = None
+    for a in range(0, n, block):
+        b = min(a + block, n)
+        wb = w[:, a:b].clone()
+        err = torch.zeros_like(wb)
+        hb = hinv[a:b, a:b]
+        for j in range(b - a):
+            col = a + j
+            if col % g == 0:  # entering a group: its scales from the updated weights
+                end = min(col + g, n)
+                cur = wb[:, j:end - a]
+                if end > b:  # the group runs past this batch: add the batch's pending updates there
+                    cur = torch.cat([cur, w[:, b:end] - err[:, :j] @ hinv[a:a + j, b:end]], 1)
+                scale = grid.scales(cur)
+                scales[:, col // g] = scale[:, 0]
+            c, v = grid.round(wb[:, j:j + 1], scale)
+            codes[:, col], q[:, col] = c[:, 0], v[:, 0]
+            e = (wb[:, j] - v[:, 0]) / hb[j, j]
+            wb[:, j:] -= e[:, None] * hb[j, j:][None, :]
+            err[:, j] = e
+        w[:, b:] -= err @ hinv[a:b, b:]
+    return {"q": q, "codes": codes, "scales": scales}

@@ -1,0 +1,96 @@
+"""Two-sided incoherence processing (QuIP style): fixed random signs, then an orthogonal rotation
+on each side of a weight.
+
+`specs/related_methods.md` §2.1. For ``W`` (``[m, n]``, out × in) and ``H = E[x xᵀ]`` (``[n, n]``)::
+
+    W̃ = Uᵀ (S_m W S_n) V        H̃ = Vᵀ (S_n H S_n) V        W = S_m U W̃ Vᵀ S_n  (exact)
+
+with ``S`` diagonal ±1 and ``U`` (``[m, m]``), ``V`` (``[n, n]``) orthogonal. The RHT takes the
+(block) Hadamard for ``U`` and ``V`` (:class:`RHTRotation`); HARP learns them
+(:class:`~adahop.ptq.rotation.HARPRotation`). Both expose ``apply(x) = x·R``,
+``apply_inverse(x) = x·Rᵀ`` and ``dense()``, which is all :class:`TwoSided` needs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..hadamard import SUPPORTED_SIZES, block_hadamard, hadamard_matrix, random_signs
+
+__all__ = ["RHTRotation", "TwoSided", "rht_block", "MIN_BLOCK"]
+
+#: The smallest Hadamard block the RHT accepts: below it the incoherence gain is too small to be
+#: worth calling it an RHT.
+MIN_BLOCK = 8
+
+
+def rht_block(d: int, *, min_block: int = MIN_BLOCK) -> int:
+    """The RHT block for a dimension ``d``: ``d`` itself for a power of two, else the largest power
+    of two dividing ``d`` (a block Hadamard ``I ⊗ H_b``: ``d = 1344 = 21·64`` takes 64).
+
+    Raises:
+        ValueError: that block is below ``min_block``; the message names the dimension and the fix.
+    """
+    b = d & -d  # the largest power of two dividing d
+    b = min(b, SUPPORTED_SIZES[-1])
+    if b < min_block:
+        raise ValueError(f"dimension {d} has no power-of-two block >= {min_block} for the RHT (its largest "
+                         f"power-of-two factor is {b}); use a harp-* method (HARP's mixed-radix rotation fits any "
+                         f"dimension) or a model whose dims are multiples of {min_block}")
+    return b
+
+
+class RHTRotation:
+    """The (block) Hadamard ``I ⊗ H_b`` of size ``d`` as a rotation (``b`` from :func:`rht_block`).
+
+    Symmetric and its own inverse; no parameters. ``apply`` uses :func:`adahop.hadamard.block_hadamard`.
+    """
+
+    n_params = 0
+
+    def __init__(self, d: int, *, min_block: int = MIN_BLOCK):
+        self.d, self.block = d, rht_block(d, min_block=min_block)
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """``x·(I ⊗ H_b)`` along the last axis."""
+        return block_hadamard(x, block_size=self.block, axis=-1)
+
+    apply_inverse = apply  # H_b is symmetric and orthogonal
+
+    def dense(self) -> torch.Tensor:
+        """``I ⊗ H_b`` as float32 ``[d, d]``."""
+        return torch.block_diag(*[hadamard_matrix(self.block)] * (self.d // self.block))
+
+
+class TwoSided:
+    """``(s_m, U, s_n, V)`` of one linear layer: the exact transform of §2.1 and its inverse.
+
+    Args:
+        u: rotation of the output side (size ``m``); v: of the input side (size ``n``).
+        signs_out, signs_in: float ±1 vectors ``[m]`` and ``[n]``.
+    """
+
+    def __init__(self, u, v, signs_out: torch.Tensor, signs_in: torch.Tensor):
+        if signs_out.numel() != u.d or signs_in.numel() != v.d:
+            raise ValueError(f"signs of length {signs_out.numel()}/{signs_in.numel()} for rotations of size {u.d}/{v.d}")
+        self.u, self.v, self.s_out, self.s_in = u, v, signs_out, signs_in
+
+    @classmethod
+    def random_signs(cls, u, v, *, generator: torch.Generator, device=None) -> "TwoSided":
+        """With signs drawn from ``generator`` (on the CPU, then moved: reproducible on any device)."""
+        return cls(u, v, random_signs(u.d, generator=generator).to(device), random_signs(v.d, generator=generator).to(device))
+
+    def weight(self, w: torch.Tensor) -> torch.Tensor:
+        """``W̃ = Uᵀ (S_m W S_n) V`` for ``w`` ``[m, n]`` (float32 result)."""
+        a = self.v.apply(w.float() * self.s_in)  # (S_m W S_n) V, signs commute with the row scaling
+        return self.u.apply((a * self.s_out[:, None]).T).T  # Uᵀ A = (Aᵀ U)ᵀ
+
+    def weight_inverse(self, wt: torch.Tensor) -> torch.Tensor:
+        """``W = S_m U W̃ Vᵀ S_n`` (float32)."""
+        b = self.v.apply_inverse(wt.float())  # W̃ Vᵀ
+        return self.u.apply_inverse(b.T).T * self.s_out[:, None] * self.s_in  # U B = (Bᵀ Uᵀ)ᵀ
+
+    def hessian(self, h: torch.Tensor) -> torch.Tensor:
+        """``H̃ = Vᵀ (S_n H S_n) V`` for ``h`` ``[n, n]`` (float32)."""
+        a = self.v.apply(h.float() * self.s_in[:, None] * self.s_in)
+        return self.v.apply(a.T).T

@@ -1,0 +1,136 @@
+"""One linear layer under a PTQ method: optional incoherence (RHT or HARP), then RTN or GPTQ.
+
+``--method`` is ``[rht-|harp-]rtn|gptq``. For a rotated method the backend quantizes
+``W̃ = Uᵀ(S W S)V`` on ``H̃ = Vᵀ(S H S)V`` and the layer's weight becomes ``S U Q(W̃) Vᵀ S``
+(`specs/related_methods.md` §2.1): what the BF16 export holds. The packed artifact keeps the codes,
+scales, signs and HARP parameters instead, and :func:`stored_bits` counts them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .fit import FitOptions, fit_harp
+from .gptq import gptq, proxy_error
+from .grids import Grid
+from .incoherence import MIN_BLOCK, RHTRotation, TwoSided
+from .names import METHODS
+from .rotation import HARPRotation
+
+__all__ = ["METHODS", "parse_method", "RotationOptions", "quantize_layer", "LayerResult", "pack_bits", "unpack_bits"]
+
+
+def parse_method(method: str) -> tuple[str | None, str]:
+    """``"harp-gptq"`` → ``("harp", "gptq")``; ``"rtn"`` → ``(None, "rtn")``.
+
+    Raises:
+        ValueError: an unknown method (lists :data:`METHODS`).
+    """
+    if method not in METHODS:
+        raise ValueError(f"--method {method!r} is not known; use one of {', '.join(METHODS)}")
+    rot, _, backend = method.rpartition("-")
+    return (rot or None), backend
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RotationOptions:
+    """HARP's parametrization (`specs/related_methods.md` §2.4 defaults) and the RHT's smallest block."""
+
+    radix: int = 8
+    max_radix: int = 8
+    passes: int = 1
+    mixer: str = "had_or_qr"
+    min_block: int = MIN_BLOCK
+
+
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack ``codes`` (uint8, each ``< 2^bits``) into a uint8 bit stream, little-endian within each
+    code: ``ceil(numel·bits / 8)`` bytes."""
+    c = codes.reshape(-1).to(torch.int64).cpu()
+    bitplanes = (c[:, None] >> torch.arange(bits)) & 1  # [N, bits]
+    flat = bitplanes.reshape(-1)
+    flat = torch.cat([flat, flat.new_zeros((-flat.numel()) % 8)])
+    return (flat.reshape(-1, 8) << torch.arange(8)).sum(1).to(torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: the first ``numel`` codes as uint8."""
+    flat = ((packed.to(torch.int64)[:, None] >> torch.arange(8)) & 1).reshape(-1)[: numel * bits]
+    return (flat.reshape(numel, bits) << torch.arange(bits)).sum(1).to(torch.uint8)
+
+
+@dataclass
+class LayerResult:
+    """A quantized layer: its new weight, what the artifact stores, and measurements."""
+
+    weight: torch.Tensor
+    """float32 ``[m, n]``: ``S U Q(W̃) Vᵀ S`` (or ``Q(W)`` unrotated)."""
+    stored: dict[str, torch.Tensor]
+    """The artifact's tensors of this layer (codes, scales, signs, rotation parameters)."""
+    stored_bits: int
+    """Bits of everything in ``stored``."""
+    stats: dict
+    """``proxy_error`` (``tr(ΔHΔᵀ)/m`` in the original space), the HARP fit's losses and time."""
+
+
+def _rotation(kind: str, d: int, opts: RotationOptions, seed: int, device):
+    if kind == "rht":
+        return RHTRotation(d, min_block=opts.min_block)
+    return HARPRotation(d, opts.radix, opts.max_radix, opts.passes, opts.mixer, seed=seed).to(device)
+
+
+def quantize_layer(w: torch.Tensor, h: torch.Tensor, method: str, grid: Grid, *, generator: torch.Generator,
+                   rot_opts: RotationOptions = RotationOptions(), fit_opts: FitOptions = FitOptions(),
+                   damp: float = 0.01, seed: int = 0) -> LayerResult:
+    """Quantize one weight ``w`` (``[m, n]``, out × in) with ``method`` on its Hessian ``h`` (``[n, n]``).
+
+    ``generator`` (CPU) draws the random signs; ``seed`` seeds HARP's QR mixers (recorded in the
+    artifact). Computation runs on ``w``'s device in float32.
+
+    Raises:
+        ValueError: an unknown method, or an RHT dimension with no Hadamard block that fits.
+    """
+    rot, backend = parse_method(method)
+    w = w.float()
+    h = h.float().to(w.device)
+    m, n = w.shape
+    stats: dict = {}
+    stored: dict[str, torch.Tensor] = {}
+    t = None
+    if rot is not None:
+        t = TwoSided.random_signs(_rotation(rot, m, rot_opts, seed, w.device), _rotation(rot, n, rot_opts, seed, w.device),
+                                  generator=generator, device=w.device)
+        if rot == "harp":
+            fit = fit_harp(w, h, t, grid, fit_opts)
+            stats["harp"] = {"loss_start": fit.loss_start, "loss_end": fit.loss_end, "lq_start": fit.lq_start,
+                             "lq_end": fit.lq_end, "seconds": fit.seconds, "steps": fit.steps}
+        with torch.no_grad():
+            wq_in, hq_in = t.weight(w), t.hessian(h)
+        stored["signs_out"] = pack_bits((t.s_out < 0).to(torch.uint8), 1)
+        stored["signs_in"] = pack_bits((t.s_in < 0).to(torch.uint8), 1)
+        if rot == "harp":
+            for side, r in (("out", t.u), ("in", t.v)):
+                for i, p in enumerate(r.packed_params()):
+                    stored[f"theta_{side}.{i}"] = p
+    else:
+        wq_in, hq_in = w, h
+    with torch.no_grad():
+        if backend == "gptq":
+            out = gptq(wq_in, hq_in, grid, damp=damp)
+            codes, scales, q = out["codes"], out["scales"], out["q"]
+        else:
+            codes, scales, q = grid.quantize(wq_in)
+        weight = t.weight_inverse(q) if t is not None else q
+    stored["codes"] = pack_bits(codes, grid.bits)
+    stored.update(grid.stored_scales(scales.cpu()))
+    stats["proxy_error"] = proxy_error(w, weight, h)
+    stats["proxy_error_rel"] = stats["proxy_error"] / max(proxy_error(w, torch.zeros_like(w), h), 1e-30)
+    nbits = sum(8 * v.numel() * v.element_size() for v in stored.values())
+    # the packed streams are byte-padded; count the bits they carry (codes and signs), not the padding
+    nbits -= 8 * stored["codes"].numel() - m * n * grid.bits
+    if rot is not None:
+        nbits -= 8 * (stored["signs_out"].numel() + stored["signs_in"].numel()) - (m + n)
+    return LayerResult(weight=weight, stored={k: v.cpu() for k, v in stored.items()}, stored_bits=int(nbits), stats=stats)
+

@@ -1,0 +1,198 @@
+"""HARP's learned structured rotation: a product of butterfly-ordered block-orthogonal stages.
+
+`specs/related_methods.md` §2.2. A dimension ``d`` is factored greedily into radices
+``d = b_1·b_2·…·b_T`` (:func:`radix_schedule`). Stage ``t`` mixes the coordinates that differ only
+in mixed-radix digit ``t`` (stride = product of the earlier radices, as in an FFT): after that
+permutation it is block-diagonal with ``d / b_t`` independent ``b_t×b_t`` blocks, each
+``K = Cayley(½(Θ−Θᵀ))·M_b`` with its own unconstrained ``Θ``. ``M_b`` is a fixed orthogonal mixer:
+the normalized Sylvester Hadamard for a power of two, else a seeded QR orthogonal (``had_or_qr``).
+
+Row-vector convention throughout: the rotation is the orthogonal ``R`` (``[d, d]``) with
+``apply(x) = x·R`` along the last axis and ``apply_inverse(x) = x·Rᵀ``; ``dense()`` is ``R``.
+At ``Θ = 0`` with a power-of-two ``d`` and radix 8, ``R`` is the Sylvester Hadamard ``H_d``: the
+stride product of Sylvester blocks is their Kronecker product (a permutation at most, which the
+tests allow for), so HARP starts exactly at the randomized Hadamard transform.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..hadamard import hadamard_matrix
+from .names import MIXERS
+
+__all__ = ["HARPRotation", "radix_schedule", "mixer_matrix", "MIXERS", "cayley"]
+
+
+
+def radix_schedule(d: int, radix: int = 8, max_radix: int = 8) -> list[int]:
+    """Greedy mixed-radix factorization of ``d`` (`specs/related_methods.md` §2.2).
+
+    Factors of ``radix`` first, then repeatedly the largest remaining factor ``≤ max_radix``; a
+    leftover with no such factor (a prime above ``max_radix``, or a product of them) is one stage.
+
+    Examples: 2048 → [8, 8, 8, 4]; 5120 → [8, 8, 8, 5, 2]; 11008 → [8, 8, 4, 43]; 1344 → [8, 8, 7, 3].
+
+    Raises:
+        ValueError: ``d < 2`` or a radix below 2.
+    """
+    if not isinstance(d, int) or d < 2:
+        raise ValueError(f"HARPRotation needs a dimension d >= 2, got {d!r}")
+    if radix < 2 or max_radix < 2:
+        raise ValueError(f"radix ({radix}) and max_radix ({max_radix}) must be >= 2")
+    out, rest = [], d
+    while rest % radix == 0 and rest > 1:
+        out.append(radix)
+        rest //= radix
+    while rest > 1:
+        f = next((b for b in range(min(max_radix, rest), 1, -1) if rest % b == 0), None)
+        if f is None:  # no factor fits under max_radix: the leftover is one big stage
+            out.append(rest)
+            break
+        out.append(f)
+        rest //= f
+    return out
+
+
+def mixer_matrix(b: int, mixer: str = "had_or_qr", *, seed: int = 0) -> torch.Tensor:
+    """The fixed orthogonal ``M_b`` (float64 ``[b, b]``) of a stage of radix ``b``.
+
+    ``had_or_qr``: Sylvester Hadamard for a power of two, else the Q of a seeded Gaussian's QR
+    (signs fixed by R's diagonal, so the matrix is a pure function of ``b`` and ``seed``);
+    ``had_or_ident``: Hadamard or identity; ``qr``: always QR; ``identity``.
+
+    Raises:
+        ValueError: an unknown mixer (lists :data:`MIXERS`).
+    """
+    if mixer not in MIXERS:
+        raise ValueError(f"mixer={mixer!r} is not known; use one of {MIXERS}")
+    pow2 = b & (b - 1) == 0
+    if mixer == "identity" or (mixer == "had_or_ident" and not pow2):
+        return torch.eye(b, dtype=torch.float64)
+    if pow2 and mixer != "qr":
+        return hadamard_matrix(b, dtype=torch.float64)
+    g = torch.Generator().manual_seed(1_000_003 * seed + b)
+    q, r = torch.linalg.qr(torch.randn(b, b, generator=g, dtype=torch.float64))
+    return q * torch.sign(torch.diagonal(r)).where(torch.diagonal(r) != 0, torch.ones(b, dtype=torch.float64))
+
+
+def cayley(theta: torch.Tensor) -> torch.Tensor:
+    """``Cayley(S) = (I+S)^{-1}(I−S)`` with ``S = ½(Θ−Θᵀ)``, batched over leading dims.
+
+    ``S`` is skew-symmetric, so ``I+S`` is always invertible and the result is orthogonal
+    (`specs/related_methods.md` §2.2). ``theta``: ``[..., b, b]`` float; returns the same shape.
+    """
+    s = 0.5 * (theta - theta.transpose(-1, -2))
+    eye = torch.eye(theta.shape[-1], dtype=theta.dtype, device=theta.device).expand_as(s)
+    return torch.linalg.solve(eye + s, eye - s)
+
+
+class HARPRotation(nn.Module):
+    """A learned orthogonal ``R`` of size ``d``: ``passes`` × the staged butterfly product.
+
+    Args:
+        d: the dimension (any ``d >= 2``; the schedule is :func:`radix_schedule`).
+        radix, max_radix: the schedule's preferred radix and the largest other factor (8, 8).
+        passes: how many times the whole staged product repeats with fresh parameters (1).
+        mixer: the fixed block mixer ``M_b``, one of :data:`MIXERS` (``had_or_qr``).
+        seed: seeds the QR mixers (the stored artifact records it).
+
+    Parameters: ``thetas[p·T + t]`` of shape ``[d / b_t, b_t, b_t]`` (float32, zero at init), one
+    ``Θ`` per block of stage ``t`` of pass ``p``. Blocks are indexed ``(hi, lo)`` flattened, where a
+    coordinate is ``i = hi·(b_t·stride) + digit·stride + lo``.
+
+    Only the skew part of each ``Θ`` matters: :attr:`n_params` counts ``d·(b−1)/2`` per stage
+    (the stored, strictly upper triangle of ``S``).
+    """
+
+    def __init__(self, d: int, radix: int = 8, max_radix: int = 8, passes: int = 1, mixer: str = "had_or_qr",
+                 *, seed: int = 0):
+        super().__init__()
+        if not isinstance(passes, int) or passes < 1:
+            raise ValueError(f"passes={passes!r} must be an int >= 1")
+        self.d, self.radix, self.max_radix, self.passes, self.mixer, self.seed = d, radix, max_radix, passes, mixer, seed
+        self.schedule = radix_schedule(d, radix, max_radix)
+        strides = [math.prod(self.schedule[:t]) for t in range(len(self.schedule))]
+        self.stages = [(b, s) for _ in range(passes) for b, s in zip(self.schedule, strides)]
+        self.thetas = nn.ParameterList([nn.Parameter(torch.zeros(d // b, b, b)) for b, _ in self.stages])
+        for b in sorted(set(self.schedule)):
+            self.register_buffer(f"mixer_{b}", mixer_matrix(b, mixer, seed=seed).float(), persistent=False)
+
+    @property
+    def n_params(self) -> int:
+        """Stored rotation parameters: ``Σ_stages d·(b−1)/2`` (the upper triangles of the ``S``)."""
+        return sum(self.d * (b - 1) // 2 for b, _ in self.stages)
+
+    def kernels(self) -> list[torch.Tensor]:
+        """Each stage's blocks ``K = Cayley(½(Θ−Θᵀ))·M_b``: ``[d/b, b, b]`` float32, in order."""
+        return [cayley(th) @ getattr(self, f"mixer_{b}") for th, (b, _) in zip(self.thetas, self.stages)]
+
+    @staticmethod
+    def _stage(x: torch.Tensor, k: torch.Tensor, b: int, stride: int, transpose: bool) -> torch.Tensor:
+        d = x.shape[-1]
+        xv = x.reshape(*x.shape[:-1], d // (b * stride), b, stride)  # (..., hi, digit, lo)
+        kv = k.reshape(d // (b * stride), stride, b, b)  # (hi, lo, a, c)
+        eq = "...hal,hlca->...hcl" if transpose else "...hal,hlac->...hcl"
+        return torch.einsum(eq, xv, kv).reshape(x.shape)
+
+    def _check(self, x: torch.Tensor) -> None:
+        if x.shape[-1] != self.d:
+            raise ValueError(f"HARPRotation(d={self.d}) applied to a tensor whose last dim is {x.shape[-1]}")
+
+    def apply(self, x: torch.Tensor, kernels: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """``x·R`` along the last axis (``x``: ``[..., d]`` float; same shape and dtype back).
+
+        ``kernels``: precomputed :meth:`kernels` (saves the solves when applying several times).
+        """
+        self._check(x)
+        ks = self.kernels() if kernels is None else kernels
+        y = x.float()
+        for k, (b, s) in zip(ks, self.stages):
+            y = self._stage(y, k, b, s, transpose=False)
+        return y.to(x.dtype)
+
+    def apply_inverse(self, x: torch.Tensor, kernels: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """``x·Rᵀ`` along the last axis: the stages in reverse order, each block transposed."""
+        self._check(x)
+        ks = self.kernels() if kernels is None else kernels
+        y = x.float()
+        for k, (b, s) in zip(reversed(ks), reversed(self.stages)):
+            y = self._stage(y, k, b, s, transpose=True)
+        return y.to(x.dtype)
+
+    def dense(self) -> torch.Tensor:
+        """``R`` as a dense float32 ``[d, d]`` matrix (``apply`` of the identity)."""
+        return self.apply(torch.eye(self.d, device=self.thetas[0].device))
+
+    @torch.no_grad()
+    def round_params_fp16(self) -> None:
+        """Replace each ``Θ`` by ``A − Aᵀ`` with ``A`` the FP16-rounded strict upper triangle of its
+        skew part: the rotation then equals the one rebuilt from the stored FP16 parameters."""
+        for th in self.thetas:
+            a = torch.triu(0.5 * (th - th.transpose(-1, -2)), 1).half().float()
+            th.copy_(a - a.transpose(-1, -2))
+
+    def packed_params(self) -> list[torch.Tensor]:
+        """Per stage, the strict upper triangles of the skew parts, FP16 ``[d/b, b(b−1)/2]``."""
+        out = []
+        for th, (b, _) in zip(self.thetas, self.stages):
+            iu = torch.triu_indices(b, b, 1, device=th.device)
+            out.append((0.5 * (th - th.transpose(-1, -2)))[:, iu[0], iu[1]].detach().half().cpu())
+        return out
+
+    @torch.no_grad()
+    def load_packed_params(self, packed: list[torch.Tensor]) -> None:
+        """Inverse of :meth:`packed_params` (``Θ = A − Aᵀ`` from the stored triangles)."""
+        if len(packed) != len(self.stages):
+            raise ValueError(f"{len(packed)} stored stages for a rotation of {len(self.stages)}")
+        for th, (b, _), p in zip(self.thetas, self.stages, packed):
+            iu = torch.triu_indices(b, b, 1)
+            a = torch.zeros_like(th)
+            a[:, iu[0], iu[1]] = p.to(th.device, th.dtype)
+            th.copy_(a - a.transpose(-1, -2))
+
+    def extra_repr(self) -> str:
+        return f"d={self.d}, schedule={self.schedule}, passes={self.passes}, mixer={self.mixer!r}, params={self.n_params}"

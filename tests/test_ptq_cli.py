@@ -1,0 +1,113 @@
+"""`adahop ptq` end to end on a 4-step llama-tiny run: the folder loads in transformers, its perplexity is
+the printed one, the packed artifact rebuilds the weights, bad input is refused with the fix."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def run_dir(prepare_real_text, tmp_path_factory) -> Path:
+    from adahop.train import TrainConfig, train
+
+    out = tmp_path_factory.mktemp("ptq") / "bf16"
+    train(TrainConfig(model="llama-tiny", data=str(prepare_real_text(150_000)), out=str(out), seq_len=32, batch_size=4,
+                      steps=4, warmup_steps=1, eval_every=4, eval_batches=2, ckpt_every=4, log_every=1, device="cpu",
+                      recipe="bf16"))
+    return out
+
+
+def _same_to_bf16_rounding(rebuilt: torch.Tensor, exported: torch.Tensor) -> None:
+    """The export is the rebuilt FP32 weight rounded to BF16; FP32 rounding differences in the rebuild
+    may flip a rounding that falls on a BF16 tie, by one BF16 ulp (2^-8 relative)."""
+    same = rebuilt.to(torch.bfloat16).float() == exported
+    assert same.float().mean() > 0.999
+    torch.testing.assert_close(rebuilt, exported, rtol=2**-8, atol=1e-7)
+
+
+def _ptq(run_dir: Path, out: Path, *extra: str) -> int:
+    from adahop.cli import main
+
+    data = json.loads((run_dir / "config.json").read_text())["adahop"]["data_dir"]
+    return main(["ptq", str(run_dir), "--calib-data", data, "--calib-tokens", "256", "--batch-size", "4",
+                 "--eval-batches", "2", "--harp-steps", "3", "--out", str(out), *extra])
+
+
+def test_harp_gptq_folder_loads_in_transformers_with_the_printed_perplexity(run_dir, tmp_path, capsys):
+    import transformers
+
+    from adahop.eval.perplexity import perplexity
+    from adahop.ptq.export import dequantize_packed
+
+    out = tmp_path / "harp2"
+    assert _ptq(run_dir, out, "--method", "harp-gptq", "--bits", "2", "--group-size", "64") == 0
+    printed = capsys.readouterr().out
+    res = json.loads((out / "ptq.json").read_text())
+    ppl = res["perplexity"]["perplexity"]
+    assert f"| harp-gptq | 2 | int | {res['bits_per_weight']:.3f} | {ppl:.4f} |" in printed
+    assert "| unquantized | 16 |" in printed
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)  # any tool can load it
+    data = json.loads((run_dir / "config.json").read_text())["adahop"]["data_dir"]
+    again = perplexity(model.eval(), data, seq_len=res["seq_len"], batch_size=4, max_batches=2, device=torch.device("cpu"), bf16=False)
+    assert again["perplexity"] == ppl  # the printed number is the folder's, to the last bit
+    assert ppl > res["baseline"]["perplexity"] * 0.9  # sanity: 2 bits does not make the model much better
+
+    # the packed artifact alone rebuilds every quantized weight (the export is it rounded to BF16)
+    rebuilt = dequantize_packed(out / "ptq_packed.safetensors")
+    sd = model.state_dict()
+    assert len(rebuilt) == 14  # 2 blocks × (q, k, v, o, gate, up, down)
+    for name, w in rebuilt.items():
+        _same_to_bf16_rounding(w, sd[name + ".weight"])
+    # bits/weight: 2-bit codes, FP16 scales per 64, signs and the FP16 Cayley parameters of both sides
+    n_w = sum(w.numel() for w in rebuilt.values())
+    assert res["quantized_weights"] == n_w
+    assert res["bits_per_weight"] == pytest.approx(sum(v["stored_bits"] for v in res["layers"].values()) / n_w)
+    assert 2 + 16 / 64 < res["bits_per_weight"] < 6
+    assert all(v["harp"]["steps"] == 3 for v in res["layers"].values())
+
+
+@pytest.mark.parametrize("method,quantizer", [("rht-rtn", "mxfp4"), ("gptq", "nvfp4")])
+def test_fp4_grids_round_trip_through_the_artifact(run_dir, tmp_path, method, quantizer):
+    import transformers
+
+    from adahop.ptq.export import dequantize_packed
+
+    out = tmp_path / method
+    assert _ptq(run_dir, out, "--method", method, "--bits", "4", "--quantizer", quantizer, "--skip-baseline") == 0
+    res = json.loads((out / "ptq.json").read_text())
+    assert res["baseline"] is None
+    sd = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+    for name, w in dequantize_packed(out / "ptq_packed.safetensors").items():
+        _same_to_bf16_rounding(w, sd[name + ".weight"])
+    n_w, rows_cols = res["quantized_weights"], sum(sum(v["shape"]) for v in res["layers"].values())
+    per_layer = 0 if quantizer == "mxfp4" else 32  # NVFP4's FP32 tensor scale
+    expect = (4.25 if quantizer == "mxfp4" else 4.5) + (14 * per_layer + (rows_cols if method.startswith("rht") else 0)) / n_w
+    assert res["bits_per_weight"] == pytest.approx(expect, rel=1e-12)  # + one sign bit per row and column for RHT
+
+
+def test_bad_input_is_refused_with_the_fix(run_dir, tmp_path, capsys):
+    assert _ptq(run_dir, tmp_path / "a", "--method", "gptq", "--bits", "3", "--quantizer", "mxfp4") == 2
+    assert "--quantizer mxfp4 stores 4-bit E2M1 elements, --bits 3 cannot be; pass --bits 4" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists()  # refused before anything was loaded or written
+    assert _ptq(run_dir, tmp_path / "b", "--method", "rtn", "--bits", "4", "--calib-tokens", "0") == 2
+    assert "--calib-tokens 0: must be >= 1" in capsys.readouterr().err
+
+
+def test_eval_tasks_add_the_zero_shot_average(run_dir, tmp_path, capsys):
+    pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install 'adahop[eval]')")
+    from test_eval import make_task_data  # the wheel-layout fixture of the eval tests
+
+    root = make_task_data(tmp_path / "tasks")
+    out = tmp_path / "rtn4"
+    assert _ptq(run_dir, out, "--method", "rtn", "--bits", "4", "--skip-baseline", "--eval-tasks", "piqa",
+                "--eval-limit", "3", "--task-data", str(root)) == 0
+    res = json.loads((out / "ptq.json").read_text())
+    acc = res["zero_shot"]["tasks"]["piqa"]["metrics"]["acc"]
+    assert res["zero_shot"]["tasks"]["piqa"]["n_samples"]["effective"] == 3
+    printed = capsys.readouterr().out
+    assert "zero-shot avg |" in printed and f"| {100 * acc:.2f} |" in printed

@@ -1,0 +1,49 @@
+"""scripts/run_ptq_experiment.py without running a cell: the order of the cells, resuming, the summary."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "run_ptq_experiment.py"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("run_ptq_experiment", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_cheap_cells_of_every_model_run_before_harp_and_2_bits_first():
+    s = _script()
+    todo = s.cells(["a", "b"], [2, 4], ["rtn", "gptq", "rht-gptq", "harp-gptq"], mx=True)
+    assert len(todo) == 2 * 2 * 4 + 2 * 2  # + rht-gptq and harp-gptq at MXFP4 W4 for each model
+    first_harp = next(i for i, c in enumerate(todo) if c[1].startswith("harp"))
+    assert all(not c[1].startswith("harp") for c in todo[:first_harp])
+    assert todo[first_harp:first_harp + 2] == [("a", "harp-gptq", 2, "int"), ("b", "harp-gptq", 2, "int")]
+    assert todo[-2:] == [("a", "harp-gptq", 4, "mxfp4"), ("b", "harp-gptq", 4, "mxfp4")]
+
+
+def test_a_finished_cell_is_skipped_and_the_summary_checks_the_order(tmp_path, capsys):
+    s = _script()
+    model = tmp_path / "m"
+    out = tmp_path / "out"
+    (out / "m").mkdir(parents=True)
+    (out / "m" / "baseline.json").write_text(json.dumps({"perplexity": {"perplexity": 10.0}}))
+    for method, ppl in (("rtn", 14.0), ("gptq", 12.0)):
+        d = s.cell_dir(out, str(model), method, 2, "int")
+        d.mkdir(parents=True)
+        layers = {"l": {"shape": [4, 8], "stored_bits": 1}}
+        d.joinpath("ptq.json").write_text(json.dumps({
+            "perplexity": {"perplexity": ppl, "loss": 1.0}, "bits_per_weight": 2.125, "seconds_quantize": 1.0,
+            "seconds_total": 2.0, "harp_fit_seconds_per_layer": None, "layers": layers, "device": "cpu", "calib_tokens": 64}))
+    rc = s.main(["--models", str(model), "--data", str(tmp_path), "--out", str(out), "--bits", "2", "--methods", "rtn,gptq",
+                 "--no-mx", "--budget-s", "60"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "skipped" in printed and "| gptq | 2 | int | 2.125 | 12.0000 | +20.00 |" in printed
+    assert "- W2: gptq < rtn (gptq 12.000, rtn 14.000)" in printed
+    rows = json.loads((out / "summary.json").read_text())["rows"]
+    assert [r["status"] for r in rows] == ["done", "done"]

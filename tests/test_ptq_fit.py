@@ -1,0 +1,53 @@
+"""HARP fitting (`specs/related_methods.md` §2.3): the proxy loss falls from its RHT start, the weight
+stays exactly representable, and the fitted rotations are the ones the artifact stores."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from adahop.ptq.fit import FitOptions, fit_harp, offblock_energy, proxy_loss
+from adahop.ptq.grids import make_grid
+from adahop.ptq.incoherence import RHTRotation, TwoSided
+from adahop.ptq.rotation import HARPRotation
+
+
+def _layer(gen, m=32, n=64):
+    w = torch.randn(m, n, generator=gen)
+    w[:, 5] *= 6  # an outlier input channel, as trained weights have
+    x = torch.randn(1024, n, generator=gen) @ (torch.eye(n) + 0.3 * torch.randn(n, n, generator=gen) / n**0.5)
+    return w, x.T @ x / 1024
+
+
+@pytest.mark.parametrize("q,bits", [("int", 2), ("mxfp4", 4)])
+def test_fitting_lowers_the_proxy_loss_from_the_rht_start(q, bits, gen):
+    w, h = _layer(gen)
+    grid = make_grid(q, bits, 32 if q == "int" else None)
+    t = TwoSided.random_signs(HARPRotation(32), HARPRotation(64), generator=gen)
+    rht = TwoSided(RHTRotation(32), RHTRotation(64), t.s_out, t.s_in)
+    opts = FitOptions(steps=60, lr=0.03)
+    hn = h / torch.diagonal(h).mean()
+    start, _ = proxy_loss(rht.weight(w), rht.hessian(hn), grid, opts)  # Θ = 0 is this RHT exactly
+    res = fit_harp(w, h, t, grid, opts)
+    assert res.loss_start == pytest.approx(float(start), rel=1e-5)
+    assert res.loss_end < 0.97 * res.loss_start, (res.loss_start, res.loss_end)
+    with torch.no_grad():
+        torch.testing.assert_close(t.weight_inverse(t.weight(w)), w, rtol=0, atol=1e-4)  # still an exact transform
+        end, _ = proxy_loss(t.weight(w), t.hessian(hn), grid, opts)
+    assert float(end) == pytest.approx(res.loss_end, rel=1e-6)  # measured with the FP16-rounded, stored Θ
+
+
+def test_offblock_energy_counts_only_outside_the_diagonal_blocks():
+    h = torch.arange(36.0).reshape(6, 6)
+    mask = torch.ones(6, 6)
+    mask[:4, :4] = 0
+    mask[4:, 4:] = 0  # blocks of 4: [0..3], [4, 5] (the partial last block is a block)
+    assert float(offblock_energy(h, 4)) == pytest.approx(float((h * mask).pow(2).sum() / 36))
+    assert float(offblock_energy(torch.eye(6), 2)) == 0.0
+
+
+def test_bad_fit_options_are_refused():
+    with pytest.raises(ValueError, match="steps=0"):
+        FitOptions(steps=0)
+    with pytest.raises(ValueError, match="lr"):
+        FitOptions(lr=0.0)

@@ -1,0 +1,107 @@
+"""PTQ grids and GPTQ: GPTQ with H = I is RTN, GPTQ beats RTN with correlated inputs, the grids are the
+formats' own, bad options are refused with the fix, the bit packing round-trips."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from adahop.formats import fake_quantize
+from adahop.ptq.fit import FitOptions
+from adahop.ptq.gptq import gptq, proxy_error
+from adahop.ptq.grids import make_grid
+from adahop.ptq.quantize import pack_bits, quantize_layer, unpack_bits
+
+GRIDS = [("int", 2, 32), ("int", 3, 128), ("int", 4, 48), ("mxfp4", 4, None), ("nvfp4", 4, None)]
+
+
+def _correlated(n: int, gen: torch.Generator, tokens: int = 2048) -> torch.Tensor:
+    """E[x xᵀ] of inputs with correlated channels and a few outlier channels."""
+    mix = torch.randn(n, n, generator=gen) / n**0.5 + torch.eye(n)
+    x = torch.randn(tokens, n, generator=gen) @ mix
+    x[:, :3] *= 8
+    return x.T @ x / tokens
+
+
+@pytest.mark.parametrize("q,bits,g", GRIDS)
+def test_gptq_with_identity_hessian_is_rtn(q, bits, g, gen):
+    w = torch.randn(24, 96, generator=gen)
+    grid = make_grid(q, bits, g)
+    out = gptq(w, torch.eye(96), grid)
+    codes, scales, vals = make_grid(q, bits, g).quantize(w)
+    assert torch.equal(out["q"], vals) and torch.equal(out["codes"], codes) and torch.equal(out["scales"], scales)
+    assert torch.equal(vals, make_grid(q, bits, g).fake_quantize(w))
+
+
+@pytest.mark.parametrize("q,bits,g", GRIDS)
+def test_gptq_beats_rtn_on_the_proxy_error_with_correlated_inputs(q, bits, g, gen):
+    w = torch.randn(32, 96, generator=gen)
+    h = _correlated(96, gen)
+    e_gptq = proxy_error(w, gptq(w, h, make_grid(q, bits, g))["q"], h)
+    e_rtn = proxy_error(w, make_grid(q, bits, g).fake_quantize(w), h)
+    assert e_gptq < 0.8 * e_rtn, (e_gptq, e_rtn)
+
+
+def test_group_scales_straddling_a_lazy_batch_see_its_pending_updates(gen):
+    # a group of 96 over batches of 32: GPTQ by batches of 32 must equal GPTQ in one batch
+    w, h = torch.randn(8, 192, generator=gen), _correlated(192, gen)
+    a = gptq(w, h, make_grid("int", 3, 96), block=32)
+    b = gptq(w, h, make_grid("int", 3, 96), block=192)
+    torch.testing.assert_close(a["q"], b["q"], rtol=0, atol=1e-5)
+
+
+def test_the_fp_grids_are_the_formats_own(gen):
+    w = torch.randn(16, 64, generator=gen)
+    assert torch.equal(make_grid("mxfp4", 4).fake_quantize(w), fake_quantize(w, "mxfp4", axis=1))
+    assert torch.equal(make_grid("nvfp4", 4).fake_quantize(w), fake_quantize(w, "nvfp4", axis=1))
+
+
+def test_int_grid_is_symmetric_with_all_codes_used(gen):
+    grid = make_grid("int", 2, 64)
+    w = torch.randn(4, 64, generator=gen)
+    codes, scales, vals = grid.quantize(w)
+    assert set(codes.unique().tolist()) == {0, 1, 2, 3}
+    assert torch.equal(scales, scales.half().float())  # the FP16 scales the artifact stores are the ones used
+    levels = (vals / scales.repeat_interleave(64, 1)).unique()
+    torch.testing.assert_close(levels, torch.tensor([-1.5, -0.5, 0.5, 1.5]))
+    assert torch.equal(grid.decode(codes, grid.stored_scales(scales)), vals)
+    # the clipping search never does worse than no clipping
+    plain = make_grid("int", 2, 64)
+    plain.clip = (1.0,)
+    assert (vals - w).pow(2).sum() <= (plain.fake_quantize(w) - w).pow(2).sum()
+
+
+@pytest.mark.parametrize("q", ["mxfp4", "nvfp4"])
+def test_fp_grid_codes_and_stored_scales_decode_to_the_values(q, gen):
+    grid = make_grid(q, 4)
+    w = torch.randn(8, 64, generator=gen) * 3
+    codes, scales, vals = grid.quantize(w)
+    assert torch.equal(grid.decode(codes, grid.stored_scales(scales)), vals)
+    assert grid.bits_per_weight(8, 64) == (4.25 if q == "mxfp4" else 4.5 + 32 / (8 * 64))
+
+
+def test_bad_grid_options_name_the_fix():
+    with pytest.raises(ValueError, match=r"--quantizer mxfp4 stores 4-bit.*pass --bits 4"):
+        make_grid("mxfp4", 2)
+    with pytest.raises(ValueError, match=r"--quantizer nvfp4 has one scale per 16.*drop --group-size"):
+        make_grid("nvfp4", 4, 128)
+    with pytest.raises(ValueError, match="--quantizer 'fp3' is not known"):
+        make_grid("fp3", 4)
+    with pytest.raises(ValueError, match="--group-size 0"):
+        make_grid("int", 4, 0)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+def test_bit_packing_round_trips(bits, gen):
+    codes = torch.randint(0, 2**bits, (37,), generator=gen, dtype=torch.uint8)
+    packed = pack_bits(codes, bits)
+    assert packed.numel() == -(-37 * bits // 8)
+    assert torch.equal(unpack_bits(packed, bits, 37), codes)
+
+
+def test_quantize_layer_counts_every_stored_bit(gen):
+    w, h = torch.randn(32, 64, generator=gen), _correlated(64, gen)
+    for method, extra in (("gptq", 0), ("rht-gptq", 32 + 64), ("harp-rtn", 32 + 64 + 16 * (32 * 7 // 2 + 32 * 3 // 2 + 64 * 14 // 2))):
+        r = quantize_layer(w, h, method, make_grid("int", 3, 32), generator=torch.Generator().manual_seed(0),
+                           fit_opts=FitOptions(steps=2))
+        assert r.stored_bits == 32 * 64 * 3 + 32 * 2 * 16 + extra, method
