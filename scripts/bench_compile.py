@@ -21,6 +21,11 @@ Every compiled row reports ``graph_breaks`` (counted over the row; calibration r
 any break is in the compiled model), ``recompiles`` (frames compiled after the step that
 compiled; must be 0) and ``cudagraph_skips`` (graphs ``reduce-overhead`` ran without CUDA graphs:
 correct, but the host overhead is back; rerun with ``TORCH_LOGS=perf_hints`` for the reason).
+The side-by-side phase also prints, per recipe and compiled mode, the relative difference of the
+untimed check step's loss and gradient norm to eager mode's: both runs start from the same weights
+and data and take the same steps, so it is small but not zero (Inductor rounds some ops otherwise,
+and a quantized recipe's GEMM inputs then round to other MXFP4 codes); a percent-level gap, or
+fewer parameters with a gradient, is a compiled-path bug (`scripts/check_compiled_grads.py`).
 Rows that fail keep their error and the others go on. The script prints one table per phase and,
 with ``--json``, writes ``{"cold": [...], "side_by_side": [...]}``. Exit code 1 if a compiled
 row recompiled, broke its graph or failed.
@@ -106,6 +111,13 @@ def main() -> None:
     if "side_by_side" in args.phases:
         out["side_by_side"] = run_child(args, args.recipes, args.modes, args.timeout * 3)
         show(f"side by side in one process ({args.model}, {args.batch_size} x {args.seq_len})", out["side_by_side"])
+        # the untimed check step computes the same loss and gradient norm in every mode of a recipe (to rounding)
+        for r in out["side_by_side"]:
+            e = next((b for b in out["side_by_side"] if b["recipe"] == r["recipe"] and b["mode"] == "eager"), None)
+            if e is not None and r is not e and "loss" in r and "loss" in e:
+                print(f"{r['recipe']} {r['mode']} vs eager: loss {r['loss'] / e['loss'] - 1:+.2e}, "
+                      f"grad norm {r['grad_norm'] / e['grad_norm'] - 1:+.2e}, params with grad {r['params_with_grad']}"
+                      f"/{r['params']}")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     rows = [r for rs in out.values() for r in rs]
