@@ -30,6 +30,26 @@ def test_bench_model_rows_on_cpu():
     assert math.isclose(lv2["grad_norm"], bf16["grad_norm"], rel_tol=0.25)
 
 
+def test_bench_model_auto_mode_counts_breaks_and_recompiles(monkeypatch):
+    """``--modes auto`` compiles in `adahop train --compile`'s final mode (the default one on the CPU)
+    once Lv2's plan is frozen, and the row says so: the mode, the compiling step's time, no graph
+    break and no recompile after it (dynamo only here: fast, no C++ toolchain)."""
+    import torch
+
+    real, modes = torch.compile, []
+
+    def recording(m, **kw):
+        modes.append(kw.get("mode"))
+        return real(m, backend="eager")
+
+    monkeypatch.setattr(torch, "compile", recording)
+    (row,) = bench_model("llama-tiny", recipes=("adahop-lv2",), seq_len=32, batch=2, steps=1, modes=("auto",), device="cpu")
+    assert "error" not in row, row
+    assert modes == ["default"] and row["compile_mode"] == "default"
+    assert row["compile_step_s"] > 0 and row["graph_breaks"] == 0 and row["recompiles"] == 0
+    assert row["grads_ok"]
+
+
 def test_bench_model_rejects_unknown_mode():
     with pytest.raises(ValueError, match="unknown mode"):
         bench_model("llama-tiny", modes=("fast",), device="cpu")

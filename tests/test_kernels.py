@@ -359,9 +359,9 @@ def test_interp_fold_checks_the_range_unless_the_quantizer_did():
     assert q8.scale_range == 8  # the fold trusts this and skips its device sync
     assert torch.equal(fold_to_fp8(q8, backend="triton")[0].view(torch.uint8),
                        fold_to_fp8(q8, backend="reference")[0].view(torch.uint8))
-    from adahop.kernels.fold import _fold_op
+    from adahop.kernels._triton_fold import fold_op  # the triton_op
 
-    torch.library.opcheck(_fold_op, (q8.codes, q8.scales, 1.0), test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(fold_op, (q8.codes, q8.scales, 1.0), test_utils=("test_schema", "test_faketensor"))
 
 
 @interp
@@ -382,6 +382,43 @@ def test_interp_fast_layer_compiles_without_graph_break(recipe):
     out = torch.compile(lin, fullgraph=True, backend="aot_eager")(x)
     out.float().square().sum().backward()
     assert torch.isfinite(x.grad).all() and torch.isfinite(lin[0].weight.grad).all()
+
+
+@interp
+def test_interp_inductor_inlines_the_triton_ops_and_matches_eager():
+    """Issue 18 item 1: under Inductor (fullgraph, CPU, the interpreter) the quantizer and the fold
+    are decomposed ``triton_op`` s: the generated code launches their kernels itself (here through
+    the interpreter's launch op), allocates their outputs, and never calls the opaque ops; and a
+    converted layer's y, dX and dW equal eager mode's. The recipe's plan puts OE on both backward
+    GEMMs, so the quantizer's zero-row path, the fold of saved operands and top-k are all in it."""
+    from torch._inductor.utils import run_and_get_code
+
+    from adahop.nn import convert_model, get_controller
+    from adahop.patterns import Plan
+
+    torch.manual_seed(0)
+    lin = torch.nn.Sequential(torch.nn.Linear(32, 64, bias=False))
+    convert_model(lin, "adahop-lv1", backend="triton")
+    get_controller(lin).set_plan(Plan.from_patterns({"0": {"x": "R", "w": "N", "dy": "C"}}))
+    x0, dy = torch.randn(32, 32), torch.randn(32, 64)
+
+    def step(fn):
+        x = x0.clone().requires_grad_()
+        lin.zero_grad(set_to_none=True)
+        y = fn(x)
+        y.backward(dy)
+        return y.detach(), x.grad, lin[0].weight.grad.clone()
+
+    eager = step(lin)
+    compiled = torch.compile(lin, fullgraph=True)
+    got, codes = run_and_get_code(step, compiled)
+    code = "\n".join(codes)
+    assert code.count("_mx_quantize_kernel") >= 4 and "_fold_kernel" in code, "the launches are not in the generated code"
+    assert "torch.ops.adahop.iht_quantize_mxfp4" not in code and "torch.ops.adahop.fold_mxfp4_to_fp8" not in code
+    assert "_scaled_mm" in code  # the FP8 GEMM is traced as the aten op, not hidden in a custom op
+    for what, a, b in zip(("y", "dX", "dW"), got, eager):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=f"{what}: compiled != eager")
+    torch.compiler.reset()
 
 
 @interp
@@ -479,9 +516,9 @@ def test_interp_path_end_to_end():
 @interp
 def test_interp_custom_op_traces():
     x = torch.randn(64, 64)
-    from adahop.kernels.quantize_mxfp4 import _fused_op
+    from adahop.kernels._triton_quantize import quantize_op  # the triton_op
 
-    torch.library.opcheck(_fused_op, (x, 0, 32, None, False, "floor", 8, None),
+    torch.library.opcheck(quantize_op, (x, 0, 32, None, False, "floor", 8, None),
                           test_utils="test_faketensor")
 
     def f(x, w):

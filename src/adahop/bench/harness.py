@@ -180,13 +180,17 @@ def bench_linear(models=("llama3.1-8b",), tokens=(8192, 16384), reps: int = 20, 
 
 
 def bench_model(model: str = "llama3.2-1b", *, recipes=("bf16", "adahop-lv2", "mxfp4"), seq_len: int = 4096, batch: int = 4,
-                layers: int | None = None, steps: int = 6, modes=("eager", "compiled"), device: str = "cuda",
+                layers: int | None = None, steps: int = 6, modes=("eager", "auto"), device: str = "cuda",
                 small_gemms: bool = False) -> list[dict]:
     """Training tokens/s (median step time after warm-up) and peak memory, same process for all.
 
     ``modes`` are keys of :data:`COMPILE_MODES`. A row that fails (out of memory, a compile
     error) is recorded with its error instead of stopping the others. Each row also gives
-    ``warmup_s``: seconds of its 5 untimed steps (calibration, compile, CUDA-graph recording).
+    ``warmup_s``: seconds of its 5 untimed steps (calibration, compile, CUDA-graph recording); a
+    compiled row ``compile_mode`` (the ``torch.compile`` mode), ``compile_step_s`` (the wall time of
+    the step that compiled: with empty caches in a fresh process, the cold compile), ``graph_breaks``
+    (dynamo's count over the row; calibration runs eagerly), ``recompiles`` (frames compiled after
+    that step: must be 0) and ``cudagraph_skips`` (graphs run without CUDA graphs).
     One more untimed step records what the model computed: ``loss``, ``grad_norm`` (all
     parameters) and ``params_with_grad`` (of ``params``), equal across modes of one recipe;
     ``grads_ok`` is False when some parameter got no gradient (such a row's speed is not valid).
@@ -230,8 +234,10 @@ def model_step(model: str, recipe: str, mode: str, seq_len: int, batch: int, lay
     cross-entropy, backward and the optimizer step ``i`` (0-based); a calibrating recipe calibrates
     for 2 steps eagerly and is compiled once its plan is frozen. With ``record=True`` it returns
     what the step computed (``loss``, ``grad_norm``, ``params_with_grad``, ``params``,
-    ``grads_ok``), else ``{}``. ``mode`` is a key of :data:`COMPILE_MODES`. Used by
-    ``bench model`` (timing) and ``scripts/profile_model.py`` (kernel breakdown).
+    ``grads_ok``), else ``{}``. ``mode`` is a key of :data:`COMPILE_MODES`; ``step.compile_mode``
+    is the ``torch.compile`` mode it resolved to (None: eager) and ``step.first_compiled`` the
+    index of the step that compiles (None: eager). Used by ``bench model`` (timing) and
+    ``scripts/profile_model.py`` (kernel breakdown).
 
     ``recipe`` is an adahop preset, or one of :data:`adahop.bench.torchao_fp8.TORCHAO_RECIPES`
     (torchao's float8 training of the same linears: CUDA sm_89+ only). ``small_gemms``: run the
@@ -269,6 +275,10 @@ def model_step(model: str, recipe: str, mode: str, seq_len: int, batch: int, lay
         convert_model(m, r)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True)
     compile_mode = COMPILE_MODES[mode]
+    if compile_mode == "auto":  # what `adahop train --compile` runs once the plan is frozen
+        from ..compile_modes import frozen_mode
+
+        compile_mode = frozen_mode(dev.type)
     # a calibrating recipe runs its calibration steps eagerly and is compiled once its plan is frozen
     calibrating = not r.is_bf16 and r.calibration is not None
     fwd = m if compile_mode is None or calibrating else torch.compile(m, mode=compile_mode)
@@ -292,6 +302,8 @@ def model_step(model: str, recipe: str, mode: str, seq_len: int, batch: int, lay
             fwd = torch.compile(m, mode=compile_mode)
         return check
 
+    step.compile_mode = compile_mode  # the torch.compile mode the step runs in (None: eager)
+    step.first_compiled = None if compile_mode is None else (2 if calibrating else 0)  # index of the step that compiles
     return m, step
 
 
@@ -311,16 +323,20 @@ def _bench_model_row_timed(model: str, recipe: str, mode: str, seq_len: int, bat
                            device: str, small_gemms: bool) -> dict:
     import time
 
+    from ..compile_modes import dynamo_counts
     from ..nn import small_gemm_count
 
     m, step = model_step(model, recipe, mode, seq_len, batch, layers, device, small_gemms)
     cuda = torch.device(device).type == "cuda"
+    counts0, counts1, compile_s = dynamo_counts(), None, None
     t_warm = time.perf_counter()
     for i in range(5):  # calibration (2 steps), the compile after the plan freeze, CUDA-graph recording
         t0 = time.perf_counter()
         step(i)
         if cuda:
             torch.cuda.synchronize()
+        if i == step.first_compiled:  # the step that compiled (cold: with empty caches, the first compile)
+            compile_s, counts1 = time.perf_counter() - t0, dynamo_counts()
         # progress on stderr: a compile can take minutes, and a row that times out prints nothing else
         print(f"{model} {recipe} {mode}: warm-up step {i}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     if cuda:  # synchronized by the last warm-up step
@@ -342,10 +358,17 @@ def _bench_model_row_timed(model: str, recipe: str, mode: str, seq_len: int, bat
     ms = statistics.median(times)
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None  # no peak-memory counter on the CPU
     check = step(5 + steps, record=True)  # untimed
+    counts2 = dynamo_counts()
+    compiled = {}
+    if counts1 is not None:  # breaks of the compiled graphs; frames compiled again after the first compiled step (0)
+        compiled = dict(compile_mode=step.compile_mode, compile_step_s=compile_s,
+                        graph_breaks=counts2["graph_breaks"] - counts0["graph_breaks"],
+                        recompiles=counts2["frames"] - counts1["frames"],
+                        cudagraph_skips=counts2["cudagraph_skips"] - counts0["cudagraph_skips"])
     return dict(bench="model", model=model, layers=layers or m.config.num_hidden_layers, seq_len=seq_len, batch=batch,
                 recipe=recipe, mode=mode, step_ms=ms, tok_per_s=batch * seq_len / ms * 1e3, peak_mem_gib=peak,
                 warmup_s=warmup_s, bf16_small_gemms=small_gemms, small_gemms_bf16=small_gemm_count(m),
-                strategies=_strategy_counts(m), **check, **_where(device))
+                strategies=_strategy_counts(m), **compiled, **check, **_where(device))
 
 
 def _where(device) -> dict:

@@ -267,15 +267,15 @@ def pipeline_section(res, quick):
 
 
 def overhead_section(res):
-    """Host cost per call on a tiny tensor (launch-bound): eager API vs the custom op."""
-    from adahop.kernels.quantize_mxfp4 import _fused_op
+    """Host cost per call on a tiny tensor (launch-bound): eager API vs the op (``triton_op``) called eagerly."""
+    from adahop.kernels._triton_quantize import quantize_op
 
     x = rnd(64, 64)
     q = iht_quantize_mxfp4(x, axis=1)
     qt = mx_transpose(iht_quantize_mxfp4(rnd(64, 64), axis=1))
     out = {}
     for name, fn in (("iht_quantize_mxfp4 (eager path)", lambda: iht_quantize_mxfp4(x, axis=1)),
-                     ("torch.ops.adahop.iht_quantize_mxfp4", lambda: _fused_op(x, 1, 32, None, False, "floor", 8, None)),
+                     ("torch.ops.adahop.iht_quantize_mxfp4", lambda: quantize_op(x, 1, 32, None, False, "floor", 8, None)),
                      ("mx_matmul 64x64x64", lambda: mx_matmul(q, qt)),
                      ("bf16 mm 64x64x64", lambda: x @ x)):
         for _ in range(20):

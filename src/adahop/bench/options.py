@@ -7,10 +7,12 @@ import argparse
 
 __all__ = ["add_arguments", "COMPILE_MODES"]
 
-#: How ``bench model`` runs the model: eager, ``torch.compile`` (default mode), and
+#: How ``bench model`` runs the model: eager, ``torch.compile`` (default mode),
 #: ``torch.compile(mode="reduce-overhead")``, which replays CUDA graphs and so removes the host
-#: time of the many small launches of a quantized layer.
-COMPILE_MODES = {"eager": None, "compiled": "default", "compiled+cudagraphs": "reduce-overhead"}
+#: time of the many small launches of a quantized layer, and ``auto``: the mode ``adahop train
+#: --compile`` runs once the plan is frozen (:func:`adahop.compile_modes.frozen_mode`: CUDA graphs
+#: on a GPU, the default mode on the CPU).
+COMPILE_MODES = {"eager": None, "compiled": "default", "compiled+cudagraphs": "reduce-overhead", "auto": "auto"}
 
 
 _JSON_HELP = ("merge the rows into this JSON list (created if absent; a row of the same configuration is replaced, "
@@ -36,7 +38,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     mod.add_argument("--seq-len", type=int, default=4096)
     mod.add_argument("--batch-size", type=int, default=4)
     mod.add_argument("--steps", type=int, default=6)
-    mod.add_argument("--modes", default="eager,compiled", help=f"comma-separated, of {', '.join(COMPILE_MODES)}")
+    mod.add_argument("--modes", default="eager,auto",
+                     help=f"comma-separated, of {', '.join(COMPILE_MODES)} (auto: what `adahop train --compile` runs "
+                          "once the plan is frozen, compiled+cudagraphs on a GPU); a calibrating recipe calibrates "
+                          "eagerly and is compiled at the freeze")
     mod.add_argument("--bf16-small-gemms", action="store_true",
                      help="adahop recipes run the GEMMs too small to gain from FP8 in BF16 (Recipe.bf16_small_gemms, "
                           "the default SmallGemmRule); each row counts them (small_gemms_bf16)")

@@ -125,7 +125,7 @@ def main() -> None:
     ap.add_argument("--model", default="llama3.1-8b")
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--recipes", default="bf16,adahop-lv2")
-    ap.add_argument("--modes", default="compiled")
+    ap.add_argument("--modes", default="compiled", help="of eager, compiled, compiled+cudagraphs, auto (what adahop train --compile runs)")
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--batch-size", type=int, default=2)
     ap.add_argument("--json", default=None)

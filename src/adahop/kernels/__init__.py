@@ -10,10 +10,13 @@ dispatcher taking ``backend: "auto" | "triton" | "reference"``:
   the FP8 operand, for the backward GEMMs;
 - :func:`resolve_backend` (``backend.py``): which of the two runs, below every op module.
 
-Triton is imported only when a Triton kernel runs. The fast ops are registered as
-``torch.library`` custom ops (``adahop::iht_quantize_mxfp4``, ``adahop::fp8_rowwise_mm``,
-``adahop::fold_mxfp4_to_fp8``) so
-``torch.compile`` traces them without graph breaks.
+Triton is imported only when a Triton kernel runs. Under ``torch.compile`` the Triton kernels are
+``torch.library.triton_op`` s (``adahop::iht_quantize_mxfp4``, ``adahop::fold_mxfp4_to_fp8``, defined
+beside their kernels): AOTAutograd decomposes them into their bodies, so Inductor emits the
+allocations and launches in its own code (``_triton_launch.py``; under ``TRITON_INTERPRET=1`` the
+launches become an opaque op, so CPU tests compile the same ops). The FP8 GEMM is traced as
+``torch._scaled_mm``; its FP32-accumulation form stays the custom op ``adahop::fp8_rowwise_mm``.
+Eager calls run the same bodies without the ops' dispatch.
 """
 
 from ..formats.mxfp4 import FOLD_RANGE, folds_exactly

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._triton_launch import launch
 from ._triton_quantize import _e2m1_value, _exp2i
 
 
@@ -79,14 +80,22 @@ def fold(codes: torch.Tensor, scales: torch.Tensor, elem_scale: float) -> tuple[
     """Launch the fold on contiguous ``codes [rows, kp/2]`` and ``scales [rows, kp/32]`` (uint8).
 
     Returns ``(fp8 [rows, kp] float8_e4m3fn, row_scale [rows] float32)``. ``elem_scale`` is the
-    float32 value the row scale is multiplied by (4/3 for the ``tseng`` rule, else 1).
+    float32 value the row scale is multiplied by (4/3 for the ``tseng`` rule, else 1). Traceable
+    (the body of :data:`fold_op`).
     """
-    rows, kp = codes.shape[0], codes.shape[1] * 2
+    rows, kp = int(codes.shape[0]), int(codes.shape[1]) * 2
     fp8 = torch.empty(rows, kp, dtype=torch.uint8, device=codes.device)
     rscale = torch.empty(rows, dtype=torch.float32, device=codes.device)
     if rows and kp:
         grid, meta = _config(rows, kp)
-        _fold_kernel[grid](codes, scales, fp8, rscale, rows, kp, ELEM_SCALE=elem_scale, **meta)
+        launch(_fold_kernel, grid, ("fp8_ptr", "rscale_ptr"), codes_ptr=codes, scales_ptr=scales, fp8_ptr=fp8,
+               rscale_ptr=rscale, rows=rows, kp=kp, ELEM_SCALE=elem_scale, **meta)
     elif rows:
         rscale.fill_(2.0**-127 * elem_scale)
     return fp8.view(torch.float8_e4m3fn), rscale
+
+
+@torch.library.triton_op("adahop::fold_mxfp4_to_fp8", mutates_args=())
+def fold_op(codes: torch.Tensor, scales: torch.Tensor, elem_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fold as a ``triton_op`` (what ``torch.compile`` sees); :func:`fold` is its body and the eager path."""
+    return fold(codes, scales, elem_scale)

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from ..formats.mxfp4 import folds_exactly
+from ._triton_launch import launch
 
 RULE_IDS = {"floor": 0, "ceil": 1, "adahop": 2, "tseng": 3}
 
@@ -356,7 +357,7 @@ def mx_quantize(x: torch.Tensor, axis: int, hadamard_block: int, signs: torch.Te
                 stochastic: bool, scale_rule: str, max_scale_range: int, seed: torch.Tensor | None,
                 write_codes: bool = True, want_fp8: bool = True, keep: torch.Tensor | None = None,
                 *, plan: dict | None = None, out: tuple | None = None):
-    """Launch the fused quantizer on a 2-D ``x``; arguments as the custom op ``adahop::iht_quantize_mxfp4``.
+    """Launch the fused quantizer on a 2-D ``x``; arguments as the op :data:`quantize_op`.
 
     ``hadamard_block`` 0 means no transform; ``max_scale_range`` -1 means None. Returns
     ``(codes [rows, kp/2] uint8, scales [rows, kp/32] uint8, fp8 [rows, kp] e4m3, row_scale [rows] fp32)``;
@@ -364,12 +365,15 @@ def mx_quantize(x: torch.Tensor, axis: int, hadamard_block: int, signs: torch.Te
     ``want_fp8`` is False; codes are ``[rows, 0]`` when ``write_codes`` is False. ``keep``: optional
     uint8 ``[rows]``, rows where it is 0 are quantized as zeros (OE).
     ``plan`` overrides :func:`default_plan` (benchmarks); ``out`` supplies the four output buffers
-    (tests: poisoned ones).
+    (tests: poisoned ones). Traceable (the body of :data:`quantize_op`): shapes and strides are
+    read as ints (a dynamic size is specialized), the launches go through :func:`launch`.
     """
+    # int(): the launch configuration is a function of the sizes; a symbolic size is specialized here
+    size, stride = [int(s) for s in x.shape], [int(s) for s in x.stride()]
     if axis == 1:
-        rows, kc, stride_r, stride_k = x.shape[0], x.shape[1], x.stride(0), x.stride(1)
+        rows, kc, stride_r, stride_k = size[0], size[1], stride[0], stride[1]
     else:
-        rows, kc, stride_r, stride_k = x.shape[1], x.shape[0], x.stride(1), x.stride(0)
+        rows, kc, stride_r, stride_k = size[1], size[0], stride[1], stride[0]
     hb = hadamard_block if hadamard_block > 1 else 0
     kp, write_fp8, grid, n_kt, row_src, common, quant = _launch_config(
         rows, kc, stride_r, stride_k, x.element_size(), hb, signs is not None, stochastic, scale_rule,
@@ -378,7 +382,8 @@ def mx_quantize(x: torch.Tensor, axis: int, hadamard_block: int, signs: torch.Te
     if out is None:
         codes = torch.empty(rows, kp // 2 if write_codes else 0, dtype=torch.uint8, device=dev)  # outputs may not alias
         scales = torch.empty(rows, kp // 32, dtype=torch.uint8, device=dev)
-        fp8 = torch.empty((rows, kp) if write_fp8 else (0,), dtype=torch.float8_e4m3fn, device=dev)
+        # the FP8 bytes are allocated as uint8 (the kernel stores bytes) and viewed as E4M3 at the end
+        fp8 = torch.empty((rows, kp) if write_fp8 else (0,), dtype=torch.uint8, device=dev)
         rscale = torch.empty((rows,) if write_fp8 else (0,), dtype=torch.float32, device=dev)
     else:
         codes, scales, fp8, rscale = out
@@ -386,16 +391,31 @@ def mx_quantize(x: torch.Tensor, axis: int, hadamard_block: int, signs: torch.Te
                 (rows,) if write_fp8 else (0,)]
         if [tuple(t.shape) for t in out] != want or not all(t.is_contiguous() for t in out):
             raise ValueError(f"mx_quantize: out buffers must be contiguous with shapes {want}")
+        fp8 = fp8.view(torch.uint8)
     if rows == 0:
-        return codes, scales, fp8, rscale
-    if max(rows * kp, (x.shape[0] - 1) * abs(x.stride(0)) + (x.shape[1] - 1) * abs(x.stride(1)) + 1) >= 2**31 - 2**20:
+        return codes, scales, fp8.view(torch.float8_e4m3fn), rscale
+    if max(rows * kp, (size[0] - 1) * abs(stride[0]) + (size[1] - 1) * abs(stride[1]) + 1) >= 2**31 - 2**20:
         common, quant = dict(common, INT64=True), dict(quant, INT64=True)
     signs_arg = signs if signs is not None else x  # never read without HAS_SIGNS
     keep_arg = keep if keep is not None else x  # never read without ZERO_ROWS
     pamax = x  # read only when ROW_SRC == 2
     if row_src == 2:
         pamax = torch.empty(rows, n_kt, dtype=torch.float32, device=dev)
-        _mx_amax_kernel[grid](x, stride_r, stride_k, rows, kc, pamax, n_kt, signs_arg, keep_arg, **common)
-    _mx_quantize_kernel[grid](x, stride_r, stride_k, rows, kc, kp, codes, scales, fp8.view(torch.uint8), rscale,
-                              pamax, n_kt, signs_arg, seed if seed is not None else x, keep_arg, **quant)
-    return codes, scales, fp8, rscale
+        launch(_mx_amax_kernel, grid, ("pamax_ptr",), x_ptr=x, stride_r=stride_r, stride_k=stride_k, rows=rows, kc=kc,
+               pamax_ptr=pamax, n_kt=n_kt, signs_ptr=signs_arg, keep_ptr=keep_arg, **common)
+    launch(_mx_quantize_kernel, grid, ("codes_ptr", "scales_ptr", "fp8_ptr", "rscale_ptr"),
+           x_ptr=x, stride_r=stride_r, stride_k=stride_k, rows=rows, kc=kc, kp=kp, codes_ptr=codes, scales_ptr=scales,
+           fp8_ptr=fp8, rscale_ptr=rscale, pamax_ptr=pamax, n_kt=n_kt, signs_ptr=signs_arg,
+           seed_ptr=seed if seed is not None else x, keep_ptr=keep_arg, **quant)
+    return codes, scales, fp8.view(torch.float8_e4m3fn), rscale
+
+
+@torch.library.triton_op("adahop::iht_quantize_mxfp4", mutates_args=())
+def quantize_op(x: torch.Tensor, axis: int, hadamard_block: int, signs: torch.Tensor | None, stochastic: bool,
+                scale_rule: str, max_scale_range: int, seed: torch.Tensor | None, write_codes: bool = True,
+                want_fp8: bool = True, keep: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused quantizer as a ``triton_op`` (what ``torch.compile`` sees: Inductor inlines its
+    launches); :func:`mx_quantize` is its body and the eager path."""
+    return mx_quantize(x, axis, hadamard_block, signs, stochastic, scale_rule, max_scale_range, seed, write_codes,
+                       want_fp8, keep)

@@ -102,20 +102,10 @@ def fold_to_fp8_reference(q: MXTensor, *, backend: str = "reference") -> tuple[t
 _F32_ELEM = {1.0: 1.0, 4.0 / 3.0: float(torch.tensor(4.0 / 3.0, dtype=torch.float32, device="cpu"))}  # cpu: importable under torch.device("meta")
 
 
-def _fold_impl(codes: torch.Tensor, scales: torch.Tensor, elem_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _triton():
     from . import _triton_fold  # lazy: Triton is needed only here
 
-    return _triton_fold.fold(codes, scales, elem_scale)
-
-
-# The custom op is what torch.compile sees; eager calls skip its dispatch overhead.
-_fold_op = torch.library.custom_op("adahop::fold_mxfp4_to_fp8", _fold_impl, mutates_args=())
-
-
-@_fold_op.register_fake
-def _(codes, scales, elem_scale):
-    rows, kp = codes.shape[0], codes.shape[1] * 2
-    return codes.new_empty(rows, kp, dtype=torch.float8_e4m3fn), codes.new_empty(rows, dtype=torch.float32)
+    return _triton_fold
 
 
 def fold_to_fp8_triton(q: MXTensor, *, backend: str = "triton") -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,7 +117,8 @@ def fold_to_fp8_triton(q: MXTensor, *, backend: str = "triton") -> tuple[torch.T
     elem = _F32_ELEM.get(q.elem_scale)  # the float32 the reference multiplies by: a constant for torch.compile
     if elem is None:
         elem = float(torch.tensor(q.elem_scale, dtype=torch.float32))
-    op = _fold_op if torch.compiler.is_compiling() else _fold_impl
+    tf = _triton()  # compiled: the triton_op, whose launch Inductor inlines; eager: its body
+    op = tf.fold_op if torch.compiler.is_compiling() else tf.fold
     return op(codes, scales, elem)
 
 

@@ -105,7 +105,9 @@ def _fp8_rowwise_mm_impl(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor
     return out[:, :n].contiguous() if pad else out
 
 
-# The custom op is what torch.compile sees; eager calls skip its dispatch overhead.
+# Under torch.compile the FP8 GEMM is traced as the aten ops it is (``_scaled_mm``: Inductor emits the
+# cuBLAS call in its own code); only the FP32-accumulation form goes through this opaque op, since
+# ``torch.mm(..., out_dtype=)`` is not lowered by every Inductor. Eager calls skip the op's dispatch.
 _fp8_rowwise_mm = torch.library.custom_op("adahop::fp8_rowwise_mm", _fp8_rowwise_mm_impl, mutates_args=())
 
 
@@ -127,7 +129,7 @@ def mx_matmul_fp8(qa: MXTensor, qb: MXTensor, *, out_dtype: torch.dtype = torch.
     exact = _check_accumulation(accumulation) == "fp32"
     fa, sa = qa.fp8 if qa.fp8 is not None else fold_to_fp8(qa, backend=backend)  # [M, Kp], [M]
     fb, sb = qb.fp8 if qb.fp8 is not None else fold_to_fp8(qb, backend=backend)  # [N, Kp], [N]
-    op = _fp8_rowwise_mm if torch.compiler.is_compiling() else _fp8_rowwise_mm_impl
+    op = _fp8_rowwise_mm if exact and torch.compiler.is_compiling() else _fp8_rowwise_mm_impl
     return op(fa, sa, fb, sb, out_dtype, exact)
 
 

@@ -125,30 +125,10 @@ def iht_quantize_mxfp4_reference(
 # ----------------------------------------------------------------------------- fused (Triton) path
 
 
-def _fused_impl(x: torch.Tensor, axis: int, hadamard_block: int, signs: torch.Tensor | None, stochastic: bool,
-                scale_rule: str, max_scale_range: int, seed: torch.Tensor | None, write_codes: bool = True,
-                want_fp8: bool = True, keep: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _triton():
     from . import _triton_quantize  # lazy: Triton is needed only here
 
-    return _triton_quantize.mx_quantize(x, axis, hadamard_block, signs, stochastic, scale_rule, max_scale_range, seed,
-                                        write_codes, want_fp8, keep)
-
-
-# The custom op is what torch.compile sees; eager calls skip its dispatch overhead (tens of us).
-_fused_op = torch.library.custom_op("adahop::iht_quantize_mxfp4", _fused_impl, mutates_args=())
-
-
-@_fused_op.register_fake
-def _(x, axis, hadamard_block, signs, stochastic, scale_rule, max_scale_range, seed, write_codes=True, want_fp8=True,
-      keep=None):
-    rows, kc = (x.shape[0], x.shape[1]) if axis == 1 else (x.shape[1], x.shape[0])
-    kp = (kc + 31) // 32 * 32
-    fp8 = want_fp8 and folds_exactly(max_scale_range)
-    return (x.new_empty(rows, kp // 2 if write_codes else 0, dtype=torch.uint8),
-            x.new_empty(rows, kp // 32, dtype=torch.uint8),
-            x.new_empty((rows, kp) if fp8 else (0,), dtype=torch.float8_e4m3fn),
-            x.new_empty((rows,) if fp8 else (0,), dtype=torch.float32))
+    return _triton_quantize
 
 
 def _triton_supports(hadamard_block, signs) -> str | None:
@@ -192,7 +172,9 @@ def iht_quantize_mxfp4_triton(
     keep = None
     if zero_rows is not None:  # a byte per output row, 0 where OE extracted it
         keep = torch.ones(x.shape[1 - axis], dtype=torch.uint8, device=x.device).index_fill_(0, zero_rows.to(x.device), 0)
-    op = _fused_op if torch.compiler.is_compiling() else _fused_impl
+    # compiled: the triton_op, whose launches Inductor inlines; eager: its body, without the op's dispatch
+    tq = _triton()
+    op = tq.quantize_op if torch.compiler.is_compiling() else tq.mx_quantize
     want_fp8 = outputs != "codes"
     codes, scales, fp8, rscale = op(x, axis, hadamard_block or 0, signs, rounding == "stochastic",
                                     scale_rule, msr, seed, outputs != "fp8", want_fp8, keep)

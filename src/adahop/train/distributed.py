@@ -95,10 +95,12 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
             and name.rpartition(".")[2] in _BLOCK_LISTS for b in m]
 
 
-def wrap(model: nn.Module, parallel: str, device: torch.device, *, compile: bool = False) -> nn.Module:
+def wrap(model: nn.Module, parallel: str, device: torch.device, *, compile: bool = False,
+         mode: str = "default") -> nn.Module:
     """Make ``model`` data-parallel and/or compiled; returns the module to call for forward.
 
-    * ``none``: ``model`` (``torch.compile(model)`` with ``compile``).
+    * ``none``: ``model`` (``torch.compile(model, mode=mode)`` with ``compile``; the caller picks
+      the mode, :mod:`adahop.compile_modes`).
     * ``ddp``: ``DistributedDataParallel(model)`` (compiled as a whole with ``compile``).
     * ``fsdp``: FSDP2 in place: ``fully_shard`` on each transformer block, then on the root.
       Master weights stay FP32 shards; on CUDA each block all-gathers BF16 parameters and
@@ -114,7 +116,7 @@ def wrap(model: nn.Module, parallel: str, device: torch.device, *, compile: bool
         ValueError: ``parallel`` is ddp/fsdp but no process group runs (not under torchrun).
     """
     if parallel == "none":
-        return torch.compile(model) if compile else model
+        return torch.compile(model, mode=mode) if compile else model
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError(f"--parallel {parallel} needs torchrun: torchrun --nproc-per-node N -m adahop train "
                          f"--parallel {parallel} ...; use --parallel none for a single process")

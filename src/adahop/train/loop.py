@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..kernels import resolve_backend
+from ..compile_modes import CALIBRATION_MODE, dynamo_counts, frozen_mode, mark_step
 from ..nn import convert_model, get_controller, on_step, saved_bytes, seed_compiled_rng
 from ..optim import convert_master_weights, memory_bytes
 from . import distributed as dp
@@ -65,9 +66,7 @@ def _plan_frozen(model) -> bool | None:
 
 def _graph_breaks() -> int:
     """Graph breaks dynamo has counted in this process (it counts each when it compiles a frame)."""
-    from torch._dynamo.utils import counters
-
-    return sum(counters["graph_break"].values())
+    return dynamo_counts()["graph_breaks"]
 
 
 @torch.no_grad()
@@ -210,7 +209,10 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
                          f"size (32, or 16 for NVFP4) with more blocks than the recipe keeps in BF16, or --recipe bf16")
     dp.agree_on_plan(model)
     convert_master_weights(model, cfg.master_weights)  # --master-weights: the Parameters hold the master as stored
-    fwd = dp.wrap(model, cfg.parallel, device, compile=cfg.compile)
+    # --compile: the final mode once the plan is frozen (CUDA graphs on one GPU), the default one while it calibrates
+    final_mode = frozen_mode(device.type, cfg.parallel) if cfg.compile else None
+    mode = final_mode if _plan_frozen(model) is not False else CALIBRATION_MODE if cfg.compile else None
+    fwd = dp.wrap(model, cfg.parallel, device, compile=cfg.compile, mode=mode or "default")
     opt = build_optimizer(cfg, model, seed=dp.rank_seed(cfg.seed, rank, world))
     start, meta = 0, None
     if cfg.resume and (ck := latest_checkpoint(run)) is not None:
@@ -224,6 +226,8 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
             raise ValueError(f"--resume: the newest checkpoint {ck} cannot be read ({type(e).__name__}: {str(e)[:200]}); "
                              f"if it is damaged, delete that folder to resume from "
                              f"{older[-1].name if older else 'the start (no older checkpoint is left)'}") from e
+    if mode != final_mode and cfg.parallel == "none" and _plan_frozen(model) is not False:  # resumed after the freeze
+        mode, fwd = final_mode, dp.wrap(model, cfg.parallel, device, compile=True, mode=final_mode)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     is_main = rank == 0
     schedule = _schedule_steps(cfg, meta, saved_steps, start, verbose=is_main)
@@ -259,6 +263,7 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
     timed_steps, estimated = 0, False  # the time estimate is printed once 3 steps are timed (again after a freeze)
     plan_ranks = 0  # ranks whose frozen plan was checked against rank 0's (0: no freeze in this run)
     breaks_from = _graph_breaks()  # compiled runs: graph breaks counted from the last (re)compile on
+    frames_from, compiled_at = None, start  # dynamo frames compiled once the step after the last (re)compile ended
     done = start
     for step in bar:
         t0 = time.perf_counter()
@@ -270,6 +275,8 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
         for i, (xm, ym) in enumerate(zip(x.split(micro), y.split(micro))):
             if cfg.compile:  # compiled layers' random draws: seeded per step, micro-batch and rank
                 seed_compiled_rng(model, step, i)
+            if i == 0:  # CUDA graphs: a new iteration (the last step's outputs and gradients are consumed)
+                mark_step(mode)
             with autocast:  # no KV cache in training: it costs memory and makes dynamo recompile per layer
                 logits = fwd(input_ids=xm.to(device), use_cache=False).logits
             loss = F.cross_entropy(logits.float().flatten(0, 1), ym.to(device).flatten()) / cfg.grad_accum
@@ -288,9 +295,13 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
             if is_main:
                 get_controller(model).plan.save(run / "plan.json")
                 metrics.log_plan(step + 1, get_controller(model).plan)
-            if cfg.compile:  # recompile once, with the frozen plan, as whole graphs
+            if cfg.compile:  # recompile once, with the frozen plan, as whole graphs, in the final mode
                 torch.compiler.reset()
-                breaks_from = _graph_breaks()
+                breaks_from, frames_from, compiled_at = _graph_breaks(), None, step + 1
+                if mode != final_mode and cfg.parallel == "none":
+                    mode, fwd = final_mode, dp.wrap(model, cfg.parallel, device, compile=True, mode=final_mode)
+        elif cfg.compile and frames_from is None and step >= compiled_at:  # the first step of the final graphs is done
+            frames_from = dynamo_counts()["frames"]
         bad |= ~(torch.isfinite(loss_sum) & torch.isfinite(gnorm))  # on the device; synced only at log/checkpoint time
         peak_loss = torch.maximum(peak_loss, loss_sum)
         if ceiling is None:  # one host sync, at the first step of this process
@@ -342,6 +353,11 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
     ours, bf16 = saved_bytes(model)
     peak = peak_memory(device)
     breaks = _graph_breaks() - breaks_from if cfg.compile else None
+    # frames dynamo compiled after the first step of the last compile (0: no recompile in the steady state)
+    recompiles = dynamo_counts()["frames"] - frames_from if cfg.compile and frames_from is not None else None
+    if recompiles and is_main:
+        print(f"warning: torch.compile recompiled {recompiles} frame(s) after the model's last compile; "
+              f"rerun with TORCH_LOGS=recompiles to see why")
     if breaks and is_main:
         print(f"warning: torch.compile logged {breaks} graph break(s) after the model's last compile; "
               f"rerun with TORCH_LOGS=graph_breaks to see where")
@@ -350,7 +366,8 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
                    final_train_loss=metrics.last("loss"), tok_per_s=timed_tokens / clock if clock else None,
                    peak_memory_bytes=peak, peak_memory_bytes_per_rank=dp.gather_float(peak),
                    plan_frozen=_plan_frozen(model), plan_checked_on_ranks=plan_ranks, world_size=world,
-                   graph_breaks_steady_state=breaks, saved_bytes=ours, saved_bytes_bf16=bf16,
+                   graph_breaks_steady_state=breaks, recompiles_steady_state=recompiles,
+                   compile_mode=mode, saved_bytes=ours, saved_bytes_bf16=bf16,
                    unquantizable_layers=len(get_controller(model).unquantizable), bf16_layers=bf16_layers,
                    parameters=sum(p.numel() for p in model.parameters()), epochs=epochs, lr_schedule_steps=schedule,
                    device=str(device), interrupted=stop["now"], optimizer=cfg.optimizer, master_weights=cfg.master_weights,

@@ -1,0 +1,78 @@
+"""One way to launch a Triton kernel from a ``torch.library.triton_op`` body, eager or traced.
+
+The fused quantizer and the fold are ``triton_op`` s (issue 18 item 1): under ``torch.compile``,
+AOTAutograd decomposes such an op into its body, so Inductor sees the allocations and the kernel
+launches themselves and emits them in its generated code, with no Python between the kernels and
+room to fuse the ops around them. :func:`launch` picks how each launch happens:
+
+- eager, plain tensors: the kernel itself (a ``wrap_triton`` launch outside tracing goes through
+  a higher-order-op dispatch, ~1 ms of host time per launch);
+- traced (fake or functional tensors): ``torch.library.wrap_triton``, the launch Inductor inlines;
+- traced under Triton's CPU interpreter (``TRITON_INTERPRET=1``, the CI tests): ``wrap_triton``
+  cannot capture an interpreted kernel, so the launch becomes the opaque op
+  ``adahop::interpreted_triton_launch`` instead. Everything else in the op body (allocations,
+  views, shapes) is traced as on the GPU, so a CPU test compiles the same ``triton_op``.
+
+Imported lazily, with Triton.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
+
+try:
+    from triton.runtime.interpreter import InterpretedFunction
+except ImportError:  # a Triton without the interpreter module: nothing is ever interpreted
+    InterpretedFunction = ()
+
+__all__ = ["launch"]
+
+_INTERPRETED: dict[str, object] = {}  # name -> interpreted kernel, for the opaque launch op
+
+
+def _name(kernel) -> str:
+    fn = getattr(kernel, "fn", kernel)
+    return f"{fn.__module__}.{fn.__qualname__}"
+
+
+@torch.library.custom_op("adahop::interpreted_triton_launch", mutates_args=("writes",))
+def _interpreted_launch(kernel: str, grid: list[int], writes: list[torch.Tensor], reads: list[torch.Tensor],
+                        meta: str) -> None:
+    """Launch the interpreted kernel ``kernel`` on ``grid``: ``writes`` are the tensors it stores to,
+    ``reads`` the others; ``meta`` (JSON) names them (``w``, ``r``) and holds the scalar arguments (``s``)."""
+    m = json.loads(meta)
+    kwargs = {**dict(zip(m["w"], writes)), **dict(zip(m["r"], reads)), **m["s"]}
+    _INTERPRETED[kernel][tuple(grid)](**kwargs)
+
+
+@_interpreted_launch.register_fake
+def _(kernel, grid, writes, reads, meta):
+    return None
+
+
+def _traced(kwargs: dict) -> bool:
+    return any(isinstance(v, (FakeTensor, FunctionalTensor)) for v in kwargs.values())
+
+
+def launch(kernel, grid: tuple[int, ...], writes: tuple[str, ...], **kwargs) -> None:
+    """Launch ``kernel[grid](**kwargs)`` (every argument by name, launch options such as
+    ``num_warps`` included), eagerly or into the graph being traced (module docstring).
+
+    ``writes``: the names of the tensor arguments the kernel stores to (what the interpreted
+    launch op declares as mutated; ``wrap_triton`` finds them itself from the kernel's IR)."""
+    if not _traced(kwargs):
+        kernel[grid](**kwargs)
+    elif isinstance(kernel, InterpretedFunction):
+        name = _name(kernel)
+        _INTERPRETED[name] = kernel
+        tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+        reads = [k for k in tensors if k not in writes]
+        scalars = {k: v for k, v in kwargs.items() if k not in tensors}
+        _interpreted_launch(name, [int(g) for g in grid], [tensors[k] for k in writes], [tensors[k] for k in reads],
+                            json.dumps(dict(w=list(writes), r=reads, s=scalars)))
+    else:
+        torch.library.wrap_triton(kernel)[grid](**kwargs)
