@@ -46,6 +46,13 @@
 #      for torch 2.11), the optimizer-step benchmark against AdamW(fused=True)
 #   r8a (round 8, one GPU): the full kernel validation (the FP8 form of the Triton quantizer after the
 #      signed-zero change), then the issue-19 census (stage i19c) in the time left
+#   r9a (round 9, one GPU; run first: nothing of issue 18's triton_op path, the multi-tensor optimizer step
+#      or train --compile's CUDA-graph mode has run on a GPU yet): the full kernel validation, the SR
+#      projection under Inductor, a compiled llama-20m adahop-lv2 train (mode switch at the freeze, no
+#      recompiles after it, losses against eager), the optimizer-step benchmark at llama-125m
+#   r9b (round 9, one GPU): scripts/bench_compile.py at llama-125m 1024 x 16 (cold compile per recipe with
+#      empty caches, then bf16/mxfp4/adahop-lv2 eager, compiled, auto side by side), then bench model rows
+#      of torchao float8 and adahop-lv2@foid into $OUT/benchmarks.json
 # JOBS: the quality runs still to do, RECIPE:SEED,... (default: this session's list).
 # Needs .carry/{corpus_main.txt.xz,gpt2.tiktoken} and .whl/zstandard-*.whl (carried).
 set -u
@@ -82,6 +89,29 @@ if [ "$STAGE" = r7b ] || [ "$STAGE" = r7c ]; then  # r7c: the same after the Tri
     | tee $OUT/compiled_grads.log | grep -E "loss eager|Error"; echo "grads done at $(el) s"
   for M in llama-125m llama3.2-1b; do timeout $(( 575 - $(el) )) python3 scripts/bench_optim.py --model $M --json $OUT/bench_optim_$M.json 2>&1 \
     | tee $OUT/bench_optim_$M.log | tail -12; done
+  echo "stage $STAGE done at $(el) s"; exit 0
+fi
+if [ "$STAGE" = r9a ]; then
+  export CUDA_VISIBLE_DEVICES=0
+  timeout 330 python3 scripts/validate_kernels.py --log $OUT/validate.json > $OUT/validate.log 2>&1; tail -1 $OUT/validate.log
+  grep -E "^FAIL" $OUT/validate.log | head -20; echo "validate done at $(el) s"
+  timeout 120 python3 scripts/check_compiled_grads.py --projection --recipes tseng,nvfp4 --compile-backend inductor 2>&1 \
+    | grep -v Warning > $OUT/projection.log; grep projection $OUT/projection.log; echo "projection done at $(el) s"
+  python3 -m adahop data prepare --source .carry/corpus_main.txt.xz --tokenizer tiktoken:.carry/gpt2.tiktoken --out /tmp/main > $OUT/prepare.log 2>&1
+  for C in "--compile" ""; do timeout 100 python3 -m adahop train --model llama-20m --recipe adahop-lv2 --data /tmp/main --steps 40 \
+      --calib-steps 10 --eval-every 0 --ckpt-every 0 --log-every 10 --seq-len 512 --batch-size 16 $C --out /tmp/t20${C:+c} \
+      > $OUT/train20${C:+c}.log 2>&1; echo "train ${C:-eager}: exit $?"; done
+  python3 -c "import json; [print(d, {k: json.load(open(f'/tmp/{d}/summary.json')).get(k) for k in ('final_train_loss', 'compile_mode', 'recompiles_steady_state', 'graph_breaks_steady_state', 'tok_per_s')}) for d in ('t20c', 't20')]"
+  timeout $(( 570 - $(el) )) python3 scripts/bench_optim.py --model llama-125m --per-tensor --json $OUT/bench_optim_125m.json 2>&1 | tail -14
+  echo "stage $STAGE done at $(el) s"; exit 0
+fi
+if [ "$STAGE" = r9b ]; then
+  export CUDA_VISIBLE_DEVICES=0
+  timeout 420 python3 scripts/bench_compile.py --model llama-125m --seq-len 1024 --batch-size 16 --recipes bf16,mxfp4,adahop-lv2 \
+    --modes eager,compiled,auto --json $OUT/bench_compile.json > $OUT/bench_compile.log 2>&1; echo "bench_compile: exit $? at $(el) s"
+  tail -30 $OUT/bench_compile.log
+  timeout $(( 575 - $(el) )) python3 -m adahop bench model --model llama-125m --seq-len 1024 --batch-size 16 --modes auto \
+    --recipes bf16,torchao-fp8-rowwise,torchao-fp8-tensorwise,adahop-lv2,adahop-lv2@foid --json $OUT/benchmarks.json 2>&1 | tail -12
   echo "stage $STAGE done at $(el) s"; exit 0
 fi
 if [ "$STAGE" = r8a ]; then
