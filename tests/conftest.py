@@ -28,6 +28,21 @@ def single_thread():
     torch.set_num_threads(n)
 
 
+def _read_small_corpus(chars: int) -> str:
+    src = SHARED_DATA / "corpus_small.txt.xz"
+    if not src.exists():
+        pytest.skip("../shared/data/corpus_small.txt.xz is not beside the repo")
+    with lzma.open(src, "rt", encoding="utf-8") as f:
+        return f.read(chars)
+
+
+@pytest.fixture(scope="session")
+def small_corpus():
+    """``small_corpus(chars)``: the first ``chars`` characters of ../shared/data/corpus_small;
+    skips when ../shared is not beside the repo."""
+    return _read_small_corpus
+
+
 @pytest.fixture(scope="session")
 def prepare_real_text(tmp_path_factory):
     """``prepare_real_text(chars)``: the first ``chars`` characters of ../shared/data/corpus_small
@@ -36,13 +51,9 @@ def prepare_real_text(tmp_path_factory):
 
     def make(chars: int) -> Path:
         if chars not in made:
-            src = SHARED_DATA / "corpus_small.txt.xz"
-            if not src.exists():
-                pytest.skip("../shared/data/corpus_small.txt.xz is not beside the repo")
+            text = _read_small_corpus(chars)
             from adahop.data import prepare
 
-            with lzma.open(src, "rt", encoding="utf-8") as f:
-                text = f.read(chars)
             root = tmp_path_factory.mktemp("data")
             (root / "text.txt").write_text(text)
             prepare([str(root / "text.txt")], root / "prepared", tokenizer="bpe", vocab_size=512, val_fraction=0.05)

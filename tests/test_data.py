@@ -29,11 +29,8 @@ def _docs(n: int = 60) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def small_text() -> str:
-    if not (SHARED / "corpus_small.txt.xz").is_file():
-        pytest.skip("../shared/data not present")
-    with lzma.open(SHARED / "corpus_small.txt.xz", "rt", encoding="utf-8") as f:
-        return f.read(200_000)
+def small_text(small_corpus) -> str:
+    return small_corpus(200_000)
 
 
 @pytest.fixture(scope="module")

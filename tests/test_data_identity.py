@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import lzma
 import multiprocessing
 from pathlib import Path
 
@@ -22,11 +21,8 @@ SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
 @pytest.fixture(scope="module")
-def text() -> str:
-    if not (SHARED / "corpus_small.txt.xz").is_file():
-        pytest.skip("../shared/data/corpus_small.txt.xz is not beside the repo")
-    with lzma.open(SHARED / "corpus_small.txt.xz", "rt", encoding="utf-8") as f:
-        return f.read(40_000)
+def text(small_corpus) -> str:
+    return small_corpus(40_000)
 
 
 @pytest.fixture
