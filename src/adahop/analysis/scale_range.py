@@ -59,10 +59,10 @@ def range_hits(t: torch.Tensor, kc_axis: int, *, name: str = "", block_size: int
     """
     if t.ndim != 2:
         raise ValueError(f"range_hits needs a 2-D operand, got shape {tuple(t.shape)}")
-    x = t.float()
+    x = move_and_pad(t.float(), kc_axis, block_size)  # [rows, Kc padded]
     if iht:
-        x = block_hadamard(move_and_pad(x, kc_axis, block_size).movedim(-1, kc_axis), block_size=block_size, axis=kc_axis)
-    blocks = move_and_pad(x, kc_axis, block_size).reshape(x.shape[1 - kc_axis], -1, block_size)
+        x = block_hadamard(x, block_size=block_size, axis=-1)
+    blocks = x.reshape(x.shape[0], -1, block_size)
     amax = blocks.abs().amax(dim=-1)
     amax = torch.where(torch.isfinite(amax), amax, torch.zeros_like(amax))
     e = block_exponents(amax, scale_rule)
