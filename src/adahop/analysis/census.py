@@ -26,7 +26,7 @@ from ..gemm import lowp_matmul
 from ..patterns import Calibrator, Pattern, detect_pattern, gemm_pairs, strategy_for
 
 __all__ = ["PAIRS", "PATHS", "TENSORS", "TENSOR_LABELS", "GAIN_STRATEGIES", "block_index", "vote", "Census",
-           "census", "stability", "mean_stability", "gemm_operands", "GainRow", "iht_gain", "gain_by_pair"]
+           "census", "stability", "mean_stability", "gemm_operands", "rel_error", "GainRow", "iht_gain", "gain_by_pair"]
 
 #: The nine (A, B) pattern pairs, in the row order of the census (the paper's Table 1).
 PAIRS = ("RR", "RC", "RN", "CR", "CC", "CN", "NR", "NC", "NN")
@@ -166,7 +166,9 @@ class GainRow:
         return 1.0 - self.errors[strategy] / base if base > 0 else 0.0
 
 
-def _rel_err(c_hat: torch.Tensor, c: torch.Tensor) -> float:
+def rel_error(c_hat: torch.Tensor, c: torch.Tensor) -> float:
+    """``‖ĉ − c‖_F / ‖c‖_F`` in float64 (0 when ``c`` is zero): the GEMM error of the census and
+    FOID tables (`specs/adahop.md` §8, the metric ALTO's parity test uses)."""
     den = c.norm()
     return float((c_hat.double() - c).norm() / den) if den > 0 else 0.0
 
@@ -209,7 +211,7 @@ def iht_gain(
             for s in GAIN_STRATEGIES:
                 rank = k_left if s == "iht+oe_left" else k_right
                 c_hat = lowp_matmul(a, b, strategy=s, oe_rank=rank, scale_rule=scale_rule, max_scale_range=max_scale_range)
-                errors[s] = _rel_err(c_hat, c)
+                errors[s] = rel_error(c_hat, c)
             rows.append(GainRow(layer=layer, path=path, pair=pairs[path], m=m, kc=a.shape[1], n=n, errors=errors,
                                 oe_left_rank=k_left, oe_right_rank=k_right))
     return rows

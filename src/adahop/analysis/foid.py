@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..gemm import lowp_matmul, oe_indices
-from .census import gemm_operands
+from .census import gemm_operands, rel_error
 
 __all__ = ["FoidRow", "foid_compare", "foid_on_captures", "foid_synthetic", "foid_markdown"]
 
@@ -73,12 +73,8 @@ def foid_compare(a: torch.Tensor, b: torch.Tensor, strategy: str, *, name: str =
     foid = oe_indices(t, axis, k, prefix)
     sq = torch.linalg.vector_norm(t, dim=axis, dtype=torch.float64) ** 2
     energy = float(sq[foid].sum() / sq[exact].sum()) if sq[exact].sum() > 0 else 1.0
-    den = c.norm()
-    errs = {}
-    for sel in ("exact", "foid"):
-        c_hat = lowp_matmul(a, b, strategy=strategy, oe_rank=k, oe_select=sel, scale_rule=scale_rule,
-                            max_scale_range=max_scale_range)
-        errs[sel] = float((c_hat.double() - c).norm() / den) if den > 0 else 0.0
+    errs = {sel: rel_error(lowp_matmul(a, b, strategy=strategy, oe_rank=k, oe_select=sel, scale_rule=scale_rule,
+                                       max_scale_range=max_scale_range), c) for sel in ("exact", "foid")}
     return FoidRow(name=name, strategy=strategy, m=a.shape[0], kc=a.shape[1], n=b.shape[1], rank=k,
                    overlap=len(set(exact.tolist()) & set(foid.tolist())) / k, energy=energy, err_exact=errs["exact"], err_foid=errs["foid"])
 
