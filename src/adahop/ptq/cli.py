@@ -155,13 +155,13 @@ def _zero_shot(args, loaded, bf16: bool) -> dict:
     import torch
 
     from ..eval import harness
-    from ..eval.cli import _specs, _task_root
+    from ..eval.tasks import parse_tasks, task_root
 
     harness.require_lm_eval()
-    specs = _specs(args.eval_tasks)
+    specs = parse_tasks(args.eval_tasks)
     lm = harness.hf_lm(loaded.model, loaded.tokenizer, batch_size=args.batch_size, dtype="bf16" if bf16 else "fp32")
     with torch.no_grad():
-        return harness.score(lm, specs, _task_root(specs, args.task_data), limit=args.eval_limit)
+        return harness.score(lm, specs, task_root(specs, args.task_data), limit=args.eval_limit)
 
 
 def _table(res: dict) -> str:
