@@ -53,6 +53,11 @@
 #   r9b (round 9, one GPU): scripts/bench_compile.py at llama-125m 1024 x 16 (cold compile per recipe with
 #      empty caches, then bf16/mxfp4/adahop-lv2 eager, compiled, auto side by side), then bench model rows
 #      of torchao float8 and adahop-lv2@foid into $OUT/benchmarks.json
+#   r9c (round 9, one GPU): r9a's compiled llama-20m train did not finish its compile in 100 s on a fresh
+#      machine; scripts/bench_compile.py at llama-125m 1024 x 16 with the traced Triton launches opaque
+#      (adahop::triton_launch) and inline (wrap_triton): cold compile of adahop-lv2 each way and of BF16,
+#      then bf16/mxfp4/adahop-lv2 eager and auto side by side with opaque launches; stderr of each child
+#      (progress, dynamo's compile-phase times) in $OUT/compile_logs/
 # JOBS: the quality runs still to do, RECIPE:SEED,... (default: this session's list).
 # Needs .carry/{corpus_main.txt.xz,gpt2.tiktoken} and .whl/zstandard-*.whl (carried).
 set -u
@@ -112,6 +117,18 @@ if [ "$STAGE" = r9b ]; then
   tail -30 $OUT/bench_compile.log
   timeout $(( 575 - $(el) )) python3 -m adahop bench model --model llama-125m --seq-len 1024 --batch-size 16 --modes auto \
     --recipes bf16,torchao-fp8-rowwise,torchao-fp8-tensorwise,adahop-lv2,adahop-lv2@foid --json $OUT/benchmarks.json 2>&1 | tail -12
+  echo "stage $STAGE done at $(el) s"; exit 0
+fi
+if [ "$STAGE" = r9c ]; then
+  export CUDA_VISIBLE_DEVICES=0
+  BC="python3 scripts/bench_compile.py --model llama-125m --seq-len 1024 --batch-size 16 --log-dir $OUT/compile_logs"
+  $BC --phases cold --recipes adahop-lv2,bf16 --launches opaque --timeout 200 --profile 60 --json $OUT/cold_opaque.json > $OUT/cold_opaque.log 2>&1
+  echo "cold opaque: exit $? at $(el) s"; grep -A4 "^## cold" $OUT/cold_opaque.log
+  timeout $(( 420 - $(el) )) $BC --phases side_by_side --recipes bf16,mxfp4,adahop-lv2 --modes eager,auto --launches opaque \
+    --timeout 100 --json $OUT/sbs_opaque.json > $OUT/sbs_opaque.log 2>&1
+  echo "side by side opaque: exit $? at $(el) s"; grep -A8 "^## side" $OUT/sbs_opaque.log; grep "vs eager" $OUT/sbs_opaque.log
+  $BC --phases cold --recipes adahop-lv2 --launches inline --profile 60 --timeout $(( 580 - $(el) )) --json $OUT/cold_inline.json \
+    > $OUT/cold_inline.log 2>&1; echo "cold inline: exit $? at $(el) s"; grep -A3 "^## cold" $OUT/cold_inline.log
   echo "stage $STAGE done at $(el) s"; exit 0
 fi
 if [ "$STAGE" = r8a ]; then

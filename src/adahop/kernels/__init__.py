@@ -13,8 +13,9 @@ dispatcher taking ``backend: "auto" | "triton" | "reference"``:
 Triton is imported only when a Triton kernel runs. Under ``torch.compile`` the Triton kernels are
 ``torch.library.triton_op`` s (``adahop::iht_quantize_mxfp4``, ``adahop::fold_mxfp4_to_fp8``, defined
 beside their kernels): AOTAutograd decomposes them into their bodies, so Inductor emits the
-allocations and launches in its own code (``_triton_launch.py``; under ``TRITON_INTERPRET=1`` the
-launches become an opaque op, so CPU tests compile the same ops). The FP8 GEMM is traced as
+allocations and launches in its own code, or the launches as the opaque op ``adahop::triton_launch``
+(``_triton_launch.py``: which one is ``TRACED_LAUNCHES``; under ``TRITON_INTERPRET=1`` always the
+opaque op, so CPU tests compile the same ops). The FP8 GEMM is traced as
 ``torch._scaled_mm``; its FP32-accumulation form stays the custom op ``adahop::fp8_rowwise_mm``.
 Eager calls run the same bodies without the ops' dispatch.
 """
