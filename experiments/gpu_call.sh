@@ -58,6 +58,9 @@
 #      (adahop::triton_launch) and inline (wrap_triton): cold compile of adahop-lv2 each way and of BF16,
 #      then bf16/mxfp4/adahop-lv2 eager and auto side by side with opaque launches; stderr of each child
 #      (progress, dynamo's compile-phase times) in $OUT/compile_logs/
+#   r9d (round 9, one GPU): with the opaque launches as the default: r9a's compiled vs eager llama-20m
+#      adahop-lv2 train (40 steps, the freeze at step 10), then the cold compile of llama-125m adahop-lv2
+#      and BF16 (scripts/bench_compile.py, no profiler: r9c's faulthandler stack dumps crashed the children)
 # JOBS: the quality runs still to do, RECIPE:SEED,... (default: this session's list).
 # Needs .carry/{corpus_main.txt.xz,gpt2.tiktoken} and .whl/zstandard-*.whl (carried).
 set -u
@@ -129,6 +132,19 @@ if [ "$STAGE" = r9c ]; then
   echo "side by side opaque: exit $? at $(el) s"; grep -A8 "^## side" $OUT/sbs_opaque.log; grep "vs eager" $OUT/sbs_opaque.log
   $BC --phases cold --recipes adahop-lv2 --launches inline --profile 60 --timeout $(( 580 - $(el) )) --json $OUT/cold_inline.json \
     > $OUT/cold_inline.log 2>&1; echo "cold inline: exit $? at $(el) s"; grep -A3 "^## cold" $OUT/cold_inline.log
+  echo "stage $STAGE done at $(el) s"; exit 0
+fi
+if [ "$STAGE" = r9d ]; then
+  export CUDA_VISIBLE_DEVICES=0
+  python3 -m adahop data prepare --source .carry/corpus_main.txt.xz --tokenizer tiktoken:.carry/gpt2.tiktoken --out /tmp/main > $OUT/prepare.log 2>&1
+  echo "data ready at $(el) s"
+  for C in "--compile" ""; do timeout 200 python3 -m adahop train --model llama-20m --recipe adahop-lv2 --data /tmp/main --steps 40 \
+      --calib-steps 10 --eval-every 0 --ckpt-every 0 --log-every 10 --seq-len 512 --batch-size 16 $C --out /tmp/t20${C:+c} \
+      > $OUT/train20${C:+c}.log 2>&1; echo "train ${C:-eager}: exit $? at $(el) s"; done
+  python3 -c "import json; [print(d, {k: json.load(open(f'/tmp/{d}/summary.json')).get(k) for k in ('final_train_loss', 'compile_mode', 'recompiles_steady_state', 'graph_breaks_steady_state', 'tok_per_s')}) for d in ('t20c', 't20')]"
+  python3 scripts/bench_compile.py --model llama-125m --seq-len 1024 --batch-size 16 --phases cold --recipes adahop-lv2,bf16 \
+    --launches opaque --timeout $(( 470 - $(el) )) --json $OUT/cold_opaque.json > $OUT/cold_opaque.log 2>&1
+  echo "cold opaque: exit $? at $(el) s"; grep -A4 "^## cold" $OUT/cold_opaque.log
   echo "stage $STAGE done at $(el) s"; exit 0
 fi
 if [ "$STAGE" = r8a ]; then

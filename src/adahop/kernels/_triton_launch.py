@@ -35,7 +35,9 @@ except ImportError:  # a Triton without the interpreter module: nothing is ever 
 __all__ = ["launch", "TRACED_LAUNCHES", "set_traced_launches"]
 
 #: How a traced launch enters the graph: ``"inline"`` (``wrap_triton``) or ``"opaque"`` (module docstring).
-TRACED_LAUNCHES = "inline"
+#: Opaque by default: on the H200 (torch 2.11) the inline form's TTIR analyses alone kept a cold
+#: compile of llama-125m adahop-lv2 tracing for over 135 s (gpu_call.sh r9c, docs/benchmarks.md).
+TRACED_LAUNCHES = "opaque"
 
 _KERNELS: dict[str, object] = {}  # name -> kernel, for the opaque launch op
 
