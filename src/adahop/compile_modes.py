@@ -6,8 +6,11 @@ Torch-free at import. ``--help`` says the same (``TrainConfig.compile``'s docstr
   ``--plan``) a single-process run on CUDA uses ``mode="reduce-overhead"``: Inductor's code replayed
   from CUDA graphs, so no host time is spent between the many small kernels of a quantized layer
   (the issue's llama-125m table: compiled 0.19-0.25x BF16, compiled + CUDA graphs 0.75-0.83x).
-- During calibration the converted layers run eagerly (their pattern detection syncs with the host),
-  so the model is compiled in the default mode and recompiled once, in the final mode, at the freeze.
+- During calibration the converted layers run eagerly (their pattern detection syncs with the host).
+  One process then runs the whole model eagerly and compiles it once, in the final mode, at the
+  freeze (a compile of the calibrating model, split at every converted layer, cost more than the
+  few steps it would speed up); under ``--parallel ddp/fsdp`` the wrapped model is compiled in the
+  default mode from the start and recompiled at the freeze.
 - On the CPU, and under ``--parallel ddp/fsdp`` (collectives and FSDP2's all-gathered parameters
   sit outside a replayable graph), the default mode (Inductor, no CUDA graphs).
 """
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 __all__ = ["CALIBRATION_MODE", "frozen_mode", "mark_step", "dynamo_counts"]
 
-#: The mode while the plan is still calibrating (the converted layers run eagerly then).
+#: The mode while the plan is still calibrating under ``--parallel ddp/fsdp`` (the converted layers run eagerly then).
 CALIBRATION_MODE = "default"
 
 

@@ -88,7 +88,7 @@ class TrainConfig:
     device: str = "auto"
     """'auto' (cuda if available), 'cpu' or 'cuda'."""
     compile: bool = False
-    """torch.compile the model: mode reduce-overhead (Inductor replayed from CUDA graphs) once the AdaHOP plan is frozen, in one CUDA process; the default mode (Inductor, no CUDA graphs) while calibrating (one recompile at the freeze), on the CPU and under --parallel ddp/fsdp."""
+    """torch.compile the model once the AdaHOP plan is frozen (calibration steps run eagerly), in mode reduce-overhead (Inductor replayed from CUDA graphs) in one CUDA process, in the default mode (Inductor, no CUDA graphs) on the CPU; under --parallel ddp/fsdp compiled in the default mode from the start and recompiled at the freeze."""
     backend: str = "auto"
     """Kernel backend: auto (fast path on CUDA), triton or reference. Never changes numerics."""
     calib_steps: int | None = None
