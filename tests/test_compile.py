@@ -139,3 +139,41 @@ def test_hashed_signs_are_a_function_of_seed_and_salt():
     assert corr.abs().max() < 0.08
     with pytest.raises(ValueError, match="integer seed"):
         hashed_signs(torch.tensor(1.0), 4)
+
+
+@pytest.mark.parametrize("recipe", ["adahop-lv2", "mxfp4-had", "nvfp4"])
+def test_traced_layers_equal_the_opaque_ops(recipe, single_thread):
+    """Both forms of a frozen layer under torch.compile (`adahop.nn.opaque`): ``"opaque"`` (the
+    default: the layer is the two ops ``adahop::lp_linear_fwd/bwd`` in the graph, so dynamo does
+    not trace its GEMMs' Python) and ``"traced"`` give eager mode's y, dX and dW. For nvfp4, which
+    draws random bits, with the same seeds both compiled forms draw the same bits."""
+    from adahop.nn.opaque import set_compiled_layers
+
+    m = _layer(recipe)
+    g = torch.Generator().manual_seed(1)
+    x0, dy = torch.randn(T, K, generator=g), torch.randn(T, N, generator=g)
+    graphs = {}
+    out = {}
+    for how in ("opaque", "traced"):
+        prev = set_compiled_layers(how)
+        try:
+            def backend(gm, inputs, how=how):  # records the dynamo graph's call targets, then runs AOTAutograd
+                graphs[how] = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+                from torch._dynamo.backends.registry import lookup_backend
+
+                return lookup_backend("aot_eager")(gm, inputs)
+
+            torch.compiler.reset()
+            out[how] = _grads(m, torch.compile(m, fullgraph=True, backend=backend), x0, dy, 100)
+        finally:
+            set_compiled_layers(prev)
+    # the opaque graph holds the op; the traced one the autograd function, its GEMMs traced in subgraphs
+    assert graphs["opaque"].count("adahop.lp_linear_fwd") == 1 and "autograd_function_apply" not in graphs["opaque"]
+    assert graphs["traced"].count("autograd_function_apply") == 1 and "adahop.lp_linear_fwd" not in graphs["traced"]
+    for what, a, b in zip(("y", "dX", "dW"), out["opaque"], out["traced"]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=f"{recipe} {what}: opaque != traced")
+    if not get_recipe(recipe).draws_random_bits:
+        for what, a, b in zip(("y", "dX", "dW"), out["opaque"], _grads(m, m, x0, dy, 100)):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=f"{recipe} {what}: opaque != eager")
+    with pytest.raises(ValueError, match="'opaque' or 'traced'"):
+        set_compiled_layers("inline")

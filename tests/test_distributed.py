@@ -227,19 +227,26 @@ def _plan_for(model):
     return Plan.from_patterns({l.name: {"x": "R", "w": "N", "dy": "C"} for l in ctrl.layers})  # OE on two GEMMs
 
 
-def test_compile_traces_a_converted_llama_without_graph_breaks(single_thread):
+@pytest.mark.parametrize("layers", ["opaque", "traced"])
+def test_compile_traces_a_converted_llama_without_graph_breaks(layers, single_thread):
     from adahop.models import build_model
     from adahop.nn import convert_model, get_controller
+    from adahop.nn.opaque import set_compiled_layers
 
     torch.manual_seed(0)
     model = build_model("llama-tiny", vocab_size=256, max_seq_len=16)
     convert_model(model, "adahop-lv2", seed=0, backend="reference")
     get_controller(model).set_plan(_plan_for(model))
     torch._dynamo.reset()
-    frozen = torch._dynamo.explain(model)(input_ids=torch.randint(0, 256, (2, 16)))
+    prev = set_compiled_layers(layers)
+    try:
+        frozen = torch._dynamo.explain(model)(input_ids=torch.randint(0, 256, (2, 16)))
+    finally:
+        set_compiled_layers(prev)
     assert frozen.graph_break_count == 0 and frozen.graph_count == 1, frozen.break_reasons
     ops = [str(n.target) for g in frozen.graphs for n in g.graph.nodes]
-    assert ops.count("autograd_function_apply") == 14  # every converted linear, with its own backward
+    # every converted linear: one op whose autograd runs the backward op, or a traced autograd function
+    assert ops.count("adahop.lp_linear_fwd" if layers == "opaque" else "autograd_function_apply") == 14
 
 
 def test_compiled_model_equals_eager_across_the_plan_freeze(single_thread):

@@ -386,8 +386,8 @@ def test_interp_fast_layer_compiles_without_graph_break(recipe):
 
 @interp
 def test_interp_inductor_inlines_the_triton_ops_and_matches_eager():
-    """Issue 18 item 1: under Inductor (fullgraph, CPU, the interpreter) the quantizer and the fold
-    are decomposed ``triton_op`` s: the generated code launches their kernels itself (here through
+    """Issue 18 item 1: under Inductor (fullgraph, CPU, the interpreter), with the layer's GEMMs
+    traced (``set_compiled_layers("traced")``), the quantizer and the fold are decomposed ``triton_op`` s: the generated code launches their kernels itself (here through
     the interpreter's launch op), allocates their outputs, and never calls the opaque ops; and a
     converted layer's y, dX and dW equal eager mode's. The recipe's plan puts OE on both backward
     GEMMs, so the quantizer's zero-row path, the fold of saved operands and top-k are all in it."""
@@ -409,15 +409,28 @@ def test_interp_inductor_inlines_the_triton_ops_and_matches_eager():
         y.backward(dy)
         return y.detach(), x.grad, lin[0].weight.grad.clone()
 
+    from adahop.nn.opaque import set_compiled_layers
+
     eager = step(lin)
-    compiled = torch.compile(lin, fullgraph=True)
-    got, codes = run_and_get_code(step, compiled)
+    prev = set_compiled_layers("traced")  # the layer's GEMMs traced, so that Inductor sees the ops
+    try:
+        got, codes = run_and_get_code(step, torch.compile(lin, fullgraph=True))
+    finally:
+        set_compiled_layers(prev)
     code = "\n".join(codes)
     assert code.count("_mx_quantize_kernel") >= 4 and "_fold_kernel" in code, "the launches are not in the generated code"
     assert "torch.ops.adahop.iht_quantize_mxfp4" not in code and "torch.ops.adahop.fold_mxfp4_to_fp8" not in code
     assert "_scaled_mm" in code  # the FP8 GEMM is traced as the aten op, not hidden in a custom op
     for what, a, b in zip(("y", "dX", "dW"), got, eager):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=f"{what}: compiled != eager")
+    # the default form (adahop.nn.opaque): the layer is two ops that run the same kernels from their bodies
+    torch.compiler.reset()
+    got, codes = run_and_get_code(step, torch.compile(lin, fullgraph=True))
+    code = "\n".join(codes)
+    assert "torch.ops.adahop.lp_linear_fwd" in code and "torch.ops.adahop.lp_linear_bwd" in code
+    assert "_mx_quantize_kernel" not in code
+    for what, a, b in zip(("y", "dX", "dW"), got, eager):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=f"{what}: compiled (opaque) != eager")
     torch.compiler.reset()
 
 

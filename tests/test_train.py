@@ -448,9 +448,10 @@ def test_second_ctrl_c_aborts_at_once_and_keeps_the_last_complete_checkpoint(dat
     monkeypatch.setattr(loop.F, "cross_entropy", ctrl_c_in_step_3)
     monkeypatch.setattr(ck, "save_file", ctrl_c_while_writing)
     cfg = _cfg(data_dir, tmp_path / "r", recipe="bf16", steps=6, ckpt_every=2, eval_every=0)
+    before = signal.getsignal(signal.SIGINT)  # default_int_handler, or SIG_IGN in a background job
     with pytest.raises(KeyboardInterrupt):
         train(cfg)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the run's handler is gone with it
+    assert signal.getsignal(signal.SIGINT) is before  # the run's handler is gone with it
     assert [p.name for p in (tmp_path / "r" / "checkpoints").iterdir()] == ["step_0000002"]
     monkeypatch.undo()
     assert train(dataclasses.replace(cfg, resume=True, steps=3))["steps"] == 3
@@ -480,10 +481,11 @@ def test_ctrl_c_reaches_a_compare_child_once_per_press(tmp_path):
             os.kill(os.getpid(), signal.SIGINT)  # what the terminal sends to compare's process group
             time.sleep(0.3)
 
+    before = signal.getsignal(signal.SIGINT)  # default_int_handler, or SIG_IGN in a background job
     threading.Thread(target=press_twice, daemon=True).start()
     assert _run_child([sys.executable, "-c", child]) == (130, 2)
     assert seen.read_text() == "2"
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is before
 
 
 def test_ctrl_c_in_compare_checkpoints_the_running_recipe_and_says_how_to_resume(data_dir, tmp_path):

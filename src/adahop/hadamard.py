@@ -32,6 +32,17 @@ def check_block_size(n: int, what: str = "Hadamard size") -> None:
 
 @functools.lru_cache(maxsize=64)
 def _sylvester_cpu(n: int) -> torch.Tensor:
+    if torch.compiler.is_compiling():  # traced by dynamo: graph ops
+        return _sylvester(n)
+    # a real tensor even when first built under a fake mode (the fake impl of adahop.nn.opaque's op
+    # runs this code): the cache must never hand a fake tensor to a later real call
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        return _sylvester(n)
+
+
+def _sylvester(n: int) -> torch.Tensor:
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < n:
         h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)

@@ -37,8 +37,11 @@ def _fold_table(device) -> torch.Tensor:
     if torch.compiler.is_compiling():
         return _TABLE.to(device)
     key = str(device)
-    if key not in _CACHE:
-        _CACHE[key] = _TABLE.to(device)
+    if key not in _CACHE:  # real even under a fake mode (adahop.nn.opaque's fake impl runs this code)
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():
+            _CACHE[key] = _TABLE.to(device)
     return _CACHE[key]
 
 

@@ -14,7 +14,7 @@ import torch
 
 from ..gemm import draw_signs, gemm, multiply, prepare
 
-__all__ = ["LowPrecisionLinearFn", "fprop"]
+__all__ = ["LowPrecisionLinearFn", "fprop", "forward_body", "backward_body"]
 
 
 SALTS = {"fprop": 0, "dgrad": 1, "wgrad": 2}
@@ -62,40 +62,8 @@ class LowPrecisionLinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, layer, dtype, seed=None):
-        w = weight.to(dtype)
-        ctx.layer, ctx.dtype = layer, dtype
-        ctx.has_bias = bias is not None
-        # what a BF16 nn.Linear saves for backward: X and the compute-dtype copy of W
-        layer.hp_saved_bytes = (x.numel() + weight.numel()) * x.element_size()
-        specs = layer.current_specs()
-        if specs is None:  # calibration or a BF16 layer: exact GEMMs, patterns observed
-            layer.observe("x", x)
-            layer.observe("w", w)
-            ctx.specs = None
-            ctx.save_for_backward(x, weight)
-            layer.saved_bytes = x.numel() * x.element_size()
-            return fprop(x, w, bias, None, None, layer.backend, dtype)
-        else:
-            ctx.specs = specs
-            y = fprop(x, w, bias, specs["fprop"], layer.generator("fprop"), layer.backend, dtype, seed, salt(layer, "fprop"))
-            # save X for wgrad (B operand, contract T) and W for dgrad (B operand, contract N)
-            wg, dg = specs["wgrad"], specs["dgrad"]
-            gw, gd = layer.generator("wgrad"), layer.generator("dgrad")
-            ctx.gens = (gd, gw)
-            # drawn once here and saved: backward never draws them again (compiled: hashed from seed)
-            ctx.signs_w = draw_signs(wg, gw, x.device, seed=seed, salt=salt(layer, "wgrad"))
-            ctx.signs_d = draw_signs(dg, gd, x.device, seed=seed, salt=salt(layer, "dgrad"))
-            # saved operands hold only the packed MXFP4 (4.25 bits/element; backward unpacks it straight
-            # to FP8, `DESIGN.md` §3); the GEMMs' own operands only the FP8 fold
-            ctx.x_prep = None if _needs_hp_b(wg) else prepare(x, "b", wg, signs=ctx.signs_w, generator=gw,
-                                                              backend=layer.backend, outputs="codes")
-            ctx.w_prep = None if _needs_hp_b(dg) else prepare(w, "b", dg, signs=ctx.signs_d, generator=gd,
-                                                              backend=layer.backend, outputs="codes")
-            ctx.save_for_backward(x if ctx.x_prep is None else None, weight)
-            layer.saved_bytes = x.numel() * x.element_size() if ctx.x_prep is None else ctx.x_prep.nbytes
-            if ctx.w_prep is not None:
-                layer.saved_bytes += ctx.w_prep.nbytes
-        if bias is None and torch.compiler.is_compiling():
+        y = forward_body(ctx, x, weight, bias, layer, dtype, seed)
+        if ctx.specs is not None and bias is None and torch.compiler.is_compiling():
             # torch 2.11's dynamo (the GPU image's; not seen with 2.13 on the CPU) can return the
             # output tensor twice from the traced function and bind y's gradient to the later copy:
             # layer 0 of a compiled Llama then got no gradient (H200, round 5 and this round). A view
@@ -105,34 +73,80 @@ class LowPrecisionLinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
-        layer, dtype, specs = ctx.layer, ctx.dtype, ctx.specs
-        dy = dy.to(dtype)
-        grad_bias = dy.sum(0).to(weight.dtype) if ctx.has_bias else None
-        if specs is None:
-            layer.observe("dy", dy)
-            w = weight.to(dtype)
-            dx = dy @ w  # dgrad
-            dw = dy.t() @ x  # wgrad
-            return dx, dw.to(weight.dtype), grad_bias, None, None, None
+        return backward_body(ctx, dy)
 
-        if ctx.x_prep is None and x is None:  # only X's packed MXFP4 was saved, and the first backward freed it
-            raise RuntimeError("adahop: a second backward through a converted layer (retain_graph=True) is not supported: "
-                               "the first backward frees the saved MXFP4 copy of its input to save memory. Run the "
-                               "forward again for each backward (double backward, create_graph=True, is not supported "
-                               "either)")
-        gd, gw = ctx.gens
-        # operands not saved prepared (they need high precision) are prepared now, with the signs
-        # drawn in forward, so both GEMMs always run as prepare(A) · saved-or-prepared(B)
-        be = layer.backend
-        w_prep = ctx.w_prep or prepare(weight.to(dtype), "b", specs["dgrad"], signs=ctx.signs_d, generator=gd, backend=be,
-                                       outputs="fp8")
-        x_prep = ctx.x_prep or prepare(x, "b", specs["wgrad"], signs=ctx.signs_w, generator=gw, backend=be, outputs="fp8")
-        # dgrad: ∇X = ∇Y·W
-        pa = prepare(dy, "a", specs["dgrad"], signs=ctx.signs_d, generator=gd, backend=be, outputs="fp8")
-        dx = multiply(pa, w_prep, specs["dgrad"], out_dtype=dtype, backend=be)
-        # wgrad: ∇W = ∇Yᵀ·X
-        pa = prepare(dy.t(), "a", specs["wgrad"], signs=ctx.signs_w, generator=gw, backend=be, outputs="fp8")
-        dw = multiply(pa, x_prep, specs["wgrad"], out_dtype=torch.float32, backend=be)
-        ctx.x_prep = ctx.w_prep = None
+
+def forward_body(ctx, x, weight, bias, layer, dtype, seed=None) -> torch.Tensor:
+    """The forward of :class:`LowPrecisionLinearFn` on ``ctx`` (its autograd ctx, or the stand-in of
+    the opaque compiled ops, :mod:`adahop.nn.opaque`): returns ``y`` [T, N] in ``dtype``, a fresh
+    tensor, and leaves on ``ctx`` what :func:`backward_body` reads."""
+    w = weight.to(dtype)
+    ctx.layer, ctx.dtype = layer, dtype
+    ctx.has_bias = bias is not None
+    # what a BF16 nn.Linear saves for backward: X and the compute-dtype copy of W
+    layer.hp_saved_bytes = (x.numel() + weight.numel()) * x.element_size()
+    specs = layer.current_specs()
+    if specs is None:  # calibration or a BF16 layer: exact GEMMs, patterns observed
+        layer.observe("x", x)
+        layer.observe("w", w)
+        ctx.specs = None
+        ctx.save_for_backward(x, weight)
+        layer.saved_bytes = x.numel() * x.element_size()
+        return fprop(x, w, bias, None, None, layer.backend, dtype)
+    else:
+        ctx.specs = specs
+        y = fprop(x, w, bias, specs["fprop"], layer.generator("fprop"), layer.backend, dtype, seed, salt(layer, "fprop"))
+        # save X for wgrad (B operand, contract T) and W for dgrad (B operand, contract N)
+        wg, dg = specs["wgrad"], specs["dgrad"]
+        gw, gd = layer.generator("wgrad"), layer.generator("dgrad")
+        ctx.gens = (gd, gw)
+        # drawn once here and saved: backward never draws them again (compiled: hashed from seed)
+        ctx.signs_w = draw_signs(wg, gw, x.device, seed=seed, salt=salt(layer, "wgrad"))
+        ctx.signs_d = draw_signs(dg, gd, x.device, seed=seed, salt=salt(layer, "dgrad"))
+        # saved operands hold only the packed MXFP4 (4.25 bits/element; backward unpacks it straight
+        # to FP8, `DESIGN.md` §3); the GEMMs' own operands only the FP8 fold
+        ctx.x_prep = None if _needs_hp_b(wg) else prepare(x, "b", wg, signs=ctx.signs_w, generator=gw,
+                                                          backend=layer.backend, outputs="codes")
+        ctx.w_prep = None if _needs_hp_b(dg) else prepare(w, "b", dg, signs=ctx.signs_d, generator=gd,
+                                                          backend=layer.backend, outputs="codes")
+        ctx.save_for_backward(x if ctx.x_prep is None else None, weight)
+        layer.saved_bytes = x.numel() * x.element_size() if ctx.x_prep is None else ctx.x_prep.nbytes
+        if ctx.w_prep is not None:
+            layer.saved_bytes += ctx.w_prep.nbytes
+    return y
+
+
+def backward_body(ctx, dy):
+    """The backward of :class:`LowPrecisionLinearFn` from the ``ctx`` :func:`forward_body` filled:
+    ``(dx, dw, grad_bias, None, None, None)``."""
+    x, weight = ctx.saved_tensors
+    layer, dtype, specs = ctx.layer, ctx.dtype, ctx.specs
+    dy = dy.to(dtype)
+    grad_bias = dy.sum(0).to(weight.dtype) if ctx.has_bias else None
+    if specs is None:
+        layer.observe("dy", dy)
+        w = weight.to(dtype)
+        dx = dy @ w  # dgrad
+        dw = dy.t() @ x  # wgrad
         return dx, dw.to(weight.dtype), grad_bias, None, None, None
+
+    if ctx.x_prep is None and x is None:  # only X's packed MXFP4 was saved, and the first backward freed it
+        raise RuntimeError("adahop: a second backward through a converted layer (retain_graph=True) is not supported: "
+                           "the first backward frees the saved MXFP4 copy of its input to save memory. Run the "
+                           "forward again for each backward (double backward, create_graph=True, is not supported "
+                           "either)")
+    gd, gw = ctx.gens
+    # operands not saved prepared (they need high precision) are prepared now, with the signs
+    # drawn in forward, so both GEMMs always run as prepare(A) · saved-or-prepared(B)
+    be = layer.backend
+    w_prep = ctx.w_prep or prepare(weight.to(dtype), "b", specs["dgrad"], signs=ctx.signs_d, generator=gd, backend=be,
+                                   outputs="fp8")
+    x_prep = ctx.x_prep or prepare(x, "b", specs["wgrad"], signs=ctx.signs_w, generator=gw, backend=be, outputs="fp8")
+    # dgrad: ∇X = ∇Y·W
+    pa = prepare(dy, "a", specs["dgrad"], signs=ctx.signs_d, generator=gd, backend=be, outputs="fp8")
+    dx = multiply(pa, w_prep, specs["dgrad"], out_dtype=dtype, backend=be)
+    # wgrad: ∇W = ∇Yᵀ·X
+    pa = prepare(dy.t(), "a", specs["wgrad"], signs=ctx.signs_w, generator=gw, backend=be, outputs="fp8")
+    dw = multiply(pa, x_prep, specs["wgrad"], out_dtype=torch.float32, backend=be)
+    ctx.x_prep = ctx.w_prep = None
+    return dx, dw.to(weight.dtype), grad_bias, None, None, None

@@ -12,6 +12,7 @@ from torch import nn
 from ..patterns import Calibrator, Plan
 from ..recipes.spec import GEMMS, GemmSpec, Recipe
 from ..utils import mix_seed
+from . import opaque
 from .function import LowPrecisionLinearFn, fprop, salt
 
 __all__ = ["LowPrecisionLinear", "Controller"]
@@ -135,6 +136,7 @@ class LowPrecisionLinear(nn.Linear):
         new.saved_bytes, new.patterns, new._calls = 0, {}, {}
         new._specs = None
         controller.register(new)
+        opaque.register(new)
         new.resolve_specs()
         return new
 
@@ -143,6 +145,7 @@ class LowPrecisionLinear(nn.Linear):
         # weak references to the original's layers
         super().__setstate__(state)
         self.controller.register(self)
+        opaque.register(self)
 
     # -- plan and specs ----------------------------------------------------------------------
     def resolve_specs(self) -> None:
@@ -202,8 +205,8 @@ class LowPrecisionLinear(nn.Linear):
             return None
         if not spec.draws_random_bits:
             return None
-        if torch.compiler.is_compiling():
-            # a Generator per call cannot be traced: compiled code draws from the default generator,
+        if torch.compiler.is_compiling() or opaque.in_opaque_layer():
+            # a Generator per call cannot be traced (nor replayed from a CUDA graph, in the opaque ops): compiled code draws from the default generator,
             # which the training loop seeds per (run seed, rank, step) — reproducible, fresh per step
             # and per rank, but a different stream from eager mode's
             return None
@@ -253,13 +256,21 @@ class LowPrecisionLinear(nn.Linear):
                 return torch.nn.functional.linear(x2, self.weight.to(dtype), b).reshape(*x.shape[:-1], self.out_features)
             params_grad = self.weight.requires_grad or (self.bias is not None and self.bias.requires_grad)
             if torch.is_grad_enabled() and (x2.requires_grad or params_grad):
-                y = LowPrecisionLinearFn.apply(x2, self.weight, self.bias, self, dtype, self._sign_seed(GEMMS))
+                if self._compiled_opaque():  # the layer as two ops, not its traced GEMMs (adahop.nn.opaque)
+                    y = opaque.lp_linear(self, x2, dtype, self._sign_seed(GEMMS))
+                else:
+                    y = LowPrecisionLinearFn.apply(x2, self.weight, self.bias, self, dtype, self._sign_seed(GEMMS))
             else:
                 y = self._forward_only(x2, dtype)
         if x.ndim == 2:
             return y
         # not a view of y, as nn.Linear's output is not: FSDP2 warns of modules returning views
         return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], self.out_features))
+
+    def _compiled_opaque(self) -> bool:
+        # frozen quantized GEMMs under torch.compile, and the opaque form chosen
+        return (torch.compiler.is_compiling() and opaque.COMPILED_LAYERS == "opaque" and self._specs is not None
+                and not self.controller.calibrating)
 
     def _sign_seed(self, gemms) -> torch.Tensor | None:
         """The compiled path's seed for this call's per-call signs (None in eager mode, or when none

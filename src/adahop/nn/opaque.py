@@ -1,0 +1,213 @@
+"""A converted layer as two opaque ops under ``torch.compile`` (issue 18 item 4: cold compile).
+
+Dynamo traces Python about a thousand times slower than CPython runs it, and a converted layer's
+GEMMs are a lot of Python (specs, transforms, OE, quantizer and fold dispatch): a cold compile of
+llama-125m AdaHOP-Lv2 on the H200 took 120.7 s against BF16's 26.4 s, with dynamo still tracing
+the layers at 45 s (`docs/benchmarks_history.md`, round 9). Here, once the plan is frozen, the
+compiled graph holds each layer as two ops instead of its traced GEMMs:
+
+- ``adahop::lp_linear_fwd(x, weight, bias, layer, dtype, seed) -> [y, *saved]`` runs the
+  layer's fprop and prepares the backward operands (the very code of eager mode,
+  :func:`adahop.nn.function.forward_body`); ``saved`` are the tensors of the prepared operands;
+- ``adahop::lp_linear_bwd(dy, x, weight, saved, layer, dtype, has_bias) -> [dx, dw, dbias]``
+  runs dgrad and wgrad (:func:`adahop.nn.function.backward_body`).
+
+The fake impl of the forward op is its real body run on fake tensors, so a tensor that code
+caches (a Hadamard block, the fold table) must be built outside the fake mode
+(``unset_fake_temporarily``), or a later real call would get a fake one.
+
+The prepared operands are dataclasses (``Prepared``, ``MXTensor``...): their tensors travel as op
+outputs and inputs, their structure (shapes, specs, flags) stays in a per-layer template on the
+Python side, the same at every call of a frozen layer. Under ``mode="reduce-overhead"`` both ops
+are replayed from the CUDA graph like any kernel; in the default mode they run their Python per
+call, as eager mode does. Random bits inside the ops come from the default generator, which the
+training loop seeds per step (:func:`adahop.nn.seed_compiled_rng`), and the per-call signs from
+the compiled path's seed tensor, as in a traced layer.
+
+:data:`COMPILED_LAYERS` (``"opaque"`` or ``"traced"``, :func:`set_compiled_layers`) picks this
+form or dynamo tracing of the layer's GEMMs; both compute the same numbers (same kernels, same
+draws' distribution).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import threading
+import weakref
+
+import torch
+
+from .function import backward_body, forward_body
+
+__all__ = ["COMPILED_LAYERS", "set_compiled_layers", "register", "lp_linear", "in_opaque_layer"]
+
+#: How ``torch.compile`` sees a frozen converted layer: ``"opaque"`` (the ops above) or ``"traced"``.
+COMPILED_LAYERS = "opaque"
+
+_LAYERS: "weakref.WeakValueDictionary[int, torch.nn.Module]" = weakref.WeakValueDictionary()
+_TEMPLATES: dict[int, object] = {}  # layer key -> the saved state's structure, tensors as _Slot
+_STATE = threading.local()
+
+
+def set_compiled_layers(how: str) -> str:
+    """Set :data:`COMPILED_LAYERS` for graphs traced from now on; returns the previous value.
+
+    Raises:
+        ValueError: ``how`` is not ``"opaque"`` or ``"traced"``.
+    """
+    global COMPILED_LAYERS
+    if how not in ("opaque", "traced"):
+        raise ValueError(f"compiled converted layers are 'opaque' or 'traced', got {how!r}")
+    prev, COMPILED_LAYERS = COMPILED_LAYERS, how
+    return prev
+
+
+def in_opaque_layer() -> bool:
+    """True inside the ops' bodies: the layer then draws as compiled code does (no per-call Generator)."""
+    return getattr(_STATE, "depth", 0) > 0
+
+
+class _Inside:
+    def __enter__(self):
+        _STATE.depth = getattr(_STATE, "depth", 0) + 1
+
+    def __exit__(self, *exc):
+        _STATE.depth -= 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+    index: int
+
+
+def _flatten(obj, leaves: list, seen: dict):
+    """``obj`` with every tensor replaced by a ``_Slot`` into ``leaves`` (one slot per tensor object)."""
+    if isinstance(obj, torch.Tensor):
+        if id(obj) not in seen:
+            seen[id(obj)] = len(leaves)
+            leaves.append(obj)
+        return _Slot(seen[id(obj)])
+    if isinstance(obj, tuple):
+        return tuple(_flatten(v, leaves, seen) for v in obj)
+    if isinstance(obj, list):
+        return [_flatten(v, leaves, seen) for v in obj]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        new = copy.copy(obj)
+        for f in dataclasses.fields(obj):
+            object.__setattr__(new, f.name, _flatten(getattr(obj, f.name), leaves, seen))
+        return new
+    return obj
+
+
+def _unflatten(tpl, leaves):
+    if isinstance(tpl, _Slot):
+        return leaves[tpl.index]
+    if isinstance(tpl, tuple):
+        return tuple(_unflatten(v, leaves) for v in tpl)
+    if isinstance(tpl, list):
+        return [_unflatten(v, leaves) for v in tpl]
+    if dataclasses.is_dataclass(tpl) and not isinstance(tpl, type):
+        new = copy.copy(tpl)
+        for f in dataclasses.fields(tpl):
+            object.__setattr__(new, f.name, _unflatten(getattr(tpl, f.name), leaves))
+        return new
+    return tpl
+
+
+class _Ctx:
+    """What :func:`forward_body` / :func:`backward_body` read and write of an autograd ctx."""
+
+    def save_for_backward(self, *tensors):
+        self.saved_tensors = tensors
+
+
+def _layer(key: int):
+    layer = _LAYERS.get(key)
+    if layer is None:
+        raise RuntimeError(f"adahop: compiled graph refers to converted layer #{key}, which no longer exists; "
+                           "compile the model again (torch.compiler.reset())")
+    return layer
+
+
+def _fwd_impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: int, dtype: torch.dtype,
+              seed: torch.Tensor | None) -> list[torch.Tensor]:
+    ctx = _Ctx()
+    with _Inside():
+        y = forward_body(ctx, x, weight, bias, _layer(layer), dtype, seed)
+    leaves: list[torch.Tensor] = []
+    _TEMPLATES[layer] = _flatten((ctx.specs, ctx.signs_w, ctx.signs_d, ctx.x_prep, ctx.w_prep), leaves, {})
+    # an op's outputs may alias neither its inputs nor each other (views of one buffer): copy those
+    out = [y]
+    for t in leaves:
+        if any(torch._C._is_alias_of(t, u) for u in (x, weight, *out)):
+            t = t.clone()
+        out.append(t)
+    return out
+
+
+_fwd = torch.library.custom_op("adahop::lp_linear_fwd", _fwd_impl, mutates_args=())
+
+
+@_fwd.register_fake
+def _(x, weight, bias, layer, dtype, seed):
+    # the real body on fake tensors (the kernels' launches do nothing there): the same outputs'
+    # shapes and dtypes, and the template the backward reads. The body also meets real constants
+    # (cached Hadamard blocks, sign tables), which the fake mode then takes as they are
+    mode = torch._guards.detect_fake_mode((x, weight))
+    prev = mode.allow_non_fake_inputs
+    mode.allow_non_fake_inputs = True
+    try:
+        return _fwd_impl(x, weight, bias, layer, dtype, seed)
+    finally:
+        mode.allow_non_fake_inputs = prev
+
+
+@torch.library.custom_op("adahop::lp_linear_bwd", mutates_args=())
+def _bwd(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor, saved: list[torch.Tensor], layer: int,
+         dtype: torch.dtype, has_bias: bool) -> list[torch.Tensor]:
+    ctx = _Ctx()
+    ctx.layer, ctx.dtype, ctx.has_bias, ctx.gens = _layer(layer), dtype, has_bias, (None, None)
+    ctx.specs, ctx.signs_w, ctx.signs_d, ctx.x_prep, ctx.w_prep = _unflatten(_TEMPLATES[layer], saved)
+    ctx.saved_tensors = (x, weight)
+    with _Inside():
+        dx, dw, db = backward_body(ctx, dy)[:3]
+    return [dx, dw] + ([db] if db is not None else [])
+
+
+@_bwd.register_fake
+def _(dy, x, weight, saved, layer, dtype, has_bias):
+    n, k = weight.shape
+    out = [dy.new_empty(dy.shape[0], k, dtype=dtype), weight.new_empty(n, k)]
+    return out + ([weight.new_empty(n)] if has_bias else [])
+
+
+def _setup(ctx, inputs, output):
+    x, weight, bias, layer, dtype, seed = inputs
+    tpl = _TEMPLATES[layer]
+    x_saved = tpl[3] is None  # no prepared X: wgrad needs X itself
+    ctx.layer, ctx.dtype, ctx.has_bias, ctx.x_saved = layer, dtype, bias is not None, x_saved
+    ctx.save_for_backward(x if x_saved else None, weight, *output[1:])
+
+
+def _backward(ctx, grads):
+    x, weight, *saved = ctx.saved_tensors
+    out = torch.ops.adahop.lp_linear_bwd(grads[0], x, weight, saved, ctx.layer, ctx.dtype, ctx.has_bias)
+    return out[0], out[1], (out[2] if ctx.has_bias else None), None, None, None
+
+
+torch.library.register_autograd("adahop::lp_linear_fwd", _backward, setup_context=_setup)
+
+
+def register(layer) -> int:
+    """Give ``layer`` the key the ops find it by (its ``_op_key``; called when it is built or copied,
+    never while tracing)."""
+    layer._op_key = id(layer)
+    _LAYERS[layer._op_key] = layer
+    return layer._op_key
+
+
+def lp_linear(layer, x: torch.Tensor, dtype: torch.dtype, seed: torch.Tensor | None) -> torch.Tensor:
+    """``layer`` (a frozen :class:`~adahop.nn.LowPrecisionLinear`, :func:`register` ed) on ``x``
+    [T, K] through the opaque ops; returns ``y`` [T, N] in ``dtype``. Used under ``torch.compile``."""
+    return torch.ops.adahop.lp_linear_fwd(x, layer.weight, layer.bias, layer._op_key, dtype, seed)[0]
