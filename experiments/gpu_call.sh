@@ -63,6 +63,13 @@
 #   r9d (round 9, one GPU): with the opaque launches as the default: r9a's compiled vs eager llama-20m
 #      adahop-lv2 train (40 steps, the freeze at step 10), then the cold compile of llama-125m adahop-lv2
 #      and BF16 (scripts/bench_compile.py, no profiler: r9c's faulthandler stack dumps crashed the children)
+#   r10a (round 10, one GPU; run first: the opaque layer ops of adahop.nn.opaque have not run on a GPU): the
+#      compile section of the kernel validation (each compiled form, CUDA-graph replay, tseng captured), the
+#      cold compile of llama-125m adahop-lv2 opaque and traced and of BF16, compiled-vs-eager gradients of a
+#      llama-20m, and r9a's llama-20m train --compile (calibration now eager, one compile at the freeze)
+#   r10b (round 10, one GPU): llama-125m 1024 x 16 side by side (bf16, mxfp4, adahop-lv2 eager and auto, one
+#      process, opaque layers), then bench model rows of torchao float8 and adahop-lv2@foid, then the
+#      optimizer-step benchmark at llama-125m (issue 21)
 # JOBS: the quality runs still to do, RECIPE:SEED,... (default: this session's list).
 # Needs .carry/{corpus_main.txt.xz,gpt2.tiktoken} and .whl/zstandard-*.whl (carried).
 set -u
@@ -147,6 +154,33 @@ if [ "$STAGE" = r9d ]; then
   python3 scripts/bench_compile.py --model llama-125m --seq-len 1024 --batch-size 16 --phases cold --recipes adahop-lv2,bf16 \
     --launches opaque --timeout $(( 470 - $(el) )) --json $OUT/cold_opaque.json > $OUT/cold_opaque.log 2>&1
   echo "cold opaque: exit $? at $(el) s"; grep -A4 "^## cold" $OUT/cold_opaque.log
+  echo "stage $STAGE done at $(el) s"; exit 0
+fi
+if [ "$STAGE" = r10a ]; then
+  export CUDA_VISIBLE_DEVICES=0
+  timeout 90 python3 scripts/validate_kernels.py --only compile --log $OUT/validate_compile.json > $OUT/validate_compile.log 2>&1
+  grep -E "^(PASS|FAIL)" $OUT/validate_compile.log | cut -c1-200; tail -1 $OUT/validate_compile.log; echo "validate done at $(el) s"
+  python3 scripts/bench_compile.py --model llama-125m --seq-len 1024 --batch-size 16 --phases cold --recipes adahop-lv2,bf16 \
+    --forms opaque,traced --timeout 200 --log-dir $OUT/compile_logs --json $OUT/cold.json > $OUT/cold.log 2>&1
+  echo "cold: exit $? at $(el) s"; grep -A5 "^## cold" $OUT/cold.log
+  python3 -m adahop data prepare --source .carry/corpus_main.txt.xz --tokenizer tiktoken:.carry/gpt2.tiktoken --out /tmp/main > $OUT/prepare.log 2>&1
+  timeout 100 python3 -m adahop train --model llama-20m --recipe adahop-lv2 --data /tmp/main --steps 40 --calib-steps 10 \
+    --eval-every 0 --ckpt-every 0 --log-every 10 --seq-len 512 --batch-size 16 --compile --out /tmp/t20c > $OUT/train20c.log 2>&1
+  echo "train --compile: exit $? at $(el) s"
+  python3 -c "import json; d = json.load(open('/tmp/t20c/summary.json')); print({k: d.get(k) for k in ('final_train_loss', 'compile_mode', 'recompiles_steady_state', 'graph_breaks_steady_state', 'tok_per_s')})"
+  timeout $(( 570 - $(el) )) python3 scripts/check_compiled_grads.py --model llama-20m --recipes adahop-lv2,tseng 2>&1 \
+    | tee $OUT/compiled_grads.log | grep -E "loss eager|Error"
+  echo "stage $STAGE done at $(el) s"; exit 0
+fi
+if [ "$STAGE" = r10b ]; then
+  export CUDA_VISIBLE_DEVICES=0
+  timeout 330 python3 scripts/bench_compile.py --model llama-125m --seq-len 1024 --batch-size 16 --phases side_by_side \
+    --recipes bf16,mxfp4,adahop-lv2 --modes eager,auto --forms opaque --timeout 110 --log-dir $OUT/compile_logs \
+    --json $OUT/sbs.json > $OUT/sbs.log 2>&1; echo "side by side: exit $? at $(el) s"; grep -A8 "^## side" $OUT/sbs.log; grep "vs eager" $OUT/sbs.log
+  timeout $(( 480 - $(el) )) python3 -m adahop bench model --model llama-125m --seq-len 1024 --batch-size 16 --modes auto \
+    --recipes bf16,torchao-fp8-rowwise,torchao-fp8-tensorwise,adahop-lv2@foid --json $OUT/benchmarks.json 2>&1 | tail -8
+  echo "bench model done at $(el) s"
+  timeout $(( 575 - $(el) )) python3 scripts/bench_optim.py --model llama-125m --per-tensor --json $OUT/bench_optim_125m.json 2>&1 | tail -14
   echo "stage $STAGE done at $(el) s"; exit 0
 fi
 if [ "$STAGE" = r8a ]; then

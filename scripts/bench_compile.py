@@ -2,7 +2,7 @@
 """Issue 18 item 1 on the GPU: compiled speed in `adahop train --compile`'s mode, cold compile, breaks.
 
     PYTHONPATH=src python scripts/bench_compile.py [--model llama-125m --seq-len 1024 --batch-size 16]
-        [--recipes bf16,mxfp4,adahop-lv2] [--modes eager,compiled,auto] [--launches inline,opaque]
+        [--recipes bf16,mxfp4,adahop-lv2] [--modes eager,compiled,auto] [--forms opaque,traced,traced-inline]
         [--layers N] [--phases cold,side_by_side] [--log-dir DIR] [--profile N] [--json out.json]
     PYTHONPATH=src python scripts/bench_compile.py --device cpu --model llama-tiny --seq-len 32 --batch-size 2 --steps 1
         (a dry run of the script on the CPU: auto is the default mode there, Inductor compiles C++)
@@ -18,10 +18,11 @@ Two phases, each row from ``adahop.bench.bench_model`` (the harness of ``adahop 
    process), for the tokens/s ratios to BF16 of the same mode (targets at llama-125m 1024 x 16:
    Lv2 >= 0.9x, mxfp4 >= 0.95x, compiled the same way as BF16).
 
-``--launches``: how the traced Triton launches enter the graph (``adahop.kernels._triton_launch``):
-``inline`` (``wrap_triton``: Inductor emits them, at the price of a TTIR analysis per call while
-tracing) or ``opaque`` (the op ``adahop::triton_launch``); with both, each phase runs once per kind
-(BF16's cold row once: it launches no Triton kernel of ours).
+``--forms``: how a frozen converted layer enters the compiled graph: ``opaque`` (the default of
+``adahop.nn.opaque``: two ops that run eager mode's code), ``traced`` (its GEMMs traced by dynamo,
+the Triton launches as the op ``adahop::triton_launch``) or ``traced-inline`` (traced, the launches
+through ``wrap_triton``, which Inductor emits at the price of a TTIR analysis per call while
+tracing); with several, each phase runs once per form (BF16's cold row once: it has no converted layer).
 
 Every compiled row reports ``graph_breaks`` (counted over the row; calibration runs eagerly, so
 any break is in the compiled model), ``recompiles`` (frames compiled after the step that
@@ -47,7 +48,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-KEYS = ("recipe", "mode", "launches", "compile_mode", "tok_per_s", "vs_bf16", "step_ms", "compile_step_s", "warmup_s",
+KEYS = ("recipe", "mode", "form", "compile_mode", "tok_per_s", "vs_bf16", "step_ms", "compile_step_s", "warmup_s",
         "graph_breaks", "recompiles", "cudagraph_skips", "peak_mem_gib", "loss", "grads_ok", "error")
 
 
@@ -58,10 +59,13 @@ def worker(args) -> None:
 
     from adahop.bench import bench_model
 
+    from adahop.nn.opaque import set_compiled_layers
+
+    set_compiled_layers("opaque" if args.form == "opaque" else "traced")
     if args.device == "cuda":
         from adahop.kernels._triton_launch import set_traced_launches
 
-        set_traced_launches(args.launches)
+        set_traced_launches("inline" if args.form == "traced-inline" else "opaque")
     prof = None
     if args.profile:  # where the compile's host time goes (the functions with the most cumulative time)
         import cProfile  # (no faulthandler stack dumps: on the H200 they crashed the compiling child, round 9)
@@ -76,12 +80,12 @@ def worker(args) -> None:
         prof.disable()
         pstats.Stats(prof, stream=sys.stderr).sort_stats("cumulative").print_stats(args.profile)
     for r in rows:
-        r["launches"] = args.launches
+        r["form"] = args.form
     print(torch._dynamo.utils.compile_times(repr="str", aggregate=True), file=sys.stderr, flush=True)
     print("ROWS " + json.dumps(rows), flush=True)
 
 
-def run_child(args, recipes: str, modes: str, timeout: float, launches: str = "inline") -> list[dict]:
+def run_child(args, recipes: str, modes: str, timeout: float, form: str = "opaque") -> list[dict]:
     """One fresh process with empty Inductor and Triton caches; its rows (an error row if it died).
     Its stderr (progress, compile-phase times) goes to ``--log-dir`` when given."""
     with tempfile.TemporaryDirectory(prefix="adahop-cold-") as tmp:
@@ -89,23 +93,23 @@ def run_child(args, recipes: str, modes: str, timeout: float, launches: str = "i
                "TRITON_CACHE_DIR": str(Path(tmp) / "triton")}
         cmd = [sys.executable, __file__, "--worker", "--model", args.model, "--seq-len", str(args.seq_len),
                "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--recipes", recipes, "--modes", modes,
-               "--device", args.device, "--launches", launches, "--profile", str(args.profile)] + (["--layers", str(args.layers)] if args.layers else [])
+               "--device", args.device, "--form", form, "--profile", str(args.profile)] + (["--layers", str(args.layers)] if args.layers else [])
         err = None
         if args.log_dir:
             Path(args.log_dir).mkdir(parents=True, exist_ok=True)
-            err = open(Path(args.log_dir) / f"{recipes.replace(',', '+')}_{modes.replace(',', '+')}_{launches}.log", "w")
+            err = open(Path(args.log_dir) / f"{recipes.replace(',', '-')}_{modes.replace(',', '-')}_{form}.log", "w")
         try:
             r = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=err or subprocess.PIPE, text=True,
                                timeout=timeout)
         except subprocess.TimeoutExpired:
-            return [dict(recipe=rc, mode=m, launches=launches, error=f"timed out after {timeout:.0f} s")
+            return [dict(recipe=rc, mode=m, form=form, error=f"timed out after {timeout:.0f} s")
                     for rc in recipes.split(",") for m in modes.split(",")]
         finally:
             if err:
                 err.close()
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("ROWS ")]
     if r.returncode or not lines:
-        return [dict(recipe=recipes, mode=modes, launches=launches, error=f"exit {r.returncode}: {(r.stderr or '')[-400:]}")]
+        return [dict(recipe=recipes, mode=modes, form=form, error=f"exit {r.returncode}: {(r.stderr or '')[-400:]}")]
     return json.loads(lines[-1][5:])
 
 
@@ -128,9 +132,10 @@ def main() -> None:
     ap.add_argument("--phases", default="cold,side_by_side")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per child process")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--launches", default="inline",
-                    help="how traced Triton launches enter the graph: inline (wrap_triton), opaque (adahop::triton_launch) "
-                         "or both, comma-separated (a cold row and a side-by-side process for each)")
+    ap.add_argument("--forms", default="opaque",
+                    help="how a frozen converted layer enters the graph: opaque, traced, traced-inline, comma-separated "
+                         "(a cold row and a side-by-side process for each)")
+    ap.add_argument("--form", default="opaque", help=argparse.SUPPRESS)  # the child's one form
     ap.add_argument("--profile", type=int, default=0, help="cProfile each child; its N functions of most cumulative time in the log")
     ap.add_argument("--log-dir", default=None, help="each child's stderr (progress, compile-phase times) into a file here")
     ap.add_argument("--json", default=None)
@@ -138,11 +143,11 @@ def main() -> None:
     args = ap.parse_args()
     if args.worker:
         return worker(args)
-    launch_kinds = args.launches.split(",")
+    forms = args.forms.split(",")
     out = {}
     if "cold" in args.phases:
-        out["cold"] = [row for rc in args.recipes.split(",") for lc in launch_kinds
-                       for row in run_child(args, rc, "auto", args.timeout, lc) if rc != "bf16" or lc == launch_kinds[0]]
+        out["cold"] = [row for rc in args.recipes.split(",") for fm in forms if rc != "bf16" or fm == forms[0]
+                       for row in run_child(args, rc, "auto", args.timeout, fm)]
         bf16 = next((r.get("compile_step_s") for r in out["cold"] if r["recipe"] == "bf16"), None)
         for r in out["cold"]:
             if bf16 and r.get("compile_step_s"):
@@ -152,12 +157,12 @@ def main() -> None:
         print("compile_step_s vs BF16: " + ", ".join(f"{r['recipe']} {r['compile_vs_bf16']:.2f}x"
                                                       for r in out["cold"] if "compile_vs_bf16" in r))
     if "side_by_side" in args.phases:
-        out["side_by_side"] = [row for lc in launch_kinds for row in run_child(args, args.recipes, args.modes, args.timeout * 3, lc)]
+        out["side_by_side"] = [row for fm in forms for row in run_child(args, args.recipes, args.modes, args.timeout * 3, fm)]
         show(f"side by side in one process ({args.model}, {args.batch_size} x {args.seq_len})", out["side_by_side"])
         # the untimed check step computes the same loss and gradient norm in every mode of a recipe (to rounding)
         for r in out["side_by_side"]:
             e = next((b for b in out["side_by_side"] if b["recipe"] == r["recipe"] and b["mode"] == "eager"
-                      and b.get("launches") == r.get("launches")), None)
+                      and b.get("form") == r.get("form")), None)
             if e is not None and r is not e and "loss" in r and "loss" in e:
                 print(f"{r['recipe']} {r['mode']} vs eager: loss {r['loss'] / e['loss'] - 1:+.2e}, "
                       f"grad norm {r['grad_norm'] / e['grad_norm'] - 1:+.2e}, params with grad {r['params_with_grad']}"
