@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import threading
 import weakref
 
@@ -46,6 +47,7 @@ __all__ = ["COMPILED_LAYERS", "set_compiled_layers", "register", "lp_linear", "i
 COMPILED_LAYERS = "opaque"
 
 _LAYERS: "weakref.WeakValueDictionary[int, torch.nn.Module]" = weakref.WeakValueDictionary()
+_KEYS = itertools.count()
 _TEMPLATES: dict[int, object] = {}  # layer key -> the saved state's structure, tensors as _Slot
 _STATE = threading.local()
 
@@ -201,8 +203,10 @@ torch.library.register_autograd("adahop::lp_linear_fwd", _backward, setup_contex
 
 def register(layer) -> int:
     """Give ``layer`` the key the ops find it by (its ``_op_key``; called when it is built or copied,
-    never while tracing)."""
-    layer._op_key = id(layer)
+    never while tracing). Keys count up in the order layers are built, so that the same script in
+    another process bakes the same keys into its graphs (Inductor's caches then hit), and two live
+    models never share one."""
+    layer._op_key = next(_KEYS)
     _LAYERS[layer._op_key] = layer
     return layer._op_key
 
