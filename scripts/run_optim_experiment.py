@@ -9,8 +9,8 @@ Rows (each under the ``bf16`` and ``adahop-lv2`` recipes): FP32-master AdamW (th
 AdamW (round to nearest); SR-AdamW; Kahan-AdamW; M+Adam with BF16, FP8 and FP4 masters. Every
 row with BF16 masters, and the reference, runs seeds 0 and 1 (``--seeds``). States are BF16 for
 every row but the reference (FP32). The settings are those of the fidelity issue's quality runs
-(docs/results.md: llama-60m, 512 × 32 tokens per step, lr 2e-3, 120 steps), so the FP32 rows repeat
-those runs. ``--smoke``: llama-tiny, 32 × 4 tokens, 4 steps, a checkpoint every 2, one seed, the
+(`experiments/quality/run.py`: llama-60m, 512 × 32 tokens per step, lr 2e-3, 1221 steps = 20M
+tokens, compiled), so the FP32 rows repeat those runs. ``--smoke``: llama-tiny, 32 × 4 tokens, 4 steps, a checkpoint every 2, one seed, the
 built-in corpus unless ``--data`` is given: every row end to end in minutes on a CPU.
 
 Several small runs share the GPU at once (``--concurrent``; each is far from filling an H200), each
@@ -66,12 +66,15 @@ def jobs(rows, recipes, seeds=(0, 1)) -> list[tuple[str, str, int]]:
 
 
 def command(row: str, recipe: str, seed: int, data: str, out: Path, steps: int, eval_every: int, ckpt_every: int,
-            extra, settings=SETTINGS) -> list[str]:
+            extra, settings=SETTINGS, compile: bool = False) -> list[str]:
+    """The ``adahop train`` command of one run; ``compile``: with ``--compile`` where the row allows it
+    (packed FP8/FP4 masters run eagerly: `adahop.optim.checks` refuses them under torch.compile)."""
     flags = {**settings, **ROWS[row]}
     args = [f"--{k.replace('_', '-')}={v}" for k, v in flags.items()]
+    compiled = ["--compile"] if compile and ROWS[row]["master_weights"] in ("fp32", "bf16") else []
     return [sys.executable, "-m", "adahop", "train", "--recipe", recipe, "--seed", str(seed), "--data", data,
             "--out", str(out), "--steps", str(steps), "--eval-every", str(eval_every), "--ckpt-every", str(ckpt_every),
-            "--keep-ckpts", "1", "--resume", *args, *extra]
+            "--keep-ckpts", "1", "--resume", *args, *compiled, *extra]
 
 
 def finished(run: Path, steps: int) -> bool:
@@ -133,18 +136,21 @@ def launch(args, settings) -> int:
             over = args.budget_s is not None and time.time() - t_start > args.budget_s
             if over and running:
                 stop_all("budget spent")
-            while todo and not over and not stopping and len(running) < args.concurrent:
+            # no run starts with less than --min-left-s of the budget: on a machine that does not outlive
+            # the call, a run cut short is lost with its checkpoints
+            late = args.budget_s is not None and time.time() - t_start > args.budget_s - args.min_left_s
+            while todo and not over and not late and not stopping and len(running) < args.concurrent:
                 row, recipe, seed = todo.pop(0)
                 name = f"{row}-{recipe}-s{seed}"
                 if not _claim(root, name):  # another launcher has it
                     continue
                 log = open(root / f"{name}.log", "a")
                 cmd = command(row, recipe, seed, args.data, root / name, args.steps, args.eval_every, args.ckpt_every,
-                              args.extra, settings)
+                              args.extra, settings, compile=getattr(args, "compile", False))
                 proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
                 running.append((proc, name, time.time()))
                 print(f"started {name}", flush=True)
-            if (over or stopping) and not running:
+            if (over or stopping or late) and not running:
                 break
             time.sleep(1)
             for proc, name, t0 in list(running):
@@ -234,14 +240,16 @@ def main() -> int:
     ap.add_argument("--recipes", default=",".join(RECIPES))
     ap.add_argument("--seeds", default=None, help="comma-separated; the first for every row, the others for "
                                                   f"{','.join(TWO_SEEDS)} (default 0,1; --smoke: 0)")
-    ap.add_argument("--steps", type=int, default=None, help="default 120 (--smoke: 4)")
-    ap.add_argument("--eval-every", type=int, default=None, help="default 40 (--smoke: 2)")
+    ap.add_argument("--steps", type=int, default=None, help="default 1221, the quality runs' 20M tokens (--smoke: 4)")
+    ap.add_argument("--eval-every", type=int, default=None, help="default 100 (--smoke: 2)")
     ap.add_argument("--ckpt-every", type=int, default=None, help="checkpoint period of each run, for resuming "
-                                                                 "(default 40; --smoke: 2)")
+                                                                 "(default 100; --smoke: 2)")
     ap.add_argument("--concurrent", type=int, default=None, help="runs sharing the GPU at once (default 4; --smoke: 1)")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="wall seconds for this call: no run starts after it, running ones stop with a checkpoint")
+    ap.add_argument("--min-left-s", type=float, default=0.0, help="start no run with less than this left of --budget-s")
     ap.add_argument("--grace-s", type=float, default=60.0, help="after --budget-s, seconds before a run is killed")
+    ap.add_argument("--no-compile", action="store_true", help="eager runs (default: `adahop train --compile`, but --smoke)")
     ap.add_argument("--smoke", action="store_true",
                     help="llama-tiny, 4 steps, one seed: the pipeline end to end on a CPU")
     ap.add_argument("--report", action="store_true", help="only write table.md and loss_curves.png from OUT")
@@ -249,13 +257,14 @@ def main() -> int:
     args = ap.parse_args()
     if args.report:
         return report(args)
-    base = dict(SMOKE_RUN, concurrent=1) if args.smoke else dict(steps=120, eval_every=40, ckpt_every=40, seeds="0,1",
+    base = dict(SMOKE_RUN, concurrent=1) if args.smoke else dict(steps=1221, eval_every=100, ckpt_every=100, seeds="0,1",
                                                                  concurrent=4, data=None)
     for k, v in base.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
     if not args.data:
         ap.error("--data is required to launch runs (or --smoke, which uses the built-in corpus)")
+    args.compile = not args.smoke and not args.no_compile
     unknown = set(args.rows.split(",")) - set(ROWS)
     if unknown:
         ap.error(f"--rows: unknown {sorted(unknown)}; choose from {','.join(ROWS)}")
