@@ -177,3 +177,58 @@ def test_traced_layers_equal_the_opaque_ops(recipe, single_thread):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=f"{recipe} {what}: opaque != eager")
     with pytest.raises(ValueError, match="'opaque' or 'traced'"):
         set_compiled_layers("inline")
+
+
+def test_opaque_ops_take_two_forwards_of_other_token_counts_before_one_backward(single_thread):
+    """The saved operands' structure depends on the token count: the backward of each forward reads
+    its own (`adahop.nn.opaque` keeps one template per token count), as eager mode does."""
+    m = _layer("mxfp4-had")
+    g = torch.Generator().manual_seed(2)
+    xa, xb = torch.randn(32, K, generator=g), torch.randn(48, K, generator=g)
+
+    def grads(fn):
+        m.zero_grad(set_to_none=True)
+        a, b = xa.clone().requires_grad_(), xb.clone().requires_grad_()
+        (fn(a).square().sum() + fn(b).square().sum()).backward()
+        return a.grad, b.grad, m[0].weight.grad.clone()
+
+    eager, comp = grads(m), grads(torch.compile(m, backend="aot_eager"))
+    for what, a, b in zip(("dXa", "dXb", "dW"), comp, eager):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=f"{what}: compiled != eager")
+
+
+@pytest.mark.parametrize("recipe", ["halo-2", "nvfp4"])
+def test_opaque_fake_run_leaves_no_fake_tensor_in_the_constant_caches(recipe, single_thread):
+    """The forward op's fake impl runs the real body under a fake mode; the constants it caches
+    (Hadamard blocks, the E2M1 grid, fixed signs, the fold table) must still be real tensors, or
+    the next real call fails. With the caches empty, a compile is the first to fill them."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from adahop import device_constants
+
+    m = _layer(recipe)
+    device_constants._CACHE.clear()
+    x = torch.randn(T, K, requires_grad=True)
+    torch.compile(m, fullgraph=True, backend="aot_eager")(x).sum().backward()
+    assert device_constants._CACHE and not any(isinstance(t, FakeTensor) for t in device_constants._CACHE.values())
+    assert torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
+
+
+def test_opaque_layer_recompiles_when_its_specs_change(single_thread):
+    """A compiled graph holds the layer's specs version as a constant: new specs (a new plan) make
+    dynamo recompile instead of running the old graph's op layout; the op refuses a stale version."""
+    from torch._dynamo.utils import counters
+
+    from adahop.nn.opaque import _fwd_impl
+
+    m = _layer("mxfp4-had")
+    f = torch.compile(m, fullgraph=True, backend="aot_eager")
+    x = torch.randn(T, K)
+    counters.clear()
+    y0 = f(x)
+    m[0].resolve_specs()
+    y1 = f(x)
+    assert counters["stats"]["unique_graphs"] == 2  # the second call compiled again
+    torch.testing.assert_close(y1, y0, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="specs changed after the model was compiled"):
+        _fwd_impl(x, m[0].weight, None, m[0]._op_key, m[0]._specs_version - 1, torch.float32, None)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from .device_constants import on_device
 from .formats import MXTensor, NVFP4Tensor, quantize_nvfp4
 from .hadamard import block_hadamard, hashed_signs, random_signs
 from .recipes.spec import GemmSpec, OperandSpec, Transform
@@ -90,8 +91,9 @@ def draw_signs(spec: GemmSpec, generator: torch.Generator | None, device, *, see
     if t is None or t.signs == "none":
         return None
     n = t.block_size
-    if t.signs == "fixed":  # one vector for every layer and step
-        return torch.tensor(_fixed_signs(n, t.sign_seed), dtype=torch.float32, device=device)
+    if t.signs == "fixed":  # one vector for every layer and step (cached per device; a fresh copy of it)
+        return on_device(("fixed_signs", n, t.sign_seed),
+                         lambda: torch.tensor(_fixed_signs(n, t.sign_seed), dtype=torch.float32), device).clone()
     if seed is not None:
         s = hashed_signs(seed, n, salt=salt)
         # no no-op .to(): under torch.compile an alias of a saved tensor breaks the autograd.Function's capture

@@ -9,10 +9,11 @@ it cancels inside the product: ``(A·D·H)(H·D·B) = A·B`` (`specs/adahop.md` 
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
+
+from .device_constants import on_device
 
 from .formats.common import check_float_input
 
@@ -28,18 +29,6 @@ def check_block_size(n: int, what: str = "Hadamard size") -> None:
     """Raise ValueError unless ``n`` is a supported Hadamard size."""
     if not isinstance(n, int) or n not in SUPPORTED_SIZES:
         raise ValueError(f"{what} {n!r} is not supported; supported sizes are powers of two 1, 2, 4, ..., 32768")
-
-
-@functools.lru_cache(maxsize=64)
-def _sylvester_cpu(n: int) -> torch.Tensor:
-    if torch.compiler.is_compiling():  # traced by dynamo: graph ops
-        return _sylvester(n)
-    # a real tensor even when first built under a fake mode (the fake impl of adahop.nn.opaque's op
-    # runs this code): the cache must never hand a fake tensor to a later real call
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    with unset_fake_temporarily():
-        return _sylvester(n)
 
 
 def _sylvester(n: int) -> torch.Tensor:
@@ -60,8 +49,10 @@ def hadamard_matrix(n: int, *, dtype: torch.dtype = torch.float32, device: torch
         ValueError: ``n`` is not supported; the message lists the supported sizes.
     """
     check_block_size(n)
-    # copy=True: never hand out the cached tensor itself (an in-place edit would corrupt the cache)
-    return _sylvester_cpu(n).to(dtype=dtype, device=device, copy=True)
+    dev = torch.device("cpu") if device is None else device
+    # cached per (n, dtype, device), outside any fake mode (adahop.device_constants); the clone: never
+    # hand out the cached tensor itself (an in-place edit would corrupt the cache)
+    return on_device(("hadamard", n, dtype), lambda: _sylvester(n).to(dtype), dev).clone()
 
 
 def random_signs(n: int, *, generator: torch.Generator | None = None, device: torch.device | str | None = None) -> torch.Tensor:

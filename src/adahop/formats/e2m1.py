@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from ..device_constants import on_device
+
 __all__ = [
     "E2M1_VALUES",
     "E2M1_MAX",
@@ -46,13 +48,18 @@ def _magnitude_code_rne(a: torch.Tensor) -> torch.Tensor:
     return code
 
 
+def _grid(device) -> torch.Tensor:
+    # cached per device: a host-to-device copy per call cannot be captured in a CUDA graph
+    return on_device(("e2m1_values",), lambda: E2M1_VALUES, device)
+
+
 def _magnitude_code_stochastic(a: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """Code of |v| rounded stochastically between its two grid neighbours.
 
     P(round up) = (a - lo) / (hi - lo), so E[decode(code)] = a for a in [0, 6]. Values above 6
     would be biased; callers guarantee they never occur (the scale rules that clip are refused).
     """
-    grid = E2M1_VALUES.to(device=a.device)
+    grid = _grid(a.device)
     a = a.clamp(max=E2M1_MAX)
     lo = (torch.bucketize(a, grid, right=True) - 1).clamp(0, 7)  # largest code with value <= a
     hi = (lo + 1).clamp(max=7)
@@ -98,7 +105,7 @@ def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
     """Decode unpacked E2M1 codes (uint8, values 0..15) to float32 of the same shape."""
     if codes.dtype != torch.uint8:
         raise TypeError(f"decode_e2m1 expects uint8 codes, got {codes.dtype}")
-    grid = E2M1_VALUES.to(codes.device)
+    grid = _grid(codes.device)
     mag = grid[(codes & 7).long()]
     return torch.where((codes & 8) != 0, -mag, mag)
 

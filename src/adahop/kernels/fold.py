@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..device_constants import on_device, skip_host_checks
 from ..formats.e2m1 import decode_e2m1, decode_e8m0, unpack_e2m1
 from ..formats.mxfp4 import FOLD_RANGE, MXTensor, folds_exactly
 from .backend import resolve_backend
@@ -32,20 +33,8 @@ _TABLE = _make_fold_table()  # built once, on the CPU, at import
 
 
 def _fold_table(device) -> torch.Tensor:
-    """:data:`_TABLE` on ``device`` (cached per device, except inside torch.compile, where a cache
-    write would be a side effect the compiled autograd.Function cannot hold)."""
-    if torch.compiler.is_compiling():
-        return _TABLE.to(device)
-    key = str(device)
-    if key not in _CACHE:  # real even under a fake mode (adahop.nn.opaque's fake impl runs this code)
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-        with unset_fake_temporarily():
-            _CACHE[key] = _TABLE.to(device)
-    return _CACHE[key]
-
-
-_CACHE: dict[str, torch.Tensor] = {}
+    """:data:`_TABLE` on ``device``, cached per device (:func:`adahop.device_constants.on_device`)."""
+    return on_device(("fold_table",), lambda: _TABLE, device)
 
 
 def _row_blocks(q: MXTensor):
@@ -68,7 +57,7 @@ def _check_range(q: MXTensor, blocks=None) -> None:
     :data:`FOLD_RANGE` of the row's largest). Syncs with the device; skipped when the quantizer
     already enforced ``max_scale_range <= 8`` (``q.scale_range``) and inside torch.compile,
     where a host sync would split the graph. ``blocks``: :func:`_row_blocks` of ``q``, if at hand."""
-    if folds_exactly(q.scale_range) or torch.compiler.is_compiling():
+    if folds_exactly(q.scale_range) or skip_host_checks():
         return
     codes, finite, e, row_e = blocks if blocks is not None else _row_blocks(q)
     nonzero = (codes & 7).amax(dim=-1) > 0 if codes.numel() else torch.zeros_like(finite)
@@ -121,7 +110,7 @@ def fold_to_fp8_triton(q: MXTensor, *, backend: str = "triton") -> tuple[torch.T
     if elem is None:
         elem = float(torch.tensor(q.elem_scale, dtype=torch.float32))
     tf = _triton()  # compiled: the triton_op, whose launch Inductor inlines; eager: its body
-    op = tf.fold_op if torch.compiler.is_compiling() else tf.fold
+    op = tf.fold_op if torch.compiler.is_dynamo_compiling() else tf.fold
     return op(codes, scales, elem)
 
 

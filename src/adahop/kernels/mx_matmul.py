@@ -129,7 +129,7 @@ def mx_matmul_fp8(qa: MXTensor, qb: MXTensor, *, out_dtype: torch.dtype = torch.
     exact = _check_accumulation(accumulation) == "fp32"
     fa, sa = qa.fp8 if qa.fp8 is not None else fold_to_fp8(qa, backend=backend)  # [M, Kp], [M]
     fb, sb = qb.fp8 if qb.fp8 is not None else fold_to_fp8(qb, backend=backend)  # [N, Kp], [N]
-    op = _fp8_rowwise_mm if exact and torch.compiler.is_compiling() else _fp8_rowwise_mm_impl
+    op = _fp8_rowwise_mm if exact and torch.compiler.is_dynamo_compiling() else _fp8_rowwise_mm_impl
     return op(fa, sa, fb, sb, out_dtype, exact)
 
 

@@ -174,7 +174,7 @@ def iht_quantize_mxfp4_triton(
         keep = torch.ones(x.shape[1 - axis], dtype=torch.uint8, device=x.device).index_fill_(0, zero_rows.to(x.device), 0)
     # compiled: the triton_op, whose launches Inductor inlines; eager: its body, without the op's dispatch
     tq = _triton()
-    op = tq.quantize_op if torch.compiler.is_compiling() else tq.mx_quantize
+    op = tq.quantize_op if torch.compiler.is_dynamo_compiling() else tq.mx_quantize
     want_fp8 = outputs != "codes"
     codes, scales, fp8, rscale = op(x, axis, hadamard_block or 0, signs, rounding == "stochastic",
                                     scale_rule, msr, seed, outputs != "fp8", want_fp8, keep)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 import warnings
 import weakref
 
@@ -14,6 +15,8 @@ from ..recipes.spec import GEMMS, GemmSpec, Recipe
 from ..utils import mix_seed
 from . import opaque
 from .function import LowPrecisionLinearFn, fprop, salt
+
+_SPECS_VERSIONS = itertools.count()
 
 __all__ = ["LowPrecisionLinear", "Controller"]
 
@@ -150,6 +153,7 @@ class LowPrecisionLinear(nn.Linear):
     # -- plan and specs ----------------------------------------------------------------------
     def resolve_specs(self) -> None:
         """Fix the spec of each GEMM: 'calibrated' strategies come from the controller's plan."""
+        self._specs_version = next(_SPECS_VERSIONS)  # a compiled graph of older specs refuses to run (adahop.nn.opaque)
         if self.force_bf16 or self.recipe.is_bf16:
             self._specs = None
             return

@@ -6,7 +6,7 @@ llama-125m AdaHOP-Lv2 on the H200 took 120.7 s against BF16's 26.4 s, with dynam
 the layers at 45 s (`docs/benchmarks_history.md`, round 9). Here, once the plan is frozen, the
 compiled graph holds each layer as two ops instead of its traced GEMMs:
 
-- ``adahop::lp_linear_fwd(x, weight, bias, layer, dtype, seed) -> [y, *saved]`` runs the
+- ``adahop::lp_linear_fwd(x, weight, bias, layer, specs_version, dtype, seed) -> [y, *saved]`` runs the
   layer's fprop and prepares the backward operands (the very code of eager mode,
   :func:`adahop.nn.function.forward_body`); ``saved`` are the tensors of the prepared operands;
 - ``adahop::lp_linear_bwd(dy, x, weight, saved, layer, dtype, has_bias) -> [dx, dw, dbias]``
@@ -17,8 +17,8 @@ caches (a Hadamard block, the fold table) must be built outside the fake mode
 (``unset_fake_temporarily``), or a later real call would get a fake one.
 
 The prepared operands are dataclasses (``Prepared``, ``MXTensor``...): their tensors travel as op
-outputs and inputs, their structure (shapes, specs, flags) stays in a per-layer template on the
-Python side, the same at every call of a frozen layer. Under ``mode="reduce-overhead"`` both ops
+outputs and inputs, their structure (shapes, specs, flags) stays in a template on the Python side,
+one per layer and token count (written by each real forward, read by its backward). Under ``mode="reduce-overhead"`` both ops
 are replayed from the CUDA graph like any kernel; in the default mode they run their Python per
 call, as eager mode does. Random bits inside the ops come from the default generator, which the
 training loop seeds per step (:func:`adahop.nn.seed_compiled_rng`), and the per-call signs from
@@ -39,7 +39,7 @@ import weakref
 
 import torch
 
-from .function import backward_body, forward_body
+from .function import _needs_hp_b, backward_body, forward_body
 
 __all__ = ["COMPILED_LAYERS", "set_compiled_layers", "register", "lp_linear", "in_opaque_layer"]
 
@@ -48,7 +48,8 @@ COMPILED_LAYERS = "opaque"
 
 _LAYERS: "weakref.WeakValueDictionary[int, torch.nn.Module]" = weakref.WeakValueDictionary()
 _KEYS = itertools.count()
-_TEMPLATES: dict[int, object] = {}  # layer key -> the saved state's structure, tensors as _Slot
+# (layer key, tokens, weight dtype, compute dtype) -> the saved state's structure, tensors as _Slot
+_TEMPLATES: dict[tuple, object] = {}
 _STATE = threading.local()
 
 
@@ -132,13 +133,23 @@ def _layer(key: int):
     return layer
 
 
-def _fwd_impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: int, dtype: torch.dtype,
-              seed: torch.Tensor | None) -> list[torch.Tensor]:
+def _fwd_impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: int, specs_version: int,
+              dtype: torch.dtype, seed: torch.Tensor | None) -> list[torch.Tensor]:
+    return _forward(x, weight, bias, layer, specs_version, dtype, seed, record=True)
+
+
+def _forward(x, weight, bias, layer, specs_version, dtype, seed, record: bool) -> list[torch.Tensor]:
+    mod = _layer(layer)
+    if mod._specs_version != specs_version:
+        raise RuntimeError(f"adahop: {mod.name}'s GEMM specs changed after the model was compiled (a new plan); "
+                           "call torch.compiler.reset() and compile it again")
     ctx = _Ctx()
     with _Inside():
-        y = forward_body(ctx, x, weight, bias, _layer(layer), dtype, seed)
+        y = forward_body(ctx, x, weight, bias, mod, dtype, seed)
     leaves: list[torch.Tensor] = []
-    _TEMPLATES[layer] = _flatten((ctx.specs, ctx.signs_w, ctx.signs_d, ctx.x_prep, ctx.w_prep), leaves, {})
+    tpl = _flatten((ctx.specs, ctx.signs_w, ctx.signs_d, ctx.x_prep, ctx.w_prep), leaves, {})
+    if record:  # real calls only: fake shapes may be symbolic; one template per token count
+        _TEMPLATES[(layer, int(x.shape[0]), weight.dtype, dtype)] = tpl
     # an op's outputs may alias neither its inputs nor each other (views of one buffer): copy those
     out = [y]
     for t in leaves:
@@ -148,33 +159,40 @@ def _fwd_impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     return out
 
 
-_fwd = torch.library.custom_op("adahop::lp_linear_fwd", _fwd_impl, mutates_args=())
+# nondeterministic_seeded: stochastic rounding draws from the default generator inside the op, so
+# nothing may recompute it
+_fwd = torch.library.custom_op("adahop::lp_linear_fwd", _fwd_impl, mutates_args=(),
+                               tags=(torch.Tag.nondeterministic_seeded,))
 
 
 @_fwd.register_fake
-def _(x, weight, bias, layer, dtype, seed):
+def _(x, weight, bias, layer, specs_version, dtype, seed):
     # the real body on fake tensors (the kernels' launches do nothing there): the same outputs'
-    # shapes and dtypes, and the template the backward reads. The body also meets real constants
-    # (cached Hadamard blocks, sign tables), which the fake mode then takes as they are
+    # shapes and dtypes. The body also meets real constants (cached Hadamard blocks, sign
+    # tables), which the fake mode then takes as they are
     mode = torch._guards.detect_fake_mode((x, weight))
     prev = mode.allow_non_fake_inputs
     mode.allow_non_fake_inputs = True
     try:
-        return _fwd_impl(x, weight, bias, layer, dtype, seed)
+        return _forward(x, weight, bias, layer, specs_version, dtype, seed, record=False)
     finally:
         mode.allow_non_fake_inputs = prev
 
 
-@torch.library.custom_op("adahop::lp_linear_bwd", mutates_args=())
-def _bwd(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor, saved: list[torch.Tensor], layer: int,
-         dtype: torch.dtype, has_bias: bool) -> list[torch.Tensor]:
+def _bwd_impl(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor, saved: list[torch.Tensor], layer: int,
+              dtype: torch.dtype, has_bias: bool) -> list[torch.Tensor]:
     ctx = _Ctx()
     ctx.layer, ctx.dtype, ctx.has_bias, ctx.gens = _layer(layer), dtype, has_bias, (None, None)
-    ctx.specs, ctx.signs_w, ctx.signs_d, ctx.x_prep, ctx.w_prep = _unflatten(_TEMPLATES[layer], saved)
+    tpl = _TEMPLATES[(layer, int(dy.shape[0]), weight.dtype, dtype)]  # the forward of this token count
+    ctx.specs, ctx.signs_w, ctx.signs_d, ctx.x_prep, ctx.w_prep = _unflatten(tpl, saved)
     ctx.saved_tensors = (x, weight)
     with _Inside():
         dx, dw, db = backward_body(ctx, dy)[:3]
     return [dx, dw] + ([db] if db is not None else [])
+
+
+_bwd = torch.library.custom_op("adahop::lp_linear_bwd", _bwd_impl, mutates_args=(),
+                               tags=(torch.Tag.nondeterministic_seeded,))
 
 
 @_bwd.register_fake
@@ -185,17 +203,16 @@ def _(dy, x, weight, saved, layer, dtype, has_bias):
 
 
 def _setup(ctx, inputs, output):
-    x, weight, bias, layer, dtype, seed = inputs
-    tpl = _TEMPLATES[layer]
-    x_saved = tpl[3] is None  # no prepared X: wgrad needs X itself
-    ctx.layer, ctx.dtype, ctx.has_bias, ctx.x_saved = layer, dtype, bias is not None, x_saved
+    x, weight, bias, layer, specs_version, dtype, seed = inputs
+    x_saved = _needs_hp_b(_layer(layer)._specs["wgrad"])  # no prepared X: wgrad needs X itself
+    ctx.layer, ctx.dtype, ctx.has_bias = layer, dtype, bias is not None
     ctx.save_for_backward(x if x_saved else None, weight, *output[1:])
 
 
 def _backward(ctx, grads):
     x, weight, *saved = ctx.saved_tensors
     out = torch.ops.adahop.lp_linear_bwd(grads[0], x, weight, saved, ctx.layer, ctx.dtype, ctx.has_bias)
-    return out[0], out[1], (out[2] if ctx.has_bias else None), None, None, None
+    return out[0], out[1], (out[2] if ctx.has_bias else None), None, None, None, None
 
 
 torch.library.register_autograd("adahop::lp_linear_fwd", _backward, setup_context=_setup)
@@ -214,4 +231,5 @@ def register(layer) -> int:
 def lp_linear(layer, x: torch.Tensor, dtype: torch.dtype, seed: torch.Tensor | None) -> torch.Tensor:
     """``layer`` (a frozen :class:`~adahop.nn.LowPrecisionLinear`, :func:`register` ed) on ``x``
     [T, K] through the opaque ops; returns ``y`` [T, N] in ``dtype``. Used under ``torch.compile``."""
-    return torch.ops.adahop.lp_linear_fwd(x, layer.weight, layer.bias, layer._op_key, dtype, seed)[0]
+    # the specs' version is a constant of the graph, so dynamo guards on it: a new plan recompiles
+    return torch.ops.adahop.lp_linear_fwd(x, layer.weight, layer.bias, layer._op_key, layer._specs_version, dtype, seed)[0]

@@ -1,0 +1,46 @@
+"""Small constant tensors on the device, and when host-side checks must be skipped.
+
+Two rules that the converted layers' opaque ops (`adahop.nn.opaque`) need from every op they run:
+
+- A constant (the E2M1 grid, a Hadamard block, the fold table, fixed signs) is copied to a device
+  once and cached: inside the ops, a host-to-device copy on every call would be a sync that a
+  CUDA-graph capture cannot hold. The copy is made outside any fake mode, because the forward op's
+  fake impl runs the same code on fake tensors, and a cache filled there would hand a fake tensor
+  to a later real call. Under dynamo tracing the copy is a plain graph op, as before.
+- A check that reads device values on the host (a sync) is skipped while dynamo traces, while a
+  fake mode runs the code, and while a CUDA stream captures a graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["on_device", "skip_host_checks"]
+
+_CACHE: dict[tuple, torch.Tensor] = {}
+
+
+def on_device(key: tuple, build: Callable[[], torch.Tensor], device) -> torch.Tensor:
+    """``build()`` (a CPU tensor) on ``device``, built and copied once per ``(key, device)``.
+
+    The result is shared: callers must not modify it in place (clone it for that). ``key`` names
+    the constant and every parameter it depends on (size, dtype, seed)."""
+    if torch.compiler.is_dynamo_compiling():  # traced: graph ops, no cache write (a side effect)
+        return build().to(device)
+    k = (*key, str(torch.device(device)))
+    t = _CACHE.get(k)
+    if t is None:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():
+            t = _CACHE[k] = build().to(device)
+    return t
+
+
+def skip_host_checks() -> bool:
+    """True where a host sync must not happen: dynamo tracing, a fake mode, a CUDA-graph capture."""
+    if torch.compiler.is_compiling() or torch._guards.detect_fake_mode() is not None:
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
