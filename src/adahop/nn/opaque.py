@@ -144,8 +144,11 @@ def _forward(x, weight, bias, layer, specs_version, dtype, seed, record: bool) -
         raise RuntimeError(f"adahop: {mod.name}'s GEMM specs changed after the model was compiled (a new plan); "
                            "call torch.compiler.reset() and compile it again")
     ctx = _Ctx()
+    counts = (mod.saved_bytes, getattr(mod, "hp_saved_bytes", 0))
     with _Inside():
         y = forward_body(ctx, x, weight, bias, mod, dtype, seed)
+    if not record:  # the fake run: the layer's byte counts stay those of real calls (fake sizes may be symbolic)
+        mod.saved_bytes, mod.hp_saved_bytes = counts
     leaves: list[torch.Tensor] = []
     tpl = _flatten((ctx.specs, ctx.signs_w, ctx.signs_d, ctx.x_prep, ctx.w_prep), leaves, {})
     if record:  # real calls only: fake shapes may be symbolic; one template per token count
