@@ -232,3 +232,18 @@ def test_opaque_layer_recompiles_when_its_specs_change(single_thread):
     torch.testing.assert_close(y1, y0, rtol=0, atol=0)
     with pytest.raises(RuntimeError, match="specs changed after the model was compiled"):
         _fwd_impl(x, m[0].weight, None, m[0]._op_key, m[0]._specs_version - 1, torch.float32, None)
+
+
+def test_converted_layer_makes_its_device_constants_before_any_compiled_call(single_thread):
+    """The constants a layer's GEMMs read (fixed signs, the E2M1 grid, the fold table) are put on its
+    device when its specs are fixed and when it moves, eagerly: a first compiled call under CUDA
+    graphs would otherwise allocate them from the graph's memory pool."""
+    from adahop import device_constants
+
+    device_constants._CACHE.clear()
+    m = _layer("nvfp4")  # TE's wgrad: fixed signs
+    keys = {k[0] for k in device_constants._CACHE}
+    assert {"fixed_signs", "e2m1_values", "fold_table"} <= keys, keys
+    device_constants._CACHE.clear()
+    m.to(torch.float64)  # any _apply warms them again
+    assert {"fixed_signs", "e2m1_values", "fold_table"} <= {k[0] for k in device_constants._CACHE}

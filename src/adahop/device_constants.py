@@ -9,6 +9,10 @@ Two rules that the converted layers' opaque ops (`adahop.nn.opaque`) need from e
   to a later real call. Under dynamo tracing the copy is a plain graph op, as before.
 - A check that reads device values on the host (a sync) is skipped while dynamo traces, while a
   fake mode runs the code, and while a CUDA stream captures a graph.
+
+A converted layer makes its constants eagerly, when its specs are fixed and when it moves
+(``LowPrecisionLinear._warm_constants``): under ``mode="reduce-overhead"`` a first compiled call
+allocates from the CUDA-graph pool, where a cached constant does not belong.
 """
 
 from __future__ import annotations

@@ -172,8 +172,31 @@ class LowPrecisionLinear(nn.Linear):
                 spec = self._wgrad_oe_left_as_iht(spec)
             specs[g] = spec
         self._specs = specs
+        self._warm_constants()
         if plan is not None and self.name in plan.layers:
             self.patterns = {k: plan.layers[self.name][k] for k in ("x", "w", "dy")}
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        self._warm_constants()  # moved to another device: its constants too
+        return out
+
+    def _warm_constants(self) -> None:
+        # the device copies of the constants the GEMMs read (adahop.device_constants), made now, eagerly:
+        # else the first compiled call makes them, and under mode="reduce-overhead" that call allocates
+        # from the CUDA-graph pool
+        if getattr(self, "_specs", None) is None or self.weight.device.type == "meta":
+            return
+        from ..formats.e2m1 import _grid
+        from ..gemm import draw_signs
+        from ..kernels.fold import _fold_table
+
+        dev = self.weight.device
+        _grid(dev)
+        _fold_table(dev)
+        for spec in self._specs.values():
+            if spec.transform is not None and spec.transform.signs == "fixed":
+                draw_signs(spec, None, dev)
 
     def _wgrad_oe_left_as_iht(self, spec: GemmSpec) -> GemmSpec:
         # OE-Left on wgrad would need X in BF16, which is saved quantized for memory: the official
