@@ -71,12 +71,9 @@ def _kernels():
 
 @torch.compiler.assume_constant_result
 def _fixed_signs(n: int, seed: int) -> tuple[int, ...]:
-    # a constant to the compiler: a torch.Generator cannot be created inside a traced graph; drawn
-    # on real tensors even when called under a fake mode (the fake impl of adahop.nn.opaque's op)
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    with unset_fake_temporarily():
-        return tuple(int(v) for v in random_signs(n, generator=torch.Generator().manual_seed(seed)))
+    # a constant to the compiler: a torch.Generator cannot be created inside a traced graph (outside
+    # dynamo, draw_signs calls this under on_device, which builds outside any fake mode)
+    return tuple(int(v) for v in random_signs(n, generator=torch.Generator().manual_seed(seed)))
 
 
 def draw_signs(spec: GemmSpec, generator: torch.Generator | None, device, *, seed: torch.Tensor | None = None,

@@ -14,7 +14,6 @@ import math
 import torch
 
 from .device_constants import on_device
-
 from .formats.common import check_float_input
 
 __all__ = ["SUPPORTED_SIZES", "hadamard_matrix", "block_hadamard", "random_signs", "hashed_signs", "check_block_size"]

@@ -55,8 +55,8 @@ def _row_blocks(q: MXTensor):
 def _check_range(q: MXTensor, blocks=None) -> None:
     """Raise unless every row of ``q`` folds exactly (its finite, nonzero blocks lie within
     :data:`FOLD_RANGE` of the row's largest). Syncs with the device; skipped when the quantizer
-    already enforced ``max_scale_range <= 8`` (``q.scale_range``) and inside torch.compile,
-    where a host sync would split the graph. ``blocks``: :func:`_row_blocks` of ``q``, if at hand."""
+    already enforced ``max_scale_range <= 8`` (``q.scale_range``) and where a host sync must not
+    happen (:func:`adahop.device_constants.skip_host_checks`: torch.compile, fake modes, CUDA-graph capture). ``blocks``: :func:`_row_blocks` of ``q``, if at hand."""
     if folds_exactly(q.scale_range) or skip_host_checks():
         return
     codes, finite, e, row_e = blocks if blocks is not None else _row_blocks(q)
@@ -109,7 +109,7 @@ def fold_to_fp8_triton(q: MXTensor, *, backend: str = "triton") -> tuple[torch.T
     elem = _F32_ELEM.get(q.elem_scale)  # the float32 the reference multiplies by: a constant for torch.compile
     if elem is None:
         elem = float(torch.tensor(q.elem_scale, dtype=torch.float32))
-    tf = _triton()  # compiled: the triton_op, whose launch Inductor inlines; eager: its body
+    tf = _triton()  # traced by dynamo: the triton_op (its launch per _triton_launch.TRACED_LAUNCHES); else its body
     op = tf.fold_op if torch.compiler.is_dynamo_compiling() else tf.fold
     return op(codes, scales, elem)
 

@@ -172,7 +172,7 @@ def iht_quantize_mxfp4_triton(
     keep = None
     if zero_rows is not None:  # a byte per output row, 0 where OE extracted it
         keep = torch.ones(x.shape[1 - axis], dtype=torch.uint8, device=x.device).index_fill_(0, zero_rows.to(x.device), 0)
-    # compiled: the triton_op, whose launches Inductor inlines; eager: its body, without the op's dispatch
+    # traced by dynamo: the triton_op (its launches per _triton_launch.TRACED_LAUNCHES); else its body, without the op's dispatch
     tq = _triton()
     op = tq.quantize_op if torch.compiler.is_dynamo_compiling() else tq.mx_quantize
     want_fp8 = outputs != "codes"

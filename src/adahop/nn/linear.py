@@ -233,9 +233,9 @@ class LowPrecisionLinear(nn.Linear):
         if not spec.draws_random_bits:
             return None
         if torch.compiler.is_compiling() or opaque.in_opaque_layer():
-            # a Generator per call cannot be traced (nor replayed from a CUDA graph, in the opaque ops): compiled code draws from the default generator,
-            # which the training loop seeds per (run seed, rank, step) — reproducible, fresh per step
-            # and per rank, but a different stream from eager mode's
+            # a Generator per call cannot be traced (nor replayed from a CUDA graph, in the opaque ops):
+            # compiled code draws from the default generator, which the training loop seeds per (run
+            # seed, rank, step) — reproducible, fresh per step and per rank, but a different stream from eager mode's
             return None
         step = self.controller.step
         key = (step, gemm, stream)
@@ -296,8 +296,7 @@ class LowPrecisionLinear(nn.Linear):
 
     def _compiled_opaque(self) -> bool:
         # frozen quantized GEMMs under torch.compile, and the opaque form chosen
-        return (torch.compiler.is_compiling() and opaque.COMPILED_LAYERS == "opaque" and self._specs is not None
-                and not self.controller.calibrating)
+        return torch.compiler.is_compiling() and opaque.COMPILED_LAYERS == "opaque" and self.current_specs() is not None
 
     def _sign_seed(self, gemms) -> torch.Tensor | None:
         """The compiled path's seed for this call's per-call signs (None in eager mode, or when none

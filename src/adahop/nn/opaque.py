@@ -14,13 +14,13 @@ compiled graph holds each layer as two ops instead of its traced GEMMs:
 
 The fake impl of the forward op is its real body run on fake tensors, so a tensor that code
 caches (a Hadamard block, the fold table) must be built outside the fake mode
-(``unset_fake_temporarily``), or a later real call would get a fake one.
+(:func:`adahop.device_constants.on_device`), or a later real call would get a fake one.
 
 The prepared operands are dataclasses (``Prepared``, ``MXTensor``...): their tensors travel as op
 outputs and inputs, their structure (shapes, specs, flags) stays in a template on the Python side,
-one per layer and token count (written by each real forward, read by its backward). Under ``mode="reduce-overhead"`` both ops
-are replayed from the CUDA graph like any kernel; in the default mode they run their Python per
-call, as eager mode does. Random bits inside the ops come from the default generator, which the
+one per layer and token count (written by each real forward, read by its backward). Under
+``mode="reduce-overhead"`` both ops are replayed from the CUDA graph like any kernel; in the
+default mode they run their Python per call, as eager mode does. Random bits inside the ops come from the default generator, which the
 training loop seeds per step (:func:`adahop.nn.seed_compiled_rng`), and the per-call signs from
 the compiled path's seed tensor, as in a traced layer.
 
@@ -79,43 +79,47 @@ class _Inside:
         _STATE.depth -= 1
 
 
-@dataclasses.dataclass(frozen=True)
 class _Slot:
-    index: int
+    """Where a tensor was in a template: its index in the op's tensor list (a plain class: not walked by :func:`_map`)."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
 
 
-def _flatten(obj, leaves: list, seen: dict):
-    """``obj`` with every tensor replaced by a ``_Slot`` into ``leaves`` (one slot per tensor object)."""
-    if isinstance(obj, torch.Tensor):
-        if id(obj) not in seen:
-            seen[id(obj)] = len(leaves)
-            leaves.append(obj)
-        return _Slot(seen[id(obj)])
+def _map(obj, fn):
+    """``obj`` rebuilt through its tuples, lists and dataclasses (copies), ``fn`` applied to every other value."""
     if isinstance(obj, tuple):
-        return tuple(_flatten(v, leaves, seen) for v in obj)
+        return tuple(_map(v, fn) for v in obj)
     if isinstance(obj, list):
-        return [_flatten(v, leaves, seen) for v in obj]
+        return [_map(v, fn) for v in obj]
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         new = copy.copy(obj)
         for f in dataclasses.fields(obj):
-            object.__setattr__(new, f.name, _flatten(getattr(obj, f.name), leaves, seen))
+            object.__setattr__(new, f.name, _map(getattr(obj, f.name), fn))
         return new
-    return obj
+    return fn(obj)
+
+
+def _flatten(obj, leaves: list):
+    """``obj`` with every tensor replaced by a ``_Slot`` into ``leaves`` (one slot per tensor object)."""
+    seen: dict[int, int] = {}
+
+    def slot(v):
+        if not isinstance(v, torch.Tensor):
+            return v
+        if id(v) not in seen:
+            seen[id(v)] = len(leaves)
+            leaves.append(v)
+        return _Slot(seen[id(v)])
+
+    return _map(obj, slot)
 
 
 def _unflatten(tpl, leaves):
-    if isinstance(tpl, _Slot):
-        return leaves[tpl.index]
-    if isinstance(tpl, tuple):
-        return tuple(_unflatten(v, leaves) for v in tpl)
-    if isinstance(tpl, list):
-        return [_unflatten(v, leaves) for v in tpl]
-    if dataclasses.is_dataclass(tpl) and not isinstance(tpl, type):
-        new = copy.copy(tpl)
-        for f in dataclasses.fields(tpl):
-            object.__setattr__(new, f.name, _unflatten(getattr(tpl, f.name), leaves))
-        return new
-    return tpl
+    """The inverse of :func:`_flatten`: ``tpl`` with each ``_Slot`` replaced by its tensor of ``leaves``."""
+    return _map(tpl, lambda v: leaves[v.index] if isinstance(v, _Slot) else v)
 
 
 class _Ctx:
@@ -150,7 +154,7 @@ def _forward(x, weight, bias, layer, specs_version, dtype, seed, record: bool) -
     if not record:  # the fake run: the layer's byte counts stay those of real calls (fake sizes may be symbolic)
         mod.saved_bytes, mod.hp_saved_bytes = counts
     leaves: list[torch.Tensor] = []
-    tpl = _flatten((ctx.specs, ctx.signs_w, ctx.signs_d, ctx.x_prep, ctx.w_prep), leaves, {})
+    tpl = _flatten((ctx.specs, ctx.signs_w, ctx.signs_d, ctx.x_prep, ctx.w_prep), leaves)
     if record:  # real calls only: fake shapes may be symbolic; one template per token count
         _TEMPLATES[(layer, int(x.shape[0]), weight.dtype, dtype)] = tpl
     # an op's outputs may alias neither its inputs nor each other (views of one buffer): copy those

@@ -210,8 +210,8 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
     dp.agree_on_plan(model)
     convert_master_weights(model, cfg.master_weights)  # --master-weights: the Parameters hold the master as stored
     # --compile: the final mode once the plan is frozen (CUDA graphs on one GPU). While the plan calibrates, one
-    # process runs eagerly (compiling the calibrating model cost more than its few steps: 18 s against 3 s for 10
-    # steps of llama-20m on the H200); under ddp/fsdp the wrapped model is compiled in the default mode from the start
+    # process runs eagerly (compiling the calibrating model cost more than its few steps: about 20 s against 3 s for
+    # 10 steps of llama-20m on the H200); under ddp/fsdp the wrapped model is compiled in the default mode from the start
     final_mode = frozen_mode(device.type, cfg.parallel) if cfg.compile else None
     calibrating = _plan_frozen(model) is False
     mode = final_mode if not calibrating else CALIBRATION_MODE if cfg.compile and cfg.parallel != "none" else None
