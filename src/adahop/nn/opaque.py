@@ -237,6 +237,11 @@ def register(layer) -> int:
 
 def lp_linear(layer, x: torch.Tensor, dtype: torch.dtype, seed: torch.Tensor | None) -> torch.Tensor:
     """``layer`` (a frozen :class:`~adahop.nn.LowPrecisionLinear`, :func:`register` ed) on ``x``
-    [T, K] through the opaque ops; returns ``y`` [T, N] in ``dtype``. Used under ``torch.compile``."""
+    [T, K] through the opaque ops; returns ``y`` [T, N] in ``dtype``. Used under ``torch.compile``
+    (issue 18 item 4; the GEMMs are those of :class:`~adahop.nn.LowPrecisionLinearFn`).
+
+    Raises (when the op runs):
+        RuntimeError: the layer no longer exists, or its specs changed since the graph was traced.
+    """
     # the specs' version is a constant of the graph, so dynamo guards on it: a new plan recompiles
     return torch.ops.adahop.lp_linear_fwd(x, layer.weight, layer.bias, layer._op_key, layer._specs_version, dtype, seed)[0]
