@@ -65,6 +65,9 @@
 #   r9d (round 9, one GPU): with the opaque launches as the default: r9a's compiled vs eager llama-20m
 #      adahop-lv2 train (40 steps, the freeze at step 10), then the cold compile of llama-125m adahop-lv2
 #      and BF16 (scripts/bench_compile.py, no profiler: r9c's faulthandler stack dumps crashed the children)
+#   i19s (round 10, one GPU; then repeat i19q): a compiled llama-20m adahop-lv2 train (the opaque layers' first GPU run;
+#      on failure the chunk runs with ADAHOP_COMPILED_LAYERS=traced), a BF16 seed study beside the chunk (seeds 0
+#      and 1 eager, seed 0 with data seed 1 and seed 1 with data seed 0; run folders in $OUT/seed.tgz), then i19q
 #   r10a (round 10, one GPU; run first: the opaque layer ops of adahop.nn.opaque have not run on a GPU): the
 #      compile section of the kernel validation (each compiled form, CUDA-graph replay, tseng captured), the
 #      cold compile of llama-125m adahop-lv2 (opaque layers) and of BF16, compiled-vs-eager gradients of a
@@ -90,6 +93,20 @@ if [ "${STAGE#i19}" != "$STAGE" ] || [ "$STAGE" = r8a ]; then  # issue 19: data 
   [ -f runs/issue19/main/manifest.json ] || python3 -m adahop data prepare --source .carry/corpus_main.txt.xz \
     --tokenizer tiktoken:.carry/gpt2.tiktoken --out runs/issue19/main > $OUT/prepare.log 2>&1
   echo "data ready at $(el) s"
+fi
+if [ "$STAGE" = i19s ]; then  # round 10: the opaque layers' first GPU run, a seed study, then the i19q chunk
+  export CUDA_VISIBLE_DEVICES=0 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+  timeout 150 python3 -m adahop train --model llama-20m --recipe adahop-lv2 --data runs/issue19/main --steps 40 --calib-steps 10 \
+    --eval-every 0 --ckpt-every 0 --log-every 10 --seq-len 512 --batch-size 16 --compile --out /tmp/t20c > $OUT/smoke.log 2>&1
+  RC=$?; echo "smoke train --compile (opaque layers): exit $RC at $(el) s"; grep -E "loss|Error" $OUT/smoke.log | tail -4 | cut -c1-300
+  python3 -c "import json, math, sys; d = json.load(open('/tmp/t20c/summary.json')); print({k: d.get(k) for k in ('final_train_loss', 'compile_mode', 'recompiles_steady_state', 'graph_breaks_steady_state', 'tok_per_s')}); sys.exit(not math.isfinite(d['final_train_loss']))" \
+    || { export ADAHOP_COMPILED_LAYERS=traced; echo "opaque layers failed: the chunk runs with ADAHOP_COMPILED_LAYERS=traced"; }
+  # seed study (docs/results.md: BF16 seeds 0 and 1 end 0.158 apart): eager repeats of both, and each seed with the other's data order
+  Q="python3 experiments/quality/run.py --data runs/issue19/main --steps ${STEPS:-1221} --eval-every 100 --ckpt-every 100 --budget-s $(( ${LIM:-510} - $(el) )) --min-left-s ${MINLEFT:-120} --grace-s 45 --collect $OUT/seed"
+  $Q --out runs/issue19/seed_eager --jobs bf16:0,bf16:1 --concurrent 2 > $OUT/seed_eager.log 2>&1 &
+  $Q --out runs/issue19/seed_d1 --jobs bf16:0 --set data_seed=1 --compile --concurrent 1 > $OUT/seed_d1.log 2>&1 &
+  $Q --out runs/issue19/seed_d0 --jobs bf16:1 --set data_seed=0 --compile --concurrent 1 > $OUT/seed_d0.log 2>&1 &
+  STAGE=i19q
 fi
 if [ "$STAGE" = r7a ]; then
   export CUDA_VISIBLE_DEVICES=0
@@ -222,8 +239,10 @@ elif [ "$STAGE" = i19q ]; then
   tail -c 3000 runs/issue19/q/*.log > $OUT/quality_i19_runs_tail.log 2>/dev/null
   [ -z "$OPT" ] || { wait $OPT; tail -5 $OUT/optim_launcher.log
     (cd runs/issue21 && tar czf $OUT/optim_runs.tgz --exclude=checkpoints --exclude='*.safetensors' --exclude='tokenizer*' --exclude='*.pt' .); }
-  # only a few files come back from a call: the run folders as one archive
+  wait  # the seed study's launchers, if any
+  # only a few files come back from a call: the run folders as one archive each, the small logs in one
   [ -d $OUT/runs ] && (cd $OUT && tar czf runs.tgz runs && rm -rf runs)
+  [ -d $OUT/seed ] && (cd $OUT && tar czf seed.tgz seed seed_*.log smoke.log prepare.log && rm -rf seed seed_*.log)
   echo "stage $STAGE done at $(el) s"; exit 0
 fi
 case $STAGE in a|b|c) python3 -m adahop data prepare --source .carry/corpus_main.txt.xz --tokenizer tiktoken:.carry/gpt2.tiktoken --out /tmp/main > $OUT/prepare.log 2>&1 &

@@ -312,6 +312,20 @@ def test_stream_batches(stream_dir):
     assert a.tokens_per_epoch == a.n_windows * T and a.steps_per_epoch == a.n_windows // B
 
 
+def test_data_seed_sets_the_train_order_alone(stream_dir):
+    from adahop.train import TrainConfig
+    from adahop.train.setup import make_streams
+
+    def streams(**kw):
+        return make_streams(TrainConfig(model="llama-tiny", data=str(stream_dir), seq_len=16, batch_size=4, **kw), stream_dir)
+
+    (t01, v01), (t1, v1), (t0, _) = streams(seed=0, data_seed=1), streams(seed=1), streams(seed=0)
+    assert torch.equal(t01.batch(3)[0], t1.batch(3)[0]) and not torch.equal(t01.batch(3)[0], t0.batch(3)[0])
+    assert torch.equal(next(iter(v01.val_batches(1)))[0], next(iter(v1.val_batches(1)))[0])  # val is fixed anyway
+    with pytest.raises(ValueError, match="--data-seed"):
+        TrainConfig(data_seed=-1)
+
+
 def test_stream_epoch_covers_each_window_once_across_ranks(stream_dir):
     T, B, W = 16, 3, 2
     index = _window_index(stream_dir, T)

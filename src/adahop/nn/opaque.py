@@ -34,6 +34,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+import os
 import threading
 import weakref
 
@@ -43,8 +44,11 @@ from .function import _needs_hp_b, backward_body, forward_body
 
 __all__ = ["COMPILED_LAYERS", "set_compiled_layers", "register", "lp_linear", "in_opaque_layer"]
 
-#: How ``torch.compile`` sees a frozen converted layer: ``"opaque"`` (the ops above) or ``"traced"``.
-COMPILED_LAYERS = "opaque"
+#: How ``torch.compile`` sees a frozen converted layer: ``"opaque"`` (the ops above) or ``"traced"``;
+#: the environment variable ``ADAHOP_COMPILED_LAYERS`` sets it for a process (and its children).
+COMPILED_LAYERS = os.environ.get("ADAHOP_COMPILED_LAYERS", "opaque")
+if COMPILED_LAYERS not in ("opaque", "traced"):
+    raise ValueError(f"ADAHOP_COMPILED_LAYERS={COMPILED_LAYERS!r}: use 'opaque' or 'traced'")
 
 _LAYERS: "weakref.WeakValueDictionary[int, torch.nn.Module]" = weakref.WeakValueDictionary()
 _KEYS = itertools.count()

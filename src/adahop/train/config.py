@@ -85,6 +85,8 @@ class TrainConfig:
     """Loggers, comma-separated: jsonl (metrics.jsonl, always written), tensorboard (<out>/tensorboard), wandb (offline unless WANDB_MODE is set)."""
     seed: int = 0
     """Seed of initialization, data order, stochastic rounding and random signs."""
+    data_seed: int | None = None
+    """Seed of the training data order alone (default: --seed), as Hugging Face's data_seed: it separates init from data order in a seed study."""
     device: str = "auto"
     """'auto' (cuda if available), 'cpu' or 'cuda'."""
     compile: bool = False
@@ -115,6 +117,8 @@ class TrainConfig:
         for name in ("seq_len", "batch_size", "grad_accum", "steps", "eval_batches", "log_every", "keep_ckpts"):
             if getattr(self, name) < 1:
                 bad(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.data_seed is not None and self.data_seed < 0:
+            bad("data_seed", f"must be >= 0, got {self.data_seed}")
         for name in ("warmup_steps", "eval_every", "ckpt_every", "seed", "grad_clip", "weight_decay"):
             if getattr(self, name) < 0:
                 bad(name, f"must be >= 0, got {getattr(self, name)}")

@@ -23,7 +23,7 @@ __all__ = ["resolve_device", "resolve_data", "prepared_path", "settings_diff", "
 
 #: Settings a resumed run must share with the run that wrote the checkpoint (the model, the
 #: numerics and the data order); others (--steps, --eval-every, --out...) may change.
-RESUME_KEYS = ("recipe", "model", "model_config", "seq_len", "batch_size", "grad_accum", "seed", "data", "vocab_size",
+RESUME_KEYS = ("recipe", "model", "model_config", "seq_len", "batch_size", "grad_accum", "seed", "data_seed", "data", "vocab_size",
                "tokenizer", "calib_steps", "plan", "backend",
                # the optimizer and its schedule: a resumed run continues the same one (--steps may grow)
                "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "grad_clip", "beta1", "beta2",
@@ -212,7 +212,8 @@ def make_streams(cfg: TrainConfig, data_dir: Path, rank: int = 0, world: int = 1
     if cfg.batch_size % (world * cfg.grad_accum):
         raise ValueError(f"--batch-size {cfg.batch_size} must be divisible by world size {world} x --grad-accum {cfg.grad_accum}")
     per_rank = cfg.batch_size // world
-    train = TokenStream(data_dir, "train", cfg.seq_len, per_rank, seed=cfg.seed, rank=rank, world_size=world)
+    data_seed = cfg.seed if cfg.data_seed is None else cfg.data_seed
+    train = TokenStream(data_dir, "train", cfg.seq_len, per_rank, seed=data_seed, rank=rank, world_size=world)
     val = TokenStream(data_dir, "val", cfg.seq_len, per_rank, seed=cfg.seed, rank=rank, world_size=world)
     return train, val
 
