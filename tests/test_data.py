@@ -503,3 +503,24 @@ def test_gpt2_tokenizer_without_network_names_the_offline_options(monkeypatch):
     monkeypatch.setattr(tiktoken, "get_encoding", offline)
     with pytest.raises(ValueError, match="tiktoken:PATH.*--tokenizer bpe"):
         TiktokenTokenizer()
+
+
+@needs_shared
+def test_run_folder_tokenizer_loads_with_autotokenizer(tmp_path):
+    """Each data tokenizer becomes transformers files in the run folder with the same ids (a tiktoken
+    GPT-2 run had none, and `adahop eval` of it failed)."""
+    from transformers import AutoTokenizer
+
+    from adahop.train.export import save_hf_tokenizer
+
+    text = "Hello world. The 3 quick brown foxes can't jump; naïve café ünïcode.\n\n" * 40
+    (tmp_path / "a.txt").write_text(text, encoding="utf-8")
+    for spec in (GPT2, "bpe"):
+        data, run = tmp_path / f"d-{spec[:3]}", tmp_path / f"r-{spec[:3]}"
+        prepare([str(tmp_path / "a.txt")], data, tokenizer=spec, vocab_size=300, val_fraction=0.1)
+        run.mkdir()
+        save_hf_tokenizer(run, data)
+        ours, hf = Manifest.load(data).load_tokenizer(data), AutoTokenizer.from_pretrained(run)
+        assert hf(text[:200], add_special_tokens=False)["input_ids"] == ours.encode(text[:200])
+        assert hf.eos_token_id == ours.eos_id
+    assert AutoTokenizer.from_pretrained(tmp_path / "r-tik")("Hello world")["input_ids"] == [15496, 995]

@@ -297,6 +297,18 @@ def test_hf_wrapper_scores_the_models_own_log_likelihoods_also_under_a_recipe(ru
     assert lls[None] != lls["mxfp4"]  # the recipe's MXFP4 fprop ran
 
 
+def test_a_run_without_tokenizer_files_gets_its_datas_tokenizer(run_dir, tmp_path):
+    import shutil
+
+    from adahop.eval.model import load_model
+
+    bare = tmp_path / "bare"
+    shutil.copytree(run_dir, bare, ignore=shutil.ignore_patterns("tokenizer*", "special_tokens*"))
+    assert not list(bare.glob("tokenizer*"))  # as a run exported before the tokenizer files were written
+    want = load_model(run_dir, device=torch.device("cpu")).tokenizer("We the people").input_ids
+    assert load_model(bare, device=torch.device("cpu")).tokenizer("We the people").input_ids == want
+
+
 def test_an_adahop_recipe_without_a_plan_and_a_folder_without_a_model_are_refused(run_dir, tmp_path, capsys):
     from adahop.cli import main
 

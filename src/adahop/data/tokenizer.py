@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -72,6 +73,11 @@ class Tokenizer:
         """
         raise NotImplementedError
 
+    def to_transformers(self):
+        """This tokenizer as a ``transformers.PreTrainedTokenizerFast`` (EOS set) that encodes text to
+        the same ids, for a run folder that ``AutoTokenizer.from_pretrained`` and lm-eval load."""
+        raise NotImplementedError
+
     def fingerprint(self) -> str:
         """Hex sha256 (64 characters) of the vocabulary in id order and the merges (tiktoken: the
         token bytes in id order and the split pattern). Equal fingerprints mean that every id
@@ -110,6 +116,11 @@ class BPETokenizer(Tokenizer):
 
     def fingerprint(self) -> str:
         return _tokenizers_fingerprint(self._tok)
+
+    def to_transformers(self):
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast(tokenizer_object=self._tok, eos_token=EOS)
 
     def save(self, directory: str | Path) -> str:
         path = Path(directory) / "tokenizer.json"
@@ -206,6 +217,27 @@ class TiktokenTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int]) -> str:
         return self._enc.decode(list(ids))
 
+    def to_transformers(self):
+        # transformers' own tiktoken converter rebuilds the byte-level BPE from the ranks (id for id)
+        from transformers import PreTrainedTokenizerFast
+        from transformers.convert_slow_tokenizer import TikTokenConverter
+
+        with tempfile.TemporaryDirectory() as d:
+            ranks = self._path
+            if ranks is None:
+                from tiktoken.load import dump_tiktoken_bpe
+
+                ranks = Path(d) / "gpt2.tiktoken"
+                dump_tiktoken_bpe(self._enc._mergeable_ranks, str(ranks))
+            specials = dict(self._enc._special_tokens)
+            try:
+                tok = TikTokenConverter(vocab_file=str(ranks), pattern=self._enc._pat_str,
+                                        extra_special_tokens=specials).converted()
+            except TypeError:  # transformers < 5 names it additional_special_tokens
+                tok = TikTokenConverter(vocab_file=str(ranks), pattern=self._enc._pat_str,
+                                        additional_special_tokens=specials).converted()
+        return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS)
+
     def fingerprint(self) -> str:
         # tiktoken's merges are its ranks: the token bytes in id order define them, the pattern the split
         h = hashlib.sha256(getattr(self._enc, "_pat_str", "").encode() + b"\0")
@@ -257,6 +289,9 @@ class HFTokenizer(Tokenizer):
         if getattr(self._tok, "is_fast", False):
             return _tokenizers_fingerprint(self._tok.backend_tokenizer)
         return _digest({"vocab": sorted(self._tok.get_vocab().items(), key=lambda kv: kv[1])})  # a slow tokenizer
+
+    def to_transformers(self):
+        return self._tok
 
     def save(self, directory: str | Path) -> str:
         self._tok.save_pretrained(str(Path(directory) / "hf_tokenizer"))

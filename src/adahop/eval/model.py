@@ -89,8 +89,10 @@ def load_model(path: str | Path, *, device: torch.device, recipe: str | None = N
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(p)
     except (OSError, ValueError) as e:
-        raise ValueError(f"MODEL {p}: no tokenizer could be loaded ({str(e)[:200]}); put the tokenizer files "
-                         f"(tokenizer.json, tokenizer_config.json) in that folder") from None
+        tokenizer = _tokenizer_of_data(section)  # a run exported before its tokenizer was written as transformers files
+        if tokenizer is None:
+            raise ValueError(f"MODEL {p}: no tokenizer could be loaded ({str(e)[:200]}); put the tokenizer files "
+                             f"(tokenizer.json, tokenizer_config.json) in that folder") from None
     info = {"path": str(p), "weights": weights, "recipe": recipe, "plan": None}
     if recipe is not None:
         info["plan"] = _convert(model, recipe, plan, p, section, backend)
@@ -121,3 +123,13 @@ def _convert(model, recipe_name: str, plan_path: str | None, folder: Path, secti
     seed = (section or {}).get("config", {}).get("seed", 0)
     convert_model(model, recipe, seed=seed, plan=plan, backend=backend)
     return plan_path
+
+
+def _tokenizer_of_data(section: dict | None):
+    """The transformers tokenizer of the prepared data folder a run names, or None (no run, no folder)."""
+    data_dir = Path(section["data_dir"]) if section and section.get("data_dir") else None
+    if data_dir is None or not (data_dir / "manifest.json").is_file():
+        return None
+    from ..data import Manifest
+
+    return Manifest.load(data_dir).load_tokenizer(data_dir).to_transformers()

@@ -5,8 +5,8 @@ run config), BF16 model.safetensors and the tokenizer, loadable with
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
+import warnings
 from pathlib import Path
 
 import torch
@@ -19,7 +19,7 @@ from ..utils import atomic_write_text
 from .checkpoint import tied_keys
 from .config import TrainConfig
 
-__all__ = ["write_config", "export_hf", "git_revision"]
+__all__ = ["write_config", "export_hf", "save_hf_tokenizer", "git_revision"]
 
 
 def git_revision() -> str | None:
@@ -52,12 +52,16 @@ def export_hf(run: Path, model, data_dir: Path) -> None:
     tmp = run / ".model.safetensors.tmp"
     save_file(state, tmp, metadata={"format": "pt"})
     tmp.replace(run / "model.safetensors")
-    tok = Path(data_dir) / "tokenizer.json"
-    if tok.exists():
-        shutil.copy(tok, run / "tokenizer.json")
-        try:
-            from transformers import PreTrainedTokenizerFast
+    save_hf_tokenizer(run, data_dir)
 
-            PreTrainedTokenizerFast(tokenizer_file=str(tok), eos_token="<|endoftext|>").save_pretrained(run)
-        except Exception:  # the raw tokenizer.json is still there
-            pass
+
+def save_hf_tokenizer(run: Path, data_dir: Path) -> None:
+    """Write the data's tokenizer (trained BPE, tiktoken GPT-2 or a Hugging Face one) into ``run`` as
+    transformers files (tokenizer.json, tokenizer_config.json), so that ``AutoTokenizer`` and
+    ``adahop eval`` load the run. A tokenizer that cannot be converted is warned about, not fatal:
+    the weights are written either way."""
+    try:
+        Manifest.load(data_dir).load_tokenizer(data_dir).to_transformers().save_pretrained(str(run))
+    except Exception as e:  # noqa: BLE001 - the export of the weights must not fail on the tokenizer
+        warnings.warn(f"{run}: the tokenizer of {data_dir} was not written as transformers files "
+                      f"({type(e).__name__}: {e}); `adahop eval` of this run needs them", stacklevel=2)
