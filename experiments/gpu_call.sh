@@ -102,10 +102,11 @@ if [ "$STAGE" = i19s ]; then  # round 10: the opaque layers' first GPU run, a se
   python3 -c "import json, math, sys; d = json.load(open('/tmp/t20c/summary.json')); print({k: d.get(k) for k in ('final_train_loss', 'compile_mode', 'recompiles_steady_state', 'graph_breaks_steady_state', 'tok_per_s')}); sys.exit(not math.isfinite(d['final_train_loss']))" \
     || { export ADAHOP_COMPILED_LAYERS=traced; echo "opaque layers failed: the chunk runs with ADAHOP_COMPILED_LAYERS=traced"; }
   # seed study (docs/results.md: BF16 seeds 0 and 1 end 0.158 apart): eager repeats of both, and each seed with the other's data order
-  Q="python3 experiments/quality/run.py --data runs/issue19/main --steps ${STEPS:-1221} --eval-every 100 --ckpt-every 100 --budget-s $(( ${LIM:-510} - $(el) )) --min-left-s ${MINLEFT:-120} --grace-s 45 --collect $OUT/seed"
-  $Q --out runs/issue19/seed_eager --jobs bf16:0,bf16:1 --concurrent 2 > $OUT/seed_eager.log 2>&1 &
-  $Q --out runs/issue19/seed_d1 --jobs bf16:0 --set data_seed=1 --compile --concurrent 1 > $OUT/seed_d1.log 2>&1 &
-  $Q --out runs/issue19/seed_d0 --jobs bf16:1 --set data_seed=0 --compile --concurrent 1 > $OUT/seed_d0.log 2>&1 &
+  Q="python3 experiments/quality/run.py --data runs/issue19/main --steps ${STEPS:-1221} --eval-every 100 --ckpt-every 100 --budget-s $(( ${LIM:-510} - $(el) )) --min-left-s ${MINLEFT:-120} --grace-s 45"
+  # each launcher collects into its own folder: their run folders share names (bf16-s0...)
+  $Q --out runs/issue19/seed_eager --collect $OUT/seed/eager --jobs bf16:0,bf16:1 --concurrent 2 > $OUT/seed_eager.log 2>&1 &
+  $Q --out runs/issue19/seed_d1 --collect $OUT/seed/data1 --jobs bf16:0 --set data_seed=1 --compile --concurrent 1 > $OUT/seed_d1.log 2>&1 &
+  $Q --out runs/issue19/seed_d0 --collect $OUT/seed/data0 --jobs bf16:1 --set data_seed=0 --compile --concurrent 1 > $OUT/seed_d0.log 2>&1 &
   STAGE=i19q
 fi
 if [ "$STAGE" = r7a ]; then

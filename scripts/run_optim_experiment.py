@@ -38,8 +38,20 @@ import sys
 import time
 from pathlib import Path
 
-SETTINGS = dict(model="llama-60m", seq_len=512, batch_size=32, lr=2e-3, warmup_steps=20, min_lr_ratio=0.1,
-                weight_decay=0.1, grad_clip=1.0, eval_batches=16, log_every=5, calib_steps=30)
+
+def _gate():
+    """The memory gate of the quality launcher (experiments/quality/run.py), one copy for both launchers."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "experiments" / "quality" / "run.py"
+    spec = importlib.util.spec_from_file_location("quality_run", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+GATE = _gate()
+SETTINGS = GATE.SETTINGS  # the quality table's setup: issue 21 runs "with the tokens of the fidelity issue's quality runs"
 #: --smoke: every row end to end on a CPU in minutes (not a measurement)
 SMOKE = dict(model="llama-tiny", seq_len=32, batch_size=4, lr=3e-3, warmup_steps=1, min_lr_ratio=0.1,
              weight_decay=0.1, grad_clip=1.0, eval_batches=2, log_every=1, calib_steps=2)
@@ -140,6 +152,9 @@ def launch(args, settings) -> int:
             # the call, a run cut short is lost with its checkpoints
             late = args.budget_s is not None and time.time() - t_start > args.budget_s - args.min_left_s
             while todo and not over and not late and not stopping and len(running) < args.concurrent:
+                young = sum(time.time() - t < GATE.RAMP_S for _, _, t in running)
+                if running and not GATE.room_for_one(args.min_free_gib, young):
+                    break  # wait for a run to finish and free its memory
                 row, recipe, seed = todo.pop(0)
                 name = f"{row}-{recipe}-s{seed}"
                 if not _claim(root, name):  # another launcher has it
@@ -244,6 +259,9 @@ def main() -> int:
     ap.add_argument("--eval-every", type=int, default=None, help="default 100 (--smoke: 2)")
     ap.add_argument("--ckpt-every", type=int, default=None, help="checkpoint period of each run, for resuming "
                                                                  "(default 100; --smoke: 2)")
+    ap.add_argument("--min-free-gib", type=float, default=24,
+                    help="start a run only while the GPU keeps this much memory free for it and for each run started "
+                         "in the last 120 s (the quality launcher's gate, experiments/quality/run.py); 0: off")
     ap.add_argument("--concurrent", type=int, default=None, help="runs sharing the GPU at once (default 4; --smoke: 1)")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="wall seconds for this call: no run starts after it, running ones stop with a checkpoint")

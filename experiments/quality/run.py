@@ -107,6 +107,40 @@ def collect(run: Path, dest: Path) -> None:
             shutil.copy2(f, dest / run.name / f.name)
 
 
+def gpu_free_gib() -> float | None:
+    """Free memory (GiB) of the first visible GPU, from nvidia-smi (no CUDA context in the launcher); None without one."""
+    dev = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
+    try:
+        r = subprocess.run(["nvidia-smi", "-i", dev, "--query-gpu=memory.free", "--format=csv,noheader,nounits"],
+                           capture_output=True, text=True, timeout=20)
+        return float(r.stdout.split()[0]) / 1024 if r.returncode == 0 else None
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        return None
+
+
+def room_for_one(min_free_gib: float, young: int) -> bool:
+    """A job may start when the GPU keeps ``min_free_gib`` free for it and for each job started in the
+    last RAMP_S seconds (``young``), which has not reached its peak yet (compile, first steps)."""
+    if min_free_gib <= 0:
+        return True
+    free = gpu_free_gib()
+    return free is None or free >= min_free_gib * (young + 1)
+
+
+RAMP_S = 120
+
+
+def out_of_memory(log: Path) -> bool:
+    """True when the tail of a job's log shows a CUDA out-of-memory error (the job is retried once)."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - 20000))
+            return b"OutOfMemoryError" in f.read()
+    except OSError:
+        return False
+
+
 def jobs_from(args) -> list[tuple[str, int, str | None]]:
     """(recipe, seed, backend) of every job asked for, in order, each once (``--backend`` applies to all)."""
     if args.jobs:
@@ -185,6 +219,10 @@ def main() -> int:
     ap.add_argument("--eval-limit", type=int, default=None, help="`adahop eval --limit` (a smoke test only)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override one of SETTINGS (a smoke test: --set model=llama-tiny); the tables use none")
+    ap.add_argument("--min-free-gib", type=float, default=24,
+                    help="start a job only while the GPU keeps this much memory free for it and for each job started in "
+                         f"the last {RAMP_S} s (a llama-60m run peaks near 18 GiB); a job that runs out of memory is "
+                         "retried once; 0: off")
     ap.add_argument("--dry-run", action="store_true", help="print the jobs still to do and their commands, run nothing")
     args = ap.parse_args()
     t0 = time.time()
@@ -210,7 +248,7 @@ def main() -> int:
     running: dict[str, tuple[subprocess.Popen, float, tuple]] = {}
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
     gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "-")
-    stopping = False
+    stopping, retried = False, set()
     while todo or running:
         for name, (proc, t, job) in list(running.items()):
             if proc.poll() is not None:
@@ -219,6 +257,10 @@ def main() -> int:
                 state = "finished" if finished(out / name, args.steps) else "stopped"
                 what = "eval" if job[-1] else state
                 print(f"{name}: exit {proc.returncode} ({what}), {time.time() - t:.0f} s (GPU {gpu})", flush=True)
+                if proc.returncode not in (0, 130) and name not in retried and out_of_memory(out / f"{name}.log"):
+                    retried.add(name)  # it resumes from its last checkpoint, if any, once memory is free
+                    todo.append(job)
+                    print(f"{name}: out of GPU memory; queued again", flush=True)
                 if state == "finished" and not job[-1] and needs_eval(args, out / name):
                     todo.insert(0, (*job[:-1], True))  # scored next, on the machine that holds its weights
         if not stopping and left() <= 0 and running:
@@ -232,6 +274,9 @@ def main() -> int:
                 print(f"{name}: no checkpoint within --grace-s; killed (it resumes from its last checkpoint)", flush=True)
                 proc.kill()
         while todo and len(running) < args.concurrent and not stopping and left() > args.min_left_s:
+            young = sum(time.time() - t < RAMP_S for _, t, _ in running.values())
+            if running and not room_for_one(args.min_free_gib, young):
+                break  # wait for memory: a finished job frees it (with none of ours running, nothing would)
             job = todo.pop(0)
             recipe, seed, backend, name, eval_only = job
             if not claim(out, name):
