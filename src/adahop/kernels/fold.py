@@ -85,13 +85,19 @@ def fold_to_fp8_reference(q: MXTensor, *, backend: str = "reference") -> tuple[t
     fp8 = bits.reshape(rows, kp).view(torch.float8_e4m3fn)
     row_scale = decode_e8m0((row_e + 127).to(torch.uint8))
     if q.elem_scale != 1.0:
-        row_scale = row_scale * torch.tensor(q.elem_scale, dtype=torch.float32, device=row_scale.device)
+        row_scale = row_scale * _f32(q.elem_scale)  # a Python float: no host-to-device copy under CUDA-graph capture
     return fp8, row_scale
 
 
 #: float32 values of the element scales the quantizers write (1, and 4/3 for the tseng rule), as
 #: Python floats: computing them inside a compiled region would be a graph break.
 _F32_ELEM = {1.0: 1.0, 4.0 / 3.0: float(torch.tensor(4.0 / 3.0, dtype=torch.float32, device="cpu"))}  # cpu: importable under torch.device("meta")
+
+
+def _f32(v: float) -> float:
+    """``v`` rounded to float32, as a Python float."""
+    got = _F32_ELEM.get(v)
+    return float(torch.tensor(v, dtype=torch.float32, device="cpu")) if got is None else got
 
 
 def _triton():
@@ -106,9 +112,7 @@ def fold_to_fp8_triton(q: MXTensor, *, backend: str = "triton") -> tuple[torch.T
     kp = q.codes.shape[-1] * 2
     rows = q.codes.numel() * 2 // kp if kp else 0
     codes, scales = q.codes.reshape(rows, kp // 2).contiguous(), q.scales.reshape(rows, -1).contiguous()
-    elem = _F32_ELEM.get(q.elem_scale)  # the float32 the reference multiplies by: a constant for torch.compile
-    if elem is None:
-        elem = float(torch.tensor(q.elem_scale, dtype=torch.float32))
+    elem = _f32(q.elem_scale)  # the float32 the reference multiplies by: a constant for torch.compile
     tf = _triton()  # traced by dynamo: the triton_op (its launch per _triton_launch.TRACED_LAUNCHES); else its body
     op = tf.fold_op if torch.compiler.is_dynamo_compiling() else tf.fold
     return op(codes, scales, elem)

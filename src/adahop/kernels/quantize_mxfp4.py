@@ -75,7 +75,9 @@ def hadamard_butterfly(x: torch.Tensor, *, block_size: int = 32, axis: int = -1,
         pairs = v.reshape(*v.shape[:-1], block_size // 2, 2)
         a, b = pairs[..., 0], pairs[..., 1]
         v = torch.cat((a + b, a - b), dim=-1)
-    v = v * torch.tensor(1.0 / math.sqrt(block_size), dtype=torch.float32, device=v.device)
+    # a Python float, not a new device tensor: this runs inside CUDA-graph capture (the opaque layer ops
+    # of adahop.nn.opaque), where a host-to-device copy is an error; float32 math either way
+    v = v * (1.0 / math.sqrt(block_size))
     v = torch.where(v == 0, 0.0, v)  # -0 -> +0 (see above)
     return v.reshape(*v.shape[:-2], n).movedim(-1, axis)
 
