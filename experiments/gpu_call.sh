@@ -68,6 +68,9 @@
 #   i19s (round 10, one GPU; then repeat i19q): a compiled llama-20m adahop-lv2 train (the opaque layers' first GPU run;
 #      on failure the chunk runs with ADAHOP_COMPILED_LAYERS=traced), a BF16 seed study beside the chunk (seeds 0
 #      and 1 eager, seed 0 with data seed 1 and seed 1 with data seed 0; run folders in $OUT/seed.tgz), then i19q
+#   r11a (round 11, one GPU): compiled llama-20m trains of quartet and halo-2 (round 10's chunk: quartet failed
+#      in Inductor's size check of the opaque forward's outputs, halo-2 on a host-to-device copy under CUDA-graph
+#      capture, since fixed), then stage r10a
 #   r10a (round 10, one GPU; run first: the opaque layer ops of adahop.nn.opaque have not run on a GPU): the
 #      compile section of the kernel validation (each compiled form, CUDA-graph replay, tseng captured), the
 #      cold compile of llama-125m adahop-lv2 (opaque layers) and of BF16, compiled-vs-eager gradients of a
@@ -175,6 +178,14 @@ if [ "$STAGE" = r9d ]; then
     --launches opaque --timeout $(( 470 - $(el) )) --json $OUT/cold_opaque.json > $OUT/cold_opaque.log 2>&1
   echo "cold opaque: exit $? at $(el) s"; grep -A4 "^## cold" $OUT/cold_opaque.log
   echo "stage $STAGE done at $(el) s"; exit 0
+fi
+if [ "$STAGE" = r11a ]; then  # round 11 (one GPU), first: round 10's two compiled failures (quartet, halo-2), then r10a
+  export CUDA_VISIBLE_DEVICES=0
+  python3 -m adahop data prepare --source .carry/corpus_main.txt.xz --tokenizer tiktoken:.carry/gpt2.tiktoken --out /tmp/main > $OUT/prepare.log 2>&1
+  for R in quartet halo-2; do timeout 150 python3 -m adahop train --model llama-20m --recipe $R --data /tmp/main --steps 20 \
+      --eval-every 0 --ckpt-every 0 --log-every 5 --seq-len 512 --batch-size 16 --compile --out /tmp/t20$R > $OUT/train20_$R.log 2>&1
+    echo "train --compile $R: exit $? at $(el) s"; grep -E "adahop: |Error" $OUT/train20_$R.log | tail -3 | cut -c1-600; done
+  STAGE=r10a
 fi
 if [ "$STAGE" = r10a ]; then
   export CUDA_VISIBLE_DEVICES=0

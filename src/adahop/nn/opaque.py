@@ -54,6 +54,8 @@ _LAYERS: "weakref.WeakValueDictionary[int, torch.nn.Module]" = weakref.WeakValue
 _KEYS = itertools.count()
 # (layer key, tokens, weight dtype, compute dtype) -> the saved state's structure, tensors as _Slot
 _TEMPLATES: dict[tuple, object] = {}
+# the same key -> the shapes of the saved tensors the fake run returned (what the compiled graph expects)
+_FAKE_SHAPES: dict[tuple, list[tuple[int, ...]]] = {}
 _STATE = threading.local()
 
 
@@ -159,8 +161,12 @@ def _forward(x, weight, bias, layer, specs_version, dtype, seed, record: bool) -
         mod.saved_bytes, mod.hp_saved_bytes = counts
     leaves: list[torch.Tensor] = []
     tpl = _flatten((ctx.specs, ctx.signs_w, ctx.signs_d, ctx.x_prep, ctx.w_prep), leaves)
+    key = (layer, x.shape[0], weight.dtype, dtype)
     if record:  # real calls only: fake shapes may be symbolic; one template per token count
         _TEMPLATES[(layer, int(x.shape[0]), weight.dtype, dtype)] = tpl
+        _check_fake_shapes(mod, key, leaves)
+    elif all(isinstance(d, int) for t in leaves for d in t.shape) and isinstance(x.shape[0], int):
+        _FAKE_SHAPES[key] = [tuple(t.shape) for t in leaves]
     # an op's outputs may alias neither its inputs nor each other (views of one buffer): copy those
     out = [y]
     for t in leaves:
@@ -168,6 +174,18 @@ def _forward(x, weight, bias, layer, specs_version, dtype, seed, record: bool) -
             t = t.clone()
         out.append(t)
     return out
+
+
+def _check_fake_shapes(mod, key, leaves) -> None:
+    """The real call must return the saved tensors the fake run promised the compiled graph (their
+    number, order and shapes); say which differ, instead of Inductor's bare size assertion."""
+    want = _FAKE_SHAPES.get(key)
+    got = [tuple(t.shape) for t in leaves]
+    if want is not None and want != got:
+        diff = [(i, w, g) for i, (w, g) in enumerate(zip(want, got)) if w != g][:4]
+        raise RuntimeError(f"adahop: {mod.name}: the compiled graph expects {len(want)} saved tensors from the opaque "
+                           f"forward and the real call returned {len(got)}; first differences (index, fake, real): {diff}. "
+                           "This is a bug of adahop.nn.opaque; run with ADAHOP_COMPILED_LAYERS=traced meanwhile")
 
 
 # nondeterministic_seeded: stochastic rounding draws from the default generator inside the op, so
