@@ -378,3 +378,12 @@ def test_an_adahop_recipe_scores_with_the_runs_frozen_plan(prepare_real_text, tm
     assert get_controller(m.model).plan.layers == Plan.load(run / "plan.json").layers
     with pytest.raises(ValueError, match="--plan is for AdaHOP recipes"):
         load_model(run, device=torch.device("cpu"), recipe="mxfp4", plan=str(run / "plan.json"))
+
+
+def test_a_plan_without_a_recipe_is_refused_not_ignored(tmp_path, capsys):
+    """`--plan` alone used to score the model unquantized, the plan silently unused."""
+    from adahop.cli import main
+
+    assert main(["eval", str(tmp_path), "--tasks", "none", "--data", "x", "--plan", str(tmp_path / "plan.json")]) == 2
+    err = capsys.readouterr().err
+    assert "--plan" in err and "--recipe adahop-lv2" in err and "Traceback" not in err
