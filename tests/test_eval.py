@@ -378,3 +378,32 @@ def test_an_adahop_recipe_scores_with_the_runs_frozen_plan(prepare_real_text, tm
     assert get_controller(m.model).plan.layers == Plan.load(run / "plan.json").layers
     with pytest.raises(ValueError, match="--plan is for AdaHOP recipes"):
         load_model(run, device=torch.device("cpu"), recipe="mxfp4", plan=str(run / "plan.json"))
+
+
+def test_a_plan_without_a_recipe_is_refused_not_ignored(tmp_path, capsys):
+    """`--plan` alone used to score the model unquantized, the plan silently unused."""
+    from adahop.cli import main
+
+    assert main(["eval", str(tmp_path), "--tasks", "none", "--data", "x", "--plan", str(tmp_path / "plan.json")]) == 2
+    err = capsys.readouterr().err
+    assert "--plan" in err and "--recipe adahop-lv2" in err and "Traceback" not in err
+
+
+def test_an_unfinished_run_is_scored_with_a_warning_naming_its_step(run_dir, tmp_path):
+    """An interrupted run's newest checkpoint was scored as if it were the finished model."""
+    import shutil
+    import warnings
+
+    from adahop.eval.model import load_model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the finished run: no warning
+        load_model(run_dir, device=torch.device("cpu"))
+    short = tmp_path / "short"
+    shutil.copytree(run_dir, short)
+    cfg = json.loads((short / "config.json").read_text())
+    steps = cfg["adahop"]["config"]["steps"]
+    cfg["adahop"]["config"]["steps"] = steps + 6  # as a run interrupted at its last checkpoint
+    (short / "config.json").write_text(json.dumps(cfg))
+    with pytest.warns(UserWarning, match=f"unfinished: scoring its checkpoint of step {steps} of --steps {steps + 6}"):
+        load_model(short, device=torch.device("cpu"))

@@ -111,3 +111,19 @@ def test_eval_tasks_add_the_zero_shot_average(run_dir, tmp_path, capsys):
     assert res["zero_shot"]["tasks"]["piqa"]["n_samples"]["effective"] == 3
     printed = capsys.readouterr().out
     assert "zero-shot avg |" in printed and f"| {100 * acc:.2f} |" in printed
+
+
+def test_unknown_eval_tasks_are_refused_before_the_model_loads(tmp_path, capsys):
+    """They were found only after the quantization (hours for HARP on a large model), named as --tasks."""
+    from adahop.cli import main
+
+    assert main(["ptq", str(tmp_path / "no-model"), "--method", "rtn", "--bits", "4", "--calib-data", "x",
+                 "--eval-tasks", "piqa,foo", "--out", str(tmp_path / "q")]) == 2
+    err = capsys.readouterr().err
+    assert "--eval-tasks: unknown task 'foo'" in err and "no config.json" not in err
+
+
+def test_a_missing_calib_data_is_named_as_calib_data(run_dir, tmp_path, capsys):
+    assert _ptq(run_dir, tmp_path / "q", "--method", "rtn", "--bits", "4", "--calib-data", str(tmp_path / "nope")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("adahop ptq: error: --calib-data:") and "does not exist" in err

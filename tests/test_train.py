@@ -659,3 +659,23 @@ def test_start_up_summary_says_what_the_run_does_and_warns_above_one_epoch(data_
                  *("    " + ln for ln in gemm_table(resolve_recipe(cfg)[0]).splitlines())):  # --calib-steps 3
         assert text in cap.out, text
     assert f"makes {epochs:.2f} passes over the training split ({windows:,} windows of --seq-len 32)" in cap.err
+
+
+def test_resume_compares_the_data_order_a_data_seed_gives_not_its_spelling(tmp_path):
+    """`--data-seed 0` on a run of `--seed 0` (no --data-seed) is the same data order: it was refused
+    ('--data-seed None → 0'); a different order is still refused."""
+    from adahop.train.setup import RESUME_KEYS, settings_diff
+
+    def saved(**kw):
+        run = tmp_path / "_".join(f"{k}{v}" for k, v in kw.items())
+        run.mkdir()
+        (run / "config.json").write_text(json.dumps({"adahop": {"config": TrainConfig(**kw).to_dict()}}))
+        return run
+
+    run = saved(seed=0)
+    assert settings_diff(TrainConfig(seed=0, data_seed=0), run, RESUME_KEYS) == []
+    assert settings_diff(TrainConfig(seed=0, data_seed=2), run, RESUME_KEYS) == ["--data-seed None → 2"]
+    run = saved(seed=1, data_seed=1)
+    assert settings_diff(TrainConfig(seed=1), run, RESUME_KEYS) == []
+    assert settings_diff(TrainConfig(seed=0, data_seed=1), run, RESUME_KEYS) == ["--seed 1 → 0"]
+    assert settings_diff(TrainConfig(seed=1, data_seed=0), run, RESUME_KEYS) == ["--data-seed 1 → 0"]

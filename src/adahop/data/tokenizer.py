@@ -236,7 +236,8 @@ class TiktokenTokenizer(Tokenizer):
             except TypeError:  # transformers < 5 names it additional_special_tokens
                 tok = TikTokenConverter(vocab_file=str(ranks), pattern=self._enc._pat_str,
                                         additional_special_tokens=specials).converted()
-        return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS)
+        # split_special_tokens: a literal <|endoftext|> in text is plain text, as encode_ordinary made the shards
+        return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, split_special_tokens=True)
 
     def fingerprint(self) -> str:
         # tiktoken's merges are its ranks: the token bytes in id order define them, the pattern the split

@@ -62,6 +62,9 @@ def run(args: argparse.Namespace) -> dict:
         v = getattr(args, flag)
         if v is not None and v < 1:
             raise ValueError(f"--{flag.replace('_', '-')} {v}: must be >= 1")
+    if args.plan is not None and args.recipe is None:  # it would be unused: the model scored unquantized
+        raise ValueError(f"--plan {args.plan} is for an AdaHOP --recipe and none is given; add --recipe adahop-lv2 "
+                         f"(or adahop-lv1), or drop --plan to score the model as trained")
     specs = parse_tasks(args.tasks)
     if not specs and args.data is None:
         raise ValueError("nothing to do: --tasks none and no --data; pass tasks, a data folder, or both")

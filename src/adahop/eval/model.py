@@ -80,6 +80,7 @@ def load_model(path: str | Path, *, device: torch.device, recipe: str | None = N
                                                              **_dtype_kwarg(torch.float32))
         _load_weights(model, ck_weights)
         weights = f"{ck_weights} (FP32 master weights)"
+        _warn_if_unfinished(p, ck, section)
     else:
         if not any(p.glob("*.safetensors")) and not any(p.glob("*.bin")):
             raise ValueError(f"MODEL {p}: no weights (model.safetensors or a checkpoint); "
@@ -123,6 +124,22 @@ def _convert(model, recipe_name: str, plan_path: str | None, folder: Path, secti
     seed = (section or {}).get("config", {}).get("seed", 0)
     convert_model(model, recipe, seed=seed, plan=plan, backend=backend)
     return plan_path
+
+
+def _warn_if_unfinished(run: Path, ck: Path, section: dict) -> None:
+    """Warn when the newest checkpoint is short of the run's --steps (an interrupted or running run),
+    so that its score is not taken for the finished model's."""
+    import warnings
+
+    try:
+        step = json.loads((ck / "state.json").read_text())["step"]
+    except (OSError, ValueError, KeyError):
+        return
+    steps = section.get("config", {}).get("steps")
+    if steps is not None and step < steps:
+        warnings.warn(f"MODEL {run} is unfinished: scoring its checkpoint of step {step} of --steps {steps}; "
+                      f"let the run finish, or continue it with `adahop train --out {run} --resume` and its settings",
+                      stacklevel=3)
 
 
 def _tokenizer_of_data(section: dict | None):

@@ -11,6 +11,7 @@ perplexity is that of the written folder reloaded from disk (BF16 weights), so a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -86,6 +87,7 @@ def run(args: argparse.Namespace) -> dict:
     from .grids import make_grid
 
     make_grid(args.quantizer, args.bits, args.group_size)  # a bad combination fails before anything loads
+    tasks = _tasks(args)  # so do unknown tasks, a missing lm-eval or task data: not after hours of quantization
     import torch
 
     from ..eval.model import load_model
@@ -105,8 +107,9 @@ def run(args: argparse.Namespace) -> dict:
     t_start = time.perf_counter()
     loaded = load_model(args.model, device=device)
     model, rc = loaded.model, loaded.run_config or {}
-    data = _data(args, rc)
-    check_same_tokenizer(data, Path(args.model), model.config.vocab_size)
+    with _named("--data", "--calib-data"):
+        data = _data(args, rc)
+        check_same_tokenizer(data, Path(args.model), model.config.vocab_size)
     seq_len = args.seq_len or rc.get("seq_len") or model.config.max_position_embeddings
 
     def ppl(m):
@@ -142,8 +145,8 @@ def run(args: argparse.Namespace) -> dict:
            "harp_fit_seconds_per_layer": (sum(f["seconds"] for f in fits) / len(fits)) if fits else None,
            "git_revision": git_revision(), "packed": str(out / PACKED_FILE),
            "layers": {n: {"shape": list(r.weight.shape), "stored_bits": r.stored_bits, **r.stats} for n, r in layers.items()}}
-    if args.eval_tasks:
-        res["zero_shot"] = _zero_shot(args, reloaded, bf16)
+    if tasks is not None:
+        res["zero_shot"] = _zero_shot(args, reloaded, bf16, *tasks)
     res["seconds_total"] = time.perf_counter() - t_start
     print(_table(res))
     atomic_write_text(out / RESULTS_FILE, json.dumps(res, indent=1))  # written last: its presence means finished
@@ -151,17 +154,41 @@ def run(args: argparse.Namespace) -> dict:
     return res
 
 
-def _zero_shot(args, loaded, bf16: bool) -> dict:
-    import torch
+@contextlib.contextmanager
+def _named(flag: str, ours: str):
+    """Re-raise a ValueError of the shared eval/train code, which names ``flag``, naming ``ours``."""
+    try:
+        yield
+    except ValueError as e:
+        msg = str(e)
+        if not msg.startswith(flag):
+            raise
+        raise ValueError(ours + msg[len(flag):]) from None
 
+
+def _tasks(args) -> tuple[list, Path] | None:
+    """The specs and task-data root of ``--eval-tasks`` (None when it is unset or ``none``)."""
+    if not args.eval_tasks:
+        return None
     from ..eval import harness
     from ..eval.tasks import parse_tasks, task_root
 
+    with _named("--tasks", "--eval-tasks"):
+        specs = parse_tasks(args.eval_tasks)
+    if not specs:
+        return None
     harness.require_lm_eval()
-    specs = parse_tasks(args.eval_tasks)
+    return specs, task_root(specs, args.task_data)
+
+
+def _zero_shot(args, loaded, bf16: bool, specs: list, root: Path) -> dict:
+    import torch
+
+    from ..eval import harness
+
     lm = harness.hf_lm(loaded.model, loaded.tokenizer, batch_size=args.batch_size, dtype="bf16" if bf16 else "fp32")
     with torch.no_grad():
-        return harness.score(lm, specs, task_root(specs, args.task_data), limit=args.eval_limit)
+        return harness.score(lm, specs, root, limit=args.eval_limit)
 
 
 def _table(res: dict) -> str:

@@ -53,11 +53,18 @@ def settings_diff(cfg: TrainConfig, run: Path, keys) -> list[str]:
     for k in keys:
         if k not in saved or saved[k] == now.get(k):
             continue
+        if k == "data_seed" and _data_seed(saved) == _data_seed(now):  # --data-seed 0 on a run of --seed 0
+            continue
         if k == "data" and ("data_identity" in section or
                             "data_dir" in section and _same_path(section["data_dir"], prepared_path(cfg))):
             continue
         diff.append(f"--{k.replace('_', '-')} {saved[k]!r} → {now.get(k)!r}")
     return diff
+
+
+def _data_seed(config: dict):
+    """The seed of the training data order a run config gives (``data_seed``, else ``seed``)."""
+    return config.get("seed") if config.get("data_seed") is None else config["data_seed"]
 
 
 def _same_path(a, b) -> bool:
