@@ -297,6 +297,22 @@ def test_hf_wrapper_scores_the_models_own_log_likelihoods_also_under_a_recipe(ru
     assert lls[None] != lls["mxfp4"]  # the recipe's MXFP4 fprop ran
 
 
+def test_foreign_data_is_refused_by_the_runs_tokenizer_fingerprint(run_dir, tmp_path):
+    """A data folder without a tokenizer.json (tiktoken, hf) and a vocabulary that fits the model
+    passed the check: the fingerprint the run recorded tells the tokenizers apart."""
+    from adahop.data import prepare
+    from adahop.eval.perplexity import check_same_tokenizer
+
+    (tmp_path / "t.txt").write_text("Some other text, tokenized another way. " * 300)
+    other = tmp_path / "other"
+    prepare([str(tmp_path / "t.txt")], other, tokenizer="bpe", vocab_size=300, val_fraction=0.1)
+    (other / "tokenizer.json").unlink()
+    own = json.loads((run_dir / "config.json").read_text())["adahop"]["data_dir"]
+    check_same_tokenizer(Path(own), run_dir, 512)  # the run's own data passes
+    with pytest.raises(ValueError, match=f"fingerprints differ.*--data {own}"):
+        check_same_tokenizer(other, run_dir, 512)
+
+
 def test_a_run_without_tokenizer_files_gets_its_datas_tokenizer(run_dir, tmp_path):
     import shutil
 

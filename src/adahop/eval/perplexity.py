@@ -28,10 +28,27 @@ def check_same_tokenizer(data_dir: Path, model_dir: Path, vocab_size: int) -> No
     if m.tokenizer.vocab_size > vocab_size:
         raise ValueError(f"--data {data_dir}: its tokenizer has {m.tokenizer.vocab_size} tokens, the model only "
                          f"{vocab_size}; prepare the data with the model's tokenizer (--tokenizer hf:{model_dir})")
+    run = _run_tokenizer(Path(model_dir))  # an adahop run records its data's tokenizer fingerprint
+    if run is not None and run[0] and m.tokenizer.sha256 and run[0] != m.tokenizer.sha256:
+        own = f"pass the run's own data (--data {run[1]}), or " if run[1] else ""
+        raise ValueError(f"--data {data_dir} was tokenized with {m.tokenizer.name}, another tokenizer than the one "
+                         f"{model_dir} trained on (their fingerprints differ); {own}prepare the data with "
+                         f"--tokenizer hf:{model_dir}")
     a, b = Path(data_dir) / "tokenizer.json", Path(model_dir) / "tokenizer.json"
     if a.exists() and b.exists() and _text_to_ids(a) != _text_to_ids(b):
         raise ValueError(f"--data {data_dir} was tokenized with another tokenizer than {model_dir}'s (their "
                          f"tokenizer.json differ); prepare the data with --tokenizer hf:{model_dir}")
+
+
+def _run_tokenizer(model_dir: Path) -> tuple[str | None, str | None] | None:
+    """(tokenizer fingerprint, data folder) an adahop run's config.json records, or None for other models."""
+    try:
+        section = json.loads((model_dir / "config.json").read_text()).get("adahop")
+    except (OSError, ValueError):
+        return None
+    if not section:
+        return None
+    return section.get("data_identity", {}).get("tokenizer", {}).get("sha256"), section.get("data_dir")
 
 
 def _text_to_ids(path: Path) -> list:
