@@ -506,14 +506,18 @@ def test_gpt2_tokenizer_without_network_names_the_offline_options(monkeypatch):
 
 
 @needs_shared
-def test_run_folder_tokenizer_loads_with_autotokenizer(tmp_path):
+def test_run_folder_tokenizer_loads_with_autotokenizer_and_gives_the_datas_ids(tmp_path):
     """Each data tokenizer becomes transformers files in the run folder with the same ids (a tiktoken
-    GPT-2 run had none, and `adahop eval` of it failed)."""
+    GPT-2 run had none, and `adahop eval` of it failed). The data tokenizer encodes ``<|endoftext|>``
+    in text as plain text (tiktoken's encode_ordinary; the bpe backend matches it as its special
+    token): the run folder's tokenizer must too, or text holding it is scored on ids the model never
+    saw there."""
     from transformers import AutoTokenizer
 
     from adahop.train.export import save_hf_tokenizer
 
-    text = "Hello world. The 3 quick brown foxes can't jump; naïve café ünïcode.\n\n" * 40
+    text = ("Hello world. The 3 quick brown foxes can't jump; naïve café ünïcode.\n\n"
+            "one.<|endoftext|>Two <|endoftext|> three — naïve 日本 😀\n\n") * 20
     (tmp_path / "a.txt").write_text(text, encoding="utf-8")
     for spec in (GPT2, "bpe"):
         data, run = tmp_path / f"d-{spec[:3]}", tmp_path / f"r-{spec[:3]}"
@@ -521,32 +525,11 @@ def test_run_folder_tokenizer_loads_with_autotokenizer(tmp_path):
         run.mkdir()
         save_hf_tokenizer(run, data)
         ours, hf = Manifest.load(data).load_tokenizer(data), AutoTokenizer.from_pretrained(run)
-        assert hf(text[:200], add_special_tokens=False)["input_ids"] == ours.encode(text[:200])
-        assert hf.eos_token_id == ours.eos_id
-    assert AutoTokenizer.from_pretrained(tmp_path / "r-tik")("Hello world")["input_ids"] == [15496, 995]
-
-
-@needs_shared
-def test_run_folder_tokenizer_reads_a_literal_endoftext_as_the_data_did(tmp_path):
-    """The data tokenizer encodes ``<|endoftext|>`` in text as plain text (tiktoken's encode_ordinary;
-    the bpe backend matches it as its special token): the run folder's transformers tokenizer must
-    give the same ids either way, or text holding it is scored on ids the model never saw there."""
-    from transformers import AutoTokenizer
-
-    from adahop.train.export import save_hf_tokenizer
-
-    text = "one.<|endoftext|>Two <|endoftext|> three — naïve 日本 😀\n\n" * 20
-    (tmp_path / "a.txt").write_text(text, encoding="utf-8")
-    for spec in (GPT2, "bpe"):
-        data, run = tmp_path / f"d-{spec[:3]}", tmp_path / f"r-{spec[:3]}"
-        prepare([str(tmp_path / "a.txt")], data, tokenizer=spec, vocab_size=300, val_fraction=0.1)
-        run.mkdir()
-        save_hf_tokenizer(run, data)
-        ours, hf = Manifest.load(data).load_tokenizer(data), AutoTokenizer.from_pretrained(run)
-        for s in (text[:120], "<|endoftext|>", "a<|endoftext|>"):
+        for s in (text[:300], "<|endoftext|>", "a<|endoftext|>"):
             assert hf(s, add_special_tokens=False)["input_ids"] == ours.encode(s), (spec, s)
         assert hf.eos_token_id == ours.eos_id
     gpt2 = AutoTokenizer.from_pretrained(tmp_path / "r-tik")
+    assert gpt2("Hello world")["input_ids"] == [15496, 995]
     assert 50256 not in gpt2("a<|endoftext|>")["input_ids"] and gpt2.eos_token_id == 50256  # plain text, as in the shards
 
 
