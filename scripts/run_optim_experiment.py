@@ -261,7 +261,7 @@ def main() -> int:
                                                                  "(default 100; --smoke: 2)")
     ap.add_argument("--min-free-gib", type=float, default=24,
                     help="start a run only while the GPU keeps this much memory free for it and for each run started "
-                         "in the last 120 s (the quality launcher's gate, experiments/quality/run.py); 0: off")
+                         f"in the last {GATE.RAMP_S} s (the quality launcher's gate, experiments/quality/run.py); 0: off")
     ap.add_argument("--concurrent", type=int, default=None, help="runs sharing the GPU at once (default 4; --smoke: 1)")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="wall seconds for this call: no run starts after it, running ones stop with a checkpoint")

@@ -163,7 +163,7 @@ def _forward(x, weight, bias, layer, specs_version, dtype, seed, record: bool) -
     tpl = _flatten((ctx.specs, ctx.signs_w, ctx.signs_d, ctx.x_prep, ctx.w_prep), leaves)
     key = (layer, x.shape[0], weight.dtype, dtype)
     if record:  # real calls only: fake shapes may be symbolic; one template per token count
-        _TEMPLATES[(layer, int(x.shape[0]), weight.dtype, dtype)] = tpl
+        _TEMPLATES[key] = tpl
         _check_fake_shapes(mod, key, leaves)
     elif all(isinstance(d, int) for t in leaves for d in t.shape) and isinstance(x.shape[0], int):
         _FAKE_SHAPES[key] = [tuple(t.shape) for t in leaves]
