@@ -75,7 +75,11 @@ class Tokenizer:
 
     def to_transformers(self):
         """This tokenizer as a ``transformers.PreTrainedTokenizerFast`` (EOS set) that encodes text to
-        the same ids, for a run folder that ``AutoTokenizer.from_pretrained`` and lm-eval load."""
+        the same ids, for a run folder that ``AutoTokenizer.from_pretrained`` and lm-eval load (the
+        tiktoken ranks go through transformers' ``TikTokenConverter``).
+
+        Raises:
+            ImportError: ``transformers`` (or, for tiktoken, ``tiktoken``) is not installed."""
         raise NotImplementedError
 
     def fingerprint(self) -> str:
