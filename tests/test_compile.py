@@ -296,3 +296,34 @@ def test_converted_layer_makes_its_device_constants_before_any_compiled_call(sin
     device_constants._CACHE.clear()
     m.to(torch.float64)  # any _apply warms them again
     assert {"fixed_signs", "e2m1_values", "fold_table"} <= {k[0] for k in device_constants._CACHE}
+
+
+def test_sign_seed_follows_the_layers_and_the_steps(single_thread):
+    """The compiled path's sign seed (``Controller.sign_seed``). Round 11 on the H200: a compiled tseng
+    layer replayed from a CUDA graph failed ("Cannot copy between CPU and CUDA tensors during CUDA graph
+    capture"), because the seed stayed on the CPU unless ``seed_compiled_rng`` moved it; and a loop that
+    called only ``on_step`` hashed the same signs at every step (the seed stayed 0)."""
+    m = _layer("tseng")
+    ctrl = adahop.get_controller(m)
+    seeds = []
+    for step in (1, 2, 3):
+        on_step(m, step)
+        seeds.append(int(ctrl.sign_seed))
+        seed_compiled_rng(m, step)  # the training loop's seeding: the same value for micro-batch 0
+        assert int(ctrl.sign_seed) == seeds[-1]
+    assert len(set(seeds)) == 3, f"on_step must give every step its own sign seed, got {seeds}"
+    seed_compiled_rng(m, 3, micro=1)
+    assert int(ctrl.sign_seed) not in seeds
+    # resume: the restored step gives its seed back
+    from adahop.nn.convert import controller_state, load_controller_state
+
+    state = controller_state(m)
+    on_step(m, 9)
+    load_controller_state(m, state)
+    assert int(ctrl.sign_seed) == ctrl.sign_seed_value(3)
+    # the seed moves with the weights (a CPU seed on a CUDA model is a copy in every step)
+    m.to("meta")
+    assert ctrl.sign_seed.device.type == "meta"
+    lin = nn.Sequential(nn.Linear(K, N, bias=False, device="meta"))
+    adahop.convert_model(lin, "tseng")
+    assert adahop.get_controller(lin).sign_seed.device.type == "meta"

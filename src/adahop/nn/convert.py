@@ -195,7 +195,8 @@ def controller_state(model: nn.Module) -> dict:
 def load_controller_state(model: nn.Module, state: dict) -> None:
     """Restore :func:`controller_state` output: a saved plan is adopted (calibration does not run
     again), a calibration in progress continues from its saved history, and the step counter
-    (which seeds the stochastic-rounding streams) continues from the saved step.
+    (which seeds the stochastic-rounding streams and the compiled path's sign seed) continues
+    from the saved step.
 
     Raises:
         ValueError: ``model`` is not converted, or the plan was made for another model."""
@@ -205,6 +206,8 @@ def load_controller_state(model: nn.Module, state: dict) -> None:
     elif state.get("calibration_history") is not None and ctrl.calibrator is not None:
         ctrl.calibrator.history = state["calibration_history"]
     ctrl.step = int(state["step"])
+    if ctrl.sign_seed.device.type != "meta":
+        ctrl.sign_seed.fill_(ctrl.sign_seed_value(ctrl.step))
 
 
 def register_step_hook(model: nn.Module, optimizer: torch.optim.Optimizer, on_freeze=None):
@@ -251,10 +254,8 @@ def seed_compiled_rng(model: nn.Module, step: int, micro: int = 0) -> None:
     if ctrl.recipe.draws_random_bits:
         parts = (ctrl.seed, step, "compiled") + ((micro,) if micro else ())  # micro 0: the seeds of earlier versions
         torch.manual_seed(mix_seed(*parts))
-        device = next((l.weight.device for l in ctrl.layers), ctrl.sign_seed.device)
-        if ctrl.sign_seed.device != device:  # once: the seed lives beside the layers
-            ctrl.sign_seed = ctrl.sign_seed.to(device)
-        ctrl.sign_seed.fill_(mix_seed(*parts, "signs") & 0xFFFFFFFF)
+        ctrl.place_sign_seed(next((l.weight.device for l in ctrl.layers), ctrl.sign_seed.device))
+        ctrl.sign_seed.fill_(ctrl.sign_seed_value(step, micro))
 
 
 def saved_bytes(model: nn.Module) -> tuple[int, int]:

@@ -48,10 +48,12 @@ class Controller:
         # merge every rank's observations, so that all ranks freeze the same plan
         self.agree = None
         # under torch.compile, per-call random signs are hashed from this seed and the layer (a graph
-        # input that only seed_compiled_rng changes, between calls): the compiled backward may
-        # recompute forward values, and a traced RNG op or a counter mutated in the graph then gave
-        # dY other signs than X (issue 24 §0)
-        self.sign_seed = torch.zeros((), dtype=torch.int64)
+        # input changed only between calls, in place, by on_step and seed_compiled_rng): the compiled
+        # backward may recompute forward values, and a traced RNG op or a counter mutated in the graph
+        # then gave dY other signs than X (issue 24 §0). It lives on the layers' device
+        # (place_sign_seed): a CPU seed is a host-to-device copy in every step, which a CUDA graph
+        # cannot capture
+        self.sign_seed = torch.tensor(self.sign_seed_value(0), dtype=torch.int64)
 
     @staticmethod
     def _for_recipe(recipe: Recipe, plan: Plan | None) -> Plan | None:
@@ -87,10 +89,25 @@ class Controller:
         """Track ``layer`` (weakly) so that plan changes reach it."""
         self._layers.append(weakref.ref(layer))
 
+    def sign_seed_value(self, step: int, micro: int = 0) -> int:
+        """The compiled path's sign seed for micro-batch ``micro`` of 0-based step ``step`` (32 bits)."""
+        return mix_seed(self.seed, step, "compiled", *((micro,) if micro else ()), "signs") & 0xFFFFFFFF
+
+    def place_sign_seed(self, device: torch.device) -> None:
+        """Keep :attr:`sign_seed` on ``device`` (the layers'); call before compiling, never between replays."""
+        if self.sign_seed.device != torch.device(device):
+            self.sign_seed = self.sign_seed.to(device)
+
     def on_step(self, step: int) -> bool:
         """Record that ``step`` optimizer steps are done; freeze the plan when calibration ends.
-        Returns True on the step the plan is frozen."""
+        Returns True on the step the plan is frozen.
+
+        It also sets :attr:`sign_seed` to step ``step``'s value, so that a compiled model in a
+        loop that calls only :func:`adahop.on_step` draws fresh random signs every step, as eager
+        mode does (the same value :func:`adahop.nn.seed_compiled_rng` sets for micro-batch 0)."""
         self.step = step
+        if self.sign_seed.device.type != "meta":
+            self.sign_seed.fill_(self.sign_seed_value(step))
         if self.calibrating and step >= self.recipe.calibration.steps:
             if self.agree is not None:
                 self.agree(self.calibrator)
@@ -139,6 +156,7 @@ class LowPrecisionLinear(nn.Linear):
         new.saved_bytes, new.patterns, new._calls = 0, {}, {}
         new._specs = None
         controller.register(new)
+        controller.place_sign_seed(new.weight.device)
         opaque.register(new)
         new.resolve_specs()
         return new
@@ -178,7 +196,9 @@ class LowPrecisionLinear(nn.Linear):
 
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)
-        self._warm_constants()  # moved to another device: its constants too
+        # moved to another device: its constants and the controller's sign seed too (Controller.place_sign_seed)
+        self.controller.place_sign_seed(self.weight.device)
+        self._warm_constants()
         return out
 
     def _warm_constants(self) -> None:
