@@ -231,8 +231,9 @@ def report(args) -> int:
 
         from adahop.train.metrics import read_metrics
 
-        fig, axes = plt.subplots(1, len(RECIPES), figsize=(7 * len(RECIPES), 4.5), squeeze=False)
-        for ax, recipe in zip(axes[0], RECIPES):
+        shown = [r for r in RECIPES if any(f"-{r}-s0" in n for n in runs)] or list(RECIPES[:1])  # no empty panels
+        fig, axes = plt.subplots(1, len(shown), figsize=(7 * len(shown), 4.5), squeeze=False)
+        for ax, recipe in zip(axes[0], shown):
             for name in runs:
                 if f"-{recipe}-s0" in name:
                     pts = [(m["step"], m["loss"]) for m in read_metrics(root / name / "metrics.jsonl") if "loss" in m]
