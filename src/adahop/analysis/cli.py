@@ -27,6 +27,7 @@ from ..patterns import Plan, pattern_stats
 from ..recipes import get_recipe
 from ..recipes.spec import CalibSpec
 from ..train.config import TrainConfig, config_from
+from ..train.export import read_run_section
 from ..train.setup import build_optimizer, lr_at, make_model, make_streams, resolve_data, resolve_device
 from . import census as cs
 from . import figures, report
@@ -143,7 +144,7 @@ def _load_run(args) -> tuple[TrainConfig, Path, Path]:
     cfg_path = run_dir / "config.json"
     if not cfg_path.exists():
         raise ValueError(f"--run {run_dir}: no config.json (is it a run folder of `adahop train`?)")
-    section = json.loads(cfg_path.read_text()).get("adahop")
+    section = read_run_section(run_dir)
     if not section or "config" not in section or "data_dir" not in section:
         raise ValueError(f"--run {run_dir}: config.json has no 'adahop' section with 'config' and 'data_dir'")
     known = {f.name for f in dataclasses.fields(TrainConfig)}

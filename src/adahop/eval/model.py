@@ -67,12 +67,13 @@ def load_model(path: str | Path, *, device: torch.device, recipe: str | None = N
 
     from ..models import _dtype_kwarg
     from ..train.checkpoint import latest_checkpoint
+    from ..train.export import read_run_section
 
     p = Path(path)
     if not (p / "config.json").is_file():
         raise ValueError(f"MODEL {p}: no config.json; pass a run folder of `adahop train` or a transformers "
                          f"model folder")
-    section = json.loads((p / "config.json").read_text()).get("adahop")
+    section = read_run_section(p)
     ck = latest_checkpoint(p) if section else None
     ck_weights = ck / "model.safetensors" if ck is not None and (ck / "model.safetensors").is_file() else None
     if ck_weights is not None:

@@ -42,8 +42,10 @@ def check_same_tokenizer(data_dir: Path, model_dir: Path, vocab_size: int) -> No
 
 def _run_tokenizer(model_dir: Path) -> tuple[str | None, str | None] | None:
     """(tokenizer fingerprint, data folder) an adahop run's config.json records, or None for other models."""
+    from ..train.export import read_run_section
+
     try:
-        section = json.loads((model_dir / "config.json").read_text()).get("adahop")
+        section = read_run_section(model_dir)
     except (OSError, ValueError):
         return None
     if not section:

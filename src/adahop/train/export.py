@@ -15,11 +15,11 @@ from safetensors.torch import save_file
 from .. import __version__
 from ..data import Manifest
 from ..data.identity import manifest_identity
-from ..utils import atomic_write_text
+from ..utils import atomic_write_text, read_json
 from .checkpoint import tied_keys
 from .config import TrainConfig
 
-__all__ = ["write_config", "export_hf", "save_hf_tokenizer", "git_revision"]
+__all__ = ["write_config", "read_run_section", "export_hf", "save_hf_tokenizer", "git_revision"]
 
 
 def git_revision() -> str | None:
@@ -42,6 +42,20 @@ def write_config(run: Path, cfg: TrainConfig, model, data_dir: Path, recipe) -> 
                        data_identity=manifest_identity(Manifest.load(data_dir)), version=__version__,
                        git_revision=git_revision())
     atomic_write_text(run / "config.json", json.dumps(d, indent=1, default=str))
+
+
+def read_run_section(run: str | Path) -> dict | None:
+    """The "adahop" section :func:`write_config` put in ``run/config.json`` (keys ``config``, ``recipe``,
+    ``data_dir``, ``data_identity``, ``version``, ``git_revision``), or None when the folder has no
+    config.json or the file no such section (a plain transformers model folder).
+
+    Raises:
+        ValueError: config.json is not valid JSON (the message names the file).
+    """
+    path = Path(run) / "config.json"
+    if not path.is_file():
+        return None
+    return read_json(path, "the run's config").get("adahop") or None
 
 
 def export_hf(run: Path, model, data_dir: Path) -> None:

@@ -124,11 +124,9 @@ def _on_sigint(stop: dict):
 
 def _saved_steps(run: Path) -> int | None:
     """--steps of the run saved in ``run/config.json`` (None without one)."""
-    from ..utils import read_json
+    from .export import read_run_section
 
-    if not (run / "config.json").exists():
-        return None
-    return read_json(run / "config.json", "the run's config").get("adahop", {}).get("config", {}).get("steps")
+    return (read_run_section(run) or {}).get("config", {}).get("steps")
 
 
 def _schedule_steps(cfg: TrainConfig, meta: dict | None, saved_steps: int | None, start: int, verbose: bool) -> int:

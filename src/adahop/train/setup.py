@@ -43,11 +43,10 @@ def settings_diff(cfg: TrainConfig, run: Path, keys) -> list[str]:
     Raises:
         ValueError: ``run/config.json`` is not valid JSON, or ``cfg.data`` names a missing path.
     """
-    from ..utils import read_json
+    from .export import read_run_section
 
-    if not (run / "config.json").exists():
+    if (section := read_run_section(run)) is None:
         return []
-    section = read_json(run / "config.json", "the run's config").get("adahop", {})
     saved, now = section.get("config", {}), cfg.to_dict()
     diff = []
     for k in keys:
@@ -83,11 +82,10 @@ def data_changes(cfg: TrainConfig, run: Path) -> tuple[list[str], str]:
     Raises:
         ValueError: ``run/config.json`` is not valid JSON, or ``cfg.data`` names a missing path.
     """
-    from ..utils import read_json
+    from .export import read_run_section
 
-    if not (run / "config.json").exists():
+    if (section := read_run_section(run)) is None:
         return [], ""
-    section = read_json(run / "config.json", "the run's config").get("adahop", {})
     old, kept = section.get("data_identity"), section.get("data_dir")
     kept_ok = kept is not None and (Path(kept) / "manifest.json").is_file()
     if old is None:  # a run of an adahop before data identities: its prepared folder tells, if still there
