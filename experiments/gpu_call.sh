@@ -41,7 +41,9 @@
 #      per task (default all), MINLEFT: start no run with fewer seconds left (default 120; a run that does not
 #      finish in the call is lost: its checkpoints stay on the machine); OPTIM_CONC: also that many runs of
 #      issue 21's experiment at once (scripts/run_optim_experiment.py, 20M tokens each), the finished ones
-#      kept in docs/results/runs/optim/ (copy them there from $OUT/optim_runs.tgz); $OUT/runs comes back as runs.tgz
+#      kept in docs/results/runs/optim/ (copy them there from $OUT/optim_runs.tgz); $OUT/runs comes back as runs.tgz;
+#      REV_JOBS (RECIPE:SEED,...): beside them, reruns at this revision of runs the table has from an older one, into
+#      runs/issue19/rev (finished ones kept in docs/results/runs/revision/, from $OUT/rev.tgz)
 #   r7a (round 7, one GPU): the full kernel validation (the byte-level encoding of issue 19), then the
 #      compiled-gradient checks of issue 24: the SR recipes' mean dW projected on dY^T X under Inductor,
 #      and compiled vs eager gradients of a llama-20m model
@@ -245,6 +247,11 @@ elif [ "$STAGE" = i19q ]; then
       --budget-s $(( ${LIM:-510} - $(el) )) --min-left-s ${MINLEFT:-120} --grace-s 45 > $OUT/optim_launcher.log 2>&1 &
     OPT=$!
   fi
+  if [ -n "${REV_JOBS:-}" ]; then  # reruns at this revision of runs the table holds from an older one (docs/results.md: revisions)
+    python3 experiments/quality/run.py "${EVAL[@]}" --data runs/issue19/main --out runs/issue19/rev --jobs $REV_JOBS --steps ${STEPS:-1221} \
+      --eval-every 100 --ckpt-every 100 --compile --concurrent 1 --budget-s $(( ${LIM:-510} - $(el) )) --min-left-s ${MINLEFT:-120} \
+      --grace-s 45 --keep docs/results/runs/revision --collect $OUT/rev > $OUT/rev_launcher.log 2>&1 &
+  fi
   python3 experiments/quality/run.py "${EVAL[@]}" --data runs/issue19/main --out runs/issue19/q --table ${TABLES:-issue19,ablation,msr} \
     --steps ${STEPS:-1221} --eval-every 100 --ckpt-every 100 --compile --concurrent ${CONC:-4} \
     --budget-s $(( ${LIM:-510} - $(el) )) --min-left-s ${MINLEFT:-120} --grace-s 45 --keep docs/results/runs/q20m --collect $OUT/runs 2>&1 | tee $OUT/quality_i19.log | tail -30
@@ -255,6 +262,7 @@ elif [ "$STAGE" = i19q ]; then
   # only a few files come back from a call: the run folders as one archive each, the small logs in one
   [ -d $OUT/runs ] && (cd $OUT && tar czf runs.tgz runs && rm -rf runs)
   [ -d $OUT/seed ] && (cd $OUT && tar czf seed.tgz seed seed_*.log smoke.log prepare.log && rm -rf seed seed_*.log)
+  [ -d $OUT/rev ] && (cd $OUT && tar czf rev.tgz rev rev_launcher.log && rm -rf rev rev_launcher.log)
   echo "stage $STAGE done at $(el) s"; exit 0
 fi
 case $STAGE in a|b|c) python3 -m adahop data prepare --source .carry/corpus_main.txt.xz --tokenizer tiktoken:.carry/gpt2.tiktoken --out /tmp/main > $OUT/prepare.log 2>&1 &
