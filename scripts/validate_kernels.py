@@ -24,8 +24,9 @@ Checks, each printed as PASS/FAIL with its numbers:
 - ``rivals``: ``nvfp4_matmul`` on the BF16 tensor cores (exact ``q·s_block`` operands, FP32 sums)
   vs the float64 product of the dequantized operands and the FP32 reference, ≤ 1e-5 of ‖A·B‖, eager
   and compiled, with its time against the FP32 reference; ``block_hadamard`` of whole dimensions
-  above 256 (HALO's Kronecker form) vs the butterfly it replaced; nvfp4 / averis / halo-2 layers
-  replayed from CUDA graphs;
+  above 256 (HALO's Kronecker form) vs the butterfly it replaced; the quantizer with a Hadamard
+  block above 256 (butterfly, then the kernel) bit for bit; nvfp4 / averis / halo-2 layers replayed
+  from CUDA graphs;
 - ``torch.compile(fullgraph=True)`` of quantize + GEMM equals eager;
 - the fused optimizer step (``optim``): every algorithm, BF16/FP32 weights and states, RNE and
   stochastic rounding, bit for bit against its reference under a fixed Philox seed.
@@ -219,6 +220,23 @@ def check_nvfp4_gemm(name, m, kc, n, dev, gen, tile_b=True, rounding="nearest"):
         detail.update(us_bf16=1e3 * cuda_time_ms(lambda: nvfp4_matmul(qa, qb, backend="triton")),
                       us_fp32_reference=1e3 * cuda_time_ms(lambda: nvfp4_matmul_reference(qa, qb), reps=3))
     record(f"nvfp4 gemm {name}", ok, **detail)
+
+
+def check_large_block_quantize(name, x, axis, hb, signs=None):
+    """``iht_quantize_mxfp4`` with a Hadamard block above 256 (HALO's whole-dimension fprop transform):
+    the butterfly, then the kernel without a transform, vs the reference, bit for bit, with its time."""
+    q = iht_quantize_mxfp4(x, axis=axis, hadamard_block=hb, signs=signs, backend="triton")
+    qr = iht_quantize_mxfp4(x, axis=axis, hadamard_block=hb, signs=signs, backend="reference")
+    bad = (q.codes != qr.codes).sum().item() + (q.scales != qr.scales).sum().item()
+    if q.fp8 is not None:
+        rf8, rrs = fold_to_fp8(qr, backend="reference")
+        bad += (q.fp8[0].view(torch.uint8) != rf8.view(torch.uint8)).sum().item() + (q.fp8[1] != rrs).sum().item()
+    detail = dict(diff=bad)
+    if x.is_cuda:
+        detail.update(us_triton=1e3 * cuda_time_ms(lambda: iht_quantize_mxfp4(x, axis=axis, hadamard_block=hb, backend="triton")),
+                      us_reference=1e3 * cuda_time_ms(lambda: iht_quantize_mxfp4(x, axis=axis, hadamard_block=hb,
+                                                                                  backend="reference"), reps=3))
+    record(f"quant {name}", bad == 0 and q.fp8 is not None, **detail)
 
 
 def check_kron_hadamard(name, shape, axis, dev, gen):
@@ -514,6 +532,11 @@ def main() -> int:
             check_nvfp4_gemm(f"{m}x{kc}x{n} W tiles 16x16", m, kc, n, dev, gen)
         m, kc, n = big((2048, 4096, 2048))
         check_nvfp4_gemm(f"{m}x{kc}x{n} 1x16 blocks, SR A", m, kc, n, dev, gen, tile_b=False, rounding="stochastic")
+        for shape, axis in (((16384, 512), 1), ((512, 16384), 0)):  # HALO fprop: X [T, K], Wᵀ [K, N], hb = K
+            hb = shape[axis]
+            check_large_block_quantize(f"{shape[0]}x{shape[1]} ax{axis} hb{hb} (Hadamard block above 256)",
+                                       make_input(shape if s else tuple(min(d, 64) if d != hb else d for d in shape),
+                                                  torch.bfloat16, dev, gen), axis, hb)
         for shape, axis in (((16384, 512), 0), ((16384, 512), 1), ((512, 32768), 1), ((4096, 64), 0)):
             shape = shape if s else tuple(min(d, 1024) for d in shape)
             check_kron_hadamard(f"{shape[0]}x{shape[1]} whole axis {axis}", shape, axis, dev, gen)
