@@ -21,6 +21,12 @@ Checks, each printed as PASS/FAIL with its numbers:
   covers every tile plan of the quantizer (a [64, 4, 32] tile once compiled wrong on sm_90);
 - ``fold_to_fp8`` (Triton, the backward's unpack of saved packed MXFP4) vs the reference fold,
   byte for byte, with its time;
+- ``rivals``: ``nvfp4_matmul`` on the BF16 tensor cores (exact ``q·s_block`` operands, FP32 sums)
+  vs the float64 product of the dequantized operands and the FP32 reference, ≤ 1e-5 of ‖A·B‖, eager
+  and compiled, with its time against the FP32 reference; ``block_hadamard`` of whole dimensions
+  above 256 (HALO's Kronecker form) vs the butterfly it replaced; the quantizer with a Hadamard
+  block above 256 (butterfly, then the kernel) bit for bit; nvfp4 / averis / halo-2 layers replayed
+  from CUDA graphs;
 - ``torch.compile(fullgraph=True)`` of quantize + GEMM equals eager;
 - the fused optimizer step (``optim``): every algorithm, BF16/FP32 weights and states, RNE and
   stochastic rounding, bit for bit against its reference under a fixed Philox seed.
@@ -45,7 +51,10 @@ except ImportError:
     sys.exit("validate_kernels.py checks the Triton kernels: install them with pip install -e '.[triton]' (or '.[test]')")
 
 from adahop.bench import cuda_time_ms
+from adahop.formats import quantize_nvfp4
+from adahop.hadamard import block_hadamard
 from adahop.kernels import fold_to_fp8, hadamard_butterfly, iht_quantize_mxfp4, mx_matmul, mx_transpose
+from adahop.kernels import nvfp4_matmul, nvfp4_matmul_reference
 from adahop.kernels import _triton_quantize as tq
 
 RESULTS: list[dict] = []
@@ -183,6 +192,70 @@ def check_gemm(name, m, kc, n, dev, gen, hb=32, via_fold=False):
            fp32_accumulation_rel=rel_x, cached_fp8=qa.fp8 is not None)
 
 
+def check_nvfp4_gemm(name, m, kc, n, dev, gen, tile_b=True, rounding="nearest"):
+    """``nvfp4_matmul`` on the BF16 tensor cores (exact q·s_block operands, FP32 sums, tensor scales
+    after) vs the float64 product of the dequantized operands and vs the FP32 reference; also
+    compiled (``adahop::fp8_rowwise_mm``) and with a bfloat16 output."""
+    a = make_input((m, kc), torch.bfloat16, dev, gen)
+    b = make_input((n, kc), torch.bfloat16, dev, gen).t()  # [Kc, N] view of a row-major [N, Kc]: like Wᵀ
+    qa = quantize_nvfp4(a, axis=1, rounding=rounding, generator=gen)
+    qb = quantize_nvfp4(b, axis=0, tile_2d=tile_b)
+    exact = qa.dequantize(torch.float64) @ qb.dequantize(torch.float64)
+    out = nvfp4_matmul(qa, qb, backend="triton")
+    rel = ((out.double() - exact).norm() / exact.norm()).item()
+    rel_ref = ((out - nvfp4_matmul_reference(qa, qb)).double().norm() / exact.norm()).item()
+    out16 = nvfp4_matmul(qa, qb, backend="triton", out_dtype=torch.bfloat16)
+    rel16 = ((out16.double() - exact).norm() / exact.norm()).item()
+    try:
+        comp = torch.compile(lambda x, y: nvfp4_matmul(x, y, backend="triton"), fullgraph=True)(qa, qb)
+        rel_c, err = ((comp.double() - exact).norm() / exact.norm()).item(), ""
+    except Exception as e:  # noqa: BLE001 - reported as a FAIL
+        rel_c, err = float("inf"), f"{type(e).__name__}: {str(e)[:200]}"
+    ok = (out.shape == (m, n) and out.dtype == torch.float32 and rel <= 1e-5 and rel_ref <= 1e-5 and rel16 <= 1e-2
+          and rel_c <= 1e-5)
+    detail = dict(rel=rel, rel_to_fp32_reference=rel_ref, rel_bf16_out=rel16, rel_compiled=rel_c)
+    if err:
+        detail["error"] = err
+    if dev == "cuda":
+        detail.update(us_bf16=1e3 * cuda_time_ms(lambda: nvfp4_matmul(qa, qb, backend="triton")),
+                      us_fp32_reference=1e3 * cuda_time_ms(lambda: nvfp4_matmul_reference(qa, qb), reps=3))
+    record(f"nvfp4 gemm {name}", ok, **detail)
+
+
+def check_large_block_quantize(name, x, axis, hb, signs=None):
+    """``iht_quantize_mxfp4`` with a Hadamard block above 256 (HALO's whole-dimension fprop transform):
+    the butterfly, then the kernel without a transform, vs the reference, bit for bit, with its time."""
+    q = iht_quantize_mxfp4(x, axis=axis, hadamard_block=hb, signs=signs, backend="triton")
+    qr = iht_quantize_mxfp4(x, axis=axis, hadamard_block=hb, signs=signs, backend="reference")
+    bad = (q.codes != qr.codes).sum().item() + (q.scales != qr.scales).sum().item()
+    if q.fp8 is not None:
+        rf8, rrs = fold_to_fp8(qr, backend="reference")
+        bad += (q.fp8[0].view(torch.uint8) != rf8.view(torch.uint8)).sum().item() + (q.fp8[1] != rrs).sum().item()
+    detail = dict(diff=bad)
+    if x.is_cuda:
+        detail.update(us_triton=1e3 * cuda_time_ms(lambda: iht_quantize_mxfp4(x, axis=axis, hadamard_block=hb, backend="triton")),
+                      us_reference=1e3 * cuda_time_ms(lambda: iht_quantize_mxfp4(x, axis=axis, hadamard_block=hb,
+                                                                                  backend="reference"), reps=3))
+    record(f"quant {name}", bad == 0 and q.fp8 is not None, **detail)
+
+
+def check_kron_hadamard(name, shape, axis, dev, gen):
+    """``block_hadamard`` of a whole dimension above 256 (the Kronecker form, HALO) vs the butterfly
+    it replaced, in float64; with its time against the butterfly's."""
+    from adahop.hadamard import _fwht
+
+    x = torch.randn(*shape, device=dev, generator=gen)
+    n = shape[axis]
+    y = block_hadamard(x, block_size=n, axis=axis)
+    ref = (_fwht(x.double().movedim(axis, -1)) / n**0.5).movedim(-1, axis)
+    rel = ((y.double() - ref).norm() / ref.norm()).item()
+    detail = dict(rel=rel)
+    if dev == "cuda":
+        detail.update(us_kronecker=1e3 * cuda_time_ms(lambda: block_hadamard(x, block_size=n, axis=axis)),
+                      us_butterfly=1e3 * cuda_time_ms(lambda: _fwht(x.movedim(axis, -1).contiguous()) / n**0.5))
+    record(f"hadamard {name}", rel <= 1e-6 and y.shape == x.shape, **detail)
+
+
 def check_fold(name, x, axis, rule="floor"):
     """The Triton fold of a saved (packed) operand vs the reference fold, byte for byte."""
     hb = 32 if x.shape[axis] % 32 == 0 else None
@@ -256,6 +329,40 @@ def check_compile(dev, gen):
         ok, err = False, f"{type(e).__name__}: {str(e)[:200]}"
     record("torch.compile tseng layer (opaque, reduce-overhead): captures, finite nonzero y, dX, dW", ok,
            **({"error": err} if err else {}))
+
+
+def check_rival_layers(dev, gen):
+    """A converted nvfp4 / averis / halo-2 layer (512 features, 512 tokens: the NVFP4 GEMM, HALO's
+    Kronecker Hadamards) compiled with mode="reduce-overhead" (the opaque ops replayed from a CUDA
+    graph, as ``adahop train --compile`` runs them): it captures and gives finite, nonzero y, dX, dW;
+    the deterministic halo-2 equals eager."""
+    import adahop
+
+    x = make_input((512, 512), torch.float32, dev, gen)
+    for recipe in ("nvfp4", "averis", "halo-2"):
+        def run(compiled):
+            torch.manual_seed(0)
+            lin = adahop.convert_model(torch.nn.Sequential(torch.nn.Linear(512, 512, bias=False)).to(dev), recipe)
+            f = torch.compile(lin, fullgraph=True, mode="reduce-overhead") if compiled else lin
+            for _ in range(4 if compiled else 1):  # warm-up, recording, replays
+                torch.compiler.cudagraph_mark_step_begin()
+                lin.zero_grad(set_to_none=True)
+                xin = x.detach().clone().requires_grad_(True)
+                y = f(xin)
+                y.square().sum().backward()
+            return [y.detach().clone(), xin.grad, lin[0].weight.grad]
+
+        try:
+            torch.compiler.reset()
+            got, eager = run(True), run(False)
+            ok, err = all(bool(torch.isfinite(t).all()) and float(t.norm()) > 0 for t in got), ""
+            errs = [float((c - e).norm() / e.norm()) for c, e in zip(got, eager)]
+            if recipe == "halo-2":
+                ok = ok and max(errs) <= 1e-5
+        except Exception as e:  # noqa: BLE001 - reported as a FAIL
+            ok, err, errs = False, f"{type(e).__name__}: {str(e)[:200]}", []
+        record(f"torch.compile {recipe} layer (opaque, reduce-overhead): captures" + (", == eager" if recipe == "halo-2" else ""),
+               ok, **({"error": err} if err else {"rel_err_y_dx_dw": [f"{v:.1e}" for v in errs]}))
 
 
 def check_baseline(how, t, k, n, dev, gen):
@@ -333,7 +440,7 @@ def check_optim_multi(name, alg, w_dtype, s_dtype, rounding, dev, gen, small):
     record(name, ok, **detail)
 
 
-SECTIONS = ("quantize", "outputs", "sweep", "fold", "sr", "gemm", "compile", "baselines", "optim")
+SECTIONS = ("quantize", "outputs", "sweep", "fold", "sr", "gemm", "rivals", "compile", "baselines", "optim")
 
 
 def main() -> int:
@@ -418,6 +525,23 @@ def main() -> int:
         m, kc, n = big((2048, 4096, 2048))
         check_gemm(f"{m}x{kc}x{n} via fold_to_fp8 (reference quantizer)", m, kc, n, dev, gen, via_fold=True)
         check_gemm(f"{m}x{kc}x{n} no Hadamard", m, kc, n, dev, gen, hb=None)
+    if "rivals" in only:
+        # --- the rival recipes' fast paths: NVFP4 GEMM on BF16 tensor cores, HALO's large Hadamards ---------
+        for (m, kc, n) in ((4096, 4096, 4096), (8192, 512, 1344), (1000, 1000, 520), (512, 16384, 512)):
+            m, kc, n = big((m, kc, n))
+            check_nvfp4_gemm(f"{m}x{kc}x{n} W tiles 16x16", m, kc, n, dev, gen)
+        m, kc, n = big((2048, 4096, 2048))
+        check_nvfp4_gemm(f"{m}x{kc}x{n} 1x16 blocks, SR A", m, kc, n, dev, gen, tile_b=False, rounding="stochastic")
+        for shape, axis in (((16384, 512), 1), ((512, 16384), 0)):  # HALO fprop: X [T, K], Wᵀ [K, N], hb = K
+            hb = shape[axis]
+            check_large_block_quantize(f"{shape[0]}x{shape[1]} ax{axis} hb{hb} (Hadamard block above 256)",
+                                       make_input(shape if s else tuple(min(d, 64) if d != hb else d for d in shape),
+                                                  torch.bfloat16, dev, gen), axis, hb)
+        for shape, axis in (((16384, 512), 0), ((16384, 512), 1), ((512, 32768), 1), ((4096, 64), 0)):
+            shape = shape if s else tuple(min(d, 1024) for d in shape)
+            check_kron_hadamard(f"{shape[0]}x{shape[1]} whole axis {axis}", shape, axis, dev, gen)
+        if dev == "cuda":
+            check_rival_layers(dev, gen)
     if "compile" in only and dev == "cuda":
         check_compile(dev, gen)
     if "baselines" in only and dev == "cuda":

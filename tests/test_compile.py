@@ -15,6 +15,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import adahop
 from adahop.hadamard import hashed_signs
@@ -220,6 +221,18 @@ def test_opaque_ops_take_two_forwards_of_other_token_counts_before_one_backward(
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=f"{what}: compiled != eager")
 
 
+class _Lifts(TorchDispatchMode):
+    """Counts the tensors made from Python data (``aten.lift_fresh``: a host-to-device copy on CUDA)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen += func is torch.ops.aten.lift_fresh.default
+        return func(*args, **(kwargs or {}))
+
+
 @pytest.mark.parametrize("recipe", QUANTIZED)
 def test_a_steady_state_step_makes_no_tensor_from_host_data(recipe, single_thread):
     """Under ``mode="reduce-overhead"`` the opaque layer ops run their bodies (eager mode's code)
@@ -227,23 +240,79 @@ def test_a_steady_state_step_makes_no_tensor_from_host_data(recipe, single_threa
     an error: halo-2 failed so on the H200 (round 10, the Hadamard's 1/sqrt(b) scale). After the
     first step has filled the device constants, a step creates no tensor from Python data
     (``aten.lift_fresh``)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Lifts(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.seen += func is torch.ops.aten.lift_fresh.default
-            return func(*args, **(kwargs or {}))
-
     m = _layer(recipe)
     x0, dy = torch.randn(T, K), torch.randn(T, N)
     _grads(m, m, x0, dy, 1)  # fills the caches (signs, E2M1 grid, fold table, Hadamard blocks)
-    with Lifts() as mode:
+    with _Lifts() as mode:
         _grads(m, m, x0, dy, 2)
     assert mode.seen == 0, f"{recipe}: {mode.seen} tensor(s) made from host data in a steady-state step"
+
+
+@pytest.mark.parametrize("recipe, width, backend", [("halo-1", 512, "reference"), ("halo-2", 512, "reference"),
+                                                    ("nvfp4", 64, "triton"), ("averis", 64, "triton")])
+def test_rivals_fast_paths_capture_and_compile(recipe, width, backend, monkeypatch, single_thread):
+    """The rivals' fast paths inside the opaque ops: HALO's whole-dimension Hadamards at 512 features
+    and 512 tokens (the Kronecker form of blocks above 256) and the NVFP4 BF16-operand GEMM (backend
+    "triton", run on the CPU under TRITON_INTERPRET=1, where its last product is the FP32 emulation).
+    A steady-state step makes no tensor from host data; a compile (whose fake run fills the constant
+    caches first) gives the eager output for the deterministic forwards and finite gradients."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from adahop import device_constants
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(width, width, bias=False))
+    adahop.convert_model(m, recipe, seed=0, backend=backend)
+    g = torch.Generator().manual_seed(4)
+    x0, dy = torch.randn(width, width, generator=g), torch.randn(width, width, generator=g)
+    device_constants._CACHE.clear()
+    comp = _grads(m, torch.compile(m, fullgraph=True, backend="aot_eager"), x0, dy, 1)
+    assert not any(isinstance(t, FakeTensor) for t in device_constants._CACHE.values())
+    eager = _grads(m, m, x0, dy, 1)
+    with _Lifts() as mode:
+        _grads(m, m, x0, dy, 2)
+    assert mode.seen == 0, f"{recipe}: {mode.seen} tensor(s) made from host data in a steady-state step"
+    assert all(bool(torch.isfinite(t).all()) and float(t.norm()) > 0 for t in comp)
+    if not get_recipe(recipe).fprop.draws_random_bits:
+        torch.testing.assert_close(comp[0], eager[0], rtol=1e-6, atol=1e-6)
+
+
+def test_conversion_warms_the_rivals_constants(single_thread):
+    """Before any call (a first call under mode="reduce-overhead" would allocate from the CUDA-graph
+    pool), a converted layer has cached what its GEMMs read: HALO's dense Hadamards and Kronecker
+    factors up to 256, the NVFP4 GEMM's byte table."""
+    from adahop import device_constants
+
+    for recipe, want in (("halo-2", [("hadamard", n, torch.float32, "cpu") for n in (16, 32, 64, 128, 256)]),
+                         ("nvfp4", [("nvfp4_byte_pairs", "cpu"), ("hadamard", 16, torch.float32, "cpu")])):
+        device_constants._CACHE.clear()
+        adahop.convert_model(nn.Sequential(nn.Linear(K, N, bias=False)), recipe, seed=0)
+        missing = [k for k in want if k not in device_constants._CACHE]
+        assert not missing, f"{recipe}: not cached at conversion: {missing}"
+
+
+@pytest.mark.slow  # ~30 s on a busy 2-core runner: a dynamic-shape trace of the whole layer
+def test_traced_halo2_compiles_with_a_dynamic_token_count(single_thread):
+    """HALO-2 rotates dY along the tokens: a new token count makes dynamo recompile with a dynamic
+    size (here marked dynamic at once), which the whole-token Hadamard must not specialize inside the
+    traced autograd.Function (the Kronecker form of blocks above 256 did, and dynamo failed with
+    "Expected subgraph_vt to be a tensor"); traced code keeps the butterfly, which only guards on it."""
+    from adahop.nn.opaque import set_compiled_layers
+
+    prev = set_compiled_layers("traced")
+    try:
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(K, N, bias=False))
+        adahop.convert_model(m, "halo-2", seed=0)
+        x = torch.randn(512, K)
+        xc, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+        torch._dynamo.mark_dynamic(xc, 0)
+        torch.compile(m, fullgraph=True, backend="aot_eager")(xc).square().sum().backward()
+        m(xe).square().sum().backward()
+        torch.testing.assert_close(xc.grad, xe.grad, rtol=1e-5, atol=1e-5)
+    finally:
+        set_compiled_layers(prev)
 
 
 @pytest.mark.parametrize("recipe", ["halo-2", "nvfp4"])

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from adahop.hadamard import SUPPORTED_SIZES, block_hadamard, hadamard_matrix, random_signs
+from adahop.hadamard import SUPPORTED_SIZES, _fwht, _sylvester, block_hadamard, hadamard_matrix, kron_factors, random_signs
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -60,12 +60,50 @@ def test_block_hadamard_without_signs_is_self_inverse(b, gen):
 
 
 @pytest.mark.parametrize("b", [512, 1024, 2048])
-def test_fwht_path_equals_dense_product(b, gen):
+def test_kronecker_path_equals_dense_product(b, gen):
     x = torch.randn(4, 2 * b, generator=gen, dtype=torch.float64)
     dense = (x.reshape(4, 2, b) @ hadamard_matrix(b, dtype=torch.float64)).reshape(4, 2 * b)
     torch.testing.assert_close(block_hadamard(x, block_size=b), dense, rtol=0, atol=1e-12)
     x32 = x.float()
     torch.testing.assert_close(block_hadamard(x32, block_size=b), dense.float(), rtol=1e-5, atol=1e-5)
+
+
+def test_kronecker_factors():
+    assert [kron_factors(n) for n in (512, 1024, 4096, 16384, 32768)] == [(16, 32), (32, 32), (64, 64), (128, 128),
+                                                                          (128, 256)]
+    for n in (512, 2048, 32768):  # H_n = H_a ⊗ H_b, the identity the fast path rests on (float64, n ≤ 2048 dense)
+        a, b = kron_factors(n)
+        if n <= 2048:
+            assert torch.equal(torch.kron(hadamard_matrix(a, dtype=torch.float64), hadamard_matrix(b, dtype=torch.float64)),
+                               _sylvester(n))
+
+
+@pytest.mark.parametrize("n, shape, axis", [(512, (3, 512), 1), (512, (512, 3), 0), (4096, (2, 4096), 1),
+                                            (4096, (4096, 2), 0), (4096, (2, 4096, 3), 1), (32768, (1, 32768), 1),
+                                            (32768, (32768, 2), 0), (1024, (2, 4096), 1), (1024, (4096, 3), 0)])
+def test_large_blocks_equal_the_butterfly_and_the_dense_matrix(n, shape, axis, gen):
+    """Blocks above 256 (the Kronecker form: HALO's whole-dimension rotations, up to 32768 tokens)
+    equal the earlier fast Walsh–Hadamard butterfly and, up to 4096, the dense H_n, to FP32
+    rounding, along every axis, also with signs."""
+    x = torch.randn(*shape, generator=gen)
+    for signs in (None, random_signs(n, generator=gen), random_signs(shape[axis], generator=gen)):
+        y = block_hadamard(x, block_size=n, axis=axis, signs=signs)
+        xm = x.double().movedim(axis, -1)
+        if signs is not None:
+            xm = (xm.reshape(*xm.shape[:-1], -1, signs.numel()) * signs.double()).reshape(xm.shape)
+        blocks = xm.reshape(*xm.shape[:-1], -1, n)
+        ref = (_fwht(blocks) / math.sqrt(n)).reshape(xm.shape).movedim(-1, axis)  # the butterfly, float64
+        assert y.shape == x.shape and y.dtype == torch.float32
+        assert float((y.double() - ref).abs().max()) <= 2e-6 * float(ref.abs().max())
+        old = (_fwht(blocks.float()) / math.sqrt(n)).reshape(xm.shape).movedim(-1, axis)  # the butterfly as it ran, FP32
+        assert float((y - old).abs().max()) <= 2e-6 * float(ref.abs().max())
+        if n <= 4096:
+            dense = (blocks @ _sylvester(n)).reshape(xm.shape).movedim(-1, axis)
+            torch.testing.assert_close(ref, dense, rtol=0, atol=1e-12)
+    y64 = block_hadamard(x.double(), block_size=n, axis=axis)  # float64 stays float64, near-exact
+    assert y64.dtype == torch.float64
+    torch.testing.assert_close(block_hadamard(y64, block_size=n, axis=axis), x.double(), rtol=0, atol=1e-12)
+    assert block_hadamard(x.bfloat16(), block_size=n, axis=axis).dtype == torch.bfloat16
 
 
 def test_block_hadamard_acts_within_blocks_only(gen):

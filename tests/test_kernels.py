@@ -302,6 +302,8 @@ CASES = [  # (shape, axis, hadamard_block, dtype, scale_rule, max_scale_range, s
     ((64, 96), 0, 32, torch.float32, "floor", 4, True),
     ((4, 9024), 1, 32, torch.bfloat16, "floor", 8, False),  # one masked 16384 tile (8192 < kp <= 16384)
     ((4, 17024), 1, 32, torch.bfloat16, "adahop", 8, False),  # the row loop (kp > 16384), read twice
+    ((8, 512), 1, 512, torch.float32, "floor", 8, True),  # blocks above 256 (HALO): the butterfly, then the kernel
+    ((512, 8), 0, 512, torch.bfloat16, "floor", 8, False),
 ]
 
 

@@ -269,6 +269,13 @@ def _own(c: torch.Tensor, rows: int, cols: int, dtype: torch.dtype) -> torch.Ten
     return c.to(dtype) if c.dtype != dtype else c
 
 
+def _kc_sums(q, kc_axis: int) -> torch.Tensor:
+    """A quantized operand's sums along its contracted axis, float32 (Averis's cross terms)."""
+    if isinstance(q, NVFP4Tensor):  # no FP32 dequantized copy: the exact BF16 block values, FP32 sums
+        return _kernels().nvfp4_kc_sums(q)
+    return q.dequantize(torch.float32).sum(dim=kc_axis)
+
+
 def multiply(pa: Prepared, pb: Prepared, spec: GemmSpec, *, out_dtype: torch.dtype = torch.float32, backend: str = "reference") -> torch.Tensor:
     """``C = A·B`` from prepared operands, FP32 accumulation, returned as ``out_dtype`` ``[M, N]``."""
     if spec.strategy == "bf16":
@@ -283,7 +290,9 @@ def multiply(pa: Prepared, pb: Prepared, spec: GemmSpec, *, out_dtype: torch.dty
     if isinstance(pa.q, MXTensor) and isinstance(pb.q, MXTensor):
         c = _kernels().mx_matmul(pa.q, pb.q, out_dtype=out_dtype if oe_only else torch.float32, backend=backend,
                                  accumulation=spec.accumulation)
-    else:
+    elif isinstance(pa.q, NVFP4Tensor) and isinstance(pb.q, NVFP4Tensor):  # BF16 tensor cores, FP32 sums
+        c = _kernels().nvfp4_matmul(pa.q, pb.q, out_dtype=out_dtype if oe_only else torch.float32, backend=backend)
+    else:  # unquantized (fmt="none") or mixed formats: the FP32 product of the dequantized operands
         c = pa.q.dequantize(torch.float32) @ pb.q.dequantize(torch.float32)
     if oe_only:
         c = _own(c, pa.rows, pb.rows, c.dtype)
@@ -303,8 +312,7 @@ def multiply(pa: Prepared, pb: Prepared, spec: GemmSpec, *, out_dtype: torch.dty
         kc = pa.q.shape[1]
         c = c + kc * torch.outer(pa.mean, pb.mean)
         if spec.mean_cross_terms:
-            ra = pa.q.dequantize(torch.float32).sum(dim=1)  # Q(R_A)·1
-            rb = pb.q.dequantize(torch.float32).sum(dim=0)  # 1ᵀ·Q(R_B)
+            ra, rb = _kc_sums(pa.q, 1), _kc_sums(pb.q, 0)  # Q(R_A)·1 [M], 1ᵀ·Q(R_B) [N]
             c = c + torch.outer(ra, pb.mean) + torch.outer(pa.mean, rb)
     c = _own(c, pa.rows, pb.rows, c.dtype)
     if pa.oe_idx is not None:  # OE-Left with an outer transform or a mean split: C[idx, :] += A_slab · B

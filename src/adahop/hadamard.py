@@ -16,10 +16,13 @@ import torch
 from .device_constants import on_device
 from .formats.common import check_float_input
 
-__all__ = ["SUPPORTED_SIZES", "hadamard_matrix", "block_hadamard", "random_signs", "hashed_signs", "check_block_size"]
+__all__ = ["SUPPORTED_SIZES", "hadamard_matrix", "block_hadamard", "kron_factors", "random_signs", "hashed_signs",
+           "check_block_size"]
 
 #: Hadamard sizes supported: the powers of two from 1 to 2^15 (Sylvester construction). Sizes
-#: above 256 are applied with a fast Walsh–Hadamard butterfly instead of a dense matrix.
+#: above 256 are applied as a Kronecker product of two dense factors (``H_n = H_a ⊗ H_b``): two
+#: GEMMs instead of one with an n × n matrix or log2(n) butterfly passes (the butterfly still runs
+#: where dynamo traces the code).
 SUPPORTED_SIZES = tuple(2**k for k in range(16))
 _DENSE_MAX = 256
 
@@ -49,9 +52,34 @@ def hadamard_matrix(n: int, *, dtype: torch.dtype = torch.float32, device: torch
     """
     check_block_size(n)
     dev = torch.device("cpu") if device is None else device
-    # cached per (n, dtype, device), outside any fake mode (adahop.device_constants); the clone: never
-    # hand out the cached tensor itself (an in-place edit would corrupt the cache)
-    return on_device(("hadamard", n, dtype), lambda: _sylvester(n).to(dtype), dev).clone()
+    # the clone: never hand out the cached tensor itself (an in-place edit would corrupt the cache)
+    return _cached_hadamard(n, dtype, dev).clone()
+
+
+def _cached_hadamard(n: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """``H_n`` cached per (n, dtype, device), built outside any fake mode (adahop.device_constants).
+    Shared: read it, never edit it in place."""
+    return on_device(("hadamard", n, dtype), lambda: _sylvester(n).to(dtype), device)
+
+
+def _warm_hadamard(block_size: int, device) -> None:
+    """Cache on ``device`` the float32 matrices :func:`block_hadamard` reads for ``block_size`` (0: a
+    whole dimension of any size, so every dense size and factor up to 256), before a CUDA-graph
+    capture needs them (``LowPrecisionLinear._warm_constants``)."""
+    if block_size == 0 or block_size > _DENSE_MAX:
+        sizes = [n for n in SUPPORTED_SIZES if n <= _DENSE_MAX] if block_size == 0 else kron_factors(block_size)
+    else:
+        sizes = [block_size]
+    for n in sizes:
+        _cached_hadamard(n, torch.float32, device)
+
+
+def kron_factors(n: int) -> tuple[int, int]:
+    """The factor sizes ``(a, b)`` with ``H_n = H_a ⊗ H_b`` that :func:`block_hadamard` uses for ``n > 256``:
+    ``a = 2^⌊k/2⌋``, ``b = 2^⌈k/2⌉`` for ``n = 2^k`` (the fewest multiply-adds per element, ``a + b``;
+    at most 128 × 256 for n = 32768)."""
+    k = n.bit_length() - 1
+    return 1 << (k // 2), 1 << (k - k // 2)
 
 
 def random_signs(n: int, *, generator: torch.Generator | None = None, device: torch.device | str | None = None) -> torch.Tensor:
@@ -102,7 +130,10 @@ def hashed_signs(seed: torch.Tensor, n: int, *, salt: int = 0) -> torch.Tensor:
 
 
 def _fwht(x: torch.Tensor) -> torch.Tensor:
-    """Unnormalized fast Walsh–Hadamard transform over the last dim (a power of two)."""
+    """Unnormalized fast Walsh–Hadamard transform over the last dim (a power of two).
+
+    Sizes above 256 under dynamo tracing (:func:`block_hadamard`), and the tests' second reference
+    for the Kronecker form."""
     n = x.shape[-1]
     h = 1
     y = x
@@ -149,6 +180,8 @@ def block_hadamard(
             f"divide; pad it to a multiple of {block_size} or pick a block size from {SUPPORTED_SIZES[:9]} that divides it"
         )
     work = torch.float64 if x.dtype == torch.float64 else torch.float32
+    if block_size > _DENSE_MAX and not torch.compiler.is_dynamo_compiling():
+        return _kron_block_hadamard(x.to(work).contiguous(), block_size, axis, signs).to(x.dtype)
     xm = x.movedim(axis, -1).to(work).contiguous()  # a strided batched matmul is many times slower
     if signs is not None:
         if signs.ndim != 1 or signs.numel() not in (block_size, n):
@@ -157,7 +190,40 @@ def block_hadamard(
         xm = (xm.reshape(*xm.shape[:-1], -1, block_size) * s.reshape(-1, block_size)).reshape(xm.shape)
     blocks = xm.reshape(*xm.shape[:-1], n // block_size, block_size)
     if block_size <= _DENSE_MAX:
-        out = blocks @ hadamard_matrix(block_size, dtype=work, device=x.device)
+        out = blocks @ _cached_hadamard(block_size, work, x.device)
     else:
+        # traced by dynamo: the butterfly, whose passes Inductor fuses. The Kronecker factors need the
+        # size as a constant, and a whole-dimension block is a tensor size (HALO-2's tokens): under
+        # dynamic shapes its specialization inside an autograd.Function's speculation breaks dynamo
+        # ("Expected subgraph_vt to be a tensor", torch 2.13); the butterfly only guards on it
         out = _fwht(blocks) / math.sqrt(block_size)
     return out.reshape(xm.shape).movedim(-1, axis).to(x.dtype)
+
+
+def _kron_block_hadamard(x: torch.Tensor, b: int, axis: int, signs: torch.Tensor | None) -> torch.Tensor:
+    """:func:`block_hadamard` for ``b > 256`` on a contiguous float32/float64 ``x``, in ``x``'s layout.
+
+    ``H_b = H_p ⊗ H_q`` (Sylvester: entry ``(i, k)`` is ``(-1)^popcount(i & k) / √b``, and with
+    ``i = i_p·q + i_q`` the popcount splits over the two halves of the index bits). A block ``v`` viewed
+    as ``V [p, q]`` (``v[i_p·q + i_q] = V[i_p, i_q]``) becomes ``H_p · V · H_q``: two dense GEMMs, no
+    1/√b scale to apply (both factors are normalized). The axis is not moved: for the last axis the
+    fast factor is a right-multiply of all rows at once and the slow one a batched left-multiply;
+    for an inner axis (HALO-2's tokens, axis 0) both are left-multiplies of ``[…, rows, rest]`` views."""
+    shape = x.shape
+    pre, n, post = math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1:])
+    nb = n // b
+    if signs is not None:
+        if signs.ndim != 1 or signs.numel() not in (b, n):
+            raise ValueError(f"signs must be a 1-D vector of length {b} (per block) or {n} (axis), got shape {tuple(signs.shape)}")
+        s = signs.to(device=x.device, dtype=x.dtype)
+        x = x.reshape(pre, nb, b, post) * s.reshape(-1, b, 1)
+    p, q = kron_factors(b)
+    hp, hq = _cached_hadamard(p, x.dtype, x.device), _cached_hadamard(q, x.dtype, x.device)
+    r = pre * nb  # blocks
+    if post == 1:
+        y = x.reshape(r * p, q) @ hq  # H_q along the fast index of every block: one GEMM
+        z = torch.bmm(hp.expand(r, p, p), y.reshape(r, p, q))  # H_p along the slow index (H symmetric)
+    else:
+        y = torch.bmm(hp.expand(r, p, p), x.reshape(r, p, q * post))
+        z = torch.bmm(hq.expand(r * p, q, q), y.reshape(r * p, q, post))
+    return z.reshape(shape)

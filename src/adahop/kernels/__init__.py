@@ -6,6 +6,8 @@ dispatcher taking ``backend: "auto" | "triton" | "reference"``:
 - :func:`iht_quantize_mxfp4` (``quantize_mxfp4.py``): block Hadamard + MXFP4 quantize of a GEMM
   operand, fused with the FP8 fold (``MXTensor.fp8``);
 - :func:`mx_matmul` (``mx_matmul.py``): the MXFP4 GEMM as a row-wise-scaled FP8 GEMM;
+- :func:`nvfp4_matmul` (``nvfp4_matmul.py``): the NVFP4 GEMM as a BF16 GEMM (FP32 accumulation) of
+  the exact ``q · s_block`` values, tensor scales after the sum;
 - :func:`fold_to_fp8` (``fold.py``, Triton kernel in ``_triton_fold.py``): saved packed MXFP4 →
   the FP8 operand, for the backward GEMMs;
 - :func:`resolve_backend` (``backend.py``): which of the two runs, below every op module.
@@ -24,6 +26,14 @@ from ..formats.mxfp4 import FOLD_RANGE, folds_exactly
 from .backend import BACKENDS, resolve_backend, triton_available
 from .fold import fold_to_fp8, fold_to_fp8_reference, fold_to_fp8_triton
 from .mx_matmul import ACCUMULATIONS, check_mm_layout, mx_matmul, mx_matmul_fp8, mx_matmul_reference, mx_transpose
+from .nvfp4_matmul import (
+    check_nvfp4_layout,
+    nvfp4_block_values,
+    nvfp4_kc_sums,
+    nvfp4_matmul,
+    nvfp4_matmul_bf16,
+    nvfp4_matmul_reference,
+)
 from .quantize_mxfp4 import (
     hadamard_butterfly,
     iht_quantize_mxfp4,
@@ -36,6 +46,7 @@ __all__ = [
     "BACKENDS",
     "FOLD_RANGE",
     "check_mm_layout",
+    "check_nvfp4_layout",
     "fold_to_fp8",
     "fold_to_fp8_reference",
     "fold_to_fp8_triton",
@@ -48,6 +59,11 @@ __all__ = [
     "mx_matmul_fp8",
     "mx_matmul_reference",
     "mx_transpose",
+    "nvfp4_block_values",
+    "nvfp4_kc_sums",
+    "nvfp4_matmul",
+    "nvfp4_matmul_bf16",
+    "nvfp4_matmul_reference",
     "resolve_backend",
     "triton_available",
 ]

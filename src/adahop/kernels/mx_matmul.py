@@ -88,8 +88,9 @@ def mx_matmul_reference(qa: MXTensor, qb: MXTensor, *, out_dtype: torch.dtype = 
 
 def _fp8_rowwise_mm_impl(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                          out_dtype: torch.dtype, fp32_accumulation: bool = False) -> torch.Tensor:
-    # out [M, N] = (a [M, Kp] · a_scale[:, None]) @ (b [N, Kp] · b_scale[:, None])ᵀ ; b.t() is column-major
-    if fp32_accumulation:  # E4M3 values are exact in BF16 (and TF32): exact products, FP32 sums
+    # out [M, N] = (a [M, Kp] · a_scale[:, None]) @ (b [N, Kp] · b_scale[:, None])ᵀ ; b.t() is column-major.
+    # a_scale / b_scale may also have one element (a tensor scale: the NVFP4 GEMM, kernels.nvfp4_matmul)
+    if fp32_accumulation:  # E4M3 values (and NVFP4's q·s_block, already BF16) are exact in BF16: exact products, FP32 sums
         if a.is_cuda:
             out = torch.mm(a.to(torch.bfloat16), b.to(torch.bfloat16).t(), out_dtype=torch.float32)
         else:  # the CPU has no BF16 GEMM with FP32 output
@@ -107,7 +108,8 @@ def _fp8_rowwise_mm_impl(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor
 
 # Under torch.compile the FP8 GEMM is traced as the aten ops it is (``_scaled_mm``: Inductor emits the
 # cuBLAS call in its own code); only the FP32-accumulation form goes through this opaque op, since
-# ``torch.mm(..., out_dtype=)`` is not lowered by every Inductor. Eager calls skip the op's dispatch.
+# ``torch.mm(..., out_dtype=)`` is not lowered by every Inductor. Eager calls skip the op's dispatch. The NVFP4
+# GEMM (``nvfp4_matmul.py``) multiplies its exact BF16 operands through the same op.
 _fp8_rowwise_mm = torch.library.custom_op("adahop::fp8_rowwise_mm", _fp8_rowwise_mm_impl, mutates_args=())
 
 

@@ -205,9 +205,9 @@ def iht_quantize_mxfp4(
             fold exactly into FP8 (`DESIGN.md` §3). None: no limit (no ``fp8`` cache).
         generator: stochastic-rounding randomness (reproducible under a seed).
         backend: ``"auto"`` (Triton on CUDA, else reference), ``"triton"`` or ``"reference"``;
-            it never changes round-to-nearest results. Options the kernel lacks (Hadamard
-            blocks above 256, signs without a block) run the reference under either of the
-            first two.
+            it never changes round-to-nearest results. Hadamard blocks above 256 (which the
+            kernel lacks) are applied by :func:`hadamard_butterfly` first, then quantized by the
+            kernel; signs without a block run the reference under either of the first two.
         outputs: what the Triton path writes (:data:`OUTPUTS`): ``"all"``; ``"codes"`` for an
             operand saved for backward (no FP8 fold); ``"fp8"`` for one the GEMM consumes at once
             (no codes: ``codes`` is ``[rows, 0]``, :meth:`MXTensor.dequantize` reads the fold). The
@@ -233,6 +233,13 @@ def iht_quantize_mxfp4(
         ``block_hadamard``'s dense product only by last-bit rounding.
     """
     be = resolve_backend(backend, x.device)
+    if be == "triton" and hadamard_block is not None and hadamard_block > TRITON_HADAMARD_SIZES[-1]:
+        # a block the kernel lacks (HALO's whole-dimension Hadamard, e.g. 512 features): the reference's
+        # own transform, then the kernel without one, so both backends quantize the same FP32 values (zeroing
+        # whole rows commutes with a transform along them)
+        axis = _check_args(x, axis, hadamard_block, rounding, scale_rule, max_scale_range, outputs, zero_rows)
+        x = hadamard_butterfly(x, block_size=hadamard_block, axis=axis, signs=signs)
+        hadamard_block, signs = None, None
     if be == "triton" and _triton_supports(hadamard_block, signs) is None:
         fn = iht_quantize_mxfp4_triton
     else:

@@ -209,7 +209,9 @@ class LowPrecisionLinear(nn.Linear):
             return
         from ..formats.e2m1 import _grid
         from ..gemm import draw_signs
+        from ..hadamard import _warm_hadamard
         from ..kernels.fold import _fold_table
+        from ..kernels.nvfp4_matmul import _byte_pairs
 
         dev = self.weight.device
         _grid(dev)
@@ -217,6 +219,11 @@ class LowPrecisionLinear(nn.Linear):
         for spec in self._specs.values():
             if spec.transform is not None and spec.transform.signs == "fixed":
                 draw_signs(spec, None, dev)
+            for tr in (spec.transform, spec.outer_a, spec.outer_b):  # the Hadamard blocks / Kronecker factors
+                if tr is not None:
+                    _warm_hadamard(tr.block_size, dev)
+            if "nvfp4" in (spec.a.fmt, spec.b.fmt):  # the NVFP4 GEMM's byte-to-values table
+                _byte_pairs(dev)
 
     def _wgrad_oe_left_as_iht(self, spec: GemmSpec) -> GemmSpec:
         # OE-Left on wgrad would need X in BF16, which is saved quantized for memory: the official
