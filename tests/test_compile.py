@@ -393,6 +393,8 @@ def test_sign_seed_follows_the_layers_and_the_steps(single_thread):
     # the seed moves with the weights (a CPU seed on a CUDA model is a copy in every step)
     m.to("meta")
     assert ctrl.sign_seed.device.type == "meta"
+    m.to_empty(device="cpu")  # back from meta (torchtitan's init): the seed gets the step's value, not a copy
+    assert ctrl.sign_seed.device.type == "cpu" and int(ctrl.sign_seed) == ctrl.sign_seed_value(ctrl.step)
     lin = nn.Sequential(nn.Linear(K, N, bias=False, device="meta"))
     adahop.convert_model(lin, "tseng")
     assert adahop.get_controller(lin).sign_seed.device.type == "meta"

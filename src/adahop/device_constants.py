@@ -38,7 +38,7 @@ def on_device(key: tuple, build: Callable[[], torch.Tensor], device) -> torch.Te
     if t is None:
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-        with unset_fake_temporarily():
+        with unset_fake_temporarily(), torch.device("cpu"):  # built on the CPU whatever the ambient device (meta init)
             t = _CACHE[k] = build().to(device)
     return t
 

@@ -27,7 +27,7 @@ __all__ = [
 ]
 
 #: The 8 non-negative E2M1 magnitudes, indexed by code 0..7 (float32).
-E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float32)
+E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float32, device="cpu")
 #: Largest E2M1 magnitude.
 E2M1_MAX = 6.0
 #: Exponent of the largest normal E2M1 value (6 = 1.5 · 2^2); the MX scale rules subtract it.

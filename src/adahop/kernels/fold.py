@@ -29,7 +29,8 @@ def _make_fold_table() -> torch.Tensor:
     return torch.cat((bits, torch.tensor([float("nan")]).to(torch.float8_e4m3fn).view(torch.uint8)))
 
 
-_TABLE = _make_fold_table()  # built once, on the CPU, at import
+with torch.device("cpu"):  # built once, on the CPU, at import (even inside a `with torch.device("meta")` build)
+    _TABLE = _make_fold_table()
 
 
 def _fold_table(device) -> torch.Tensor:

@@ -47,7 +47,8 @@ def _make_byte_pairs() -> torch.Tensor:
     return torch.stack((decode_e2m1(b & 0x0F), decode_e2m1(b >> 4)), dim=-1).to(torch.bfloat16)
 
 
-_BYTE_PAIRS = _make_byte_pairs()  # built once, on the CPU, at import
+with torch.device("cpu"):  # built once, on the CPU, at import (even inside a `with torch.device("meta")` build)
+    _BYTE_PAIRS = _make_byte_pairs()
 
 
 def _byte_pairs(device) -> torch.Tensor:

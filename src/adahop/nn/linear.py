@@ -95,7 +95,11 @@ class Controller:
 
     def place_sign_seed(self, device: torch.device) -> None:
         """Keep :attr:`sign_seed` on ``device`` (the layers'); call before compiling, never between replays."""
-        if self.sign_seed.device != torch.device(device):
+        if self.sign_seed.device == torch.device(device):
+            return
+        if self.sign_seed.device.type == "meta":  # a meta seed has no value to copy (to_empty after a meta init)
+            self.sign_seed = torch.tensor(self.sign_seed_value(self.step), dtype=torch.int64, device=device)
+        else:
             self.sign_seed = self.sign_seed.to(device)
 
     def on_step(self, step: int) -> bool:
