@@ -392,9 +392,25 @@ def test_sign_seed_follows_the_layers_and_the_steps(single_thread):
     assert int(ctrl.sign_seed) == ctrl.sign_seed_value(3)
     # the seed moves with the weights (a CPU seed on a CUDA model is a copy in every step)
     m.to("meta")
-    assert ctrl.sign_seed.device.type == "meta"
-    m.to_empty(device="cpu")  # back from meta (torchtitan's init): the seed gets the step's value, not a copy
-    assert ctrl.sign_seed.device.type == "cpu" and int(ctrl.sign_seed) == ctrl.sign_seed_value(ctrl.step)
+    assert ctrl.sign_seed.device.type == "meta"  # and back with to_empty: the next test
     lin = nn.Sequential(nn.Linear(K, N, bias=False, device="meta"))
     adahop.convert_model(lin, "tseng")
     assert adahop.get_controller(lin).sign_seed.device.type == "meta"
+
+
+def test_sign_seed_survives_meta_then_to_empty(single_thread):
+    """A model moved to (or converted on) the meta device and materialized with ``to_empty``, the
+    usual deferred-init path. The sign seed followed the weights with ``Tensor.to``, which cannot copy
+    out of a meta tensor: ``to_empty`` raised "Cannot copy out of meta tensor" (fresh-user pass). The
+    seed holds no data on meta, so it is rebuilt from the controller's step on the new device."""
+    m = _layer("tseng")
+    ctrl = adahop.get_controller(m)
+    on_step(m, 4)
+    m.to("meta")
+    m.to_empty(device="cpu")
+    assert ctrl.sign_seed.device.type == "cpu" and int(ctrl.sign_seed) == ctrl.sign_seed_value(4)
+    lin = nn.Sequential(nn.Linear(K, N, bias=False, device="meta"))
+    adahop.convert_model(lin, "tseng")
+    lin.to_empty(device="cpu")
+    c2 = adahop.get_controller(lin)
+    assert c2.sign_seed.device.type == "cpu" and int(c2.sign_seed) == c2.sign_seed_value(0)

@@ -386,3 +386,18 @@ def test_convert_refuses_a_model_it_would_leave_unconverted():
         adahop.convert_model(nn.Sequential(nn.Linear(64, 64)), "mxfp4", exclude=("0",))
     m = adahop.convert_model(nn.Sequential(nn.Linear(64, 64)), "mxfp4", exclude=None)  # None: exclude nothing
     assert type(m[0]).__name__ == "LowPrecisionLinear"
+
+
+def test_describe_names_the_fp32_accumulation_of_the_nvfp4_gemms():
+    """The NVFP4 GEMM (kernels.nvfp4_matmul) always sums in FP32 on the BF16 tensor cores; it does not
+    read GemmSpec.accumulation. describe's first line said "fast-path accumulation fp8-mma" for the
+    nvfp4 and averis recipes, a path they never take (fresh-user pass); MXFP4 recipes keep theirs."""
+    def first_line(recipe):
+        model = nn.Sequential(nn.Linear(64, 64, bias=False))
+        adahop.convert_model(model, recipe, exclude=())
+        return adahop.describe(model).splitlines()[0]
+
+    for recipe in ("nvfp4", "averis"):
+        assert first_line(recipe).endswith("fast-path accumulation fp32"), first_line(recipe)
+    assert first_line("mxfp4").endswith("fast-path accumulation fp8-mma")
+    assert first_line("averis-mxfp4").endswith("fast-path accumulation fp8-mma")

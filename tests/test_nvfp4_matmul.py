@@ -112,6 +112,22 @@ def test_layout_errors_name_the_problem(gen):
     assert check_nvfp4_layout(qa, qb) == (16, 64, 8)
 
 
+def test_block_values_and_kc_sums_refuse_what_is_not_a_2d_nvfp4_operand(gen):
+    """nvfp4_block_values / nvfp4_kc_sums are public: an MXTensor (uint8 E8M0 scale codes, blocks
+    of 32) went through nvfp4_block_values with no error and came out as wrong numbers (the codes
+    read as 16-element blocks times the scale bytes as integers), and a 3-D or 1-D operand failed
+    with "too many values to unpack" (fresh-user pass)."""
+    with pytest.raises(ValueError, match="nvfp4_block_values: q must be an NVFP4Tensor, got MXTensor"):
+        nvfp4_block_values(quantize_mxfp4(torch.randn(4, 64, generator=gen), axis=1))
+    with pytest.raises(ValueError, match="nvfp4_kc_sums: q must be an NVFP4Tensor, got Tensor"):
+        nvfp4_kc_sums(torch.randn(4, 64, generator=gen))
+    for shape, axis in (((2, 4, 32), -1), ((32,), 0)):
+        with pytest.raises(ValueError, match=r"nvfp4_block_values: q must be 2-D"):
+            nvfp4_block_values(quantize_nvfp4(torch.randn(shape, generator=gen), axis=axis))
+        with pytest.raises(ValueError, match=r"nvfp4_kc_sums: q must be 2-D"):
+            nvfp4_kc_sums(quantize_nvfp4(torch.randn(shape, generator=gen), axis=axis))
+
+
 @pytest.mark.parametrize("axis", [1, 0])
 def test_kc_sums_equal_the_dequantized_sums(axis, gen):
     x = torch.randn(40, 72, generator=gen) * torch.exp2(torch.randint(-5, 6, (40, 1), generator=gen).float())

@@ -270,6 +270,34 @@ def test_packed_masters_store_codes_and_read_as_bf16():
             w.mul_(2)
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "fp4", "nvfp4"])
+def test_packed_masters_deepcopy_and_pickle(fmt):
+    """copy.deepcopy and torch.save of a module with packed masters. Both failed with "Attempted to
+    call copy_() on an invalid python storage" / "... data pointer on an invalid python storage": the
+    wrapper tensor has no storage of its own, and Tensor's deepcopy and pickling read it (fresh-user pass)."""
+    import copy
+    import io
+
+    lin = torch.nn.Linear(64, 16)
+    convert_master_weights(lin, fmt)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    for clone in (copy.deepcopy(lin), _save_load(lin, io)):
+        w = clone.weight
+        assert isinstance(w, PackedMaster) and isinstance(w, torch.nn.Parameter) and w.fmt == fmt and w.requires_grad
+        assert all(torch.equal(w.parts[k], lin.weight.parts[k]) for k in lin.weight.parts)
+        assert all(w.parts[k].data_ptr() != lin.weight.parts[k].data_ptr() for k in w.parts)  # a copy, not a view
+        assert torch.equal(clone(x), lin(x))
+    sd = _save_load(lin.state_dict(), io)
+    assert torch.equal(read_master(sd["weight"]), read_master(lin.weight))
+
+
+def _save_load(obj, io):
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
 def test_bytes_per_param_with_bf16_masters_and_states():
     lin = torch.nn.Linear(64, 64, bias=False)
     convert_master_weights(lin, "bf16")

@@ -56,6 +56,15 @@ def _byte_pairs(device) -> torch.Tensor:
     return on_device(("nvfp4_byte_pairs",), lambda: _BYTE_PAIRS, device)
 
 
+def _check_operand(q, fn: str, name: str) -> None:
+    """Raise ValueError unless ``q`` is a 2-D :class:`NVFP4Tensor` (named ``name`` in ``fn``'s message)."""
+    if not isinstance(q, NVFP4Tensor):
+        raise ValueError(f"{fn}: {name} must be an NVFP4Tensor, got {type(q).__name__} "
+                         "(quantize it with adahop.formats.quantize_nvfp4)")
+    if len(q.shape) != 2:
+        raise ValueError(f"{fn}: {name} must be 2-D (a GEMM operand), got shape {tuple(q.shape)}")
+
+
 def check_nvfp4_layout(qa: NVFP4Tensor, qb: NVFP4Tensor) -> tuple[int, int, int]:
     """Check that ``qa``, ``qb`` were prepared for one GEMM ``A·B``; return ``(M, Kc, N)``.
 
@@ -68,10 +77,7 @@ def check_nvfp4_layout(qa: NVFP4Tensor, qb: NVFP4Tensor) -> tuple[int, int, int]
         ValueError: naming the operand, what it has and what the GEMM needs.
     """
     for name, q, want in (("qa", qa, 1), ("qb", qb, 0)):
-        if not isinstance(q, NVFP4Tensor):
-            raise ValueError(f"nvfp4_matmul: {name} must be an NVFP4Tensor, got {type(q).__name__}")
-        if len(q.shape) != 2:
-            raise ValueError(f"nvfp4_matmul: {name} must be 2-D, got shape {q.shape}")
+        _check_operand(q, "nvfp4_matmul", name)
         if q.axis != want:
             role = "A [M, Kc] must be blocked along axis=1" if want == 1 else "B [Kc, N] must be blocked along axis=0"
             raise ValueError(f"nvfp4_matmul: {name} is blocked along axis={q.axis}; {role} (the contracted dim): "
@@ -103,7 +109,12 @@ def nvfp4_block_values(q: NVFP4Tensor) -> torch.Tensor:
     because every E2M1 value times a finite E4M3 value has at most 6 significant bits and lies
     in [2^-10, 2688] (module docstring); a NaN block scale gives NaN values. BF16 times BF16
     rounds its FP32 product once, and the product is representable, so it is the exact one.
+
+    Raises:
+        ValueError: ``q`` is not a 2-D :class:`NVFP4Tensor` (an MXTensor's E8M0 scale codes would
+            read as wrong numbers).
     """
+    _check_operand(q, "nvfp4_block_values", "q")
     rows, half = q.codes.shape
     pairs = _byte_pairs(q.codes.device)[q.codes.long()]  # [rows, Kp/2, 2] bf16: one gather, no unpack
     v = pairs.reshape(rows, -1, NVFP4_BLOCK) * q.scales.to(torch.bfloat16).unsqueeze(-1)  # E4M3 -> BF16 is exact
@@ -117,7 +128,11 @@ def nvfp4_kc_sums(q: NVFP4Tensor) -> torch.Tensor:
     Equal to ``q.dequantize().sum(dim=Kc)`` to FP32 rounding: the exact BF16 values
     (:func:`nvfp4_block_values`) summed in FP32, then times the tensor scale. Averis's cross
     terms (`adahop.gemm.multiply`) read it.
+
+    Raises:
+        ValueError: ``q`` is not a 2-D :class:`NVFP4Tensor`.
     """
+    _check_operand(q, "nvfp4_kc_sums", "q")
     return nvfp4_block_values(q).sum(dim=-1, dtype=torch.float32) * q.global_scale
 
 

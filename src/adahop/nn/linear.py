@@ -95,9 +95,12 @@ class Controller:
 
     def place_sign_seed(self, device: torch.device) -> None:
         """Keep :attr:`sign_seed` on ``device`` (the layers'); call before compiling, never between replays."""
-        if self.sign_seed.device == torch.device(device):
+        device = torch.device(device)
+        if self.sign_seed.device == device:
             return
-        if self.sign_seed.device.type == "meta":  # a meta seed has no value to copy (to_empty after a meta init)
+        if self.sign_seed.device.type == "meta":
+            # a meta seed holds no value to copy (a model built or moved to meta, then to_empty): rebuild
+            # the value on_step would have set
             self.sign_seed = torch.tensor(self.sign_seed_value(self.step), dtype=torch.int64, device=device)
         else:
             self.sign_seed = self.sign_seed.to(device)

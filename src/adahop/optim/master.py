@@ -30,6 +30,8 @@ The block-scale policy of M+Adam's FP8/FP4 masters is not published (`specs/rela
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map
@@ -111,6 +113,12 @@ class _Dequantize(torch.autograd.Function):
         return g
 
 
+def _rebuild_packed(parts: dict, fmt: str, shape, is_param: bool, requires_grad: bool) -> torch.Tensor:
+    """A :class:`PackedMaster` (a Parameter when ``is_param``) from its parts: deepcopy and unpickling."""
+    t = PackedMaster(parts, fmt, shape)
+    return nn.Parameter(t, requires_grad=requires_grad) if is_param else t.requires_grad_(requires_grad)
+
+
 class PackedMaster(torch.Tensor):
     """A master weight stored packed (``fmt`` in :data:`PACKED_FORMATS`) that reads as BF16.
 
@@ -143,6 +151,22 @@ class PackedMaster(torch.Tensor):
 
     def data_ptr(self) -> int:  # tied weights are found by storage (checkpoint.tied_keys)
         return self.parts["codes"].data_ptr()
+
+    # copy.deepcopy and pickle (torch.save of a model): Tensor's own read the storage, which a wrapper
+    # tensor does not have; the packed parts are the whole value
+    def __deepcopy__(self, memo):
+        if id(self) not in memo:
+            parts = {k: copy.deepcopy(t, memo) for k, t in self.parts.items()}
+            memo[id(self)] = _rebuild_packed(parts, self.fmt, tuple(self.shape), *self._param_state())
+            if self.grad is not None:
+                memo[id(self)].grad = copy.deepcopy(self.grad, memo)
+        return memo[id(self)]
+
+    def __reduce_ex__(self, protocol):
+        return _rebuild_packed, (self.parts, self.fmt, tuple(self.shape), *self._param_state())
+
+    def _param_state(self) -> tuple[bool, bool]:
+        return bool(getattr(self, "_is_param", False)), self.requires_grad
 
     def to(self, *args, **kwargs):
         # `.to(bfloat16)` of a BF16 tensor would return the packed tensor itself: give the values
