@@ -191,3 +191,9 @@ def test_block_hadamard_shape_guards():
             block_hadamard(torch.randn(4, 96), block_size=32, signs=bad)
     with pytest.raises(TypeError, match="torch.int64"):
         block_hadamard(torch.arange(32), block_size=32)
+
+
+def test_a_block_size_that_does_not_divide_names_the_sizes_that_do():
+    """The message listed the first nine supported sizes, whatever the axis (fresh-user pass)."""
+    with pytest.raises(ValueError, match=r"length 96, which block_size=64 .* \[1, 2, 4, 8, 16, 32\]"):
+        block_hadamard(torch.randn(4, 96), block_size=64)

@@ -160,6 +160,8 @@ def block_hadamard(
         block_size: ``b``, a supported Hadamard size; must divide ``x.shape[axis]``.
         axis: the axis transformed (a GEMM's contracted dimension for IHT/RHT).
         signs: optional ±1 vector of length ``b`` (shared by every block) or of the axis length.
+            Its values are not checked (that would be a host sync per call): anything but ±1
+            scales the output.
             Without signs the transform is its own inverse.
 
     Returns:
@@ -177,7 +179,7 @@ def block_hadamard(
     if n % block_size:
         raise ValueError(
             f"block_hadamard: dimension {axis} has length {n}, which block_size={block_size} does not "
-            f"divide; pad it to a multiple of {block_size} or pick a block size from {SUPPORTED_SIZES[:9]} that divides it"
+            f"divide; pad it to a multiple of {block_size} or pick a block size that divides it: {[b for b in SUPPORTED_SIZES if n % b == 0]}"
         )
     work = torch.float64 if x.dtype == torch.float64 else torch.float32
     if block_size > _DENSE_MAX and not torch.compiler.is_dynamo_compiling():

@@ -172,7 +172,7 @@ def nvfp4_matmul(qa: NVFP4Tensor, qb: NVFP4Tensor, *, out_dtype: torch.dtype = t
     Args:
         qa: A, logical ``[M, Kc]``, quantized along axis 1 (:func:`adahop.formats.quantize_nvfp4`).
         qb: B, logical ``[Kc, N]``, quantized along axis 0 (1×16 blocks or 16×16 tiles).
-        out_dtype: float32 or bfloat16.
+        out_dtype: the result's floating dtype (float32, bfloat16; float64 for a model moved to float64).
         backend: ``"auto"`` (the BF16 tensor-core path on CUDA, else the reference), ``"triton"``
             (the fast path; the name is shared by every op of `adahop.kernels`: see
             :func:`~adahop.kernels.resolve_backend`) or ``"reference"``.
