@@ -271,6 +271,25 @@ def check_fold(name, x, axis, rule="floor"):
     record(f"fold {name}", bad == 0 and ft.shape == fr.shape, diff=bad, **detail)
 
 
+def converted_layer_grads(x, recipe: str, dev, out_features: int, *, compiled: bool, mode: str | None = None,
+                          steps: int = 1) -> list[torch.Tensor]:
+    """[y, dX, dW] of one bias-free linear [x.shape[1] -> out_features] converted to ``recipe``, after
+    ``steps`` forward/backward passes of ``sum(y^2)`` (reduce-overhead: warm-up, recording, replays)."""
+    import adahop
+
+    torch.manual_seed(0)
+    lin = adahop.convert_model(torch.nn.Sequential(torch.nn.Linear(x.shape[1], out_features, bias=False)).to(dev), recipe)
+    f = torch.compile(lin, fullgraph=True, mode=mode) if compiled else lin
+    for _ in range(steps):
+        if mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
+        lin.zero_grad(set_to_none=True)
+        xin = x.detach().float().requires_grad_(True)
+        y = f(xin)
+        y.square().sum().backward()
+    return [y.detach().clone(), xin.grad, lin[0].weight.grad]
+
+
 def check_compile(dev, gen):
     x = make_input((256, 512), torch.bfloat16, dev, gen)
     w = make_input((384, 512), torch.bfloat16, dev, gen)
@@ -289,21 +308,10 @@ def check_compile(dev, gen):
 
     # a whole converted layer, forward and backward, without a bias: torch 2.11 gave its gradient to a
     # duplicate output of the traced autograd function (round 4's lost gradients, docs/benchmarks_history.md)
-    import adahop
     from adahop.nn.opaque import set_compiled_layers
 
     def layer_grads(compiled: bool, recipe: str = "mxfp4-had", mode: str | None = None, steps: int = 1):
-        torch.manual_seed(0)
-        lin = adahop.convert_model(torch.nn.Sequential(torch.nn.Linear(512, 384, bias=False)).to(dev), recipe)
-        f = torch.compile(lin, fullgraph=True, mode=mode) if compiled else lin
-        for _ in range(steps):  # reduce-overhead: warm-up, recording, then replays
-            if mode == "reduce-overhead":
-                torch.compiler.cudagraph_mark_step_begin()
-            lin.zero_grad(set_to_none=True)
-            xin = x.detach().float().requires_grad_(True)
-            y = f(xin)
-            y.square().sum().backward()
-        return [y.detach().clone(), xin.grad, lin[0].weight.grad]
+        return converted_layer_grads(x, recipe, dev, 384, compiled=compiled, mode=mode, steps=steps)
 
     # each form of a compiled converted layer (adahop.nn.opaque), and the opaque ops replayed from a CUDA graph
     for form, mode, steps in (("opaque", None, 1), ("traced", None, 1), ("opaque", "reduce-overhead", 4)):
@@ -336,25 +344,12 @@ def check_rival_layers(dev, gen):
     Kronecker Hadamards) compiled with mode="reduce-overhead" (the opaque ops replayed from a CUDA
     graph, as ``adahop train --compile`` runs them): it captures and gives finite, nonzero y, dX, dW;
     the deterministic halo-2 equals eager."""
-    import adahop
-
     x = make_input((512, 512), torch.float32, dev, gen)
     for recipe in ("nvfp4", "averis", "halo-2"):
-        def run(compiled):
-            torch.manual_seed(0)
-            lin = adahop.convert_model(torch.nn.Sequential(torch.nn.Linear(512, 512, bias=False)).to(dev), recipe)
-            f = torch.compile(lin, fullgraph=True, mode="reduce-overhead") if compiled else lin
-            for _ in range(4 if compiled else 1):  # warm-up, recording, replays
-                torch.compiler.cudagraph_mark_step_begin()
-                lin.zero_grad(set_to_none=True)
-                xin = x.detach().clone().requires_grad_(True)
-                y = f(xin)
-                y.square().sum().backward()
-            return [y.detach().clone(), xin.grad, lin[0].weight.grad]
-
         try:
             torch.compiler.reset()
-            got, eager = run(True), run(False)
+            got = converted_layer_grads(x, recipe, dev, 512, compiled=True, mode="reduce-overhead", steps=4)
+            eager = converted_layer_grads(x, recipe, dev, 512, compiled=False)
             ok, err = all(bool(torch.isfinite(t).all()) and float(t.norm()) > 0 for t in got), ""
             errs = [float((c - e).norm() / e.norm()) for c, e in zip(got, eager)]
             if recipe == "halo-2":
