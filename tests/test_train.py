@@ -679,3 +679,13 @@ def test_resume_compares_the_data_order_a_data_seed_gives_not_its_spelling(tmp_p
     assert settings_diff(TrainConfig(seed=1), run, RESUME_KEYS) == []
     assert settings_diff(TrainConfig(seed=0, data_seed=1), run, RESUME_KEYS) == ["--seed 1 → 0"]
     assert settings_diff(TrainConfig(seed=1, data_seed=0), run, RESUME_KEYS) == ["--data-seed 1 → 0"]
+
+
+def test_startup_summary_warns_when_the_warmup_outlasts_the_run():
+    """`--steps 4` with the default 30 warm-up steps: the lr never reaches --lr, and nothing said so (fresh-user pass)."""
+    from adahop.train.config import TrainConfig
+    from adahop.train.setup import _short_run_note
+
+    note = _short_run_note(TrainConfig(steps=4, warmup_steps=30, lr=3e-3), 4)
+    assert "--warmup-steps 30 >= the schedule's 4 steps: the lr peaks at 0.0004, never --lr 0.003" in note
+    assert _short_run_note(TrainConfig(steps=100, warmup_steps=30), 100) == ""

@@ -278,6 +278,15 @@ def loss_ceiling(vocab: int, first_loss: float) -> float:
     return 2 * max(math.log(vocab), first_loss)
 
 
+def _short_run_note(cfg: TrainConfig, schedule_steps: int) -> str:
+    """A warning line when the warm-up does not end before the run does: the lr never reaches --lr."""
+    if cfg.warmup_steps < schedule_steps:
+        return ""
+    peak = lr_at(cfg, schedule_steps - 1, schedule_steps)
+    return (f"\n  warning         --warmup-steps {cfg.warmup_steps} >= the schedule's {schedule_steps} steps: the lr peaks at "
+            f"{peak:g}, never --lr {cfg.lr:g}; pass a --warmup-steps below {schedule_steps} (e.g. {schedule_steps // 10})")
+
+
 def startup_summary(cfg: TrainConfig, model: torch.nn.Module, recipe, train: TokenStream, val: TokenStream,
                     start: int, schedule_steps: int) -> str:
     """What the run is about to do, printed before its first step: model and recipe, parameters
@@ -302,7 +311,7 @@ def startup_summary(cfg: TrainConfig, model: torch.nn.Module, recipe, train: Tok
               f"  tokens per step {per_step:,} (--batch-size {cfg.batch_size} x --seq-len {cfg.seq_len}); "
               f"{cfg.steps * per_step:,} tokens in all = {epochs_of(cfg, train):.2f} epochs over the training split",
               f"  lr schedule     warm-up {cfg.warmup_steps} steps, cosine decay to {cfg.min_lr_ratio:g} x --lr {cfg.lr:g} "
-              f"at step {schedule_steps}",
+              f"at step {schedule_steps}" + _short_run_note(cfg, schedule_steps),
               f"  GEMMs of {recipe.name}:"]
     lines += ["    " + line for line in gemm_table(recipe).splitlines()]
     return "\n".join(lines)
