@@ -277,13 +277,11 @@ def describe(model: nn.Module) -> str:
     """A text table: each converted layer, its shape, the pattern of X, W, ∇Y, the strategy of
     fprop, dgrad and wgrad, and the KiB it saved for backward at its last forward (in brackets:
     what a plain ``nn.Linear`` saves, X and the cast W). The first line gives the recipe, the step,
-    the calibration state and the fast path's accumulation (``GemmSpec.accumulation``; fp32 for NVFP4
+    the calibration state and the fast path's accumulation (``Recipe.accumulations``: fp32 for NVFP4
     GEMMs, which always sum in FP32); a GEMM that ``recipe.bf16_small_gemms`` runs in BF16 shows as
     ``bf16 (small)``, and the last line counts them."""
     ctrl = get_controller(model)
-    # the NVFP4 GEMM (kernels.nvfp4_matmul) always sums in FP32 on the BF16 tensor cores: it reads no accumulation
-    acc = {g: "fp32" if "nvfp4" in (getattr(ctrl.recipe, g).a.fmt, getattr(ctrl.recipe, g).b.fmt) else a
-           for g, a in ctrl.recipe.accumulations.items()}
+    acc = ctrl.recipe.accumulations
     acc_text = acc["fprop"] if len(set(acc.values())) == 1 else ", ".join(f"{g} {a}" for g, a in acc.items())
     head = (f"{'layer':<44} {'K->N':>12} {'X':>2} {'W':>2} {'dY':>2}  {'fprop':<13} {'dgrad':<13} {'wgrad':<13} "
             f"{'saved KiB (plain)':>18}")

@@ -316,8 +316,11 @@ class Recipe:
 
     @property
     def accumulations(self) -> dict[str, str]:
-        """The fast path's accumulation of each GEMM, ``{"fprop": "fp8-mma", ...}``."""
-        return {g: getattr(self, g).accumulation for g in GEMMS}
+        """The fast path's accumulation of each GEMM, ``{"fprop": "fp8-mma", ...}``: ``"fp32"`` for a GEMM
+        with an NVFP4 operand, whose GEMM (`adahop.kernels.nvfp4_matmul`) always sums in FP32 and reads
+        no ``GemmSpec.accumulation``."""
+        specs = {g: getattr(self, g) for g in GEMMS}
+        return {g: "fp32" if "nvfp4" in (s.a.fmt, s.b.fmt) else s.accumulation for g, s in specs.items()}
 
     @property
     def is_bf16(self) -> bool:
