@@ -206,8 +206,7 @@ def load_controller_state(model: nn.Module, state: dict) -> None:
     elif state.get("calibration_history") is not None and ctrl.calibrator is not None:
         ctrl.calibrator.history = state["calibration_history"]
     ctrl.step = int(state["step"])
-    if ctrl.sign_seed.device.type != "meta":
-        ctrl.sign_seed.fill_(ctrl.sign_seed_value(ctrl.step))
+    ctrl.seed_signs(ctrl.step)
 
 
 def register_step_hook(model: nn.Module, optimizer: torch.optim.Optimizer, on_freeze=None):
@@ -255,7 +254,7 @@ def seed_compiled_rng(model: nn.Module, step: int, micro: int = 0) -> None:
         parts = (ctrl.seed, step, "compiled") + ((micro,) if micro else ())  # micro 0: the seeds of earlier versions
         torch.manual_seed(mix_seed(*parts))
         ctrl.place_sign_seed(next((l.weight.device for l in ctrl.layers), ctrl.sign_seed.device))
-        ctrl.sign_seed.fill_(ctrl.sign_seed_value(step, micro))
+        ctrl.seed_signs(step, micro)
 
 
 def saved_bytes(model: nn.Module) -> tuple[int, int]:

@@ -93,6 +93,11 @@ class Controller:
         """The compiled path's sign seed for micro-batch ``micro`` of 0-based step ``step`` (32 bits)."""
         return mix_seed(self.seed, step, "compiled", *((micro,) if micro else ()), "signs") & 0xFFFFFFFF
 
+    def seed_signs(self, step: int, micro: int = 0) -> None:
+        """Set :attr:`sign_seed`, in place, to :meth:`sign_seed_value` (a meta seed holds no value: left as it is)."""
+        if self.sign_seed.device.type != "meta":
+            self.sign_seed.fill_(self.sign_seed_value(step, micro))
+
     def place_sign_seed(self, device: torch.device) -> None:
         """Keep :attr:`sign_seed` on ``device`` (the layers'); call before compiling, never between replays."""
         device = torch.device(device)
@@ -113,8 +118,7 @@ class Controller:
         loop that calls only :func:`adahop.on_step` draws fresh random signs every step, as eager
         mode does (the same value :func:`adahop.nn.seed_compiled_rng` sets for micro-batch 0)."""
         self.step = step
-        if self.sign_seed.device.type != "meta":
-            self.sign_seed.fill_(self.sign_seed_value(step))
+        self.seed_signs(step)
         if self.calibrating and step >= self.recipe.calibration.steps:
             if self.agree is not None:
                 self.agree(self.calibrator)
