@@ -181,13 +181,13 @@ def block_hadamard(
             f"block_hadamard: dimension {axis} has length {n}, which block_size={block_size} does not "
             f"divide; pad it to a multiple of {block_size} or pick a block size that divides it: {[b for b in SUPPORTED_SIZES if n % b == 0]}"
         )
+    if signs is not None and (signs.ndim != 1 or signs.numel() not in (block_size, n)):
+        raise ValueError(f"signs must be a 1-D vector of length {block_size} (per block) or {n} (axis), got shape {tuple(signs.shape)}")
     work = torch.float64 if x.dtype == torch.float64 else torch.float32
     if block_size > _DENSE_MAX and not torch.compiler.is_dynamo_compiling():
         return _kron_block_hadamard(x.to(work).contiguous(), block_size, axis, signs).to(x.dtype)
     xm = x.movedim(axis, -1).to(work).contiguous()  # a strided batched matmul is many times slower
     if signs is not None:
-        if signs.ndim != 1 or signs.numel() not in (block_size, n):
-            raise ValueError(f"signs must be a 1-D vector of length {block_size} (per block) or {n} (axis), got shape {tuple(signs.shape)}")
         s = signs.to(device=x.device, dtype=work)
         xm = (xm.reshape(*xm.shape[:-1], -1, block_size) * s.reshape(-1, block_size)).reshape(xm.shape)
     blocks = xm.reshape(*xm.shape[:-1], n // block_size, block_size)
@@ -214,9 +214,7 @@ def _kron_block_hadamard(x: torch.Tensor, b: int, axis: int, signs: torch.Tensor
     shape = x.shape
     pre, n, post = math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1:])
     nb = n // b
-    if signs is not None:
-        if signs.ndim != 1 or signs.numel() not in (b, n):
-            raise ValueError(f"signs must be a 1-D vector of length {b} (per block) or {n} (axis), got shape {tuple(signs.shape)}")
+    if signs is not None:  # checked by block_hadamard
         s = signs.to(device=x.device, dtype=x.dtype)
         x = x.reshape(pre, nb, b, post) * s.reshape(-1, b, 1)
     p, q = kron_factors(b)
