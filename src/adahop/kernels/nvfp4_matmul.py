@@ -115,6 +115,11 @@ def nvfp4_block_values(q: NVFP4Tensor) -> torch.Tensor:
             read as wrong numbers).
     """
     _check_operand(q, "nvfp4_block_values", "q")
+    return _block_values(q)
+
+
+def _block_values(q: NVFP4Tensor) -> torch.Tensor:
+    """:func:`nvfp4_block_values` of an operand already checked (the GEMM's and the sums' own check)."""
     rows, half = q.codes.shape
     pairs = _byte_pairs(q.codes.device)[q.codes.long()]  # [rows, Kp/2, 2] bf16: one gather, no unpack
     v = pairs.reshape(rows, -1, NVFP4_BLOCK) * q.scales.to(torch.bfloat16).unsqueeze(-1)  # E4M3 -> BF16 is exact
@@ -133,7 +138,7 @@ def nvfp4_kc_sums(q: NVFP4Tensor) -> torch.Tensor:
         ValueError: ``q`` is not a 2-D :class:`NVFP4Tensor`.
     """
     _check_operand(q, "nvfp4_kc_sums", "q")
-    return nvfp4_block_values(q).sum(dim=-1, dtype=torch.float32) * q.global_scale
+    return _block_values(q).sum(dim=-1, dtype=torch.float32) * q.global_scale
 
 
 def nvfp4_matmul_reference(qa: NVFP4Tensor, qb: NVFP4Tensor, *, out_dtype: torch.dtype = torch.float32,
@@ -159,7 +164,7 @@ def nvfp4_matmul_bf16(qa: NVFP4Tensor, qb: NVFP4Tensor, *, out_dtype: torch.dtyp
     BF16 GEMM with FP32 output): the emulation the CPU tests run.
     """
     check_nvfp4_layout(qa, qb)
-    va, vb = nvfp4_block_values(qa), nvfp4_block_values(qb)  # [M, Kp], [N, Kp] bf16, Kc contiguous
+    va, vb = _block_values(qa), _block_values(qb)  # [M, Kp], [N, Kp] bf16, Kc contiguous
     sa, sb = qa.global_scale.reshape(1), qb.global_scale.reshape(1)  # broadcast as the op's per-row scales
     op = _fp8_rowwise_mm if torch.compiler.is_dynamo_compiling() else _fp8_rowwise_mm_impl
     return op(va, sa, vb, sb, out_dtype, True)
