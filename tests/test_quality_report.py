@@ -1,0 +1,45 @@
+"""experiments/quality/report.py: each run's BF16 reference is the same seed's, of its own code revision
+when there is one (docs/results.md: BF16 moved 0.04 between revisions, more than most recipe gaps)."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("quality_report", ROOT / "experiments/quality/report.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _run(folder: Path, recipe: str, seed: int, rev: str, loss: float, *, interrupted=False, optimizer="adamw"):
+    folder.mkdir(parents=True)
+    cfg = {"recipe": recipe, "seed": seed, "data_seed": None, "optimizer": optimizer,
+           "master_weights": "fp32", "optimizer_states": "fp32"}
+    (folder / "config.json").write_text(json.dumps({"adahop": {"config": cfg, "git_revision": rev + "0" * 33}}))
+    (folder / "summary.json").write_text(json.dumps({"final_val_loss": loss, "interrupted": interrupted}))
+
+
+def test_reference_prefers_the_same_revision_then_the_refs_order(tmp_path):
+    rep = _load()
+    out, rerun, optim = tmp_path / "q", tmp_path / "rev", tmp_path / "optim"
+    _run(out / "bf16-s0", "bf16", 0, "aaaaaaa", 3.90)
+    _run(out / "mxfp4-s0", "mxfp4", 0, "aaaaaaa", 4.00)   # same revision as q's BF16
+    _run(out / "halo-2-s0", "halo-2", 0, "ccccccc", 4.01)  # no BF16 at ccccccc: the first --refs folder's
+    _run(out / "tseng-s1", "tseng", 1, "bbbbbbb", 4.10)    # only the optimizer folder has seed 1 at bbbbbbb
+    _run(rerun / "bf16-s0", "bf16", 0, "ddddddd", 3.96)
+    _run(rerun / "bf16-s1", "bf16", 1, "ddddddd", 4.07)
+    _run(optim / "adamw-fp32-bf16-s1", "bf16", 1, "bbbbbbb", 4.06)
+    _run(optim / "adamw-bf16-bf16-s0", "bf16", 0, "ccccccc", 3.99, optimizer="adamw")
+    # a BF16-master row is not a reference: master weights differ
+    cfg = json.loads((optim / "adamw-bf16-bf16-s0/config.json").read_text())
+    cfg["adahop"]["config"]["master_weights"] = "bf16"
+    (optim / "adamw-bf16-bf16-s0/config.json").write_text(json.dumps(cfg))
+    _run(optim / "adamw-fp32-bf16-s9", "bf16", 9, "ccccccc", 3.0, interrupted=True)
+    refs = rep._references([rerun, optim, out])
+    assert {r[3].name for r in refs} == {"bf16-s0", "bf16-s1", "adamw-fp32-bf16-s1"}
+    pick = {n: rep._pick(out / n, refs)[:2] for n in ("mxfp4-s0", "halo-2-s0", "tseng-s1")}
+    assert pick == {"mxfp4-s0": (3.90, "aaaaaaa"), "halo-2-s0": (3.96, "ddddddd"), "tseng-s1": (4.06, "bbbbbbb")}
