@@ -866,3 +866,12 @@ def test_nvfp4_sr_rounds_scale_up_so_nothing_clips(gen):
     rn = quantize_nvfp4(x)
     dec_rn = (rn.scales.float() * rn.global_scale).double().repeat_interleave(16, dim=-1)
     assert ((x.double().abs() / dec_rn) > 6 * (1 + 1e-6)).any()
+
+
+@pytest.mark.parametrize("fn", ["quantize_mxfp4", "quantize_nvfp4"])
+def test_a_tensor_without_elements_is_named_not_a_reshape_error(fn):
+    """(0, 64) used to fail inside a reshape ("cannot reshape tensor of 0 elements")."""
+    import adahop.formats as formats
+
+    with pytest.raises(ValueError, match=r"shape \(0, 64\) has no elements; nothing to quantize"):
+        getattr(formats, fn)(torch.zeros(0, 64))

@@ -23,6 +23,9 @@ def check_float_input(x: torch.Tensor, axis: int, fn: str) -> None:
         raise ValueError(f"{fn}: axis={axis} is out of range for a tensor of shape {tuple(x.shape)}")
     if x.shape[axis] == 0:
         raise ValueError(f"{fn}: axis {axis} of shape {tuple(x.shape)} is empty; nothing to quantize")
+    if x.numel() == 0:  # an empty batch: the block reshapes and the tensor amax have nothing to work on
+        raise ValueError(f"{fn}: x of shape {tuple(x.shape)} has no elements; nothing to quantize "
+                         "(skip the call for an empty batch)")
 
 
 def move_and_pad(x: torch.Tensor, axis: int, block: int) -> torch.Tensor:
