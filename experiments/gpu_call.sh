@@ -82,6 +82,10 @@
 #   r10b (round 10, one GPU): llama-125m 1024 x 16 side by side (bf16, mxfp4, adahop-lv2 eager and auto, one
 #      process, opaque layers), then bench model rows of torchao float8 and adahop-lv2@foid, then the
 #      optimizer-step benchmark at llama-125m (issue 21)
+#   p13 (issue 22, one GPU; repeat while the machine is warm, it resumes): llama-125m and llama-350m trained
+#      on the main corpus in bf16 and adahop-lv2 (PTQ_STEPS steps of 1024 x 16, default 600 = 9.8M tokens; all
+#      four at once, skipped when runs/ptq/<model>/summary.json exists), then scripts/run_ptq_experiment.py over
+#      the four with what is left of LIM (cheap cells first, HARP last); $OUT/ptq.tgz: summary.md/json, cell logs
 # JOBS: the quality runs still to do, RECIPE:SEED,... (default: this session's list).
 # Needs .carry/{corpus_main.txt.xz,gpt2.tiktoken} and .whl/zstandard-*.whl (carried).
 set -u
@@ -94,7 +98,7 @@ export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 ADAHOP_CACHE=/tmp/adahop
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())"
-if [ "${STAGE#i19}" != "$STAGE" ] || [ "$STAGE" = r8a ] || [ "$STAGE" = r12a ]; then  # issue 19: data and compile caches in an ignored folder that outlives the call
+if [ "${STAGE#i19}" != "$STAGE" ] || [ "$STAGE" = r8a ] || [ "$STAGE" = r12a ] || [ "$STAGE" = p13 ]; then  # issue 19: data and compile caches in an ignored folder that outlives the call
   mkdir -p runs/issue19
   export TORCHINDUCTOR_CACHE_DIR=$PWD/runs/issue19/inductor TRITON_CACHE_DIR=$PWD/runs/issue19/triton ADAHOP_CACHE=$PWD/runs/issue19/adahop
   [ -f runs/issue19/main/manifest.json ] || python3 -m adahop data prepare --source .carry/corpus_main.txt.xz \
@@ -213,6 +217,27 @@ if [ "$STAGE" = r10a ]; then
   python3 -c "import json; d = json.load(open('/tmp/t20c/summary.json')); print({k: d.get(k) for k in ('final_train_loss', 'compile_mode', 'recompiles_steady_state', 'graph_breaks_steady_state', 'tok_per_s')})"
   timeout $(( 570 - $(el) )) python3 scripts/check_compiled_grads.py --model llama-20m --recipes adahop-lv2,tseng 2>&1 \
     | tee $OUT/compiled_grads.log | grep -E "loss eager|Error"
+  echo "stage $STAGE done at $(el) s"; exit 0
+fi
+if [ "$STAGE" = p13 ]; then  # issue 22: the models of our own, then the PTQ table, resumable while warm
+  export CUDA_VISIBLE_DEVICES=0 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+  mkdir -p runs/ptq
+  for M in llama-125m llama-350m; do for R in bf16 adahop-lv2; do
+    D=runs/ptq/${M#llama-}-$R
+    [ -f $D/summary.json ] && ! grep -q '"interrupted": true' $D/summary.json && continue
+    RES=; [ -d $D/checkpoints ] && RES=--resume  # SIGINT at the budget writes a checkpoint; the next call resumes it
+    timeout -s INT -k 60 $(( ${LIM:-560} - 240 - $(el) )) python3 -m adahop train --model $M --recipe $R --data runs/issue19/main $RES \
+      --steps ${PTQ_STEPS:-600} --seq-len 1024 --batch-size 16 --lr ${PTQ_LR:-1e-3} --warmup-steps 60 --eval-every 100 \
+      --ckpt-every 100 --log-every 20 --compile --out $D > $OUT/train_${M#llama-}-$R.log 2>&1 &
+  done; done
+  wait; echo "training done at $(el) s"
+  for f in runs/ptq/*/summary.json; do python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print(sys.argv[1], d.get('steps'), d.get('final_val_loss'), d.get('interrupted'), round(d.get('tok_per_s') or 0))" $f; done
+  MODELS=$(for D in runs/ptq/*/; do [ -f $D/model.safetensors ] && ! grep -q '"interrupted": true' $D/summary.json && printf "%s," ${D%/}; done)
+  [ -n "$MODELS" ] && timeout $(( ${LIM:-560} - $(el) )) python3 scripts/run_ptq_experiment.py --data runs/issue19/main \
+    --models ${MODELS%,} --out runs/ptq_table --budget-s $(( ${LIM:-560} - 60 - $(el) )) > $OUT/ptq_launcher.log 2>&1
+  echo "ptq: exit $? at $(el) s"; tail -5 $OUT/ptq_launcher.log
+  (cd runs && tar czf $OUT/ptq.tgz --exclude='*.safetensors' --exclude=checkpoints --exclude='tokenizer*' ptq_table ptq 2>/dev/null)
+  (cd $OUT && tar czf train_logs.tgz train_*.log && rm -f train_*.log)
   echo "stage $STAGE done at $(el) s"; exit 0
 fi
 if [ "$STAGE" = r10b ]; then
