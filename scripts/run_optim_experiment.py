@@ -6,7 +6,8 @@
     python scripts/run_optim_experiment.py --smoke --out /tmp/optim-smoke   # CPU, llama-tiny, 4 steps
 
 Rows (each under the ``bf16`` and ``adahop-lv2`` recipes): FP32-master AdamW (the reference); BF16
-AdamW (round to nearest); SR-AdamW; Kahan-AdamW; M+Adam with BF16, FP8 and FP4 masters. Every
+AdamW (round to nearest); SR-AdamW; Kahan-AdamW; M+Adam with BF16, FP8 and FP4 masters (round to
+nearest), and with FP8 and FP4 masters rounded stochastically (``-sr``). Every
 row with BF16 masters, and the reference, runs seeds 0 and 1 (``--seeds``). States are BF16 for
 every row but the reference (FP32). The settings are those of the fidelity issue's quality runs
 (`experiments/quality/run.py`: llama-60m, 512 × 32 tokens per step, lr 2e-3, 1221 steps = 20M
@@ -65,6 +66,10 @@ ROWS = {
     "madam-bf16": dict(optimizer="m+adam", master_weights="bf16", optimizer_states="bf16"),
     "madam-fp8": dict(optimizer="m+adam", master_weights="fp8", optimizer_states="bf16"),
     "madam-fp4": dict(optimizer="m+adam", master_weights="fp4", optimizer_states="bf16"),
+    # FP8/FP4 masters rounded stochastically: under round-to-nearest a step below half an E4M3/E2M1
+    # ulp vanishes (docs/optim.md, "FP8 and FP4 masters"), so these are the rows that can train
+    "madam-fp8-sr": dict(optimizer="m+adam", master_weights="fp8", optimizer_states="bf16", master_rounding="stochastic"),
+    "madam-fp4-sr": dict(optimizer="m+adam", master_weights="fp4", optimizer_states="bf16", master_rounding="stochastic"),
 }
 TWO_SEEDS = ("adamw-fp32", "adamw-bf16", "sr-adamw-bf16", "kahan-adamw-bf16", "madam-bf16")
 RECIPES = ("bf16", "adahop-lv2")

@@ -382,6 +382,27 @@ def test_train_refuses_bad_combinations(tmp_path):
         TrainConfig(madam_form="paper", out=str(tmp_path))
     with pytest.raises(ValueError, match="--optimizer-states"):
         TrainConfig(optimizer_states="fp8", out=str(tmp_path))
+    with pytest.raises(ValueError, match="--master-rounding: 'up'"):
+        TrainConfig(master_rounding="up", out=str(tmp_path))
+    with pytest.raises(ValueError, match="--master-rounding: FP32 masters are not rounded"):
+        TrainConfig(master_rounding="stochastic", out=str(tmp_path))
+    with pytest.raises(ValueError, match="--master-rounding: sr-adamw rounds stochastically"):
+        TrainConfig(optimizer="sr-adamw", master_weights="bf16", master_rounding="nearest", out=str(tmp_path))
+
+
+@pytest.mark.parametrize("name,rounding,want", [("m+adam", "auto", "nearest"), ("m+adam", "stochastic", "stochastic"),
+                                                ("adamw", "stochastic", "stochastic"), ("sr-adamw", "auto", "stochastic"),
+                                                ("kahan-adamw", "nearest", "nearest")])
+def test_master_rounding_reaches_the_optimizer(name, rounding, want, tmp_path):
+    """--master-rounding is what the built optimizer rounds with (the CLI's m+adam could only round
+    to nearest before it existed)."""
+    from adahop.train import TrainConfig
+    from adahop.train.setup import build_optimizer as build_for
+
+    lin = convert_master_weights(torch.nn.Linear(32, 4, bias=False), "fp4")
+    cfg = TrainConfig(optimizer=name, master_weights="fp4", optimizer_states="bf16", master_rounding=rounding,
+                      out=str(tmp_path))
+    assert build_for(cfg, lin).rounding == want
 
 
 # ----------------------------------------------------------------------------- the fused kernel, interpreted

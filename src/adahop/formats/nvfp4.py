@@ -72,6 +72,7 @@ def quantize_nvfp4(
     rounding: str = "nearest",
     generator: torch.Generator | None = None,
     tile_2d: bool = False,
+    global_scale: torch.Tensor | None = None,
 ) -> NVFP4Tensor:
     """Quantize ``x`` to NVFP4 with blocks of 16 along ``axis`` (or 16×16 tiles).
 
@@ -84,6 +85,9 @@ def quantize_nvfp4(
             `specs/baselines.md` §1.7).
         generator: source of stochastic-rounding bits.
         tile_2d: one scale per 16×16 tile (NVIDIA's weight recipe).
+        global_scale: the FP32 tensor scale to use (a positive scalar tensor, at least
+            t_amax/2688 so no block scale exceeds 448) instead of t_amax/2688: a master weight
+            re-packed every step keeps its tensor scale (`adahop.optim.master.pack`).
 
     Returns:
         An :class:`NVFP4Tensor`. A block with NaN/Inf decodes to NaN; an all-zero tensor gets
@@ -91,13 +95,15 @@ def quantize_nvfp4(
 
     Raises:
         TypeError: non-floating ``x``. ValueError: empty axis, bad rounding, ``tile_2d`` on a
-            tensor that is not 2-D.
+            tensor that is not 2-D, a ``global_scale`` that is not one positive number.
     """
     check_float_input(x, axis, "quantize_nvfp4")
     if rounding not in ("nearest", "stochastic"):
         raise ValueError(f"rounding={rounding!r} is not supported; use 'nearest' or 'stochastic'")
     if tile_2d and x.ndim != 2:
         raise ValueError(f"tile_2d=True needs a 2-D tensor (a weight), got shape {tuple(x.shape)}")
+    if global_scale is not None and (global_scale.numel() != 1 or not bool(global_scale.reshape(()) > 0)):
+        raise ValueError(f"global_scale must be one positive number, got {global_scale!r}; pass None to derive it")
     axis = axis % x.ndim
     xm = move_and_pad(x.float(), axis, NVFP4_BLOCK)  # [*outer, padded]
     blocks = xm.reshape(*xm.shape[:-1], -1, NVFP4_BLOCK)
@@ -114,6 +120,8 @@ def quantize_nvfp4(
     # A tensor amax below 2688·2^-150 underflows s_global to 0, and 0/0 below would make NaN scales;
     # keep it at least the smallest FP32 subnormal (this changes no s_global that was positive).
     s_global = s_global.clamp(min=2.0**-149)
+    if global_scale is not None:
+        s_global = global_scale.to(device=s_global.device, dtype=torch.float32).reshape(())
     s_exact = (amax / E2M1_MAX / s_global).clamp(max=E4M3_MAX)
     if rounding == "stochastic":
         s_block = _e4m3_round_up(s_exact)

@@ -10,7 +10,7 @@ from .base import STATE_DTYPES
 from .kahan_adamw import KahanAdamW
 from .madam import MAdam
 from .master import weight_bytes
-from .names import MADAM_FORMS, MASTER_FORMATS, OPTIMIZERS
+from .names import MADAM_FORMS, MASTER_FORMATS, MASTER_ROUNDINGS, OPTIMIZERS
 from .sr_adamw import SRAdamW
 
 __all__ = ["build_optimizer", "memory_bytes"]
@@ -20,15 +20,19 @@ _CLASSES = {"adamw": AdamW, "sr-adamw": SRAdamW, "kahan-adamw": KahanAdamW, "m+a
 
 def build_optimizer(name: str, params, *, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                     master: str = "fp32", states: str = "fp32", madam_form: str = "arxiv-relative",
-                    mul_lr_scale: float = 1.0, seed: int = 0, backend: str = "auto") -> torch.optim.Optimizer:
+                    mul_lr_scale: float = 1.0, rounding: str = "auto", seed: int = 0,
+                    backend: str = "auto") -> torch.optim.Optimizer:
     """The optimizer ``name`` (:data:`OPTIMIZERS`) over ``params`` (parameters or groups).
 
     ``adamw`` with FP32 masters and FP32 states is ``torch.optim.AdamW`` itself (the reference, as
     before); every other combination is a :class:`MasterOptimizer`. ``master`` only checks the
     combination (the parameters already carry their storage: :func:`convert_master_weights`).
+    ``rounding`` (:data:`MASTER_ROUNDINGS`) is that of every master write: ``auto`` is stochastic for
+    ``sr-adamw`` and nearest for the others; FP32 masters are not rounded.
 
     Raises:
-        ValueError: unknown name, state dtype or M+Adam form, naming the choices.
+        ValueError: unknown name, state dtype, M+Adam form or rounding, naming the choices;
+            ``rounding="nearest"`` with ``sr-adamw``.
     """
     if name not in _CLASSES:
         raise ValueError(f"--optimizer {name!r}: use one of {OPTIMIZERS}")
@@ -36,10 +40,16 @@ def build_optimizer(name: str, params, *, lr: float, betas=(0.9, 0.999), eps: fl
         raise ValueError(f"--optimizer-states {states!r}: use one of {tuple(STATE_DTYPES)}")
     if master not in MASTER_FORMATS:
         raise ValueError(f"--master-weights {master!r}: use one of {MASTER_FORMATS}")
+    if rounding not in MASTER_ROUNDINGS:
+        raise ValueError(f"--master-rounding {rounding!r}: use one of {MASTER_ROUNDINGS}")
+    if rounding == "nearest" and name == "sr-adamw":
+        raise ValueError("--master-rounding nearest: sr-adamw rounds stochastically; use --optimizer adamw")
     if name == "adamw" and master == "fp32" and states == "fp32":
         return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     kw = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, state_dtype=STATE_DTYPES[states], seed=seed,
               backend=backend)
+    if name != "sr-adamw":  # SRAdamW sets its own
+        kw["rounding"] = "nearest" if rounding == "auto" else rounding
     if name == "m+adam":
         if madam_form not in MADAM_FORMS:
             raise ValueError(f"--madam-form {madam_form!r}: use one of {tuple(MADAM_FORMS)}")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .names import MADAM_FORMS, MASTER_FORMATS, OPTIMIZERS, PACKED_FORMATS
+from .names import MADAM_FORMS, MASTER_FORMATS, MASTER_ROUNDINGS, OPTIMIZERS, PACKED_FORMATS
 
 __all__ = ["check_optimizer_options"]
 
@@ -16,7 +16,8 @@ def check_optimizer_options(cfg, bad) -> None:
     Refused: packed (fp8/fp4/nvfp4) masters under ``--parallel ddp|fsdp`` (DDP and FSDP2 move
     parameters as plain tensors) or with ``--compile`` (the packed tensor is not traced);
     ``sr-adamw`` on FP32 masters (nothing to round: it would be ``adamw``); a non-positive
-    ``--madam-mul-lr``.
+    ``--madam-mul-lr``; ``--master-rounding stochastic`` on FP32 masters, and ``nearest`` with
+    ``sr-adamw``.
     """
     if cfg.optimizer not in OPTIMIZERS:
         bad("optimizer", f"{cfg.optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
@@ -28,6 +29,14 @@ def check_optimizer_options(cfg, bad) -> None:
         bad("madam_form", f"{cfg.madam_form!r}; use one of {', '.join(MADAM_FORMS)}")
     if not cfg.madam_mul_lr > 0:
         bad("madam_mul_lr", f"must be > 0, got {cfg.madam_mul_lr}")
+    if cfg.master_rounding not in MASTER_ROUNDINGS:
+        bad("master_rounding", f"{cfg.master_rounding!r}; use one of {', '.join(MASTER_ROUNDINGS)}")
+    if cfg.master_rounding == "stochastic" and cfg.master_weights == "fp32":
+        bad("master_rounding", "FP32 masters are not rounded; pass --master-weights bf16|fp8|fp4|nvfp4, or drop "
+                               "--master-rounding")
+    if cfg.master_rounding == "nearest" and cfg.optimizer == "sr-adamw":
+        bad("master_rounding", "sr-adamw rounds stochastically by definition; use --optimizer adamw for "
+                               "round-to-nearest, or drop --master-rounding")
     packed = cfg.master_weights in PACKED_FORMATS
     if packed and cfg.parallel != "none":
         bad("master_weights", f"{cfg.master_weights} masters are packed tensors, which --parallel {cfg.parallel} cannot "

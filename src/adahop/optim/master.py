@@ -18,14 +18,16 @@ Design (the least invasive one that keeps every module, the optimizer and autogr
 Formats (elements along the last dim, padded per row to the block):
 
 - ``fp8``: E4M3 elements, one power-of-two (E8M0) scale per 32 elements, chosen so the block
-  maximum is at most 448 (never clips): 8.25 bits per weight.
-- ``fp4``: MXFP4 (:func:`adahop.formats.quantize_mxfp4`, the ``ceil`` scale rule, which never clips,
-  so stochastic rounding stays unbiased): 4.25 bits per weight.
+  maximum rounds into range (never clips): 8.25 bits per weight.
+- ``fp4``: MXFP4 (:func:`adahop.formats.quantize_mxfp4`; under stochastic rounding the ``ceil``
+  scale rule, which never clips, so SR stays unbiased; under round-to-nearest the ``adahop`` rule):
+  4.25 bits per weight.
 - ``nvfp4``: NVFP4 (:func:`adahop.formats.quantize_nvfp4`): E2M1, an E4M3 scale per 16, one FP32 tensor
   scale: 4.5 bits per weight.
 
 The block-scale policy of M+Adam's FP8/FP4 masters is not published (`specs/related_methods.md`
-§3.3); this one rescales every block from its new values at every write.
+§3.3); this one rescales every block from its new values at every write, with rules under which a
+write that changes no element by half an ulp changes nothing (:func:`pack`).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ __all__ = ["MASTER_FORMATS", "PACKED_FORMATS", "PackedMaster", "convert_master_w
            "write_master", "master_format", "weight_bytes", "pack_state_dict", "unpack_state_dict"]
 
 E4M3_MAX = 448.0
+E4M3_RNE_LIMIT = 464.0  # halfway between 448 and the next E4M3 step (480): RNE rounds (448, 464] to 448
 FP8_BLOCK = 32
 _SEP = "::"  # checkpoint keys of packed parts: "<param>::<format>.<part>"
 
@@ -52,12 +55,19 @@ aten = torch.ops.aten
 
 # ----------------------------------------------------------------------------- packing
 def _quantize_fp8(x: torch.Tensor, rounding: str, generator) -> dict[str, torch.Tensor]:
-    """E4M3 codes [*, Kp] and E8M0 scales [*, Kp/32] of FP32 ``x`` [*, K]."""
+    """E4M3 codes [*, Kp] and E8M0 scales [*, Kp/32] of FP32 ``x`` [*, K].
+
+    The block scale is the smallest power of two at which the block maximum *rounds* into range:
+    amax/scale ≤ 448 under stochastic rounding (nothing may clip, or SR is biased), ≤ 464 (halfway
+    to the next E4M3 step, 480) under round-to-nearest, where (448, 464] rounds to 448 anyway. So a
+    write of an already stored block plus steps below half an ulp keeps its scale (see
+    :func:`pack`)."""
     xm = move_and_pad(x.float(), x.ndim - 1, FP8_BLOCK)
     blocks = xm.reshape(*xm.shape[:-1], -1, FP8_BLOCK)
     amax = blocks.abs().amax(-1)
-    mant, ex = torch.frexp(amax / E4M3_MAX)  # amax/448 = mant·2^ex, mant in [0.5, 1)
-    e = torch.where(mant == 0.5, ex - 1, ex).clamp(-127, 127)  # ceil(log2(amax/448)): nothing clips
+    limit = E4M3_MAX if rounding == "stochastic" else E4M3_RNE_LIMIT
+    mant, ex = torch.frexp(amax / limit)  # amax/limit = mant·2^ex, mant in [0.5, 1)
+    e = torch.where(mant == 0.5, ex - 1, ex).clamp(-127, 127)  # ceil(log2(amax/limit))
     e = torch.where(amax > 0, e, torch.full_like(e, -127))
     s = torch.ldexp(blocks, (-e).unsqueeze(-1).float()).clamp(-E4M3_MAX, E4M3_MAX)
     if rounding == "stochastic":
@@ -76,15 +86,37 @@ def _dequantize_fp8(d: dict, shape) -> torch.Tensor:
     return unpad_and_restore(x.flatten(-2), tuple(shape), len(shape) - 1)
 
 
-def pack(x: torch.Tensor, fmt: str, rounding: str = "nearest", generator=None) -> dict[str, torch.Tensor]:
-    """The packed parts of FP32 ``x`` (blocks along the last dim) in ``fmt`` (:data:`PACKED_FORMATS`)."""
+def pack(x: torch.Tensor, fmt: str, rounding: str = "nearest", generator=None,
+         global_scale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """The packed parts of FP32 ``x`` (blocks along the last dim) in ``fmt`` (:data:`PACKED_FORMATS`).
+
+    Scales are chosen so that re-packing a stored master plus a step smaller than half an ulp of
+    every element gives the stored codes back under round-to-nearest (the optimizer re-packs every
+    step; a scale that moved on such a step re-rounded its whole block, and a doubled MXFP4 scale
+    sends every ±0.5·scale element to zero):
+
+    - ``fp8``: see :func:`_quantize_fp8`;
+    - ``fp4``: under ``nearest`` MXFP4's ``adahop`` rule (amax/scale in [3.5, 7): a maximum in
+      (6, 7) rounds to 6 anyway), under ``stochastic`` the ``ceil`` rule (amax/scale ≤ 6: nothing
+      clips, so SR stays unbiased);
+    - ``nvfp4``: ``global_scale`` (the stored one, shape [1]) is kept while the new tensor maximum
+      fits under it (t_amax ≤ 448·6·global_scale under SR, ≤ 448·7·global_scale under RNE, where
+      a block maximum up to 7 rounds to 6); else (and when None) it is t_amax/2688, as
+      :func:`adahop.formats.quantize_nvfp4` picks it. Recomputing it from every write moved every
+      block scale of the tensor on every step.
+    """
     if fmt == "fp8":
         return _quantize_fp8(x, rounding, generator)
     if fmt == "fp4":
-        q = quantize_mxfp4(x, axis=-1, scale_rule="ceil", rounding=rounding, generator=generator)
+        rule = "ceil" if rounding == "stochastic" else "adahop"
+        q = quantize_mxfp4(x, axis=-1, scale_rule=rule, rounding=rounding, generator=generator)
         return {"codes": q.codes, "scales": q.scales}
     if fmt == "nvfp4":
-        q = quantize_nvfp4(x, axis=-1, rounding=rounding, generator=generator)
+        if global_scale is not None:  # one host sync per packed tensor: this path is eager anyway
+            top = 6.0 if rounding == "stochastic" else 7.0  # the largest block maximum / 448 that rounds to ≤ 6
+            fits = bool(x.detach().abs().amax().float() <= global_scale.float().reshape(()) * (448.0 * top))
+            global_scale = global_scale.float().reshape(()) if fits else None
+        q = quantize_nvfp4(x, axis=-1, rounding=rounding, generator=generator, global_scale=global_scale)
         return {"codes": q.codes, "scales": q.scales, "global_scale": q.global_scale.reshape(1)}
     raise ValueError(f"fmt={fmt!r}: packed master formats are {PACKED_FORMATS}")
 
@@ -250,8 +282,9 @@ def read_master(p: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def write_master(p: torch.Tensor, w: torch.Tensor, rounding: str = "nearest", generator=None) -> None:
     """Store FP32 values ``w`` into packed master ``p``, rounded once to its format (``rounding``
-    ``nearest`` or ``stochastic``, bits from ``generator``); block scales follow the new values."""
-    for k, t in pack(w, p.fmt, rounding, generator).items():
+    ``nearest`` or ``stochastic``, bits from ``generator``); block scales follow the new values by
+    :func:`pack`'s rules, and an NVFP4 tensor scale is kept while the values fit under it."""
+    for k, t in pack(w, p.fmt, rounding, generator, global_scale=p.parts.get("global_scale")).items():
         p.parts[k].copy_(t)
 
 

@@ -6,4 +6,7 @@ OPTIMIZERS = ("adamw", "sr-adamw", "kahan-adamw", "m+adam")
 MADAM_FORMS = {"arxiv-relative": "madam-arxiv-relative", "arxiv": "madam-arxiv", "workshop": "madam-workshop"}
 
 MASTER_FORMATS = ("fp32", "bf16", "fp8", "fp4", "nvfp4")
+
+#: ``--master-rounding``: ``auto`` is stochastic for ``sr-adamw``, round-to-nearest for the others.
+MASTER_ROUNDINGS = ("auto", "nearest", "stochastic")
 PACKED_FORMATS = ("fp8", "fp4", "nvfp4")

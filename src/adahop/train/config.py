@@ -69,6 +69,8 @@ class TrainConfig:
     """M+Adam update form: arxiv-relative, arxiv (the literal third-party reading) or workshop (docs/optim.md)."""
     madam_mul_lr: float = 10.0
     """M+Adam's multiplicative learning rate as a multiple of --lr (it follows the same schedule)."""
+    master_rounding: str = "auto"
+    """Rounding of each low-precision master write: auto (stochastic for sr-adamw, nearest otherwise), nearest or stochastic."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (0 disables)."""
     eval_every: int = 50

@@ -372,7 +372,8 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
                    unquantizable_layers=len(get_controller(model).unquantizable), bf16_layers=bf16_layers,
                    parameters=sum(p.numel() for p in model.parameters()), epochs=epochs, lr_schedule_steps=schedule,
                    device=str(device), interrupted=stop["now"], optimizer=cfg.optimizer, master_weights=cfg.master_weights,
-                   optimizer_states=cfg.optimizer_states, **memory_bytes(model, opt))  # bytes of this rank's shards
+                   optimizer_states=cfg.optimizer_states, master_rounding=getattr(opt, "rounding", None),
+                   **memory_bytes(model, opt))  # bytes of this rank's shards
     if is_main:
         (run / "summary.json").write_text(json.dumps(summary, indent=1))
         metrics.plot(run / "loss.png", title=f"{cfg.recipe} on {cfg.model}")

@@ -27,7 +27,7 @@ RESUME_KEYS = ("recipe", "model", "model_config", "seq_len", "batch_size", "grad
                "tokenizer", "calib_steps", "plan", "backend",
                # the optimizer and its schedule: a resumed run continues the same one (--steps may grow)
                "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "grad_clip", "beta1", "beta2",
-               "optimizer", "master_weights", "optimizer_states", "madam_form", "madam_mul_lr")
+               "optimizer", "master_weights", "optimizer_states", "madam_form", "madam_mul_lr", "master_rounding")
 
 #: Settings that do not change a finished run's results (`adahop compare` reuses a run whose other
 #: settings all equal the new ones).
@@ -364,7 +364,8 @@ def build_optimizer(cfg: TrainConfig, model: torch.nn.Module, seed: int | None =
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return build(cfg.optimizer, groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8, weight_decay=cfg.weight_decay,
                  master=cfg.master_weights, states=cfg.optimizer_states, madam_form=cfg.madam_form,
-                 mul_lr_scale=cfg.madam_mul_lr, seed=cfg.seed if seed is None else seed, backend=cfg.backend)
+                 mul_lr_scale=cfg.madam_mul_lr, rounding=cfg.master_rounding, seed=cfg.seed if seed is None else seed,
+                 backend=cfg.backend)
 
 
 def lr_at(cfg: TrainConfig, step: int, total: int | None = None) -> float:
