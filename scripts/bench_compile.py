@@ -2,7 +2,7 @@
 """Issue 18 item 1 on the GPU: compiled speed in `adahop train --compile`'s mode, cold compile, breaks.
 
     PYTHONPATH=src python scripts/bench_compile.py [--model llama-125m --seq-len 1024 --batch-size 16]
-        [--recipes bf16,mxfp4,adahop-lv2] [--modes eager,compiled,auto] [--forms opaque,traced,traced-inline]
+        [--recipes bf16,mxfp4,adahop-lv2] [--modes eager,compiled,auto] [--forms auto,opaque,traced,traced-inline]
         [--layers N] [--phases cold,side_by_side] [--log-dir DIR] [--profile N] [--json out.json]
     PYTHONPATH=src python scripts/bench_compile.py --device cpu --model llama-tiny --seq-len 32 --batch-size 2 --steps 1
         (a dry run of the script on the CPU: auto is the default mode there, Inductor compiles C++)
@@ -18,8 +18,9 @@ Two phases, each row from ``adahop.bench.bench_model`` (the harness of ``adahop 
    process), for the tokens/s ratios to BF16 of the same mode (targets at llama-125m 1024 x 16:
    Lv2 >= 0.9x, mxfp4 >= 0.95x, compiled the same way as BF16).
 
-``--forms``: how a frozen converted layer enters the compiled graph: ``opaque`` (the default of
-``adahop.nn.opaque``: two ops that run eager mode's code), ``traced`` (its GEMMs traced by dynamo,
+``--forms``: how a frozen converted layer enters the compiled graph: ``auto`` (the default of
+``adahop.nn.opaque``: NVFP4 and Averis layers traced, the others opaque, ``layer_form``),
+``opaque`` (two ops that run eager mode's code), ``traced`` (its GEMMs traced by dynamo,
 the Triton launches as the op ``adahop::triton_launch``) or ``traced-inline`` (traced, the launches
 through ``wrap_triton``, which Inductor emits at the price of a TTIR analysis per call while
 tracing); with several, each phase runs once per form (BF16's cold row once: it has no converted layer).
@@ -61,7 +62,7 @@ def worker(args) -> None:
 
     from adahop.nn.opaque import set_compiled_layers
 
-    set_compiled_layers("opaque" if args.form == "opaque" else "traced")
+    set_compiled_layers(args.form if args.form in ("auto", "opaque") else "traced")
     if args.device == "cuda":
         from adahop.kernels._triton_launch import set_traced_launches
 
@@ -85,7 +86,7 @@ def worker(args) -> None:
     print("ROWS " + json.dumps(rows), flush=True)
 
 
-def run_child(args, recipes: str, modes: str, timeout: float, form: str = "opaque") -> list[dict]:
+def run_child(args, recipes: str, modes: str, timeout: float, form: str = "auto") -> list[dict]:
     """One fresh process with empty Inductor and Triton caches; its rows (an error row if it died).
     Its stderr (progress, compile-phase times) goes to ``--log-dir`` when given."""
     with tempfile.TemporaryDirectory(prefix="adahop-cold-") as tmp:
@@ -132,10 +133,10 @@ def main() -> None:
     ap.add_argument("--phases", default="cold,side_by_side")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per child process")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--forms", default="opaque",
-                    help="how a frozen converted layer enters the graph: opaque, traced, traced-inline, comma-separated "
+    ap.add_argument("--forms", default="auto",
+                    help="how a frozen converted layer enters the graph: auto, opaque, traced, traced-inline, comma-separated "
                          "(a cold row and a side-by-side process for each)")
-    ap.add_argument("--form", default="opaque", help=argparse.SUPPRESS)  # the child's one form
+    ap.add_argument("--form", default="auto", help=argparse.SUPPRESS)  # the child's one form
     ap.add_argument("--profile", type=int, default=0, help="cProfile each child; its N functions of most cumulative time in the log")
     ap.add_argument("--log-dir", default=None, help="each child's stderr (progress, compile-phase times) into a file here")
     ap.add_argument("--json", default=None)

@@ -176,7 +176,7 @@ def test_traced_layers_equal_the_opaque_ops(recipe, single_thread):
     if not get_recipe(recipe).draws_random_bits:
         for what, a, b in zip(("y", "dX", "dW"), out["opaque"], _grads(m, m, x0, dy, 100)):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=f"{recipe} {what}: opaque != eager")
-    with pytest.raises(ValueError, match="'opaque' or 'traced'"):
+    with pytest.raises(ValueError, match="'auto', 'opaque' or 'traced'"):
         set_compiled_layers("inline")
 
 
@@ -324,10 +324,16 @@ def test_opaque_fake_run_leaves_no_fake_tensor_in_the_constant_caches(recipe, si
 
     from adahop import device_constants
 
+    from adahop.nn.opaque import set_compiled_layers
+
     m = _layer(recipe)
     device_constants._CACHE.clear()
     x = torch.randn(T, K, requires_grad=True)
-    torch.compile(m, fullgraph=True, backend="aot_eager")(x).sum().backward()
+    prev = set_compiled_layers("opaque")  # nvfp4 is traced under "auto"
+    try:
+        torch.compile(m, fullgraph=True, backend="aot_eager")(x).sum().backward()
+    finally:
+        set_compiled_layers(prev)
     assert device_constants._CACHE and not any(isinstance(t, FakeTensor) for t in device_constants._CACHE.values())
     assert torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
 
@@ -414,3 +420,76 @@ def test_sign_seed_survives_meta_then_to_empty(single_thread):
     lin.to_empty(device="cpu")
     c2 = adahop.get_controller(lin)
     assert c2.sign_seed.device.type == "cpu" and int(c2.sign_seed) == c2.sign_seed_value(0)
+
+
+def _dynamo_graph(m, recipe_layers: str | None = None):
+    """One compiled forward/backward of ``m`` (fullgraph, aot_eager); returns the dynamo graph's
+    call targets, the sources of its inputs and its tensor constants (subgraphs included), and the
+    outputs of :func:`_grads`."""
+    from adahop.nn.opaque import set_compiled_layers
+
+    seen = {}
+
+    def backend(gm, inputs):
+        seen["targets"] = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+        seen["sources"] = [n.meta["grapharg"].source.name for n in gm.graph.nodes if n.op == "placeholder"]
+        seen["constants"] = [n.target for sub in gm.modules() if isinstance(sub, torch.fx.GraphModule)
+                             for n in sub.graph.nodes if n.op == "get_attr" and isinstance(getattr(sub, n.target), torch.Tensor)]
+        from torch._dynamo.backends.registry import lookup_backend
+
+        return lookup_backend("aot_eager")(gm, inputs)
+
+    prev = set_compiled_layers(recipe_layers) if recipe_layers else None
+    try:
+        torch.compiler.reset()
+        out = _grads(m, torch.compile(m, fullgraph=True, backend=backend), *_xdy(), 100)
+    finally:
+        if prev is not None:
+            set_compiled_layers(prev)
+    return seen, out
+
+
+def _xdy():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(T, K, generator=g), torch.randn(T, N, generator=g)
+
+
+@pytest.mark.parametrize("recipe, form", [("nvfp4", "traced"), ("averis", "traced"), ("averis-mxfp4", "traced"),
+                                          ("quartet", "opaque"), ("mxfp4", "opaque"), ("halo-2", "opaque")])
+def test_auto_form_traces_the_layers_made_of_plain_torch_ops(recipe, form, single_thread):
+    """By default (``COMPILED_LAYERS="auto"``) the NVFP4 and Averis layers are traced, so that
+    Inductor fuses their quantizers (in an opaque op they ran as ~410-620 separate kernels per
+    layer's forward and backward, against quartet's 10 fused launches and 19 ops; scripts/count_layer_ops.py),
+    and the others stay the opaque ops. The compiled result is eager mode's for a forward that
+    draws no random bits, and finite and nonzero everywhere."""
+    from adahop.nn.opaque import COMPILED_LAYERS, layer_form, unfused_parts
+
+    assert COMPILED_LAYERS == "auto"
+    m = _layer(recipe)
+    specs = m[0].current_specs()
+    assert layer_form(specs) == form and bool(unfused_parts(specs)) == (form == "traced")
+    assert layer_form(specs, "opaque") == "opaque" and layer_form(specs, "traced") == "traced"
+    seen, comp = _dynamo_graph(m)
+    if form == "traced":
+        assert seen["targets"].count("autograd_function_apply") == 1 and "adahop.lp_linear_fwd" not in seen["targets"]
+    else:
+        assert seen["targets"].count("adahop.lp_linear_fwd") == 1 and "autograd_function_apply" not in seen["targets"]
+    assert all(bool(torch.isfinite(t).all()) and float(t.norm()) > 0 for t in comp)
+    if not get_recipe(recipe).fprop.draws_random_bits:
+        eager = _grads(m, m, *_xdy(), 100)
+        torch.testing.assert_close(comp[0], eager[0], rtol=1e-6, atol=1e-6, msg=f"{recipe} y: compiled != eager")
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4", "averis", "mxfp4-had"])
+def test_traced_layer_takes_its_constants_from_the_device_cache(recipe, single_thread):
+    """A traced layer's constants (E2M1 grid, NVFP4 byte table, fixed signs, Hadamard blocks) enter
+    the graph as the cached copies on the layer's device (``adahop.device_constants``), never as the
+    CPU master copies: on a GPU such an input is a host-to-device copy per call, and a CPU input
+    makes Inductor skip CUDA graphs for the whole graph under ``reduce-overhead`` (before the fix,
+    ``E2M1_VALUES`` and ``_BYTE_PAIRS`` were inputs, and the fixed signs a CPU constant)."""
+    m = _layer(recipe)
+    seen, comp = _dynamo_graph(m, "traced")
+    others = [s for s in seen["sources"] if not s.startswith("L[")]  # not the input or the layer's parameters
+    assert others and all("._CACHE[" in s for s in others), f"{recipe}: graph inputs not from the device cache: {others}"
+    assert not seen["constants"], f"{recipe}: tensor constants built into the graph: {seen['constants']}"
+    assert all(bool(torch.isfinite(t).all()) for t in comp)

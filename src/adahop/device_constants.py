@@ -6,7 +6,8 @@ Two rules that the converted layers' opaque ops (`adahop.nn.opaque`) need from e
   once and cached: inside the ops, a host-to-device copy on every call would be a sync that a
   CUDA-graph capture cannot hold. The copy is made outside any fake mode, because the forward op's
   fake impl runs the same code on fake tensors, and a cache filled there would hand a fake tensor
-  to a later real call. Under dynamo tracing the copy is a plain graph op, as before.
+  to a later real call. Under dynamo tracing the cached copy is a graph input; only one not yet
+  cached is copied by a graph op (a converted layer caches its constants when it is built).
 - A check that reads device values on the host (a sync) is skipped while dynamo traces, while a
   fake mode runs the code, and while a CUDA stream captures a graph.
 
@@ -31,10 +32,14 @@ def on_device(key: tuple, build: Callable[[], torch.Tensor], device) -> torch.Te
 
     The result is shared: callers must not modify it in place (clone it for that). ``key`` names
     the constant and every parameter it depends on (size, dtype, seed)."""
-    if torch.compiler.is_dynamo_compiling():  # traced: graph ops, no cache write (a side effect)
-        return build().to(device)
     k = (*key, str(torch.device(device)))
     t = _CACHE.get(k)
+    if torch.compiler.is_dynamo_compiling():
+        # traced: the cached device tensor enters the graph as an input. Only a constant not cached
+        # yet is built in the graph (a cache write would be a side effect): from a CPU tensor, a
+        # host-to-device copy per call, and a CPU input makes Inductor run the whole graph without
+        # CUDA graphs under mode="reduce-overhead" ("skipping cudagraphs due to cpu device")
+        return t if t is not None else build().to(device)
     if t is None:
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 

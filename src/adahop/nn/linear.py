@@ -333,8 +333,9 @@ class LowPrecisionLinear(nn.Linear):
         return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], self.out_features))
 
     def _compiled_opaque(self) -> bool:
-        # frozen quantized GEMMs under torch.compile, and the opaque form chosen
-        return torch.compiler.is_compiling() and opaque.COMPILED_LAYERS == "opaque" and self.current_specs() is not None
+        # frozen quantized GEMMs under torch.compile, and the opaque form chosen for them (adahop.nn.opaque.layer_form)
+        specs = self.current_specs() if torch.compiler.is_compiling() else None
+        return specs is not None and opaque.layer_form(specs) == "opaque"
 
     def _sign_seed(self, gemms) -> torch.Tensor | None:
         """The compiled path's seed for this call's per-call signs (None in eager mode, or when none

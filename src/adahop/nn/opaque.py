@@ -24,9 +24,11 @@ default mode they run their Python per call, as eager mode does. Random bits ins
 training loop seeds per step (:func:`adahop.nn.seed_compiled_rng`), and the per-call signs from
 the compiled path's seed tensor, as in a traced layer.
 
-:data:`COMPILED_LAYERS` (``"opaque"`` or ``"traced"``, :func:`set_compiled_layers`) picks this
+:data:`COMPILED_LAYERS` (``"auto"``, ``"opaque"`` or ``"traced"``, :func:`set_compiled_layers`) picks this
 form or dynamo tracing of the layer's GEMMs; both compute the same numbers (same kernels, same
-draws' distribution).
+draws' distribution). ``"auto"``, the default, traces only the layers whose GEMMs are long chains
+of plain PyTorch ops (:func:`unfused_parts`: NVFP4, Averis), which Inductor then fuses; an opaque op
+would run them kernel by kernel.
 """
 
 from __future__ import annotations
@@ -42,13 +44,17 @@ import torch
 
 from .function import _needs_hp_b, backward_body, forward_body
 
-__all__ = ["COMPILED_LAYERS", "set_compiled_layers", "register", "lp_linear", "in_opaque_layer"]
+__all__ = ["COMPILED_LAYERS", "FORMS", "set_compiled_layers", "unfused_parts", "layer_form", "register", "lp_linear",
+           "in_opaque_layer"]
 
-#: How ``torch.compile`` sees a frozen converted layer: ``"opaque"`` (the ops above) or ``"traced"``;
-#: the environment variable ``ADAHOP_COMPILED_LAYERS`` sets it for a process (and its children).
-COMPILED_LAYERS = os.environ.get("ADAHOP_COMPILED_LAYERS", "opaque")
-if COMPILED_LAYERS not in ("opaque", "traced"):
-    raise ValueError(f"ADAHOP_COMPILED_LAYERS={COMPILED_LAYERS!r}: use 'opaque' or 'traced'")
+#: The forms :data:`COMPILED_LAYERS` takes.
+FORMS = ("auto", "opaque", "traced")
+#: How ``torch.compile`` sees a frozen converted layer: ``"opaque"`` (the ops above), ``"traced"``, or
+#: ``"auto"`` (the default: per layer, :func:`layer_form`); the environment variable
+#: ``ADAHOP_COMPILED_LAYERS`` sets it for a process (and its children).
+COMPILED_LAYERS = os.environ.get("ADAHOP_COMPILED_LAYERS", "auto")
+if COMPILED_LAYERS not in FORMS:
+    raise ValueError(f"ADAHOP_COMPILED_LAYERS={COMPILED_LAYERS!r}: use 'auto', 'opaque' or 'traced'")
 
 _LAYERS: "weakref.WeakValueDictionary[int, torch.nn.Module]" = weakref.WeakValueDictionary()
 _KEYS = itertools.count()
@@ -63,13 +69,49 @@ def set_compiled_layers(how: str) -> str:
     """Set :data:`COMPILED_LAYERS` for graphs traced from now on; returns the previous value.
 
     Raises:
-        ValueError: ``how`` is not ``"opaque"`` or ``"traced"``.
+        ValueError: ``how`` is not ``"auto"``, ``"opaque"`` or ``"traced"``.
     """
     global COMPILED_LAYERS
-    if how not in ("opaque", "traced"):
-        raise ValueError(f"compiled converted layers are 'opaque' or 'traced', got {how!r}")
+    if how not in FORMS:
+        raise ValueError(f"compiled converted layers are 'auto', 'opaque' or 'traced', got {how!r}")
     prev, COMPILED_LAYERS = COMPILED_LAYERS, how
     return prev
+
+
+def unfused_parts(specs: dict) -> tuple[str, ...]:
+    """The parts of a frozen layer's GEMMs (``specs``: GEMM name -> resolved
+    :class:`~adahop.recipes.spec.GemmSpec`) that run as long chains of small plain-PyTorch ops
+    where the MXFP4 recipes run one fused quantizer launch per operand: the NVFP4 quantizer (and its
+    GEMM's operand build) and Averis's mean split (whose mean vectors are fake-quantized by the
+    reference quantizer). Empty for mxfp4, quartet, tseng, HALO and AdaHOP layers.
+
+    Inside an opaque op such a chain runs op by op, as in eager mode, and ``reduce-overhead``
+    replays every op as its own kernel: one layer's forward and backward ran 410 ops for nvfp4 and
+    624 for averis, against 10 Triton launches and 19 ops (3 of them GEMMs) for quartet
+    (`scripts/count_layer_ops.py`, CPU, 2026-12-02). HALO's whole-dimension Hadamards (a butterfly above 256, Kronecker GEMMs for the
+    outer ones) are not listed: traced, dynamo takes the butterfly for the Kronecker GEMMs too, and
+    which is faster on the GPU is unmeasured."""
+    parts = []
+    for g, s in specs.items():
+        if s.strategy == "bf16":
+            continue
+        if "nvfp4" in (s.a.fmt, s.b.fmt):
+            parts.append(f"{g}: NVFP4 quantizer")
+        if s.mean_split != "none":
+            parts.append(f"{g}: mean split")
+    return tuple(parts)
+
+
+def layer_form(specs: dict, how: str | None = None) -> str:
+    """``"opaque"`` or ``"traced"``: how ``torch.compile`` sees a frozen layer of these ``specs``
+    under ``how`` (default :data:`COMPILED_LAYERS`). ``"auto"`` traces a layer with
+    :func:`unfused_parts`, so that Inductor fuses those chains into a few kernels, and makes the
+    others opaque, whose every operand is one fused kernel already and whose Python dynamo would
+    trace slowly (module docstring)."""
+    how = COMPILED_LAYERS if how is None else how
+    if how != "auto":
+        return how
+    return "traced" if unfused_parts(specs) else "opaque"
 
 
 def in_opaque_layer() -> bool:

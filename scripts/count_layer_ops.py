@@ -1,0 +1,121 @@
+#!/usr/bin/env python
+"""How many separate ops one converted layer's forward + backward runs, per recipe (CPU analysis).
+
+Inside the opaque layer ops of ``adahop.nn.opaque`` a frozen layer runs eager mode's code, so each
+aten op counted here is one kernel launch on the GPU (CUDA graphs replay them all, one by one), and
+each Triton launch one fused kernel. The count is what separates the recipes whose quantizers are
+fused kernels (mxfp4, quartet, HALO) from those made of plain PyTorch ops (nvfp4, Averis), which
+``COMPILED_LAYERS="auto"`` traces so that Inductor fuses them.
+
+Usage (CPU; the Triton kernels run in the interpreter, so keep the shapes small)::
+
+    TRITON_INTERPRET=1 python scripts/count_layer_ops.py --backend triton --shape 64,128,64
+    python scripts/count_layer_ops.py --backend reference --shape 512,1344,256
+
+``--shape K,N,T``: in_features, out_features, tokens (HALO-2 needs T a power of two). Counted on
+2026-12-02 (torch 2.13 CPU, triton 3.9 interpreter, ``--backend triton --shape 64,128,64``; ops other
+than views and allocations, the interpreter's own ``set_``/``copy_`` left out; one forward+backward):
+
+=========  ====  ===============
+recipe     ops   Triton launches
+=========  ====  ===============
+quartet    19    10
+mxfp4      7     10
+halo-2     16    11
+nvfp4      410   0
+averis     624   0
+=========  ====  ===============
+
+At ``--shape 512,64,512`` halo-2's whole-dimension Hadamards (above the fused quantizer's 256) add
+a butterfly and Kronecker GEMMs: 82 ops + 10 launches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import warnings
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# views, metadata and allocations: no kernel of their own
+NO_KERNEL = {"view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "unsqueeze", "squeeze", "select",
+             "slice", "narrow", "alias", "detach", "as_strided", "split", "unbind", "movedim", "flatten", "lift_fresh",
+             "empty", "empty_like", "new_empty", "empty_strided", "_reshape_alias", "view_as", "unflatten"}
+INTERPRETER = {"set_", "copy_"}  # what TRITON_INTERPRET=1 does around each launch (real copy_ ops are counted with it)
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _count_launches() -> collections.Counter:
+    """Count Triton kernel launches by name (the interpreter's or the JIT's)."""
+    launches = collections.Counter()
+    try:
+        import triton.runtime.interpreter as interp
+        import triton.runtime.jit as jit
+    except ImportError:
+        return launches
+    for cls in (interp.InterpretedFunction, jit.JITFunction):
+        orig = cls.__getitem__
+
+        def getitem(self, grid, orig=orig):
+            launch = orig(self, grid)
+
+            def counted(*a, **k):
+                launches[getattr(self.fn, "__name__", str(self.fn))] += 1
+                return launch(*a, **k)
+
+            return counted
+
+        cls.__getitem__ = getitem
+    return launches
+
+
+def count(recipe: str, k: int, n: int, t: int, backend: str, launches: collections.Counter) -> dict:
+    """One warm forward+backward of a converted ``nn.Linear(k, n)`` on ``t`` tokens, then one counted."""
+    import adahop
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(k, n, bias=False))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        adahop.convert_model(m, recipe, backend=backend, exclude=())
+    if adahop.get_controller(m).calibrating:
+        raise SystemExit(f"{recipe} calibrates first; pick a recipe without calibration")
+    x = torch.randn(t, k, requires_grad=True)
+    m(x).sum().backward()
+    launches.clear()
+    with _Count() as c:
+        m(x).sum().backward()
+    ops = {o: v for o, v in c.ops.items() if o not in NO_KERNEL and o not in INTERPRETER}
+    return dict(recipe=recipe, ops=sum(ops.values()), triton_launches=sum(launches.values()),
+                interpreter_copies=sum(v for o, v in c.ops.items() if o in INTERPRETER),
+                top=sorted(ops.items(), key=lambda kv: -kv[1])[:12], kernels=dict(launches))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--recipes", default="quartet,nvfp4,averis,halo-2,mxfp4")
+    ap.add_argument("--backend", default="auto", choices=("auto", "triton", "reference"))
+    ap.add_argument("--shape", default="64,128,64", help="K,N,T")
+    args = ap.parse_args()
+    k, n, t = (int(v) for v in args.shape.split(","))
+    launches = _count_launches()
+    for r in args.recipes.split(","):
+        row = count(r, k, n, t, args.backend, launches)
+        print(f"{r:10s} ops {row['ops']:4d}  triton launches {row['triton_launches']:3d}  {row['kernels']}")
+        print(f"{'':10s} top ops: {row['top']}")
+
+
+if __name__ == "__main__":
+    main()
