@@ -86,6 +86,10 @@
 #      on the main corpus in bf16 and adahop-lv2 (PTQ_STEPS steps of 1024 x 16, default 600 = 9.8M tokens; all
 #      four at once, skipped when runs/ptq/<model>/summary.json exists), then scripts/run_ptq_experiment.py over
 #      the four with what is left of LIM (cheap cells first, HARP last); $OUT/ptq.tgz: summary.md/json, cell logs
+#   r13a (round 13, one GPU): r12a with the 'auto' compiled-layer form (nvfp4/averis layers traced so Inductor fuses
+#      their quantizers; not yet run on a GPU): the validation first; if a traced rival layer fails it, the chunk
+#      runs with ADAHOP_COMPILED_LAYERS=opaque (the round-12 form); a 60-step llama-60m nvfp4 train --compile
+#      measures the new form's compile time and tok/s alone; then the i19q chunk
 # JOBS: the quality runs still to do, RECIPE:SEED,... (default: this session's list).
 # Needs .carry/{corpus_main.txt.xz,gpt2.tiktoken} and .whl/zstandard-*.whl (carried).
 set -u
@@ -98,7 +102,7 @@ export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 ADAHOP_CACHE=/tmp/adahop
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())"
-if [ "${STAGE#i19}" != "$STAGE" ] || [ "$STAGE" = r8a ] || [ "$STAGE" = r12a ] || [ "$STAGE" = p13 ]; then  # issue 19: data and compile caches in an ignored folder that outlives the call
+if [ "${STAGE#i19}" != "$STAGE" ] || [ "$STAGE" = r8a ] || [ "$STAGE" = r12a ] || [ "$STAGE" = r13a ] || [ "$STAGE" = p13 ]; then  # issue 19: data and compile caches in an ignored folder that outlives the call
   mkdir -p runs/issue19
   export TORCHINDUCTOR_CACHE_DIR=$PWD/runs/issue19/inductor TRITON_CACHE_DIR=$PWD/runs/issue19/triton ADAHOP_CACHE=$PWD/runs/issue19/adahop
   [ -f runs/issue19/main/manifest.json ] || python3 -m adahop data prepare --source .carry/corpus_main.txt.xz \
@@ -186,6 +190,20 @@ if [ "$STAGE" = r9d ]; then
     --launches opaque --timeout $(( 470 - $(el) )) --json $OUT/cold_opaque.json > $OUT/cold_opaque.log 2>&1
   echo "cold opaque: exit $? at $(el) s"; grep -A4 "^## cold" $OUT/cold_opaque.log
   echo "stage $STAGE done at $(el) s"; exit 0
+fi
+if [ "$STAGE" = r13a ]; then  # round 13 (one GPU): the traced rival layers checked, timed alone, then the i19q chunk
+  export CUDA_VISIBLE_DEVICES=0
+  timeout 200 python3 scripts/validate_kernels.py --only rivals,compile --log $OUT/validate_r13.json > $OUT/validate_r13.log 2>&1
+  grep -E "^(PASS|FAIL)" $OUT/validate_r13.log | cut -c1-220; tail -1 $OUT/validate_r13.log; echo "validate done at $(el) s"
+  grep -q "^FAIL.*NVFP4 GEMM" $OUT/validate_r13.log && echo "WARNING: the NVFP4 GEMM failed its check: do not keep nvfp4/averis runs"
+  if grep -qE "^FAIL.*torch.compile (nvfp4|averis)" $OUT/validate_r13.log; then
+    export ADAHOP_COMPILED_LAYERS=opaque; echo "a traced rival layer failed: the chunk runs with ADAHOP_COMPILED_LAYERS=opaque"
+  else
+    timeout 240 python3 -m adahop train --model llama-60m --recipe nvfp4 --data runs/issue19/main --steps 60 --eval-every 0 \
+      --ckpt-every 0 --log-every 10 --seq-len 512 --batch-size 32 --compile --out /tmp/nv60 > $OUT/train60_nvfp4.log 2>&1
+    echo "nvfp4 llama-60m train --compile alone: exit $? at $(el) s"; python3 -c "import json; d = json.load(open('/tmp/nv60/summary.json')); print({k: d.get(k) for k in ('final_train_loss', 'compile_mode', 'tok_per_s', 'warmup_s', 'recompiles_steady_state', 'graph_breaks_steady_state')})"
+  fi
+  STAGE=i19q
 fi
 if [ "$STAGE" = r12a ]; then  # round 12 (one GPU), first: the new fast paths of the rivals checked, then the i19q chunk
   export CUDA_VISIBLE_DEVICES=0
