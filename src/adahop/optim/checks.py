@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from .names import MADAM_FORMS, MASTER_FORMATS, OPTIMIZERS, PACKED_FORMATS
 
 __all__ = ["check_optimizer_options"]
@@ -16,7 +18,8 @@ def check_optimizer_options(cfg, bad) -> None:
     Refused: packed (fp8/fp4/nvfp4) masters under ``--parallel ddp|fsdp`` (DDP and FSDP2 move
     parameters as plain tensors) or with ``--compile`` (the packed tensor is not traced);
     ``sr-adamw`` on FP32 masters (nothing to round: it would be ``adamw``); a non-positive
-    ``--madam-mul-lr``.
+    ``--madam-mul-lr``; ``--madam-form`` or ``--madam-mul-lr`` set (not their defaults) with an optimizer
+    other than ``m+adam``, which never reads them (the run would pass for an M+Adam one).
     """
     if cfg.optimizer not in OPTIMIZERS:
         bad("optimizer", f"{cfg.optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
@@ -28,6 +31,12 @@ def check_optimizer_options(cfg, bad) -> None:
         bad("madam_form", f"{cfg.madam_form!r}; use one of {', '.join(MADAM_FORMS)}")
     if not cfg.madam_mul_lr > 0:
         bad("madam_mul_lr", f"must be > 0, got {cfg.madam_mul_lr}")
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+    if cfg.optimizer != "m+adam":
+        for name in ("madam_form", "madam_mul_lr"):
+            if getattr(cfg, name) != defaults.get(name, getattr(cfg, name)):
+                bad(name, f"{getattr(cfg, name)} is an M+Adam setting and --optimizer {cfg.optimizer} does not read it; "
+                          f"add --optimizer m+adam, or drop --{name.replace('_', '-')}")
     packed = cfg.master_weights in PACKED_FORMATS
     if packed and cfg.parallel != "none":
         bad("master_weights", f"{cfg.master_weights} masters are packed tensors, which --parallel {cfg.parallel} cannot "
