@@ -277,7 +277,8 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true",
                     help="llama-tiny, 4 steps, one seed: the pipeline end to end on a CPU")
     ap.add_argument("--report", action="store_true", help="only write table.md and loss_curves.png from OUT")
-    ap.add_argument("extra", nargs="*", help="more `adahop train` flags after --, e.g. -- --madam-form workshop")
+    ap.add_argument("extra", nargs="*", help="more `adahop train` flags after --, given to every row, e.g. --rows madam-bf16 -- "
+                                           "--madam-form workshop (adahop train refuses M+Adam flags with another optimizer)")
     args = ap.parse_args()
     if args.report:
         return report(args)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 
 import pytest
@@ -368,3 +369,30 @@ def test_synthetic_writes_figure3(tmp_path, single_thread):
     assert "| RR |" in (out / "figure3_synthetic.md").read_text()
     assert (out / "figure3_synthetic.csv").read_text().startswith("pair,")
     assert _is_png(out / "figure3_synthetic.png")
+
+
+def test_low_precision_masters_train_as_adahop_train_does_and_a_packed_run_continues(data_dir, tmp_path,
+                                                                                     single_thread):
+    """--master-weights was ignored (FP32 masters trained, SR of sr-adamw rounding nothing), and a run
+    with packed FP8/FP4 masters could not be continued ('checkpoint ... does not fit the model')."""
+    from adahop.train import TrainConfig, train
+    from adahop.train.metrics import read_metrics
+
+    common = dict(recipe="bf16", model="llama-tiny", data=str(data_dir), seq_len=32, batch_size=4, warmup_steps=1,
+                  device="cpu", optimizer="sr-adamw", master_weights="bf16", eval_every=0, log_every=1)
+    run_dir = tmp_path / "runs" / "sr"
+    train(TrainConfig(steps=3, out=str(run_dir), **common))
+    want = [r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
+    out = tmp_path / "an_sr"
+    run(_args(*TINY, "--data", str(data_dir), "--steps", "3", "--calib-steps", "2", "--gain-layers", "2",
+              "--optimizer", "sr-adamw", "--master-weights", "bf16", "--out", str(out)))
+    got = [loss for _, loss in json.loads((out / "analysis.json").read_text())["losses"]]
+    assert got == want  # the same BF16 masters and stochastic rounding, bit for bit
+    packed = tmp_path / "runs" / "fp8"
+    train(TrainConfig(steps=2, out=str(packed), **{**common, "optimizer": "adamw", "master_weights": "fp8"}))
+    out = tmp_path / "an_fp8"
+    run(_args("--run", str(packed), "--steps", "1", "--calib-steps", "1", "--device", "cpu", "--gain-layers", "2",
+              "--out", str(out)))
+    meta = json.loads((out / "analysis.json").read_text())
+    assert meta["start_step"] == 2 and meta["config"]["master_weights"] == "fp8"
+    assert 0 < meta["losses"][0][1] < 1.5 * math.log(512)

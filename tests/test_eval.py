@@ -423,3 +423,35 @@ def test_an_unfinished_run_is_scored_with_a_warning_naming_its_step(run_dir, tmp
     (short / "config.json").write_text(json.dumps(cfg))
     with pytest.warns(UserWarning, match=f"unfinished: scoring its checkpoint of step {steps} of --steps {steps + 6}"):
         load_model(short, device=torch.device("cpu"))
+
+
+@pytest.mark.parametrize("master", ["fp8", "fp4"])
+def test_a_run_with_packed_master_weights_is_scored_with_its_masters_values(prepare_real_text, tmp_path, master):
+    """A run trained with --master-weights fp8/fp4 stores its masters as codes and scales; eval
+    (and ptq, through the same loader) refused it as a checkpoint that 'does not fit the model'."""
+    from dataclasses import replace
+
+    from safetensors.torch import load_file
+
+    from adahop.eval.model import load_model
+    from adahop.train import train
+
+    out = tmp_path / master
+    summary = train(replace(_run_cfg(prepare_real_text(150_000), out), steps=2, eval_every=2, ckpt_every=2,
+                            master_weights=master))
+    m = load_model(out, device=torch.device("cpu"))
+    assert f"{master.upper()} master weights, as FP32" in m.info["weights"]
+    export = load_file(out / "model.safetensors")  # the BF16 export: these masters are exact in BF16
+    got = m.model.state_dict()
+    for k, v in export.items():
+        assert got[k].dtype == torch.float32 and torch.equal(got[k].bfloat16(), v), k
+        assert torch.equal(got[k].bfloat16().float(), got[k]), k  # not rounded again on the way
+    w = got["model.layers.0.mlp.down_proj.weight"]
+    assert w.abs().max() > 0 and w.unique().numel() > 16  # real weights, not zeros or a constant
+    # the run's own validation ran in BF16 with these values; FP32 scoring lands close to it
+    from adahop.eval.perplexity import perplexity
+
+    data = json.loads((out / "config.json").read_text())["adahop"]["data_dir"]
+    pp = perplexity(m.model, Path(data), split="val", seq_len=32, batch_size=4, max_batches=3, device=torch.device("cpu"),
+                    bf16=False)
+    assert pp["loss"] == pytest.approx(summary["final_val_loss"], rel=2e-2)

@@ -405,6 +405,21 @@ def test_master_rounding_reaches_the_optimizer(name, rounding, want, tmp_path):
     assert build_for(cfg, lin).rounding == want
 
 
+def test_madam_settings_without_madam_are_refused_not_ignored(tmp_path):
+    """`--madam-form workshop` without `--optimizer m+adam` ran plain AdamW (the default optimizer),
+    the form silently unused."""
+    from adahop.train import TrainConfig
+
+    with pytest.raises(ValueError, match="--madam-form: workshop is an M\\+Adam setting .* --optimizer adamw .* "
+                                         "add --optimizer m\\+adam"):
+        TrainConfig(madam_form="workshop", master_weights="bf16", out=str(tmp_path))
+    with pytest.raises(ValueError, match="--madam-mul-lr: 5.0 is an M\\+Adam setting .* --optimizer kahan-adamw"):
+        TrainConfig(optimizer="kahan-adamw", madam_mul_lr=5.0, out=str(tmp_path))
+    cfg = TrainConfig(optimizer="m+adam", madam_form="workshop", madam_mul_lr=5.0, out=str(tmp_path))  # its own
+    assert (cfg.madam_form, cfg.madam_mul_lr) == ("workshop", 5.0)
+    TrainConfig(optimizer="adamw", out=str(tmp_path))  # the defaults pass with any optimizer
+
+
 # ----------------------------------------------------------------------------- the fused kernel, interpreted
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 interp = pytest.mark.skipif(not (triton_available() and INTERPRET),

@@ -127,3 +127,26 @@ def test_a_missing_calib_data_is_named_as_calib_data(run_dir, tmp_path, capsys):
     assert _ptq(run_dir, tmp_path / "q", "--method", "rtn", "--bits", "4", "--calib-data", str(tmp_path / "nope")) == 2
     err = capsys.readouterr().err
     assert err.startswith("adahop ptq: error: --calib-data:") and "does not exist" in err
+
+
+def test_an_out_holding_the_model_or_another_one_is_refused_not_overwritten(run_dir, tmp_path, capsys):
+    """`adahop ptq RUN --out RUN` replaced the run's own export and config.json (its training section
+    gone) with the quantized model; any folder holding another model was overwritten the same way."""
+    import argparse
+    import shutil
+
+    from adahop.ptq.cli import _check
+
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    before = {f: (run / f).read_bytes() for f in ("config.json", "model.safetensors")}
+    assert _ptq(run, run, "--method", "rtn", "--bits", "4") == 2
+    assert "--out " + str(run) + " is MODEL itself" in capsys.readouterr().err
+    assert _ptq(run_dir, run, "--method", "rtn", "--bits", "4") == 2  # another folder holding a run
+    assert "holds another model or run" in capsys.readouterr().err
+    assert {f: (run / f).read_bytes() for f in before} == before and not (run / "ptq.json").exists()
+    left = tmp_path / "left"  # what a failed attempt of ours leaves (no ptq.json yet) may be redone
+    left.mkdir()
+    (left / "config.json").write_text(json.dumps({"model_type": "llama", "adahop_ptq": {"method": "rtn"}}))
+    _check(argparse.Namespace(model=str(run_dir), out=str(left), calib_tokens=1, batch_size=1, seq_len=None,
+                              eval_batches=None, eval_limit=None, harp_steps=1, passes=1, damp=0.01))

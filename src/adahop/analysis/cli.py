@@ -7,7 +7,8 @@ layer hooked, and write the outlier-pattern census, the paper's figures and the 
 
 Step numbers in the outputs count the analysis's own optimizer steps (1 … --steps); with --run
 they are steps after the checkpoint. The model trains exactly as `adahop train --recipe bf16`
-does (same optimizer, schedule and data order; BF16 autocast on CUDA, FP32 on CPU), unconverted.
+does (same optimizer, master-weight storage, schedule and data order; BF16 autocast on CUDA, FP32 on
+CPU), unconverted.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..hadamard import block_hadamard
+from ..optim import convert_master_weights
+from ..optim.master import unpack_state_dict
 from ..patterns import Plan, pattern_stats
 from ..recipes import get_recipe
 from ..recipes.spec import CalibSpec
@@ -157,11 +160,12 @@ def _load_run(args) -> tuple[TrainConfig, Path, Path]:
 
 
 def _load_checkpoint(ck: Path, model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
-    """Load the FP32 weights and AdamW state of a checkpoint (`train/checkpoint.py`) into an
-    unconverted model; returns its step."""
+    """Load the master weights (packed FP8/FP4 ones as stored) and optimizer state of a checkpoint
+    (`train/checkpoint.py`) into an unconverted model; returns its step."""
     from safetensors.torch import load_file
 
-    missing, unexpected = model.load_state_dict(load_file(ck / "model.safetensors"), strict=False)
+    weights = unpack_state_dict(load_file(ck / "model.safetensors"), model)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
     missing = [k for k in missing if k != "lm_head.weight"]  # tied weights come back through the embedding
     if missing or unexpected:
         raise ValueError(f"checkpoint {ck} does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
@@ -190,6 +194,7 @@ def _run_model(args, out: Path) -> dict[str, Path]:
     device = resolve_device(cfg.device)
     train_s, _ = make_streams(cfg, data_dir)
     model = make_model(cfg, train_s.manifest, device)
+    convert_master_weights(model, cfg.master_weights)  # --master-weights, as `adahop train` stores them
     opt = build_optimizer(cfg, model)
     start = _load_checkpoint(ck, model, opt) if ck is not None else 0
     steps = args.steps

@@ -26,27 +26,35 @@ class LoadedModel:
     """The prepared data folder a run trained on, else None."""
 
 
-def _load_weights(model: torch.nn.Module, path: Path) -> None:
-    """Load a checkpoint's FP32 master weights (``model.safetensors``) into ``model``, tied weights
-    coming back through the one stored (as :func:`adahop.train.checkpoint.load_checkpoint` does)."""
+def _load_weights(model: torch.nn.Module, path: Path) -> str:
+    """Load a checkpoint's master weights (``model.safetensors``) into the FP32 ``model``, tied weights
+    coming back through the one stored (as :func:`adahop.train.checkpoint.load_checkpoint` does).
+    Masters stored packed (``--master-weights fp8/fp4/nvfp4``: codes and scales) are dequantized,
+    BF16 ones widened: the values are exactly the master's. Returns the masters' format."""
     from safetensors.torch import load_file
 
+    from ..optim.master import PackedMaster, master_format, unpack_state_dict
     from ..train.checkpoint import tied_keys
 
-    missing, unexpected = model.load_state_dict(load_file(path), strict=False)
+    state = unpack_state_dict(load_file(path), model)
+    formats = {master_format(v) for v in state.values() if v.is_floating_point() and v.ndim == 2}
+    state = {k: v.dequantize() if isinstance(v, PackedMaster) else v for k, v in state.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if k not in tied_keys(model.state_dict())]
     if missing or unexpected:
         raise ValueError(f"{path} does not fit the model of config.json: missing {missing[:3]}, unexpected "
                          f"{unexpected[:3]}; pass the run folder it belongs to")
+    return "/".join(sorted(formats)) or "fp32"
 
 
 def load_model(path: str | Path, *, device: torch.device, recipe: str | None = None, plan: str | None = None,
                backend: str = "auto") -> LoadedModel:
     """Load MODEL for scoring, in FP32 on ``device``, in eval mode.
 
-    A run folder of ``adahop train`` (config.json with an "adahop" section) gives the FP32 master
-    weights of its newest checkpoint, the very weights its validation loss was measured with (so
-    :func:`adahop.eval.perplexity.perplexity` reproduces that loss); without a single-file checkpoint
+    A run folder of ``adahop train`` (config.json with an "adahop" section) gives the master
+    weights of its newest checkpoint in FP32 (BF16 masters widened, packed FP8/FP4/NVFP4 ones
+    dequantized, both exactly), the very weights its validation loss was measured with (so
+    :func:`adahop.eval.perplexity.perplexity` reproduces that loss of an FP32-master run); without a single-file checkpoint
     (a data-parallel run's are sharded) it gives the BF16 export ``model.safetensors``. Any other
     folder is loaded with ``transformers.AutoModelForCausalLM.from_pretrained``.
 
@@ -79,8 +87,8 @@ def load_model(path: str | Path, *, device: torch.device, recipe: str | None = N
     if ck_weights is not None:
         model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(p),
                                                              **_dtype_kwarg(torch.float32))
-        _load_weights(model, ck_weights)
-        weights = f"{ck_weights} (FP32 master weights)"
+        fmt = _load_weights(model, ck_weights)
+        weights = f"{ck_weights} ({fmt.upper()} master weights{'' if fmt == 'fp32' else ', as FP32'})"
         _warn_if_unfinished(p, ck, section)
     else:
         if not any(p.glob("*.safetensors")) and not any(p.glob("*.bin")):

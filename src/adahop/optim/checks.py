@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from .names import MADAM_FORMS, MASTER_FORMATS, MASTER_ROUNDINGS, OPTIMIZERS, PACKED_FORMATS
 
 __all__ = ["check_optimizer_options"]
@@ -17,7 +19,8 @@ def check_optimizer_options(cfg, bad) -> None:
     parameters as plain tensors) or with ``--compile`` (the packed tensor is not traced);
     ``sr-adamw`` on FP32 masters (nothing to round: it would be ``adamw``); a non-positive
     ``--madam-mul-lr``; ``--master-rounding stochastic`` on FP32 masters, and ``nearest`` with
-    ``sr-adamw``.
+    ``sr-adamw``; ``--madam-form`` or ``--madam-mul-lr`` set (not their defaults) with an optimizer
+    other than ``m+adam``, which never reads them (the run would pass for an M+Adam one).
     """
     if cfg.optimizer not in OPTIMIZERS:
         bad("optimizer", f"{cfg.optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
@@ -37,6 +40,12 @@ def check_optimizer_options(cfg, bad) -> None:
     if cfg.master_rounding == "nearest" and cfg.optimizer == "sr-adamw":
         bad("master_rounding", "sr-adamw rounds stochastically by definition; use --optimizer adamw for "
                                "round-to-nearest, or drop --master-rounding")
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+    if cfg.optimizer != "m+adam":
+        for name in ("madam_form", "madam_mul_lr"):
+            if getattr(cfg, name) != defaults.get(name, getattr(cfg, name)):
+                bad(name, f"{getattr(cfg, name)} is an M+Adam setting and --optimizer {cfg.optimizer} does not read it; "
+                          f"add --optimizer m+adam, or drop --{name.replace('_', '-')}")
     packed = cfg.master_weights in PACKED_FORMATS
     if packed and cfg.parallel != "none":
         bad("master_weights", f"{cfg.master_weights} masters are packed tensors, which --parallel {cfg.parallel} cannot "

@@ -67,6 +67,20 @@ def _check(args) -> None:
 
     if (out / RESULTS_FILE).exists():
         raise ValueError(f"--out {out} already holds a quantized model ({RESULTS_FILE}); pass another --out or delete it")
+    if out.resolve() == Path(args.model).resolve():
+        raise ValueError(f"--out {out} is MODEL itself: the quantized folder would replace the model's config.json and "
+                         f"weights (a run's export and its training section); pass another --out")
+    if (out / "config.json").is_file() and "adahop_ptq" not in _read_config(out / "config.json"):
+        # a folder of ours left by a failed attempt has adahop_ptq in its config.json and no ptq.json: it may be redone
+        raise ValueError(f"--out {out} holds another model or run (its config.json is not one `adahop ptq` wrote), "
+                         f"which the quantized folder would overwrite; pass a new --out")
+
+
+def _read_config(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def _data(args, run_config: dict | None) -> Path:
