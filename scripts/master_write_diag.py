@@ -11,12 +11,13 @@ Usage: ``python scripts/master_write_diag.py [--steps 300] [--lr 2e-3]``."""
 from __future__ import annotations
 
 import argparse
-import math
 
 import torch
 
 from adahop.optim import MAdam, convert_master_weights
 from adahop.optim.master import PackedMaster, read_master
+from adahop.train.config import TrainConfig
+from adahop.train.setup import lr_at
 
 ROWS = [  # (label, optimizer, master, rounding)
     ("adamw fp32", "adamw", "fp32", "nearest"),
@@ -32,13 +33,6 @@ ROWS = [  # (label, optimizer, master, rounding)
     ("m+adam nvfp4 RNE", "m+adam", "nvfp4", "nearest"),
     ("m+adam nvfp4 SR", "m+adam", "nvfp4", "stochastic"),
 ]
-
-
-def lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
-    if step < warmup:
-        return lr * (step + 1) / warmup
-    t = (step - warmup) / max(1, steps - warmup)
-    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
 
 
 def scales_of(p) -> torch.Tensor | None:
@@ -66,10 +60,11 @@ def run(opt_name: str, master: str, rounding: str, *, steps: int, lr: float, mul
         opt = AdamW([p], **kw) if master != "fp32" else torch.optim.AdamW([p], lr=lr, betas=(0.9, 0.95),
                                                                           weight_decay=0.1)
     gen = torch.Generator().manual_seed(seed + 1)
+    schedule = TrainConfig(lr=lr, steps=steps, warmup_steps=20, min_lr_ratio=0.1)  # the experiment's schedule
     moved = flips = 0.0
     for step in range(steps):
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, steps, lr, 20)
+            g["lr"] = lr_at(schedule, step)
         x = torch.randn(batch, d_in, generator=gen)
         loss = ((lin(x.to(p.dtype)).float() - x @ teacher.T) ** 2).mean()
         loss.backward()
