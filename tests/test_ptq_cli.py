@@ -96,6 +96,11 @@ def test_bad_input_is_refused_with_the_fix(run_dir, tmp_path, capsys):
     assert not (tmp_path / "a").exists()  # refused before anything was loaded or written
     assert _ptq(run_dir, tmp_path / "b", "--method", "rtn", "--bits", "4", "--calib-tokens", "0") == 2
     assert "--calib-tokens 0: must be >= 1" in capsys.readouterr().err
+    # HARP's options are named by their flags (the rotation's and the fit's own messages name arguments)
+    for flags, msg in ((("--radix", "1"), "--radix 1: must be >= 2"), (("--harp-lr", "-1"), "--harp-lr -1.0: must be > 0"),
+                       (("--hbd-lambda", "-0.5"), "--hbd-lambda -0.5: must be >= 0")):
+        assert _ptq(run_dir, tmp_path / "c", "--method", "harp-rtn", "--bits", "4", *flags) == 2
+        assert msg in capsys.readouterr().err
 
 
 def test_eval_tasks_add_the_zero_shot_average(run_dir, tmp_path, capsys):
@@ -149,4 +154,5 @@ def test_an_out_holding_the_model_or_another_one_is_refused_not_overwritten(run_
     left.mkdir()
     (left / "config.json").write_text(json.dumps({"model_type": "llama", "adahop_ptq": {"method": "rtn"}}))
     _check(argparse.Namespace(model=str(run_dir), out=str(left), calib_tokens=1, batch_size=1, seq_len=None,
-                              eval_batches=None, eval_limit=None, harp_steps=1, passes=1, damp=0.01))
+                              eval_batches=None, eval_limit=None, harp_steps=1, passes=1, damp=0.01, hbd_block=8,
+                              radix=8, max_radix=8, harp_lr=0.03, hbd_lambda=0.1))

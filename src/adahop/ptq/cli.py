@@ -56,10 +56,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _check(args) -> None:
-    for flag in ("calib_tokens", "batch_size", "seq_len", "eval_batches", "eval_limit", "harp_steps", "passes"):
+    for flag in ("calib_tokens", "batch_size", "seq_len", "eval_batches", "eval_limit", "harp_steps", "passes",
+                 "hbd_block"):
         v = getattr(args, flag)
         if v is not None and v < 1:
             raise ValueError(f"--{flag.replace('_', '-')} {v}: must be >= 1")
+    for flag in ("radix", "max_radix"):  # named here: HARPRotation's own message names its arguments, not the flags
+        if getattr(args, flag) < 2:
+            raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be >= 2 (a stage mixes blocks of that size)")
+    if not args.harp_lr > 0:
+        raise ValueError(f"--harp-lr {args.harp_lr}: must be > 0")
+    if not args.hbd_lambda >= 0:
+        raise ValueError(f"--hbd-lambda {args.hbd_lambda}: must be >= 0")
     if not args.damp > 0:
         raise ValueError(f"--damp {args.damp}: must be > 0 (GPTQ needs H + damp·I positive definite)")
     out = Path(args.out)
