@@ -27,6 +27,7 @@ from adahop.eval import report as eval_report
 from adahop.plots import plot_compare
 from adahop.train.export import read_run_section
 from adahop.train.metrics import read_metrics
+from adahop.train.setup import data_order_seed
 
 
 NAME = re.compile(r"^(?P<recipe>.+)-s(?P<seed>\d+)(?P<ref>-ref)?$")
@@ -41,15 +42,15 @@ def _seed(name: str) -> str:
     return NAME.match(name)["seed"]
 
 
-def _identity(folder: Path) -> tuple[str, str, str | None, int | None, int | None]:
-    """(recipe, short revision, optimizer row, seed, data seed) of a run folder, from its config.json."""
+def _identity(folder: Path) -> tuple[str, str, tuple, int | None, int | None]:
+    """(recipe, short revision, (optimizer, master weights, optimizer states), seed, data-order seed)
+    of a run folder, from its config.json (None for settings an older adahop did not record)."""
     sec = read_run_section(folder) or {}
     cfg = sec.get("config", {})
     opt = (cfg.get("optimizer"), cfg.get("master_weights"), cfg.get("optimizer_states"))
     seed = cfg.get("seed")
-    data_seed = cfg.get("data_seed")
     return (cfg.get("recipe", ""), (sec.get("git_revision") or "?")[:7], opt,
-            seed, seed if data_seed is None else data_seed)
+            seed, data_order_seed(seed, cfg.get("data_seed")))
 
 
 def _finished(folder: Path) -> dict | None:

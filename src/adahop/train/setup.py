@@ -52,8 +52,8 @@ def settings_diff(cfg: TrainConfig, run: Path, keys) -> list[str]:
     for k in keys:
         if k not in saved or saved[k] == now.get(k):
             continue
-        if k == "data_seed" and (_data_seed(saved.get("seed"), saved["data_seed"])
-                                 == _data_seed(now.get("seed"), now.get("data_seed"))):  # --data-seed 0 on a run of --seed 0
+        if k == "data_seed" and (data_order_seed(saved.get("seed"), saved["data_seed"])
+                                 == data_order_seed(now.get("seed"), now.get("data_seed"))):  # --data-seed 0 on a run of --seed 0
             continue
         if k == "data" and ("data_identity" in section or
                             "data_dir" in section and _same_path(section["data_dir"], prepared_path(cfg))):
@@ -62,7 +62,7 @@ def settings_diff(cfg: TrainConfig, run: Path, keys) -> list[str]:
     return diff
 
 
-def _data_seed(seed: int | None, data_seed: int | None) -> int | None:
+def data_order_seed(seed: int | None, data_seed: int | None) -> int | None:
     """The seed of the training data order: ``--data-seed``, else ``--seed``."""
     return seed if data_seed is None else data_seed
 
@@ -218,7 +218,7 @@ def make_streams(cfg: TrainConfig, data_dir: Path, rank: int = 0, world: int = 1
     if cfg.batch_size % (world * cfg.grad_accum):
         raise ValueError(f"--batch-size {cfg.batch_size} must be divisible by world size {world} x --grad-accum {cfg.grad_accum}")
     per_rank = cfg.batch_size // world
-    train = TokenStream(data_dir, "train", cfg.seq_len, per_rank, seed=_data_seed(cfg.seed, cfg.data_seed), rank=rank,
+    train = TokenStream(data_dir, "train", cfg.seq_len, per_rank, seed=data_order_seed(cfg.seed, cfg.data_seed), rank=rank,
                         world_size=world)
     val = TokenStream(data_dir, "val", cfg.seq_len, per_rank, seed=cfg.seed, rank=rank, world_size=world)
     return train, val
