@@ -405,6 +405,17 @@ def test_master_rounding_reaches_the_optimizer(name, rounding, want, tmp_path):
     assert build_for(cfg, lin).rounding == want
 
 
+def test_stochastic_rounding_of_fp32_masters_is_refused_by_the_library_too():
+    """build_optimizer used to accept it and round nothing (FP32 writes are exact): the CLI refused it, a
+    library caller got plain AdamW."""
+    from adahop.optim import build_optimizer
+
+    for name in ("adamw", "kahan-adamw", "m+adam"):
+        with pytest.raises(ValueError, match="--master-rounding stochastic: FP32 masters are not rounded"):
+            build_optimizer(name, [torch.nn.Parameter(torch.zeros(4))], lr=1e-3, master="fp32", states="bf16",
+                            rounding="stochastic")
+
+
 def test_madam_settings_without_madam_are_refused_not_ignored(tmp_path):
     """`--madam-form workshop` without `--optimizer m+adam` ran plain AdamW (the default optimizer),
     the form silently unused."""

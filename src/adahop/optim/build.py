@@ -32,7 +32,8 @@ def build_optimizer(name: str, params, *, lr: float, betas=(0.9, 0.999), eps: fl
 
     Raises:
         ValueError: unknown name, state dtype, M+Adam form or rounding, naming the choices;
-            ``rounding="nearest"`` with ``sr-adamw``.
+            ``rounding="nearest"`` with ``sr-adamw``; ``rounding="stochastic"`` with FP32 masters
+            (it would be silently unused).
     """
     if name not in _CLASSES:
         raise ValueError(f"--optimizer {name!r}: use one of {OPTIMIZERS}")
@@ -44,6 +45,9 @@ def build_optimizer(name: str, params, *, lr: float, betas=(0.9, 0.999), eps: fl
         raise ValueError(f"--master-rounding {rounding!r}: use one of {MASTER_ROUNDINGS}")
     if rounding == "nearest" and name == "sr-adamw":
         raise ValueError("--master-rounding nearest: sr-adamw rounds stochastically; use --optimizer adamw")
+    if rounding == "stochastic" and master == "fp32":  # as TrainConfig refuses it: FP32 writes round nothing
+        raise ValueError("--master-rounding stochastic: FP32 masters are not rounded; pass --master-weights "
+                         "bf16|fp8|fp4|nvfp4 (after convert_master_weights), or rounding='auto'")
     if name == "adamw" and master == "fp32" and states == "fp32":
         return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     kw = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, state_dtype=STATE_DTYPES[states], seed=seed,
