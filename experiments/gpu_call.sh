@@ -244,7 +244,8 @@ if [ "$STAGE" = p13 ]; then  # issue 22: the models of our own, then the PTQ tab
     D=runs/ptq/${M#llama-}-$R
     [ -f $D/summary.json ] && ! grep -q '"interrupted": true' $D/summary.json && continue
     RES=; [ -d $D/checkpoints ] && RES=--resume  # SIGINT at the budget writes a checkpoint; the next call resumes it
-    timeout -s INT -k 60 $(( ${LIM:-560} - 240 - $(el) )) python3 -m adahop train --model $M --recipe $R --data runs/issue19/main $RES \
+    T=$(( ${LIM:-560} - 240 - $(el) )); [ $T -ge 60 ] || { echo "no time left to train $D"; continue; }  # timeout 0 would mean none
+    timeout -s INT -k 60 $T python3 -m adahop train --model $M --recipe $R --data runs/issue19/main $RES \
       --steps ${PTQ_STEPS:-600} --seq-len 1024 --batch-size 16 --lr ${PTQ_LR:-1e-3} --warmup-steps 60 --eval-every 100 \
       --ckpt-every 100 --log-every 20 --compile --out $D > $OUT/train_${M#llama-}-$R.log 2>&1 &
   done; done

@@ -350,10 +350,11 @@ def check_rival_layers(dev, gen):
     from adahop.compile_modes import dynamo_counts
     from adahop.nn.opaque import layer_form
     from adahop.recipes import get_recipe
+    from adahop.recipes.spec import GEMMS
 
     x = make_input((512, 512), torch.float32, dev, gen)
     for recipe in ("nvfp4", "averis", "halo-2"):
-        form = layer_form({g: get_recipe(recipe).gemm(g) for g in ("fprop", "dgrad", "wgrad")})
+        form = layer_form({g: get_recipe(recipe).gemm(g) for g in GEMMS})
         try:
             torch.compiler.reset()
             skips = dynamo_counts()["cudagraph_skips"]
