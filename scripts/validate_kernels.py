@@ -342,8 +342,8 @@ def check_compile(dev, gen):
 def check_rival_layers(dev, gen):
     """A converted nvfp4 / averis / halo-2 layer (512 features, 512 tokens: the NVFP4 GEMM, HALO's
     Kronecker Hadamards) compiled with mode="reduce-overhead", as ``adahop train --compile`` runs it
-    (the default form, ``adahop.nn.opaque.layer_form``: nvfp4 and averis traced, so that Inductor
-    fuses their quantizers; halo-2 the opaque ops replayed from a CUDA graph): it captures, with no
+    (the default form, ``adahop.nn.opaque.layer_form``: the opaque ops replayed from a CUDA graph;
+    ``ADAHOP_COMPILED_LAYERS=traced`` checks the traced form): it captures, with no
     graph skipped by CUDA graphs (a CPU input, e.g. a constant's master copy, would make Inductor
     skip the whole graph), and gives finite, nonzero y, dX, dW; the deterministic halo-2 equals
     eager, and so does nvfp4's y (its fprop rounds to nearest)."""

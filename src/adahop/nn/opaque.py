@@ -26,9 +26,11 @@ the compiled path's seed tensor, as in a traced layer.
 
 :data:`COMPILED_LAYERS` (``"auto"``, ``"opaque"`` or ``"traced"``, :func:`set_compiled_layers`) picks this
 form or dynamo tracing of the layer's GEMMs; both compute the same numbers (same kernels, same
-draws' distribution). ``"auto"``, the default, traces only the layers whose GEMMs are long chains
-of plain PyTorch ops (:func:`unfused_parts`: NVFP4, Averis), which Inductor then fuses; an opaque op
-would run them kernel by kernel.
+draws' distribution). ``"auto"``, the default, is the opaque form for every layer. It traced the
+layers whose GEMMs are long chains of plain PyTorch ops (:func:`unfused_parts`: NVFP4, Averis) until
+round 13 (H200, 2026-12-02, `docs/benchmarks_history.md#round-13`): traced, a llama-60m nvfp4 model's
+cold compile did not reach step 1 in 240 s, since Inductor then compiles ~400 ops per layer and
+direction. ``"traced"`` stays available by name.
 """
 
 from __future__ import annotations
@@ -104,14 +106,11 @@ def unfused_parts(specs: dict) -> tuple[str, ...]:
 
 def layer_form(specs: dict, how: str | None = None) -> str:
     """``"opaque"`` or ``"traced"``: how ``torch.compile`` sees a frozen layer of these ``specs``
-    under ``how`` (default :data:`COMPILED_LAYERS`). ``"auto"`` traces a layer with
-    :func:`unfused_parts`, so that Inductor fuses those chains into a few kernels, and makes the
-    others opaque, whose every operand is one fused kernel already and whose Python dynamo would
-    trace slowly (module docstring)."""
+    under ``how`` (default :data:`COMPILED_LAYERS`). ``"auto"`` is ``"opaque"`` for every layer:
+    tracing the :func:`unfused_parts` chains made cold compiles too slow to use (module docstring).
+    ``specs`` is kept in the signature so a per-layer rule can return without changing callers."""
     how = COMPILED_LAYERS if how is None else how
-    if how != "auto":
-        return how
-    return "traced" if unfused_parts(specs) else "opaque"
+    return "opaque" if how == "auto" else how
 
 
 def in_opaque_layer() -> bool:
