@@ -5,7 +5,7 @@ Inside the opaque layer ops of ``adahop.nn.opaque`` a frozen layer runs eager mo
 aten op counted here is one kernel launch on the GPU (CUDA graphs replay them all, one by one), and
 each Triton launch one fused kernel. The count is what separates the recipes whose quantizers are
 fused kernels (mxfp4, quartet, HALO) from those made of plain PyTorch ops (nvfp4, Averis), which
-``COMPILED_LAYERS="auto"`` traces so that Inductor fuses them.
+which ``COMPILED_LAYERS="traced"`` lets Inductor fuse (too slow to compile for a whole model: round 13).
 
 Usage (CPU; the Triton kernels run in the interpreter, so keep the shapes small)::
 
@@ -27,7 +27,8 @@ averis     624   0
 =========  ====  ===============
 
 At ``--shape 512,64,512`` halo-2's whole-dimension Hadamards (above the fused quantizer's 256) add
-a butterfly and Kronecker GEMMs: 82 ops + 10 launches.
+Kronecker GEMMs: 31 ops + 11 launches (82 ops + 10 launches while the quantizer's own 512-point
+transform was a butterfly: 9 passes of add, sub and cat each way; changed 2026-12-02).
 """
 
 from __future__ import annotations

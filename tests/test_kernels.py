@@ -197,6 +197,30 @@ def test_reference_matches_dense_hadamard_quantizer():
         assert (q.codes != d.codes).float().mean().item() <= 1e-4
 
 
+def test_reference_above_256_is_the_kronecker_hadamard():
+    """A block above the kernel's 256 (HALO's whole-dimension Hadamard) is ``block_hadamard``'s
+    Kronecker form, bit for bit (two GEMMs, not log2(b) butterfly passes: the speed of HALO-2), with
+    -0 made +0; up to 256 the transform is the butterfly the kernel computes. Either way the
+    reference's codes are those of quantizing that transform."""
+    from adahop.kernels.quantize_mxfp4 import _iht_transform
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(16, 512, generator=g)
+    x[0, :] = 0.0  # an all-zero row: +0 everywhere
+    s = torch.randint(0, 2, (512,), generator=g).float() * 2 - 1
+    for axis in (0, 1):
+        xx = x if axis == 1 else x.t().contiguous()
+        kron = block_hadamard(xx, block_size=512, axis=axis, signs=s)
+        got = _iht_transform(xx, 512, axis, s)
+        assert torch.equal(got, torch.where(kron == 0, 0.0, kron)) and not torch.signbit(got[got == 0]).any()
+        assert not torch.equal(got, hadamard_butterfly(xx, block_size=512, axis=axis, signs=s))  # another rounding
+        torch.testing.assert_close(got, hadamard_butterfly(xx, block_size=512, axis=axis, signs=s), atol=1e-5, rtol=1e-5)
+        assert torch.equal(_iht_transform(xx, 32, axis, s[:32]), hadamard_butterfly(xx, block_size=32, axis=axis, signs=s[:32]))
+        q = iht_quantize_mxfp4(xx, axis=axis, hadamard_block=512, signs=s, backend="reference")
+        d = quantize_mxfp4(got, axis=axis, max_scale_range=8)
+        assert torch.equal(q.codes, d.codes) and torch.equal(q.scales, d.scales)
+
+
 def test_quantizer_argument_errors():
     x = torch.randn(64, 64)
     with pytest.raises(ValueError, match="2-D"):
@@ -302,7 +326,7 @@ CASES = [  # (shape, axis, hadamard_block, dtype, scale_rule, max_scale_range, s
     ((64, 96), 0, 32, torch.float32, "floor", 4, True),
     ((4, 9024), 1, 32, torch.bfloat16, "floor", 8, False),  # one masked 16384 tile (8192 < kp <= 16384)
     ((4, 17024), 1, 32, torch.bfloat16, "adahop", 8, False),  # the row loop (kp > 16384), read twice
-    ((8, 512), 1, 512, torch.float32, "floor", 8, True),  # blocks above 256 (HALO): the butterfly, then the kernel
+    ((8, 512), 1, 512, torch.float32, "floor", 8, True),  # blocks above 256 (HALO): the Kronecker form, then the kernel
     ((512, 8), 0, 512, torch.bfloat16, "floor", 8, False),
 ]
 
