@@ -224,7 +224,8 @@ def check_nvfp4_gemm(name, m, kc, n, dev, gen, tile_b=True, rounding="nearest"):
 
 def check_large_block_quantize(name, x, axis, hb, signs=None):
     """``iht_quantize_mxfp4`` with a Hadamard block above 256 (HALO's whole-dimension fprop transform):
-    the butterfly, then the kernel without a transform, vs the reference, bit for bit, with its time."""
+    the Kronecker form, then the kernel without a transform, vs the reference, bit for bit, with its time
+    (788 µs at 16384 × 512 with the butterfly, round 13)."""
     q = iht_quantize_mxfp4(x, axis=axis, hadamard_block=hb, signs=signs, backend="triton")
     qr = iht_quantize_mxfp4(x, axis=axis, hadamard_block=hb, signs=signs, backend="reference")
     bad = (q.codes != qr.codes).sum().item() + (q.scales != qr.scales).sum().item()
