@@ -211,6 +211,9 @@ def _kron_block_hadamard(x: torch.Tensor, b: int, axis: int, signs: torch.Tensor
     1/√b scale to apply (both factors are normalized). The axis is not moved: for the last axis the
     fast factor is a right-multiply of all rows at once and the slow one a batched left-multiply;
     for an inner axis (HALO-2's tokens, axis 0) both are left-multiplies of ``[…, rows, rest]`` views."""
+    if x.is_cuda and x.dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest":
+        # TF32 GEMMs would keep 10 mantissa bits of the transform; float64 keeps it at least as exact as FP32
+        return _kron_block_hadamard(x.double(), b, axis, signs).float()
     shape = x.shape
     pre, n, post = math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1:])
     nb = n // b
