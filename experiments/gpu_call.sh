@@ -52,6 +52,8 @@
 #      for torch 2.11), the optimizer-step benchmark against AdamW(fused=True)
 #   r8a (round 8, one GPU): the full kernel validation (the FP8 form of the Triton quantizer after the
 #      signed-zero change), then the issue-19 census (stage i19c) in the time left
+#   r14a (round 14, one GPU): validate_kernels --only ${VALIDATE:-rivals,compile}, a 60-step llama-60m nvfp4 train
+#      --compile alone (the opaque form: the fused NVFP4 quantizer's speed), then the i19q chunk
 #   r9a (round 9, one GPU; run first: nothing of issue 18's triton_op path, the multi-tensor optimizer step
 #      or train --compile's CUDA-graph mode has run on a GPU yet): the full kernel validation, the SR
 #      projection under Inductor, a compiled llama-20m adahop-lv2 train (mode switch at the freeze, no
@@ -102,7 +104,7 @@ export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 ADAHOP_CACHE=/tmp/adahop
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())"
-if [ "${STAGE#i19}" != "$STAGE" ] || [ "$STAGE" = r8a ] || [ "$STAGE" = r12a ] || [ "$STAGE" = r13a ] || [ "$STAGE" = p13 ]; then  # issue 19: data and compile caches in an ignored folder that outlives the call
+if [ "${STAGE#i19}" != "$STAGE" ] || [ "$STAGE" = r8a ] || [ "$STAGE" = r12a ] || [ "$STAGE" = r13a ] || [ "$STAGE" = r14a ] || [ "$STAGE" = p13 ]; then  # issue 19: data and compile caches in an ignored folder that outlives the call
   mkdir -p runs/issue19
   export TORCHINDUCTOR_CACHE_DIR=$PWD/runs/issue19/inductor TRITON_CACHE_DIR=$PWD/runs/issue19/triton ADAHOP_CACHE=$PWD/runs/issue19/adahop
   [ -f runs/issue19/main/manifest.json ] || python3 -m adahop data prepare --source .carry/corpus_main.txt.xz \
@@ -190,6 +192,16 @@ if [ "$STAGE" = r9d ]; then
     --launches opaque --timeout $(( 470 - $(el) )) --json $OUT/cold_opaque.json > $OUT/cold_opaque.log 2>&1
   echo "cold opaque: exit $? at $(el) s"; grep -A4 "^## cold" $OUT/cold_opaque.log
   echo "stage $STAGE done at $(el) s"; exit 0
+fi
+if [ "$STAGE" = r14a ]; then  # round 14 (one GPU): the rivals' fast paths checked, nvfp4 timed alone (opaque form), then i19q
+  export CUDA_VISIBLE_DEVICES=0
+  timeout 200 python3 scripts/validate_kernels.py --only ${VALIDATE:-rivals,compile} --log $OUT/validate_r14.json > $OUT/validate_r14.log 2>&1
+  grep -E "^(PASS|FAIL)" $OUT/validate_r14.log | cut -c1-220; tail -1 $OUT/validate_r14.log; echo "validate done at $(el) s"
+  grep -q "^FAIL.*NVFP4" $OUT/validate_r14.log && echo "WARNING: an NVFP4 check failed: do not keep nvfp4/averis runs"
+  timeout 150 python3 -m adahop train --model llama-60m --recipe nvfp4 --data runs/issue19/main --steps 60 --eval-every 0 \
+    --ckpt-every 0 --log-every 10 --seq-len 512 --batch-size 32 --compile --out /tmp/nv60 > $OUT/train60_nvfp4.log 2>&1
+  echo "nvfp4 llama-60m train --compile alone: exit $? at $(el) s"; python3 -c "import json; d = json.load(open('/tmp/nv60/summary.json')); print({k: d.get(k) for k in ('final_train_loss', 'compile_mode', 'tok_per_s', 'warmup_s', 'recompiles_steady_state', 'graph_breaks_steady_state')})"
+  STAGE=i19q
 fi
 if [ "$STAGE" = r13a ]; then  # round 13 (one GPU): the traced rival layers checked, timed alone, then the i19q chunk
   export CUDA_VISIBLE_DEVICES=0
