@@ -90,10 +90,14 @@ def check_nvfp4_layout(qa: NVFP4Tensor, qb: NVFP4Tensor) -> tuple[int, int, int]
                          "(the operands were not prepared for the same GEMM)")
     kp = -(-kc // NVFP4_BLOCK) * NVFP4_BLOCK
     for name, q, rows in (("qa", qa, m), ("qb", qb, n)):
-        if tuple(q.codes.shape) != (rows, kp // 2) or tuple(q.scales.shape) != (rows, kp // NVFP4_BLOCK):
+        codes_cols = 0 if q.codes_dropped and q.values is not None else kp // 2  # values-only: codes [rows, 0]
+        if tuple(q.codes.shape) != (rows, codes_cols) or tuple(q.scales.shape) != (rows, kp // NVFP4_BLOCK):
             raise ValueError(f"nvfp4_matmul: {name} codes {tuple(q.codes.shape)} / scales {tuple(q.scales.shape)} do "
-                             f"not match shape {q.shape} with axis={q.axis} (want {(rows, kp // 2)} / "
+                             f"not match shape {q.shape} with axis={q.axis} (want {(rows, codes_cols)} / "
                              f"{(rows, kp // NVFP4_BLOCK)})")
+        if q.values is not None and (tuple(q.values.shape) != (rows, kp) or q.values.dtype != torch.bfloat16):
+            raise ValueError(f"nvfp4_matmul: {name} values are {q.values.dtype} {tuple(q.values.shape)}; the GEMM "
+                             f"operand is bfloat16 {(rows, kp)} (q · s_block, as iht_quantize_nvfp4 writes it)")
         if q.global_scale.numel() != 1:
             raise ValueError(f"nvfp4_matmul: {name} has a tensor scale of shape {tuple(q.global_scale.shape)}; "
                              "NVFP4 has one FP32 scale per tensor")
@@ -119,7 +123,10 @@ def nvfp4_block_values(q: NVFP4Tensor) -> torch.Tensor:
 
 
 def _block_values(q: NVFP4Tensor) -> torch.Tensor:
-    """:func:`nvfp4_block_values` of an operand already checked (the GEMM's and the sums' own check)."""
+    """:func:`nvfp4_block_values` of an operand already checked (the GEMM's and the sums' own check):
+    the fused quantizer's ``values`` when it wrote them (the same numbers), else built from the codes."""
+    if q.values is not None:
+        return q.values
     rows, half = q.codes.shape
     pairs = _byte_pairs(q.codes.device)[q.codes.long()]  # [rows, Kp/2, 2] bf16: one gather, no unpack
     v = pairs.reshape(rows, -1, NVFP4_BLOCK) * q.scales.to(torch.bfloat16).unsqueeze(-1)  # E4M3 -> BF16 is exact
