@@ -170,7 +170,7 @@ interp = pytest.mark.skipif(not (HAS_TRITON and INTERPRET),
 
 
 @pytest.mark.skipif(not HAS_TRITON or INTERPRET, reason="needs triton; runs the interp_* tests in a child process")
-@pytest.mark.parametrize("group", ["bit_exact and (ax1 or global)", "bit_exact and ax0", "rounding or ties or outputs",
+@pytest.mark.parametrize("group", ["bit_exact and (ax1 or global)", "bit_exact and ax0", "rounding or ties or outputs or decode",
                                    "stochastic and blocks", "stochastic and not blocks", "op_traces",
                                    "layer and not averis", "layer and averis"])
 def test_nvfp4_kernels_in_interpreter(group):
@@ -309,6 +309,26 @@ def test_interp_outputs_are_fully_written():
     assert torch.equal(results[0][2], qr.global_scale)
 
 
+@interp
+def test_interp_decode_of_saved_operands_is_the_table_build():
+    """The backward's decode of saved packed NVFP4 (Triton) equals the gather build bit for bit: every
+    code under every finite E4M3 scale and a NaN scale, and quantized operands of ragged shapes."""
+    from adahop.formats.e2m1 import pack_e2m1
+
+    s = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+    s = s[torch.isfinite(s.float())].float()
+    s = torch.cat((s, torch.tensor([float("nan")])))
+    codes = torch.arange(16, dtype=torch.uint8).repeat(s.numel(), 2)  # two blocks per row, every code
+    q = NVFP4Tensor(codes=pack_e2m1(codes), scales=s.to(torch.float8_e4m3fn)[:, None].repeat(1, 2),
+                    global_scale=torch.tensor(1.0), shape=(s.numel(), 32), axis=1)
+    qs = [q, quantize_nvfp4(_special(37, 40), axis=1), quantize_nvfp4(_special(40, 70, seed=3), axis=0, tile_2d=True)]
+    for q in qs:
+        got, want = nvfp4_block_values(q, backend="triton"), nvfp4_block_values(q, backend="reference")
+        assert got.dtype == torch.bfloat16 and got.shape == want.shape
+        assert torch.equal(got.isnan(), want.isnan())
+        assert torch.equal(got.nan_to_num().view(torch.int16), want.nan_to_num().view(torch.int16))  # signs of 0 too
+
+
 def _neighbours(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The E2M1 grid points below and above |v| (v scaled, in [0, 6]), signed like v."""
     from adahop.formats.e2m1 import E2M1_VALUES
@@ -382,7 +402,8 @@ def test_interp_op_traces_and_compiles():
 def test_interp_layer_matches_the_reference_backend(recipe):
     """A converted layer on the Triton path: y of nvfp4 (RNE fprop) equals the reference backend's to
     FP32 rounding; every gradient is as close to the BF16 one as the reference backend's (its SR
-    draws differ); and it compiles in one graph (fullgraph) with the quantizer op inside."""
+    draws differ); and it compiles in one graph (fullgraph), as the opaque layer ops of the default
+    form and (nvfp4) traced, with the quantizer's triton_op in the graph."""
     from adahop.nn import convert_model
 
     torch.manual_seed(0)
@@ -406,7 +427,19 @@ def test_interp_layer_matches_the_reference_backend(recipe):
     for i, want in enumerate((exact.detach(), *ref_grads)):
         e_t, e_r = rel(got["triton"][i], want), rel(got["reference"][i], want)
         assert e_t < 0.35 and e_t < 1.5 * e_r + 0.02, (recipe, i, e_t, e_r)
-    comp = torch.compile(lin, fullgraph=True, backend="aot_eager")
-    x.grad = None
-    comp(x).square().sum().backward()
-    assert torch.isfinite(x.grad).all() and float(x.grad.norm()) > 0
+    from adahop.nn.opaque import layer_form, set_compiled_layers
+
+    assert layer_form(lin[0].current_specs()) == "opaque"  # "auto": its quantizers are fused kernels
+    for form in ("opaque", "traced") if recipe == "nvfp4" else ("opaque",):
+        prev = set_compiled_layers(form)
+        try:
+            torch.compiler.reset()
+            x.grad = None
+            y = torch.compile(lin, fullgraph=True, backend="aot_eager")(x)
+            y.square().sum().backward()
+        finally:
+            set_compiled_layers(prev)
+        assert torch.isfinite(x.grad).all() and float(x.grad.norm()) > 0, form
+        if recipe == "nvfp4":  # an RNE fprop: the compiled y is eager mode's
+            torch.testing.assert_close(y.detach(), got["triton"][0], rtol=1e-6, atol=1e-6)
+    torch.compiler.reset()

@@ -9,7 +9,9 @@ recomputes each tile's blocks and writes packed E2M1 codes, E4M3 block scales, t
 and, if asked, ``q · s_block`` as BF16 (exact: `adahop.kernels.nvfp4_matmul`). With a given
 ``global_scale`` pass 1 is skipped.
 
-Both read a *logical* matrix ``X'[rows, kc]`` through two strides (``axis=1``: ``X' = x``;
+A third kernel decodes saved packed NVFP4 into the same BF16 operand (the backward GEMMs').
+
+The quantizer reads a *logical* matrix ``X'[rows, kc]`` through two strides (``axis=1``: ``X' = x``;
 ``axis=0``: ``X' = xᵀ``), so the transposed operands (Wᵀ, ∇Yᵀ, X along T) are read in place. Every
 step repeats `adahop.formats.nvfp4.quantize_nvfp4` operation for operation: FP32 divisions are
 ``div_rn`` (Triton's ``/`` is an approximate ``div.full.f32`` on NVIDIA GPUs), the E4M3 scale is
@@ -175,6 +177,31 @@ def _nv_quantize_kernel(x_ptr, stride_r, stride_k, rows, kc, kp, tamax_ptr, gs_i
         tl.store(gs_ptr, sg)
 
 
+@triton.jit
+def _nv_decode_kernel(codes_ptr, scales_ptr, values_ptr, rows, kp, BR: tl.constexpr, BK: tl.constexpr):
+    """Saved packed NVFP4 ``[rows, kp]`` (codes, E4M3 scale bytes) -> BF16 ``q · s_block`` (NaN blocks NaN):
+    the backward GEMMs' operands, one read of the codes and one write of the values."""
+    NB: tl.constexpr = BK // _B
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    k0 = tl.program_id(1) * BK
+    rmask = r < rows
+    kh = k0 // 2 + tl.arange(0, BK // 2)
+    b = tl.load(codes_ptr + r[:, None] * (kp // 2) + kh[None, :], mask=rmask[:, None] & (kh < kp // 2)[None, :],
+                other=0).to(tl.int32)
+    code = tl.reshape(tl.join(b & 15, b >> 4), [BR, NB, _B])  # even index in the low nibble
+    nb = k0 // _B + tl.arange(0, NB)
+    sb = tl.load(scales_ptr + r[:, None] * (kp // _B) + nb[None, :], mask=rmask[:, None] & (nb < kp // _B)[None, :],
+                 other=0).to(tl.int32)
+    e, m = (sb >> 3) & 15, sb & 7  # E4M3: 2^(e-7)·(1 + m/8), subnormal m·2^-9; 0x7F/0xFF NaN
+    s = tl.where(e > 0, ((e + 120) << 23 | (m << 20)).to(tl.float32, bitcast=True), m.to(tl.float32) * 0.001953125)
+    s = tl.where((sb & 0x7F) == 0x7F, float("nan"), tl.where((sb & 0x80) != 0, -s, s))
+    mag = _e2m1_value(code & 7)
+    v = tl.where((code & 8) != 0, -mag, mag) * s[:, :, None]  # exact (6 significant bits)
+    k = k0 + tl.arange(0, BK)
+    tl.store(values_ptr + r[:, None] * kp + k[None, :], tl.reshape(v, [BR, BK]).to(tl.bfloat16),
+             mask=rmask[:, None] & (k < kp)[None, :])
+
+
 # ----------------------------------------------------------------------------- launcher
 
 
@@ -267,3 +294,21 @@ def quantize_op(x: torch.Tensor, axis: int, hadamard_block: int, signs: torch.Te
     :func:`nv_quantize` is its body and the eager path."""
     return nv_quantize(x, axis, hadamard_block, signs, stochastic, tile_2d, seed, global_scale, write_codes,
                        write_values, keep)
+
+
+def nv_decode(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Launch the decode on contiguous ``codes [rows, kp/2]`` (uint8) and ``scales [rows, kp/16]``
+    (float8_e4m3fn); returns bfloat16 ``[rows, kp]``. Traceable (the body of :data:`decode_op`)."""
+    rows, kp = int(codes.shape[0]), int(codes.shape[1]) * 2
+    values = torch.empty(rows, kp, dtype=torch.bfloat16, device=codes.device)
+    bk = max(min(triton.next_power_of_2(kp), 512), NV_BLOCK)
+    br = max(1, 4096 // bk)
+    launch(_nv_decode_kernel, (triton.cdiv(rows, br), triton.cdiv(kp, bk)), ("values_ptr",), codes_ptr=codes,
+           scales_ptr=scales.view(torch.uint8), values_ptr=values, rows=rows, kp=kp, BR=br, BK=bk, num_warps=4)
+    return values
+
+
+@torch.library.triton_op("adahop::nvfp4_block_values", mutates_args=())
+def decode_op(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The decode as a ``triton_op``; :func:`nv_decode` is its body and the eager path."""
+    return nv_decode(codes, scales)

@@ -106,27 +106,34 @@ def check_nvfp4_layout(qa: NVFP4Tensor, qb: NVFP4Tensor) -> tuple[int, int, int]
     return m, kc, n
 
 
-def nvfp4_block_values(q: NVFP4Tensor) -> torch.Tensor:
+def nvfp4_block_values(q: NVFP4Tensor, *, backend: str = "auto") -> torch.Tensor:
     """``q · s_block`` of a 2-D GEMM operand as BF16 ``[rows, Kp]`` (Kc last, zero padding kept): exact.
 
     Rows are the stored ones (M of A, N of B); the FP32 tensor scale is not applied. Exact
     because every E2M1 value times a finite E4M3 value has at most 6 significant bits and lies
     in [2^-10, 2688] (module docstring); a NaN block scale gives NaN values. BF16 times BF16
     rounds its FP32 product once, and the product is representable, so it is the exact one.
+    The quantizer's own ``q.values`` when it wrote them; else built from the codes: by a Triton
+    kernel (``backend`` ``"auto"`` on CUDA, or ``"triton"``), or by a table gather and a multiply
+    (``"reference"``, the CPU); the same numbers.
 
     Raises:
         ValueError: ``q`` is not a 2-D :class:`NVFP4Tensor` (an MXTensor's E8M0 scale codes would
-            read as wrong numbers).
+            read as wrong numbers), an unknown ``backend``.
     """
     _check_operand(q, "nvfp4_block_values", "q")
-    return _block_values(q)
+    return _block_values(q, backend)
 
 
-def _block_values(q: NVFP4Tensor) -> torch.Tensor:
-    """:func:`nvfp4_block_values` of an operand already checked (the GEMM's and the sums' own check):
-    the fused quantizer's ``values`` when it wrote them (the same numbers), else built from the codes."""
+def _block_values(q: NVFP4Tensor, backend: str = "auto") -> torch.Tensor:
+    """:func:`nvfp4_block_values` of an operand already checked (the GEMM's and the sums' own check)."""
     if q.values is not None:
         return q.values
+    if resolve_backend(backend, q.codes.device) == "triton":
+        from . import _triton_quantize_nvfp4 as tq  # lazy: Triton is needed only here
+
+        op = tq.decode_op if torch.compiler.is_dynamo_compiling() else tq.nv_decode
+        return op(q.codes.contiguous(), q.scales.contiguous())
     rows, half = q.codes.shape
     pairs = _byte_pairs(q.codes.device)[q.codes.long()]  # [rows, Kp/2, 2] bf16: one gather, no unpack
     v = pairs.reshape(rows, -1, NVFP4_BLOCK) * q.scales.to(torch.bfloat16).unsqueeze(-1)  # E4M3 -> BF16 is exact
