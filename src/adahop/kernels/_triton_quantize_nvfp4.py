@@ -129,6 +129,8 @@ def _nv_quantize_kernel(x_ptr, stride_r, stride_k, rows, kc, kp, tamax_ptr, gs_i
     pid_r = tl.program_id(0)
     pid_k = tl.program_id(1)
     r = pid_r * BR + tl.arange(0, BR)
+    if INT64:  # the output offsets too (rows · kp near 2^31)
+        r = r.to(tl.int64)
     k0 = pid_k * BK
     v, amax, bad = _nv_tile(x_ptr, stride_r, stride_k, r, k0, rows, kc, signs_ptr, keep_ptr, BR, BK, INT64, TILE2D,
                             HB, LOG_HB, HSCALE, HAS_SIGNS, ZERO_ROWS)
@@ -178,11 +180,14 @@ def _nv_quantize_kernel(x_ptr, stride_r, stride_k, rows, kc, kp, tamax_ptr, gs_i
 
 
 @triton.jit
-def _nv_decode_kernel(codes_ptr, scales_ptr, values_ptr, rows, kp, BR: tl.constexpr, BK: tl.constexpr):
+def _nv_decode_kernel(codes_ptr, scales_ptr, values_ptr, rows, kp, BR: tl.constexpr, BK: tl.constexpr,
+                      INT64: tl.constexpr):
     """Saved packed NVFP4 ``[rows, kp]`` (codes, E4M3 scale bytes) -> BF16 ``q · s_block`` (NaN blocks NaN):
     the backward GEMMs' operands, one read of the codes and one write of the values."""
     NB: tl.constexpr = BK // _B
     r = tl.program_id(0) * BR + tl.arange(0, BR)
+    if INT64:
+        r = r.to(tl.int64)
     k0 = tl.program_id(1) * BK
     rmask = r < rows
     kh = k0 // 2 + tl.arange(0, BK // 2)
@@ -208,15 +213,19 @@ def _nv_decode_kernel(codes_ptr, scales_ptr, values_ptr, rows, kp, BR: tl.conste
 def default_plan(rows: int, kp: int, stride_r: int, stride_k: int, hb: int, tile_2d: bool) -> dict:
     """Tile ``[BR, BK]`` and warps: about 4096 elements per program, BK along the contiguous dim when
     it is K (a multiple of 16 and of the Hadamard block), BR a multiple of 16 for 16×16 tiles.
-    Rows contiguous (the transposing case): 128 rows × 32 of K, Triton coalesces along rows."""
+    Rows contiguous (the transposing case): 128 rows × 32 of K, Triton coalesces along rows.
+    16 elements per thread: compiled for sm_90 (Triton 3.9, ptxas from its wheel) the pass-2 kernel
+    then holds ~100 registers (RNE) / ~140 (SR), against 184 / 255 with a spill at 32 per thread.
+    Not yet timed on the GPU (``scripts/validate_kernels.py --only nvfp4`` prints the times)."""
     if stride_k == 1 or stride_r != 1:
         bk = max(min(triton.next_power_of_2(kp), 512), NV_BLOCK, hb)
         br = max(1, 4096 // bk)
     else:
         bk, br = max(32, hb), 128
-    if tile_2d:
+    if tile_2d:  # whole 16x16 tiles, still about 4096 elements
         br = max(br, NV_BLOCK)
-    return dict(BR=br, BK=bk, num_warps=4)
+        bk = max(min(bk, 4096 // br), NV_BLOCK, hb)
+    return dict(BR=br, BK=bk, num_warps=max(1, min(8, br * bk // 512)))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -304,7 +313,8 @@ def nv_decode(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     bk = max(min(triton.next_power_of_2(kp), 512), NV_BLOCK)
     br = max(1, 4096 // bk)
     launch(_nv_decode_kernel, (triton.cdiv(rows, br), triton.cdiv(kp, bk)), ("values_ptr",), codes_ptr=codes,
-           scales_ptr=scales.view(torch.uint8), values_ptr=values, rows=rows, kp=kp, BR=br, BK=bk, num_warps=4)
+           scales_ptr=scales.view(torch.uint8), values_ptr=values, rows=rows, kp=kp, BR=br, BK=bk,
+           INT64=rows * kp >= 2**31 - 2**20, num_warps=8)
     return values
 
 
