@@ -299,7 +299,7 @@ def check_nvfp4_quantize(name, x, axis, hb=None, signs=None, tile=False, gs=None
     for byte in (0x00, 0xFF):
         out = (torch.full((rows, kp // 2), byte, dtype=torch.uint8, device=x.device),
                torch.full((rows, kp // 16), byte, dtype=torch.uint8, device=x.device),
-               torch.full((1,), float("nan"), device=x.device),
+               torch.full((), float("nan"), device=x.device),
                torch.full((rows, 2 * kp), byte, dtype=torch.uint8, device=x.device).view(torch.bfloat16))
         got = nq.nv_quantize(x, axis, hb or 0, signs, False, tile, None,
                              None if gs is None else gs.reshape(1).float(), True, True, keep, out=out)

@@ -300,7 +300,7 @@ def test_interp_outputs_are_fully_written():
     results = []
     for poison in (0x00, 0xFF):
         out = (torch.full((40, 16), poison, dtype=torch.uint8), torch.full((40, 2), poison, dtype=torch.uint8),
-               torch.full((1,), float("nan")), torch.full((40, 64), poison, dtype=torch.uint8).view(torch.bfloat16))
+               torch.full((), float("nan")), torch.full((40, 64), poison, dtype=torch.uint8).view(torch.bfloat16))
         results.append(nq.nv_quantize(x, 0, 0, None, False, True, None, None, True, True, out=out))
     for a, b in zip(*results):
         assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))

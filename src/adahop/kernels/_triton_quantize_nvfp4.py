@@ -44,7 +44,8 @@ def _e4m3_round(s, UP: tl.constexpr):
 
     Normal range (s >= 2^-6): keep 3 mantissa bits of the float32 (a carry moves into the
     exponent). Subnormal range: a multiple of 2^-9, rounded by adding and removing 2^23 (the
-    float32 spacing there is 1), built from its bits so that the compiler cannot fold it away."""
+    float32 spacing there is 1). IEEE arithmetic keeps the add and the subtract (the sm_90 PTX
+    fuses ``s · 512 + 2^23`` into one FMA, the same number: the product is exact)."""
     bits = s.to(tl.int32, bitcast=True)
     if UP:
         nb = (bits + 0xFFFFF) & -0x100000
@@ -255,7 +256,7 @@ def nv_quantize(x: torch.Tensor, axis: int, hadamard_block: int, signs: torch.Te
     values bfloat16 [rows, kp] (``[rows, 0]`` unless ``write_values``))``. ``keep``: optional uint8
     ``[rows]``, rows where it is 0 quantize as zeros (OE). ``plan`` overrides :func:`default_plan`
     (benchmarks); ``out`` supplies the four output buffers (tests: poisoned ones; scales as uint8,
-    the tensor scale as float32 ``[1]``). Traceable (the body of :data:`quantize_op`).
+    the tensor scale as a 0-d float32). Traceable (the body of :data:`quantize_op`).
     """
     size, stride = [int(s) for s in x.shape], [int(s) for s in x.stride()]
     if axis == 1:
@@ -266,11 +267,11 @@ def nv_quantize(x: torch.Tensor, axis: int, hadamard_block: int, signs: torch.Te
     kp, grid, common = _launch_config(rows, kc, stride_r, stride_k, hb, signs is not None, tile_2d, keep is not None,
                                       tuple(sorted(plan.items())) if plan else None)
     dev = x.device
-    want = [(rows, kp // 2 if write_codes else 0), (rows, kp // NV_BLOCK), (1,), (rows, kp if write_values else 0)]
+    want = [(rows, kp // 2 if write_codes else 0), (rows, kp // NV_BLOCK), (), (rows, kp if write_values else 0)]
     if out is None:
         codes = torch.empty(want[0], dtype=torch.uint8, device=dev)
         scales = torch.empty(want[1], dtype=torch.uint8, device=dev)  # bytes; viewed as E4M3 at the end
-        gs = torch.empty(1, dtype=torch.float32, device=dev)
+        gs = torch.empty((), dtype=torch.float32, device=dev)  # 0-d itself: no view of it to save for backward
         values = torch.empty(want[3], dtype=torch.bfloat16, device=dev)
     else:
         if [tuple(t.shape) for t in out] != want or not all(t.is_contiguous() for t in out):
@@ -291,7 +292,7 @@ def nv_quantize(x: torch.Tensor, axis: int, hadamard_block: int, signs: torch.Te
            values_ptr=values, signs_ptr=signs_arg, seed_ptr=seed if seed is not None else x, keep_ptr=keep_arg,
            STOCHASTIC=stochastic, GS_GIVEN=global_scale is not None, WRITE_CODES=write_codes,
            WRITE_VALUES=write_values, **common)
-    return codes, scales.view(torch.float8_e4m3fn), gs.view(()), values
+    return codes, scales.view(torch.float8_e4m3fn), gs, values
 
 
 @torch.library.triton_op("adahop::quantize_nvfp4", mutates_args=())
