@@ -160,6 +160,18 @@ def test_engine_routes_nvfp4_operands_through_the_quantizer(monkeypatch, gen):
     assert [c[0] for c in calls] == [(32, 48), (1, 32), (48, 16), (1, 16)]  # residuals, then each mean as one row
 
 
+def test_nvfp4_layers_have_no_unfused_parts():
+    """With the quantizer fused, no NVFP4 layer is a long chain of plain ops any more
+    (`adahop.nn.opaque.unfused_parts`); Averis in MXFP4 still is (its mean vectors)."""
+    from adahop.nn.opaque import unfused_parts
+    from adahop.recipes import get_recipe
+    from adahop.recipes.spec import GEMMS
+
+    specs = lambda name: {g: get_recipe(name).gemm(g) for g in GEMMS}  # noqa: E731
+    assert unfused_parts(specs("nvfp4")) == () and unfused_parts(specs("averis")) == ()
+    assert unfused_parts(specs("averis-mxfp4")) == ("wgrad: MXFP4 mean vectors (reference quantizer)",)
+
+
 # ----------------------------------------------------------------------------- Triton, interpreted
 
 # Triton's interpreter must be chosen before triton is first imported (torch may import it), so
@@ -190,6 +202,7 @@ CASES = [  # (shape, axis, hadamard_block, dtype, tile_2d, signs, transposed vie
     ((64, 48), 1, 16, torch.bfloat16, False, True, True),  # ∇Yᵀ: a transposed view, K not contiguous
     ((33, 64), 1, 32, torch.float32, False, False, False),  # a Hadamard block spanning two scale blocks
     ((70, 33), 0, None, torch.float32, True, False, True),  # Wᵀ: the fprop B, tiles, a ragged Kc
+    ((8, 512), 1, 512, torch.float32, False, True, False),  # above the kernel's 256: Kronecker form first
 ]
 
 

@@ -1,8 +1,9 @@
 """Block Hadamard (optional) + NVFP4 quantization of one GEMM operand: reference and Triton twins.
 
 ``iht_quantize_nvfp4`` is what the NVFP4 GEMMs (recipes ``nvfp4``, ``averis``) call for every
-operand. The reference is :func:`adahop.formats.quantize_nvfp4` after
-:func:`~adahop.kernels.quantize_mxfp4.hadamard_butterfly`; the Triton path
+operand. The reference is :func:`adahop.formats.quantize_nvfp4` after the MXFP4 quantizer's
+Hadamard (:func:`~adahop.kernels.quantize_mxfp4.hadamard_butterfly` up to 256, the Kronecker form
+above); the Triton path
 (``_triton_quantize_nvfp4.py``) does transform, quantize and pack in two launches (tensor amax,
 then blocks) and, for an operand the GEMM consumes at once, writes the GEMM's BF16 operand
 ``q · s_block`` itself (exact, `adahop.kernels.nvfp4_matmul`), so the GEMM skips its build from
@@ -18,7 +19,7 @@ import torch
 from ..formats.nvfp4 import NVFP4Tensor, quantize_nvfp4
 from ..hadamard import check_block_size
 from .backend import resolve_backend
-from .quantize_mxfp4 import TRITON_HADAMARD_SIZES, hadamard_butterfly
+from .quantize_mxfp4 import TRITON_HADAMARD_SIZES, _iht_transform
 
 __all__ = ["iht_quantize_nvfp4", "iht_quantize_nvfp4_reference", "iht_quantize_nvfp4_triton", "NV_OUTPUTS"]
 
@@ -65,7 +66,8 @@ def iht_quantize_nvfp4_reference(
     generator: torch.Generator | None = None, backend: str = "reference", outputs: str = "all",
     zero_rows: torch.Tensor | None = None,
 ) -> NVFP4Tensor:
-    """Reference: ``quantize_nvfp4(hadamard_butterfly(x) if hadamard_block else x, ...)``.
+    """Reference: ``quantize_nvfp4(H(x) if hadamard_block else x, ...)``, ``H`` the butterfly for blocks
+    up to 256 and the Kronecker form above (as ``iht_quantize_mxfp4``'s).
 
     Arguments and result as :func:`iht_quantize_nvfp4` (``backend`` is ignored; the result has
     codes whatever ``outputs`` asks, and ``values=None``).
@@ -74,7 +76,7 @@ def iht_quantize_nvfp4_reference(
     if zero_rows is not None:
         x = x.index_fill(1 - axis, zero_rows, 0)
     if hadamard_block is not None:
-        x = hadamard_butterfly(x, block_size=hadamard_block, axis=axis, signs=signs)
+        x = _iht_transform(x, hadamard_block, axis, signs)
     return quantize_nvfp4(x, axis=axis, rounding=rounding, generator=generator, tile_2d=tile_2d,
                           global_scale=global_scale)
 
@@ -157,9 +159,9 @@ def iht_quantize_nvfp4(
         global_scale: the FP32 tensor scale to use (one positive number) instead of t_amax/2688.
         generator: stochastic-rounding randomness (reproducible under a seed).
         backend: ``"auto"`` (Triton on CUDA, else the reference), ``"triton"`` or ``"reference"``;
-            it never changes round-to-nearest results. A Hadamard block above 256 is applied by
-            :func:`~adahop.kernels.quantize_mxfp4.hadamard_butterfly` first, then quantized by the
-            kernel; ``hadamard_block=1`` runs the reference.
+            it never changes round-to-nearest results. A Hadamard block above 256 is applied
+            first (its Kronecker form, as the reference does), then quantized by the kernel;
+            ``hadamard_block=1`` runs the reference.
         outputs: what the Triton path writes (:data:`NV_OUTPUTS`); the reference always returns
             codes and no ``values``. Values never depend on it.
         zero_rows: 1-D integer indices of rows (along the dim *not* quantized: ``1 - axis``) to
@@ -182,7 +184,7 @@ def iht_quantize_nvfp4(
         # a block the kernel lacks: the reference's transform, then the kernel without one (zeroing whole
         # rows commutes with a transform along them)
         axis = _check_args(x, axis, hadamard_block, signs, rounding, tile_2d, global_scale, outputs, zero_rows)
-        x = hadamard_butterfly(x, block_size=hadamard_block, axis=axis, signs=signs)
+        x = _iht_transform(x, hadamard_block, axis, signs)
         hadamard_block, signs = None, None
     # a 1-point "transform" is the reference's (it only turns -0 into +0)
     fn = iht_quantize_nvfp4_triton if be == "triton" and hadamard_block != 1 else iht_quantize_nvfp4_reference
