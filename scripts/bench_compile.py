@@ -19,7 +19,7 @@ Two phases, each row from ``adahop.bench.bench_model`` (the harness of ``adahop 
    Lv2 >= 0.9x, mxfp4 >= 0.95x, compiled the same way as BF16).
 
 ``--forms``: how a frozen converted layer enters the compiled graph: ``auto`` (the default of
-``adahop.nn.opaque``: NVFP4 and Averis layers traced, the others opaque, ``layer_form``),
+``adahop.nn.opaque``: the opaque form for every layer since round 13, ``layer_form``),
 ``opaque`` (two ops that run eager mode's code), ``traced`` (its GEMMs traced by dynamo,
 the Triton launches as the op ``adahop::triton_launch``) or ``traced-inline`` (traced, the launches
 through ``wrap_triton``, which Inductor emits at the price of a TTIR analysis per call while

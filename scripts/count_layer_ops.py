@@ -3,9 +3,11 @@
 
 Inside the opaque layer ops of ``adahop.nn.opaque`` a frozen layer runs eager mode's code, so each
 aten op counted here is one kernel launch on the GPU (CUDA graphs replay them all, one by one), and
-each Triton launch one fused kernel. The count is what separates the recipes whose quantizers are
-fused kernels (mxfp4, quartet, HALO) from those made of plain PyTorch ops (nvfp4, Averis), which
-which ``COMPILED_LAYERS="traced"`` lets Inductor fuse (too slow to compile for a whole model: round 13).
+each Triton launch one fused kernel. The count is what separated the recipes whose quantizers are
+fused kernels (mxfp4, quartet, HALO) from those made of plain PyTorch ops (nvfp4, Averis) until the
+NVFP4 quantizer became one too (`adahop.kernels.iht_quantize_nvfp4`); what is left of such chains
+(Averis's mean vectors in MXFP4, taken by the reference quantizer) ``COMPILED_LAYERS="traced"`` lets
+Inductor fuse (too slow to compile for a whole model: round 13).
 
 Usage (CPU; the Triton kernels run in the interpreter, so keep the shapes small)::
 
@@ -14,17 +16,26 @@ Usage (CPU; the Triton kernels run in the interpreter, so keep the shapes small)
 
 ``--shape K,N,T``: in_features, out_features, tokens (HALO-2 needs T a power of two). Counted on
 2026-12-02 (torch 2.13 CPU, triton 3.9 interpreter, ``--backend triton --shape 64,128,64``; ops other
-than views and allocations, the interpreter's own ``set_``/``copy_`` left out; one forward+backward):
+than views and allocations, the interpreter's own ``set_``/``copy_`` left out; one forward+backward),
+before and after the fused NVFP4 quantizer:
 
-=========  ====  ===============
-recipe     ops   Triton launches
-=========  ====  ===============
-quartet    19    10
-mxfp4      7     10
-halo-2     16    11
-nvfp4      410   0
-averis     624   0
-=========  ====  ===============
+============  ==========  ===============  =========  ===============
+recipe        ops before  launches before  ops after  launches after
+============  ==========  ===============  =========  ===============
+quartet       19          10               19         10
+mxfp4         7           10               7          10
+halo-2        16          11               16         11
+nvfp4         410         0                36         12
+averis        624         0                90         16
+averis-mxfp4  220         10               220        10
+============  ==========  ===============  =========  ===============
+
+What the CPU count of nvfp4 still holds that a GPU does not run: 6 ``_to_copy`` of the NVFP4 GEMM's
+CPU emulation (BF16 operands to FP32; CUDA multiplies BF16 with FP32 output), and the 8 ops
+(``_to_copy``, ``index``, ``mul``) that build the two saved operands' BF16 values in the backward,
+which on CUDA are one decode launch each (``_nv_decode_kernel``). So on the GPU an nvfp4 layer runs
+14 Triton launches and about 22 other kernels: 6 zero-fills (the tensor-amax words), 3 GEMMs with
+their 6 tensor-scale multiplies, 2 ``randint`` (SR seeds) and autograd's own.
 
 At ``--shape 512,64,512`` halo-2's whole-dimension Hadamards (above the fused quantizer's 256) add
 Kronecker GEMMs: 31 ops + 11 launches (82 ops + 10 launches while the quantizer's own 512-point

@@ -27,6 +27,14 @@ Checks, each printed as PASS/FAIL with its numbers:
   above 256 (HALO's Kronecker form) vs the butterfly it replaced; the quantizer with a Hadamard
   block above 256 (butterfly, then the kernel) bit for bit; nvfp4 / averis / halo-2 layers replayed
   from CUDA graphs;
+- ``nvfp4``: ``iht_quantize_nvfp4`` (Triton) vs the reference, round to nearest: codes, E4M3 block
+  scales, the FP32 tensor scale and the BF16 GEMM operand bit for bit, into poisoned buffers, for
+  1×16 blocks along either axis, 16×16 tiles, ragged rows and Kc, strided views (Wᵀ, ∇Yᵀ), the
+  wgrad RHT-16 with TE's signs, NaN/Inf blocks, a given tensor scale, OE's zeroed rows, with its
+  time against the reference; stochastic rounding (the reference's scales bit for bit, every code
+  one of its two grid neighbours, t-statistics of the error's mean and slope, fresh, seeded); the
+  decode of saved operands bit for bit; an nvfp4 / averis layer's forward+backward on the Triton
+  path vs the reference backend (y to FP32 rounding, gradients as close to BF16's) and its time;
 - ``torch.compile(fullgraph=True)`` of quantize + GEMM equals eager;
 - the fused optimizer step (``optim``): every algorithm, BF16/FP32 weights and states, RNE and
   stochastic rounding, bit for bit against its reference under a fixed Philox seed.
@@ -40,6 +48,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 import time
 
@@ -54,7 +63,7 @@ from adahop.bench import cuda_time_ms
 from adahop.formats import quantize_nvfp4
 from adahop.hadamard import block_hadamard
 from adahop.kernels import fold_to_fp8, hadamard_butterfly, iht_quantize_mxfp4, mx_matmul, mx_transpose
-from adahop.kernels import nvfp4_matmul, nvfp4_matmul_reference
+from adahop.kernels import iht_quantize_nvfp4, nvfp4_block_values, nvfp4_matmul, nvfp4_matmul_reference
 from adahop.kernels import _triton_quantize as tq
 
 RESULTS: list[dict] = []
@@ -272,6 +281,138 @@ def check_fold(name, x, axis, rule="floor"):
     record(f"fold {name}", bad == 0 and ft.shape == fr.shape, diff=bad, **detail)
 
 
+def check_nvfp4_quantize(name, x, axis, hb=None, signs=None, tile=False, gs=None, zero=None):
+    """``iht_quantize_nvfp4`` (Triton) vs the reference, round to nearest, bit for bit: codes, E4M3 scales,
+    tensor scale and BF16 values (against the GEMM's own build from the reference codes), written into
+    poisoned buffers (two poisons: every byte must be written); with its time against the reference."""
+    from adahop.kernels import _triton_quantize_nvfp4 as nq
+
+    rows, kc = (x.shape[0], x.shape[1]) if axis == 1 else (x.shape[1], x.shape[0])
+    kp = -(-kc // 16) * 16
+    kw = dict(axis=axis, hadamard_block=hb, signs=signs, tile_2d=tile, global_scale=gs, zero_rows=zero)
+    qr = iht_quantize_nvfp4(x, backend="reference", **kw)
+    want = (qr.codes, qr.scales.view(torch.uint8), qr.global_scale.reshape(1), nvfp4_block_values(qr, backend="reference"))
+    keep = None
+    if zero is not None:
+        keep = torch.ones(rows, dtype=torch.uint8, device=x.device).index_fill_(0, zero, 0)
+    outs = []
+    for byte in (0x00, 0xFF):
+        out = (torch.full((rows, kp // 2), byte, dtype=torch.uint8, device=x.device),
+               torch.full((rows, kp // 16), byte, dtype=torch.uint8, device=x.device),
+               torch.full((), float("nan"), device=x.device),
+               torch.full((rows, 2 * kp), byte, dtype=torch.uint8, device=x.device).view(torch.bfloat16))
+        got = nq.nv_quantize(x, axis, hb or 0, signs, False, tile, None,
+                             None if gs is None else gs.reshape(1).float(), True, True, keep, out=out)
+        outs.append([got[0], got[1].view(torch.uint8), got[2].reshape(1), got[3]])
+    bits = lambda t: t.reshape(-1).view(torch.uint8)  # noqa: E731
+    same = all(torch.equal(bits(a), bits(b)) for a, b in zip(*outs))
+    diffs = [int((bits(a) != bits(b)).sum()) for a, b in zip(outs[0][:3], want[:3])]
+    v, w = outs[0][3], want[3]
+    diffs.append(int((v.isnan() != w.isnan()).sum() + (v.nan_to_num() != w.nan_to_num()).sum()))
+    q = iht_quantize_nvfp4(x, backend="triton", outputs="values", **kw)
+    api = q.codes_dropped and torch.equal(bits(q.values), bits(outs[0][3])) and torch.equal(bits(q.scales), bits(want[1]))
+    detail = dict(full_write=same, codes_diff=diffs[0], scales_diff=diffs[1], gs_diff=diffs[2], values_diff=diffs[3])
+    if x.is_cuda:
+        detail.update(us_triton=1e3 * cuda_time_ms(lambda: iht_quantize_nvfp4(x, backend="triton", outputs="values", **kw)),
+                      us_reference=1e3 * cuda_time_ms(lambda: iht_quantize_nvfp4(x, backend="reference", **kw), reps=3))
+    record(f"nvfp4 quant {name}", same and api and not any(diffs), **detail)
+
+
+def check_nvfp4_stochastic(name, x, axis, hb=None, signs=None, tile=False):
+    """SR: the reference's block and tensor scales bit for bit (the scale rounded up), every value one of
+    the two grid neighbours of the scaled input, t-statistics of the error's mean and of its slope against
+    the value, the error spread (RMS in units of each block's scale) equal to the reference's, fresh
+    across calls, reproducible under a seed."""
+    from adahop.formats.e2m1 import E2M1_VALUES
+
+    dev = x.device
+    kw = dict(axis=axis, hadamard_block=hb, signs=signs, tile_2d=tile, rounding="stochastic")
+    g = torch.Generator(device=dev).manual_seed(0)
+    qt, qt2 = (iht_quantize_nvfp4(x, generator=g, backend="triton", **kw) for _ in range(2))
+    qt3 = iht_quantize_nvfp4(x, generator=torch.Generator(device=dev).manual_seed(0), backend="triton", **kw)
+    qr = iht_quantize_nvfp4(x, generator=torch.Generator(device=dev).manual_seed(1), backend="reference", **kw)
+    v = x.float() if hb is None else hadamard_butterfly(x, block_size=hb, axis=axis, signs=signs)
+    vm = v.movedim(axis, -1)
+    vm = torch.nn.functional.pad(vm, (0, qr.scales.shape[1] * 16 - vm.shape[-1]))
+    sb = qr.scales.float().repeat_interleave(16, dim=-1)
+    a = (vm / (qr.scales.float() * qr.global_scale).repeat_interleave(16, dim=-1)).abs().clamp(max=6.0).contiguous()
+    grid = E2M1_VALUES.to(dev)
+    lo = (torch.bucketize(a, grid, right=True) - 1).clamp(0, 7)
+    hi = torch.where(grid[lo] < a, lo + 1, lo).clamp(max=7)
+    got = qt.values.float().abs()
+    neighbours = bool(((got == grid[lo] * sb) | (got == grid[hi] * sb) | (sb == 0)).all())
+
+    denom = (qr.scales.float() * qr.global_scale).repeat_interleave(16, dim=-1).double()
+    vd = vm.double()
+
+    def stats(q):  # t-statistics of the error's mean and of its slope against v (robust SE); RMS in grid units
+        d = q.dequantize().movedim(axis, -1).double()
+        e = torch.nn.functional.pad(d, (0, vm.shape[-1] - d.shape[-1])) - vd
+        t_mean = (e.mean() / (e.std() / e.numel() ** 0.5)).item()
+        vv = (vd * vd).sum()
+        t_slope = ((e * vd).sum() / vv / ((vd * vd * e * e).sum().sqrt() / vv)).item()
+        return t_mean, t_slope, (e / denom)[denom > 0].pow(2).mean().sqrt().item()
+
+    (t_mean, t_slope, rms_t), (r_mean, r_slope, rms_r) = stats(qt), stats(qr)
+    spread = rms_t / rms_r
+    scales_ok = torch.equal(qt.scales.view(torch.uint8), qr.scales.view(torch.uint8)) and torch.equal(
+        qt.global_scale, qr.global_scale)
+    fresh, seeded = not torch.equal(qt.values, qt2.values), torch.equal(qt.values, qt3.values)
+    tol = 0.02 if x.numel() > 10**6 else 0.1
+    ok = (scales_ok and neighbours and abs(t_mean) < 6 and abs(t_slope) < 6 and abs(spread - 1) < tol and fresh
+          and seeded)
+    record(f"nvfp4 SR {name}", ok, scales_ok=scales_ok, neighbours=neighbours, t_mean=t_mean, t_slope=t_slope,
+           ref_t_mean=r_mean, ref_t_slope=r_slope, rms_vs_ref=spread, fresh=fresh, seeded=seeded)
+
+
+def check_nvfp4_decode(name, x, axis, tile=False):
+    """The decode of a saved packed NVFP4 operand (Triton) vs the gather build, bit for bit, with its time."""
+    q = iht_quantize_nvfp4(x, axis=axis, tile_2d=tile, backend="reference")
+    got, want = nvfp4_block_values(q, backend="triton"), nvfp4_block_values(q, backend="reference")
+    bad = int((got.isnan() != want.isnan()).sum() + (got.nan_to_num().view(torch.int16) != want.nan_to_num().view(torch.int16)).sum())
+    detail = dict(diff=bad)
+    if x.is_cuda:
+        detail.update(us_triton=1e3 * cuda_time_ms(lambda: nvfp4_block_values(q, backend="triton")),
+                      us_reference=1e3 * cuda_time_ms(lambda: nvfp4_block_values(q, backend="reference")))
+    record(f"nvfp4 decode {name}", bad == 0 and got.shape == want.shape, **detail)
+
+
+def check_nvfp4_layer(recipe, t, k, n, dev, gen):
+    """One converted nvfp4 / averis layer, eager, forward+backward on the Triton path (fused quantizer,
+    BF16 operands) vs the reference backend: nvfp4's y (RNE) to FP32 rounding, every output as close to
+    the BF16 layer's as the reference's (the SR draws differ); with both times."""
+    import adahop
+
+    x = make_input((t, k), torch.float32, dev, gen)
+    x = x / x.abs().amax(dim=1, keepdim=True)  # no row scales: the BF16 comparison is about quantization
+
+    def layer(backend):
+        torch.manual_seed(0)
+        lin = torch.nn.Sequential(torch.nn.Linear(k, n, bias=False)).to(dev)
+        return lin if backend is None else adahop.convert_model(lin, recipe, backend=backend, exclude=())
+
+    def run(lin):
+        lin.zero_grad(set_to_none=True)
+        xin = x.detach().requires_grad_(True)
+        y = lin(xin)
+        y.square().sum().backward()
+        return [y.detach(), xin.grad, lin[0].weight.grad]
+
+    rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm())  # noqa: E731
+    bf, lt, lr = layer(None), layer("triton"), layer("reference")
+    exact, got, ref = run(bf), run(lt), run(lr)
+    errs_t, errs_r = [rel(a, e) for a, e in zip(got, exact)], [rel(a, e) for a, e in zip(ref, exact)]
+    ok = all(et <= 1.5 * er + 0.01 for et, er in zip(errs_t, errs_r)) and all(map(math.isfinite, errs_t))
+    detail = dict(rel_to_bf16_triton=[f"{v:.2e}" for v in errs_t], rel_to_bf16_reference=[f"{v:.2e}" for v in errs_r])
+    if recipe == "nvfp4":
+        detail["y_rel_to_reference"] = rel(got[0], ref[0])
+        ok = ok and detail["y_rel_to_reference"] <= 1e-5
+    if dev == "cuda":
+        detail.update(ms_triton=cuda_time_ms(lambda: run(lt)), ms_reference=cuda_time_ms(lambda: run(lr), reps=5),
+                      ms_bf16=cuda_time_ms(lambda: run(bf)))
+    record(f"nvfp4 layer {recipe} {t}x{k}x{n} eager, Triton path vs reference backend", ok, **detail)
+
+
 def converted_layer_grads(x, recipe: str, dev, out_features: int, *, compiled: bool, mode: str | None = None,
                           steps: int = 1) -> list[torch.Tensor]:
     """[y, dX, dW] of one bias-free linear [x.shape[1] -> out_features] converted to ``recipe``, after
@@ -341,10 +482,11 @@ def check_compile(dev, gen):
 
 
 def check_rival_layers(dev, gen):
-    """A converted nvfp4 / averis / halo-2 layer (512 features, 512 tokens: the NVFP4 GEMM, HALO's
-    Kronecker Hadamards) compiled with mode="reduce-overhead", as ``adahop train --compile`` runs it
-    (the default form, ``adahop.nn.opaque.layer_form``: the opaque ops replayed from a CUDA graph;
-    ``ADAHOP_COMPILED_LAYERS=traced`` checks the traced form): it captures, with no
+    """A converted nvfp4 / averis / halo-2 layer (512 features, 512 tokens: the NVFP4 quantizer and GEMM,
+    HALO's Kronecker Hadamards) compiled with mode="reduce-overhead", as ``adahop train --compile`` runs
+    it (the default form, ``adahop.nn.opaque.layer_form``: the opaque ops replayed from a CUDA graph,
+    the NVFP4 quantizer's launches inside them; ``ADAHOP_COMPILED_LAYERS=traced`` checks the traced
+    form): it captures, with no
     graph skipped by CUDA graphs (a CPU input, e.g. a constant's master copy, would make Inductor
     skip the whole graph), and gives finite, nonzero y, dX, dW; the deterministic halo-2 equals
     eager, and so does nvfp4's y (its fprop rounds to nearest)."""
@@ -450,7 +592,7 @@ def check_optim_multi(name, alg, w_dtype, s_dtype, rounding, dev, gen, small):
     record(name, ok, **detail)
 
 
-SECTIONS = ("quantize", "outputs", "sweep", "fold", "sr", "gemm", "rivals", "compile", "baselines", "optim")
+SECTIONS = ("quantize", "outputs", "sweep", "fold", "sr", "gemm", "nvfp4", "rivals", "compile", "baselines", "optim")
 
 
 def main() -> int:
@@ -535,6 +677,41 @@ def main() -> int:
         m, kc, n = big((2048, 4096, 2048))
         check_gemm(f"{m}x{kc}x{n} via fold_to_fp8 (reference quantizer)", m, kc, n, dev, gen, via_fold=True)
         check_gemm(f"{m}x{kc}x{n} no Hadamard", m, kc, n, dev, gen, hb=None)
+    if "nvfp4" in only:
+        # --- the NVFP4 quantizer (recipes nvfp4, averis): RNE bit for bit, SR statistics, decode, layers ------
+        from adahop.recipes.rivals import TE_WGRAD_SIGNS
+
+        te = torch.tensor(TE_WGRAD_SIGNS, dtype=torch.float32, device=dev)
+        for shape, dt in (((4096, 4096), bf), ((8192, 2048), f32)):
+            for axis in (1, 0):
+                check_nvfp4_quantize(f"{shape[0]}x{shape[1]} ax{axis} {str(dt)[6:]}", mk(shape, dt), axis)
+        check_nvfp4_quantize("1000x4096 ax1 bf16 (ragged rows)", mk((1000, 4096)), 1)
+        check_nvfp4_quantize("4096x1000 ax0 bf16 (ragged rows)", mk((4096, 1000)), 0)
+        check_nvfp4_quantize("1000x4104 ax1 fp32 (ragged Kc)", mk((1000, 4104), f32), 1)
+        check_nvfp4_quantize("4104x1000 ax0 bf16 (ragged Kc)", mk((4104, 1000)), 0)
+        check_nvfp4_quantize("8192x4096 ax1 bf16 special values", mk((8192, 4096), special=True), 1)
+        check_nvfp4_quantize("8192x4096 ax0 bf16 special values", mk((8192, 4096), special=True), 0)
+        w = mk((14336, 4096))
+        check_nvfp4_quantize("W 14336x4096 ax0 16x16 tiles (dgrad B)", w, 0, tile=True)
+        check_nvfp4_quantize("Wt = (14336x4096).t() ax0 16x16 tiles (fprop B)", w.t(), 0, tile=True)
+        check_nvfp4_quantize("W 1000x4104 ax1 16x16 tiles (ragged)", mk((1000, 4104)), 1, tile=True)
+        dy, x = mk((8192, 1024)), mk((8192, 4096))
+        check_nvfp4_quantize("dYt = (8192x1024).t() ax1 RHT16 TE signs (wgrad A)", dy.t(), 1, hb=16, signs=te)
+        check_nvfp4_quantize("X 8192x4096 ax0 RHT16 TE signs (wgrad B)", x, 0, hb=16, signs=te)
+        check_nvfp4_quantize("X 8192x4096 ax1 given tensor scale", x, 1, gs=torch.tensor(0.75, device=dev))
+        rows = torch.randperm(x.shape[0], device=dev, generator=gen)[:64]
+        check_nvfp4_quantize("X 8192x4096 ax1 OE zero rows", x, 1, zero=rows)
+        for axis in (1, 0):
+            check_nvfp4_stochastic(f"4096x4096 ax{axis} bf16 1x16", mk((4096, 4096)), axis)
+        check_nvfp4_stochastic("W 4096x4096 ax0 16x16 tiles", mk((4096, 4096)), 0, tile=True)
+        check_nvfp4_stochastic("dYt (8192x1024).t() ax1 RHT16", dy.t(), 1, hb=16, signs=te)
+        check_nvfp4_decode("X 8192x4096 ax0 (saved for wgrad)", x, 0)
+        check_nvfp4_decode("W 14336x4096 ax0 tiles (saved for dgrad)", w, 0, tile=True)
+        check_nvfp4_decode("1000x4104 ax1 special values", mk((1000, 4104), special=True), 1)
+        del w, dy, x
+        for recipe in ("nvfp4", "averis"):
+            t, k, n = big((8192, 4096, 4096))
+            check_nvfp4_layer(recipe, t, k, n, dev, gen)
     if "rivals" in only:
         # --- the rival recipes' fast paths: NVFP4 GEMM on BF16 tensor cores, HALO's large Hadamards ---------
         for (m, kc, n) in ((4096, 4096, 4096), (8192, 512, 1344), (1000, 1000, 520), (512, 16384, 512)):

@@ -255,12 +255,16 @@ def test_rivals_fast_paths_capture_and_compile(recipe, width, backend, monkeypat
     and 512 tokens (the Kronecker form of blocks above 256) and the NVFP4 BF16-operand GEMM (backend
     "triton", run on the CPU under TRITON_INTERPRET=1, where its last product is the FP32 emulation).
     A steady-state step makes no tensor from host data; a compile (whose fake run fills the constant
-    caches first) gives the eager output for the deterministic forwards and finite gradients."""
+    caches first) gives the eager output for the deterministic forwards and finite gradients. (The
+    NVFP4 quantizer's reference twin stands in for its Triton kernel, which Triton's interpreter runs
+    only in a process started with TRITON_INTERPRET=1: tests/test_nvfp4_quantize.py.)"""
     from torch._subclasses.fake_tensor import FakeTensor
 
+    import adahop.kernels.quantize_nvfp4 as qn
     from adahop import device_constants
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(qn, "iht_quantize_nvfp4_triton", qn.iht_quantize_nvfp4_reference)
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(width, width, bias=False))
     adahop.convert_model(m, recipe, seed=0, backend=backend)

@@ -143,8 +143,12 @@ def test_kc_sums_equal_the_dequantized_sums(axis, gen):
 def test_engine_fast_path_equals_reference_for_the_nvfp4_recipes(recipe, gemm_name, gen, monkeypatch):
     """`adahop.gemm` with backend "triton" (run on the CPU under TRITON_INTERPRET=1, where the NVFP4
     product is the emulation) equals the reference backend to FP32 rounding, Averis's mean split and
-    cross terms included; the same draws on both sides (the generator reseeded)."""
+    cross terms included; the same draws on both sides (the generator reseeded, and the quantizer's
+    reference twin standing in for its Triton kernel, which tests/test_nvfp4_quantize.py checks)."""
+    import adahop.kernels.quantize_nvfp4 as qn
+
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(qn, "iht_quantize_nvfp4_triton", qn.iht_quantize_nvfp4_reference)
     spec = get_recipe(recipe).gemm(gemm_name)
     a = torch.randn(64, 96, generator=gen) + 0.5  # a token mean for Averis to split off
     b = torch.randn(96, 48, generator=gen)

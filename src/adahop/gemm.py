@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .device_constants import on_device
-from .formats import MXTensor, NVFP4Tensor, quantize_nvfp4
+from .formats import MXTensor, NVFP4Tensor
 from .hadamard import block_hadamard, hashed_signs, random_signs
 from .recipes.spec import GemmSpec, OperandSpec, Transform
 
@@ -150,7 +150,8 @@ def without_quantization(spec: GemmSpec) -> GemmSpec:
 def _quantize(t: torch.Tensor, axis: int, op: OperandSpec, tr: Transform | None, signs, generator, backend: str,
               outputs: str = "all", zero_rows: torch.Tensor | None = None):
     """Zero the OE rows (``zero_rows`` along the other axis), inner transform along ``axis``, quantize
-    along it. ``outputs`` as in :func:`adahop.kernels.iht_quantize_mxfp4` (MXFP4 only)."""
+    along it. ``outputs`` as in :func:`adahop.kernels.iht_quantize_mxfp4`; for NVFP4 ``"fp8"`` (the
+    GEMM's operand form) asks for the BF16 values (:func:`adahop.kernels.iht_quantize_nvfp4`)."""
     if op.fmt == "mxfp4":  # the kernel zeroes the OE rows as it reads: no copy of t
         if outputs == "fp8" and not _kernels().folds_exactly(op.max_scale_range):
             outputs = "all"  # no exact FP8 fold without the range limit: the GEMM folds from codes
@@ -159,6 +160,12 @@ def _quantize(t: torch.Tensor, axis: int, op: OperandSpec, tr: Transform | None,
             rounding=op.rounding, scale_rule=op.scale_rule, max_scale_range=op.max_scale_range,
             generator=generator, backend=backend, outputs=outputs, zero_rows=zero_rows,
         )  # fmt: skip
+    if op.fmt == "nvfp4":  # fused likewise: transform, quantize and, for the GEMM at once, its BF16 operand
+        return _kernels().iht_quantize_nvfp4(
+            t, axis=axis, hadamard_block=tr.block_size if tr is not None else None, signs=signs,
+            rounding=op.rounding, tile_2d=op.tile_2d, generator=generator, backend=backend,
+            outputs={"fp8": "values", "codes": "codes"}.get(outputs, "all"), zero_rows=zero_rows,
+        )  # fmt: skip
     if zero_rows is not None:
         t = t.index_fill(1 - axis, zero_rows, 0)
     if op.fmt == "none":
@@ -166,9 +173,7 @@ def _quantize(t: torch.Tensor, axis: int, op: OperandSpec, tr: Transform | None,
             t = block_hadamard(t.float(), block_size=tr.block_size, axis=axis, signs=signs)
         # a copy of its own: an alias of the input (a no-op .float()) saved for backward breaks torch.compile's capture
         return Unquantized(t.to(torch.float32, copy=True), tuple(t.shape))
-    if tr is not None:
-        t = block_hadamard(t.float(), block_size=tr.block_size, axis=axis, signs=signs)
-    return quantize_nvfp4(t, axis=axis, **op.quant_kwargs(), generator=generator)
+    raise ValueError(f"unknown operand format {op.fmt!r}")
 
 
 def prepare(
@@ -228,7 +233,11 @@ def prepare(
     op = spec.a if side == "a" else spec.b
     prep.q = _quantize(t, kc_axis, op, tr, signs, generator, backend, outputs, prep.oe_idx)  # OE rows quantize as 0
     if spec.mean_split == "inner":  # the mean vector is quantized on its own
-        if op.fmt != "none":
+        if op.fmt == "nvfp4":  # as one row, through the fused quantizer (the reference's numbers under RNE)
+            q = _kernels().iht_quantize_nvfp4(prep.mean.reshape(1, -1), axis=1, rounding=op.rounding,
+                                              tile_2d=op.tile_2d, generator=generator, backend=backend, outputs="values")
+            prep.mean = q.dequantize(prep.mean.dtype).flatten().clone()
+        elif op.fmt != "none":
             from .formats import fake_quantize
 
             prep.mean = fake_quantize(prep.mean, op.fmt, **op.quant_kwargs(), generator=generator).clone()

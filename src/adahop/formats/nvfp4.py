@@ -8,7 +8,7 @@ and column-wise quantized weights are identical.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +34,10 @@ class NVFP4Tensor:
         global_scale: float32 scalar tensor, the per-tensor decode scale.
         shape, axis: original shape and blocked axis (non-negative).
         tile_2d: whether the scales come from 16×16 tiles.
+        values: optional bfloat16 ``[*outer, padded_len]``: ``q · s_block`` (exact in BF16), the NVFP4
+            GEMM's operand, written by the fused quantizer (`adahop.kernels.iht_quantize_nvfp4`);
+            ``None`` elsewhere. An operand the GEMM consumes at once may hold only this form:
+            ``codes`` is then ``[*outer, 0]``.
     """
 
     codes: torch.Tensor
@@ -43,18 +47,37 @@ class NVFP4Tensor:
     axis: int
     tile_2d: bool = False
     block_size: int = NVFP4_BLOCK
+    values: torch.Tensor | None = field(default=None, repr=False)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The represented values in ``dtype``, original ``shape``, padding removed."""
-        q = decode_e2m1(unpack_e2m1(self.codes))
-        q = q.reshape(*q.shape[:-1], -1, self.block_size)
-        x = q * (self.scales.float() * self.global_scale).unsqueeze(-1)
+        """The represented values in ``dtype``, original ``shape``, padding removed.
+
+        Raises:
+            ValueError: a values-only tensor (``codes`` ``[*outer, 0]``) whose ``values`` were dropped.
+        """
+        s = self.scales.float().unsqueeze(-1)
+        if self.codes_dropped:
+            if self.values is None:
+                raise ValueError("NVFP4Tensor holds neither E2M1 codes nor values; quantize with outputs='all'")
+            v = self.values.float().reshape(*self.values.shape[:-1], -1, self.block_size)
+            q = torch.where(s == 0, 0.0, v / s)  # exact: v = q · s_block; so the same FP32 product as from codes
+        else:
+            q = decode_e2m1(unpack_e2m1(self.codes))
+            q = q.reshape(*q.shape[:-1], -1, self.block_size)
+        x = q * (s * self.global_scale)
         return unpad_and_restore(x.flatten(-2), self.shape, self.axis).to(dtype)
 
     @property
+    def codes_dropped(self) -> bool:
+        """True when only the BF16 values were written (``codes`` ``[*outer, 0]`` of a non-empty tensor)."""
+        return self.codes.shape[-1] == 0 and self.scales.shape[-1] > 0
+
+    @property
     def nbytes(self) -> int:
-        """Bytes held: packed codes, one byte per block scale, 4 bytes of tensor scale."""
-        return self.codes.numel() + self.scales.numel() + 4
+        """Bytes held: packed codes, one byte per block scale, 4 bytes of tensor scale, plus the BF16
+        values when present."""
+        n = self.codes.numel() + self.scales.numel() + 4
+        return n + (2 * self.values.numel() if self.values is not None else 0)
 
 
 def _e4m3_round_up(s: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,8 @@ dispatcher taking ``backend: "auto" | "triton" | "reference"``:
 - :func:`iht_quantize_mxfp4` (``quantize_mxfp4.py``): block Hadamard + MXFP4 quantize of a GEMM
   operand, fused with the FP8 fold (``MXTensor.fp8``);
 - :func:`mx_matmul` (``mx_matmul.py``): the MXFP4 GEMM as a row-wise-scaled FP8 GEMM;
+- :func:`iht_quantize_nvfp4` (``quantize_nvfp4.py``, Triton kernels in ``_triton_quantize_nvfp4.py``):
+  block Hadamard + NVFP4 quantize of a GEMM operand, writing the GEMM's BF16 operand when asked;
 - :func:`nvfp4_matmul` (``nvfp4_matmul.py``): the NVFP4 GEMM as a BF16 GEMM (FP32 accumulation) of
   the exact ``q · s_block`` values, tensor scales after the sum;
 - :func:`fold_to_fp8` (``fold.py``, Triton kernel in ``_triton_fold.py``): saved packed MXFP4 →
@@ -13,8 +15,8 @@ dispatcher taking ``backend: "auto" | "triton" | "reference"``:
 - :func:`resolve_backend` (``backend.py``): which of the two runs, below every op module.
 
 Triton is imported only when a Triton kernel runs. Under ``torch.compile`` the Triton kernels are
-``torch.library.triton_op`` s (``adahop::iht_quantize_mxfp4``, ``adahop::fold_mxfp4_to_fp8``, defined
-beside their kernels): AOTAutograd decomposes them into their bodies, so Inductor emits the
+``torch.library.triton_op`` s (``adahop::iht_quantize_mxfp4``, ``adahop::quantize_nvfp4``,
+``adahop::fold_mxfp4_to_fp8``, defined beside their kernels): AOTAutograd decomposes them into their bodies, so Inductor emits the
 allocations and launches in its own code, or the launches as the opaque op ``adahop::triton_launch``
 (``_triton_launch.py``: which one is ``TRACED_LAUNCHES``; under ``TRITON_INTERPRET=1`` always the
 opaque op, so CPU tests compile the same ops). The FP8 GEMM is traced as
@@ -40,6 +42,7 @@ from .quantize_mxfp4 import (
     iht_quantize_mxfp4_reference,
     iht_quantize_mxfp4_triton,
 )
+from .quantize_nvfp4 import iht_quantize_nvfp4, iht_quantize_nvfp4_reference, iht_quantize_nvfp4_triton
 
 __all__ = [
     "ACCUMULATIONS",
@@ -55,6 +58,9 @@ __all__ = [
     "iht_quantize_mxfp4",
     "iht_quantize_mxfp4_reference",
     "iht_quantize_mxfp4_triton",
+    "iht_quantize_nvfp4",
+    "iht_quantize_nvfp4_reference",
+    "iht_quantize_nvfp4_triton",
     "mx_matmul",
     "mx_matmul_fp8",
     "mx_matmul_reference",

@@ -90,10 +90,14 @@ def check_nvfp4_layout(qa: NVFP4Tensor, qb: NVFP4Tensor) -> tuple[int, int, int]
                          "(the operands were not prepared for the same GEMM)")
     kp = -(-kc // NVFP4_BLOCK) * NVFP4_BLOCK
     for name, q, rows in (("qa", qa, m), ("qb", qb, n)):
-        if tuple(q.codes.shape) != (rows, kp // 2) or tuple(q.scales.shape) != (rows, kp // NVFP4_BLOCK):
+        codes_cols = 0 if q.codes_dropped and q.values is not None else kp // 2  # values-only: codes [rows, 0]
+        if tuple(q.codes.shape) != (rows, codes_cols) or tuple(q.scales.shape) != (rows, kp // NVFP4_BLOCK):
             raise ValueError(f"nvfp4_matmul: {name} codes {tuple(q.codes.shape)} / scales {tuple(q.scales.shape)} do "
-                             f"not match shape {q.shape} with axis={q.axis} (want {(rows, kp // 2)} / "
+                             f"not match shape {q.shape} with axis={q.axis} (want {(rows, codes_cols)} / "
                              f"{(rows, kp // NVFP4_BLOCK)})")
+        if q.values is not None and (tuple(q.values.shape) != (rows, kp) or q.values.dtype != torch.bfloat16):
+            raise ValueError(f"nvfp4_matmul: {name} values are {q.values.dtype} {tuple(q.values.shape)}; the GEMM "
+                             f"operand is bfloat16 {(rows, kp)} (q · s_block, as iht_quantize_nvfp4 writes it)")
         if q.global_scale.numel() != 1:
             raise ValueError(f"nvfp4_matmul: {name} has a tensor scale of shape {tuple(q.global_scale.shape)}; "
                              "NVFP4 has one FP32 scale per tensor")
@@ -102,24 +106,34 @@ def check_nvfp4_layout(qa: NVFP4Tensor, qb: NVFP4Tensor) -> tuple[int, int, int]
     return m, kc, n
 
 
-def nvfp4_block_values(q: NVFP4Tensor) -> torch.Tensor:
+def nvfp4_block_values(q: NVFP4Tensor, *, backend: str = "auto") -> torch.Tensor:
     """``q · s_block`` of a 2-D GEMM operand as BF16 ``[rows, Kp]`` (Kc last, zero padding kept): exact.
 
     Rows are the stored ones (M of A, N of B); the FP32 tensor scale is not applied. Exact
     because every E2M1 value times a finite E4M3 value has at most 6 significant bits and lies
     in [2^-10, 2688] (module docstring); a NaN block scale gives NaN values. BF16 times BF16
     rounds its FP32 product once, and the product is representable, so it is the exact one.
+    The quantizer's own ``q.values`` when it wrote them; else built from the codes: by a Triton
+    kernel (``backend`` ``"auto"`` on CUDA, or ``"triton"``), or by a table gather and a multiply
+    (``"reference"``, the CPU); the same numbers.
 
     Raises:
         ValueError: ``q`` is not a 2-D :class:`NVFP4Tensor` (an MXTensor's E8M0 scale codes would
-            read as wrong numbers).
+            read as wrong numbers), an unknown ``backend``.
     """
     _check_operand(q, "nvfp4_block_values", "q")
-    return _block_values(q)
+    return _block_values(q, backend)
 
 
-def _block_values(q: NVFP4Tensor) -> torch.Tensor:
+def _block_values(q: NVFP4Tensor, backend: str = "auto") -> torch.Tensor:
     """:func:`nvfp4_block_values` of an operand already checked (the GEMM's and the sums' own check)."""
+    if q.values is not None:
+        return q.values
+    if resolve_backend(backend, q.codes.device) == "triton":
+        from . import _triton_quantize_nvfp4 as tq  # lazy: Triton is needed only here
+
+        op = tq.decode_op if torch.compiler.is_dynamo_compiling() else tq.nv_decode
+        return op(q.codes.contiguous(), q.scales.contiguous())
     rows, half = q.codes.shape
     pairs = _byte_pairs(q.codes.device)[q.codes.long()]  # [rows, Kp/2, 2] bf16: one gather, no unpack
     v = pairs.reshape(rows, -1, NVFP4_BLOCK) * q.scales.to(torch.bfloat16).unsqueeze(-1)  # E4M3 -> BF16 is exact

@@ -27,10 +27,11 @@ the compiled path's seed tensor, as in a traced layer.
 :data:`COMPILED_LAYERS` (``"auto"``, ``"opaque"`` or ``"traced"``, :func:`set_compiled_layers`) picks this
 form or dynamo tracing of the layer's GEMMs; both compute the same numbers (same kernels, same
 draws' distribution). ``"auto"``, the default, is the opaque form for every layer. It traced the
-layers whose GEMMs are long chains of plain PyTorch ops (:func:`unfused_parts`: NVFP4, Averis) until
+layers whose GEMMs were long chains of plain PyTorch ops (:func:`unfused_parts`: NVFP4, Averis) until
 round 13 (H200, 2026-12-02, `docs/benchmarks_history.md#round-13`): traced, a llama-60m nvfp4 model's
 cold compile did not reach step 1 in 240 s, since Inductor then compiles ~400 ops per layer and
-direction. ``"traced"`` stays available by name.
+direction. The NVFP4 quantizer has since become a fused kernel (`adahop.kernels.iht_quantize_nvfp4`).
+``"traced"`` stays available by name.
 """
 
 from __future__ import annotations
@@ -83,24 +84,25 @@ def set_compiled_layers(how: str) -> str:
 def unfused_parts(specs: dict) -> tuple[str, ...]:
     """The parts of a frozen layer's GEMMs (``specs``: GEMM name -> resolved
     :class:`~adahop.recipes.spec.GemmSpec`) that run as long chains of small plain-PyTorch ops
-    where the MXFP4 recipes run one fused quantizer launch per operand: the NVFP4 quantizer (and its
-    GEMM's operand build) and Averis's mean split (whose mean vectors are fake-quantized by the
-    reference quantizer). Empty for mxfp4, quartet, tseng, HALO and AdaHOP layers.
+    where the other recipes run one fused quantizer launch per operand: Averis's mean vectors in
+    MXFP4 (``mean_split="inner"``), fake-quantized by the reference quantizer. Empty for mxfp4,
+    quartet, tseng, HALO, AdaHOP, nvfp4 and Averis-in-NVFP4 layers.
 
     Inside an opaque op such a chain runs op by op, as in eager mode, and ``reduce-overhead``
-    replays every op as its own kernel: one layer's forward and backward ran 410 ops for nvfp4 and
-    624 for averis, against 10 Triton launches and 19 ops (3 of them GEMMs) for quartet
-    (`scripts/count_layer_ops.py`, CPU, 2026-12-02). HALO's whole-dimension Hadamards (a butterfly above 256, Kronecker GEMMs for the
-    outer ones) are not listed: traced, dynamo takes the butterfly for the Kronecker GEMMs too, and
-    which is faster on the GPU is unmeasured."""
+    replays every op as its own kernel. Before the NVFP4 quantizer was a fused kernel
+    (`adahop.kernels.iht_quantize_nvfp4`), one nvfp4 layer's forward and backward ran 410 ops and
+    an averis layer 624, against 10 Triton launches and 19 ops (3 of them GEMMs) for quartet; with
+    it, nvfp4 runs 12 launches and 36 ops, averis 16 and 90, averis-mxfp4 still 220 ops
+    (`scripts/count_layer_ops.py`, CPU). Traced instead, the 410 ops of nvfp4 kept the cold
+    compile of llama-60m past 240 s on the H200. HALO's whole-dimension Hadamards (a butterfly
+    above 256, Kronecker GEMMs for the outer ones) are not listed: traced, dynamo takes the
+    butterfly for the Kronecker GEMMs too, and which is faster on the GPU is unmeasured."""
     parts = []
     for g, s in specs.items():
         if s.strategy == "bf16":
             continue
-        if "nvfp4" in (s.a.fmt, s.b.fmt):
-            parts.append(f"{g}: NVFP4 quantizer")
-        if s.mean_split != "none":
-            parts.append(f"{g}: mean split")
+        if s.mean_split == "inner" and "mxfp4" in (s.a.fmt, s.b.fmt):
+            parts.append(f"{g}: MXFP4 mean vectors (reference quantizer)")
     return tuple(parts)
 
 
