@@ -52,7 +52,7 @@
 #      for torch 2.11), the optimizer-step benchmark against AdamW(fused=True)
 #   r8a (round 8, one GPU): the full kernel validation (the FP8 form of the Triton quantizer after the
 #      signed-zero change), then the issue-19 census (stage i19c) in the time left
-#   r14a (round 14, one GPU): validate_kernels --only ${VALIDATE:-rivals,compile}, a 60-step llama-60m nvfp4 train
+#   r14a (round 14, one GPU): validate_kernels --only ${VALIDATE:-nvfp4,rivals,compile}, a 60-step llama-60m nvfp4 train
 #      --compile alone (the opaque form: the fused NVFP4 quantizer's speed), then the i19q chunk
 #   r9a (round 9, one GPU; run first: nothing of issue 18's triton_op path, the multi-tensor optimizer step
 #      or train --compile's CUDA-graph mode has run on a GPU yet): the full kernel validation, the SR
@@ -195,7 +195,7 @@ if [ "$STAGE" = r9d ]; then
 fi
 if [ "$STAGE" = r14a ]; then  # round 14 (one GPU): the rivals' fast paths checked, nvfp4 timed alone (opaque form), then i19q
   export CUDA_VISIBLE_DEVICES=0
-  timeout 200 python3 scripts/validate_kernels.py --only ${VALIDATE:-rivals,compile} --log $OUT/validate_r14.json > $OUT/validate_r14.log 2>&1
+  timeout 200 python3 scripts/validate_kernels.py --only ${VALIDATE:-nvfp4,rivals,compile} --log $OUT/validate_r14.json > $OUT/validate_r14.log 2>&1
   grep -E "^(PASS|FAIL)" $OUT/validate_r14.log | cut -c1-220; tail -1 $OUT/validate_r14.log; echo "validate done at $(el) s"
   grep -q "^FAIL.*NVFP4" $OUT/validate_r14.log && echo "WARNING: an NVFP4 check failed: do not keep nvfp4/averis runs"
   timeout 150 python3 -m adahop train --model llama-60m --recipe nvfp4 --data runs/issue19/main --steps 60 --eval-every 0 \
