@@ -127,8 +127,9 @@ def test_adahop_matches_single_process(runs, parallel):
         assert _rel(multi[s], single[s]) < 1e-5 and _rel(gm[s], gs[s]) < 1e-5, (s, multi[s], single[s], gm[s], gs[s])
     # the first step with the frozen plan: its weights came from exact steps and fprop quantizes per
     # token (each rank's rows are the single run's rows), so only rounding flips from ~1e-7 weight
-    # differences show
-    assert _rel(multi[CALIB + 1], single[CALIB + 1]) < 1e-4, (multi, single)
+    # differences show: 1.04e-4 relative with the packages installed on 2026-12-02 (commit 5eef3aa too,
+    # which was under 1e-4 with the earlier install), still 30x below the smallest per-step loss change
+    assert _rel(multi[CALIB + 1], single[CALIB + 1]) < 2.5e-4, (multi, single)
     # then FP32-level differences flip E2M1 roundings, and wgrad quantizes ∇Yᵀ and X along the
     # tokens each rank holds: quantization noise (measured ≤ 5e-4 relative here), below the
     # smallest loss change per step of these runs (3e-3; most steps 1e-2 to 2e-2)
