@@ -86,6 +86,17 @@ def task_root(tmp_path_factory) -> Path:
     return make_task_data(tmp_path_factory.mktemp("taskdata"))
 
 
+def make_long_piqa(root: Path) -> Path:
+    """:func:`make_task_data` with PIQA answers of about 100 tokens: longer than the 32-token window
+    (``--seq-len``, hence ``max_position_embeddings``) of the test runs, shorter than 256."""
+    make_task_data(root)
+    long = " ".join(["and then turn it over carefully"] * 14)
+    _write_arrow(root / TASKS["piqa"].source, [
+        {"goal": f"How do I do thing {i}?", "sol1": f"First {long}.", "sol2": f"Second {long}.", "label": lab}
+        for i, lab in enumerate(PIQA_LABELS)])
+    return root
+
+
 def _zip_tree(root: Path, out: Path) -> Path:
     with zipfile.ZipFile(out, "w") as z:
         for p in sorted(root.rglob("*")):
