@@ -86,6 +86,17 @@ def task_root(tmp_path_factory) -> Path:
     return make_task_data(tmp_path_factory.mktemp("taskdata"))
 
 
+def make_long_piqa(root: Path) -> Path:
+    """:func:`make_task_data` with PIQA answers of about 100 tokens: longer than the 32-token window
+    (``--seq-len``, hence ``max_position_embeddings``) of the test runs, shorter than 256."""
+    make_task_data(root)
+    long = " ".join(["and then turn it over carefully"] * 14)
+    _write_arrow(root / TASKS["piqa"].source, [
+        {"goal": f"How do I do thing {i}?", "sol1": f"First {long}.", "sol2": f"Second {long}.", "label": lab}
+        for i, lab in enumerate(PIQA_LABELS)])
+    return root
+
+
 def _zip_tree(root: Path, out: Path) -> Path:
     with zipfile.ZipFile(out, "w") as z:
         for p in sorted(root.rglob("*")):
@@ -367,6 +378,51 @@ def test_compare_adds_the_zero_shot_columns_and_reuses_the_evaluation(run_dir, t
     assert list(csv.reader(open(out / "compare.csv"))) == rows
     with pytest.raises(ValueError, match="unknown task 'piqaa'"):
         compare(["bf16"], cfg, out, eval_tasks="piqaa")
+
+
+def test_compare_zero_shot_beyond_the_window_fails_loudly_and_eval_max_length_fixes_it(run_dir, prepare_real_text,
+                                                                                       tmp_path, capsys, monkeypatch):
+    """A PIQA answer longer than the runs' 32-token window (their --seq-len) failed every recipe's
+    `adahop eval`; the table then silently had no zero-shot column and compare exited 0, and compare had
+    no option for the `--max-length` that the message asked for."""
+    pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install 'adahop[eval]')")
+    import csv
+    import dataclasses
+    import shutil
+    import subprocess
+
+    from adahop.cli import main
+    from adahop.eval import compare as ev_compare
+    from adahop.train import TrainConfig
+    from adahop.train.compare import COLUMNS, _run_args
+
+    real = subprocess.run
+
+    def in_process(cmd, *a, **k):  # `python -m adahop eval ...` run here: the same code without a second start-up
+        if cmd[1:4] != ["-m", "adahop", "eval"]:
+            return real(cmd, *a, **k)
+        return subprocess.CompletedProcess(cmd, main(cmd[3:]))
+
+    monkeypatch.setattr(ev_compare.subprocess, "run", in_process)
+
+    out = tmp_path / "cmp"
+    shutil.copytree(run_dir, out / "bf16")  # the finished run is reused: only `adahop eval` runs
+    cfg = dataclasses.replace(_run_cfg(prepare_real_text(150_000), out), recipe=TrainConfig.recipe)
+    argv = ["compare", "--recipes", "bf16", *_run_args(cfg), "--eval-tasks", "piqa", "--eval-limit", "2",
+            "--task-data", str(make_long_piqa(tmp_path / "tasks"))]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "zero-shot evaluation of bf16 failed" in err and "--eval-max-length" in err
+    rows = list(csv.reader(open(out / "compare.csv")))
+    assert rows[0][len(COLUMNS):] == ["zero-shot piqa"] and rows[1][len(COLUMNS):] == ["eval failed"]
+    assert "exit code 2" in json.loads((out / "compare.json").read_text())["bf16"]["eval_error"]
+    assert main([*argv, "--eval-max-length", "256"]) == 0
+    ev = json.loads((out / "bf16" / "eval.json").read_text())
+    assert ev["settings"]["max_length"] == 256 and ev["tasks"]["piqa"]["n_samples"]["effective"] == 2
+    rows = list(csv.reader(open(out / "compare.csv")))
+    acc, se = (100 * ev["tasks"]["piqa"][k]["acc"] for k in ("metrics", "stderr"))
+    assert rows[0][len(COLUMNS):] == ["PIQA acc", "Avg"] and rows[1][len(COLUMNS)] == f"{acc:.2f} ± {se:.2f}"
+    assert "eval_error" not in json.loads((out / "compare.json").read_text())["bf16"]
 
 
 def test_an_answer_longer_than_the_window_is_an_error_naming_max_length(run_dir, task_root):

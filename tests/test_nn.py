@@ -200,6 +200,41 @@ def test_an_evaluation_leaves_the_next_training_step_unchanged():
     assert out is not None and out.requires_grad is False and torch.isfinite(out).all()
 
 
+def _grads_checkpointed(recipe: str, checkpoint: bool, micro: int = 2):
+    """Gradients of a two-block MLP (each block one region of ``torch.utils.checkpoint``, as
+    ``gradient_checkpointing_enable()`` of transformers 5 does it: non-reentrant) over ``micro``
+    micro-batches of one optimizer step."""
+    from torch.utils.checkpoint import checkpoint as ckpt
+
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64)) for _ in range(2))
+    adahop.convert_model(blocks, recipe, exclude=None, seed=0)
+    g = torch.Generator().manual_seed(3)
+    losses = []
+    for _ in range(micro):
+        h = torch.randn(64, 64, generator=g)
+        for b in blocks:
+            h = ckpt(b, h, use_reentrant=False) if checkpoint else b(h)
+        loss = h.square().mean()
+        loss.backward()
+        losses.append(loss.item())
+    return losses, [p.grad.clone() for p in blocks.parameters()]
+
+
+@pytest.mark.parametrize("recipe", ["averis", "quartet"])
+def test_gradient_checkpointing_recomputes_the_forward_with_its_own_random_bits(recipe):
+    """A checkpointed block runs its forward again in backward; the converted layers counted that as a
+    new call and drew new stochastic-rounding bits, so an SR-fprop recipe (averis) got gradients of a
+    forward other than the one that made the loss: 30% away from the same step run without
+    checkpointing. The recompute now takes the bits of the call it repeats."""
+    plain_loss, plain = _grads_checkpointed(recipe, False)
+    ck_loss, ck = _grads_checkpointed(recipe, True)
+    assert ck_loss == plain_loss
+    for a, b in zip(plain, ck):
+        assert torch.equal(a, b), f"{recipe}: max |Δgrad| {(a - b).abs().max().item():.3g}"
+    assert _grads_checkpointed(recipe, False, micro=1)[1][0].ne(plain[0]).any()  # the 2nd micro-batch counts
+
+
 def test_forward_only_calls_equal_the_training_forward_and_are_not_calibrated():
     from adahop.nn import get_controller
 

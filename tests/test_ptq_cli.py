@@ -118,6 +118,32 @@ def test_eval_tasks_add_the_zero_shot_average(run_dir, tmp_path, capsys):
     assert "zero-shot avg |" in printed and f"| {100 * acc:.2f} |" in printed
 
 
+def test_answers_beyond_the_window_need_eval_max_length_and_keep_the_quantization(run_dir, tmp_path, capsys):
+    """The run trained at --seq-len 32, so lm-eval's window was 32 tokens and a longer PIQA answer
+    stopped the zero-shot scoring after the whole quantization: the message named `--max-length`,
+    which `adahop ptq` did not have, and no ptq.json was written (the quantization had to be redone)."""
+    pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install 'adahop[eval]')")
+    from test_eval import make_long_piqa
+
+    root = make_long_piqa(tmp_path / "tasks")
+    flags = ("--method", "rtn", "--bits", "4", "--skip-baseline", "--eval-tasks", "piqa", "--eval-limit", "2",
+             "--task-data", str(root))
+    short = tmp_path / "short"
+    assert _ptq(run_dir, short, *flags) == 2
+    err = capsys.readouterr().err
+    assert "--eval-max-length" in err and f"adahop eval {short}" in err and "--max-length" in err
+    kept = json.loads((short / "ptq.json").read_text())  # the quantization's results are kept
+    assert "zero_shot" not in kept and "window of 32 tokens" in kept["zero_shot_error"]
+    wide = tmp_path / "wide"
+    assert _ptq(run_dir, wide, *flags, "--eval-max-length", "256") == 0
+    res = json.loads((wide / "ptq.json").read_text())
+    assert res["eval_max_length"] == 256 and res["zero_shot"]["tasks"]["piqa"]["n_samples"]["effective"] == 2
+    assert 0 <= res["zero_shot"]["tasks"]["piqa"]["metrics"]["acc"] <= 1
+    assert res["perplexity"] == kept["perplexity"]  # the same quantization: seeded, deterministic
+    assert _ptq(run_dir, tmp_path / "bad", "--method", "rtn", "--bits", "4", "--eval-max-length", "0") == 2
+    assert "--eval-max-length 0: must be >= 1" in capsys.readouterr().err
+
+
 def test_unknown_eval_tasks_are_refused_before_the_model_loads(tmp_path, capsys):
     """They were found only after the quantization (hours for HARP on a large model), named as --tasks."""
     from adahop.cli import main
@@ -154,5 +180,5 @@ def test_an_out_holding_the_model_or_another_one_is_refused_not_overwritten(run_
     left.mkdir()
     (left / "config.json").write_text(json.dumps({"model_type": "llama", "adahop_ptq": {"method": "rtn"}}))
     _check(argparse.Namespace(model=str(run_dir), out=str(left), calib_tokens=1, batch_size=1, seq_len=None,
-                              eval_batches=None, eval_limit=None, harp_steps=1, passes=1, damp=0.01, hbd_block=8,
-                              radix=8, max_radix=8, harp_lr=0.03, hbd_lambda=0.1))
+                              eval_batches=None, eval_limit=None, eval_max_length=None, harp_steps=1, passes=1, damp=0.01,
+                              hbd_block=8, radix=8, max_radix=8, harp_lr=0.03, hbd_lambda=0.1))

@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--eval-tasks", default=None, help="after training, `adahop eval` each recipe on these tasks "
                      "(e.g. piqa,hellaswag,arc_easy,lambada_openai) and add their columns")
     cmp.add_argument("--eval-limit", type=int, default=None, help="`adahop eval --limit` of --eval-tasks")
+    cmp.add_argument("--eval-max-length", type=int, default=None, metavar="TOKENS",
+                     help="`adahop eval --max-length` of --eval-tasks (default: the --seq-len window; PIQA needs 512 "
+                          "at --seq-len 128)")
     cmp.add_argument("--task-data", default=None, help="`adahop eval --task-data` of --eval-tasks")
 
     sub.add_parser("recipes", help="list the recipe presets and what each GEMM does")
@@ -150,14 +153,20 @@ def main(argv: list[str] | None = None) -> int:
             from .train.compare import Interrupted, compare
 
             try:
-                ev = dict(eval_tasks=args.eval_tasks, eval_limit=args.eval_limit, task_data=args.task_data) if args.eval_tasks else {}
+                ev = dict(eval_tasks=args.eval_tasks, eval_limit=args.eval_limit, task_data=args.task_data,
+                          eval_max_length=args.eval_max_length) if args.eval_tasks else {}
                 summaries = compare([r.strip() for r in args.recipes.split(",") if r.strip()], cfg, Path(cfg.out), **ev)
             except Interrupted as e:  # the running recipe wrote its checkpoint (or was aborted): say how to go on
                 print(f"adahop compare: {e}", file=sys.stderr)
                 return 130
             failed = [r for r, s in summaries.items() if "error" in s]
+            no_eval = [r for r, s in summaries.items() if "eval_error" in s]
             if failed:  # the table is written; a script must still see that it is incomplete
                 print(f"adahop compare: error: {', '.join(failed)} failed (see the table)", file=sys.stderr)
+            if no_eval:
+                print(f"adahop compare: error: the zero-shot evaluation of {', '.join(no_eval)} failed (its message is "
+                      f"above; an answer longer than the window needs --eval-max-length, e.g. 512)", file=sys.stderr)
+            if failed or no_eval:
                 return 1
         elif args.cmd == "recipes":
             from .recipes.table import describe_recipes

@@ -264,7 +264,9 @@ class LowPrecisionLinear(nn.Linear):
         (run seed, step, layer, GEMM, call index); None when the GEMM draws nothing, and under
         torch.compile (the default generator is used; see :func:`adahop.nn.seed_compiled_rng`).
         ``stream="eval"`` (forward-only calls) counts its calls apart and seeds another stream, so
-        that evaluating between steps never shifts the training draws."""
+        that evaluating between steps never shifts the training draws. A forward that
+        ``torch.utils.checkpoint`` (non-reentrant) runs again during backward is no new call: it
+        takes the bits of the forward it recomputes, so checkpointing leaves every number as it was."""
         spec = (self._specs or {}).get(gemm)
         if spec is None:
             return None
@@ -277,9 +279,18 @@ class LowPrecisionLinear(nn.Linear):
             return None
         step = self.controller.step
         key = (step, gemm, stream)
-        call = self._calls.get(key, 0)
         self._calls = {k: v for k, v in self._calls.items() if k[0] == step}
-        self._calls[key] = call + 1
+        issued = self._calls.setdefault(key, [0, []])  # [calls so far, indices of forwards not yet recomputed]
+        in_backward = torch._C._current_graph_task_id() != -1
+        if in_backward and issued[1]:
+            # a forward inside a backward: torch.utils.checkpoint recomputing a forward of this step (the latest
+            # one first, as backward visits them): it must draw that forward's bits to recompute its tensors
+            call = issued[1].pop()
+        else:  # a new call (in backward with nothing to repeat: a reentrant checkpoint, whose forward ran under no_grad)
+            call = issued[0]
+            issued[0] += 1
+            if not in_backward:
+                issued[1].append(call)
         g = torch.Generator(device=self.weight.device)
         tag = (gemm,) if stream == "train" else (gemm, stream)  # the training seeds predate the eval stream
         g.manual_seed(mix_seed(self.controller.seed, step, self.layer_id, *tag, call))

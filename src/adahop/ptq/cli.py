@@ -40,6 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--skip-baseline", action="store_true", help="do not score the unquantized model")
     g.add_argument("--eval-tasks", default=None, help="also score these zero-shot tasks (as `adahop eval --tasks`)")
     g.add_argument("--eval-limit", type=int, default=None, metavar="N", help="first N documents of each task")
+    g.add_argument("--eval-max-length", type=int, default=None, metavar="TOKENS",
+                   help="context window of --eval-tasks, as `adahop eval --max-length` (default: the model's "
+                        "max_position_embeddings, the run's --seq-len)")
     g.add_argument("--task-data", default=None, metavar="DIR", help="as `adahop eval --task-data`")
     g = p.add_argument_group("GPTQ and HARP")
     g.add_argument("--damp", type=float, default=0.01, help="GPTQ damping, a fraction of mean(diag H) (default 0.01)")
@@ -56,8 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _check(args) -> None:
-    for flag in ("calib_tokens", "batch_size", "seq_len", "eval_batches", "eval_limit", "harp_steps", "passes",
-                 "hbd_block"):
+    for flag in ("calib_tokens", "batch_size", "seq_len", "eval_batches", "eval_limit", "eval_max_length", "harp_steps",
+                 "passes", "hbd_block"):
         v = getattr(args, flag)
         if v is not None and v < 1:
             raise ValueError(f"--{flag.replace('_', '-')} {v}: must be >= 1")
@@ -168,7 +171,16 @@ def run(args: argparse.Namespace) -> dict:
            "git_revision": git_revision(), "packed": str(out / PACKED_FILE),
            "layers": {n: {"shape": list(r.weight.shape), "stored_bits": r.stored_bits, **r.stats} for n, r in layers.items()}}
     if tasks is not None:
-        res["zero_shot"] = _zero_shot(args, reloaded, bf16, *tasks)
+        res["eval_max_length"] = args.eval_max_length
+        try:
+            res["zero_shot"] = _zero_shot(args, reloaded, bf16, *tasks)
+        except ValueError as e:  # e.g. an answer longer than the window: keep the quantization, say how to score it
+            msg = str(e).replace("--max-length", "--eval-max-length")
+            res["zero_shot_error"], res["seconds_total"] = msg, time.perf_counter() - t_start
+            print(_table(res))
+            atomic_write_text(out / RESULTS_FILE, json.dumps(res, indent=1))
+            raise ValueError(f"{msg}. The quantized model and {RESULTS_FILE} are written to {out}; score it with "
+                             f"`adahop eval {out} --tasks {args.eval_tasks} --max-length N`") from None
     res["seconds_total"] = time.perf_counter() - t_start
     print(_table(res))
     atomic_write_text(out / RESULTS_FILE, json.dumps(res, indent=1))  # written last: its presence means finished
@@ -208,7 +220,8 @@ def _zero_shot(args, loaded, bf16: bool, specs: list, root: Path) -> dict:
 
     from ..eval import harness
 
-    lm = harness.hf_lm(loaded.model, loaded.tokenizer, batch_size=args.batch_size, dtype="bf16" if bf16 else "fp32")
+    lm = harness.hf_lm(loaded.model, loaded.tokenizer, batch_size=args.batch_size, dtype="bf16" if bf16 else "fp32",
+                       max_length=args.eval_max_length)
     with torch.no_grad():
         return harness.score(lm, specs, root, limit=args.eval_limit)
 

@@ -138,12 +138,13 @@ def _interrupted(out: Path, recipe: str, left: list[str], *, aborted: bool) -> s
 
 
 def compare(recipes: list[str], cfg: TrainConfig, out: Path, *, eval_tasks: str | None = None,
-            eval_limit: int | None = None, task_data: str | None = None) -> dict[str, dict]:
+            eval_limit: int | None = None, task_data: str | None = None, eval_max_length: int | None = None) -> dict[str, dict]:
     """Train ``cfg`` under each recipe into ``out/<recipe>``; write compare.md, compare.csv,
     compare.json, loss_curves.png and loss_diff.png into ``out``; print the table. With
     ``eval_tasks`` (e.g. ``"piqa,hellaswag"``), `adahop eval` scores each trained run on them
-    (first ``eval_limit`` documents, data from ``task_data``) and the table gets their columns
-    (:func:`adahop.eval.compare.eval_columns`).
+    (first ``eval_limit`` documents, data from ``task_data``, a window of ``eval_max_length`` tokens)
+    and the table gets their columns (:func:`adahop.eval.compare.eval_columns`); a recipe whose
+    evaluation failed gets ``"eval failed"`` cells and an ``eval_error`` in its summary.
 
     Run again with the same ``out`` and settings, it reuses the recipes that finished and resumes
     the ones that were interrupted (from their last checkpoint).
@@ -160,10 +161,13 @@ def compare(recipes: list[str], cfg: TrainConfig, out: Path, *, eval_tasks: str 
                          "runs launch `torchrun ... -m adahop train --recipe R --out OUT/R` per recipe")
     for r in recipes:
         get_recipe(r)
-    if eval_tasks:  # a bad task name fails now, not after the training
+    if eval_tasks:  # a bad task name or window fails now, not after the training
         from ..eval.tasks import get_tasks
 
         get_tasks(eval_tasks)
+        for flag, v in (("--eval-limit", eval_limit), ("--eval-max-length", eval_max_length)):
+            if v is not None and v < 1:
+                raise ValueError(f"{flag} {v}: must be >= 1")
     out = Path(out)
     keys = [f.name for f in dataclasses.fields(cfg) if f.name not in (*RESULT_NEUTRAL_KEYS, "recipe")]
     for r in recipes:  # every earlier run must be this comparison's, or its numbers would be mixed in
@@ -205,11 +209,13 @@ def compare(recipes: list[str], cfg: TrainConfig, out: Path, *, eval_tasks: str 
     if eval_tasks:  # zero-shot columns, and a chance row under them
         from ..eval.compare import eval_columns
 
-        titles, cells, chance = eval_columns(summaries, out, eval_tasks, limit=eval_limit, task_data=task_data,
-                                             device=cfg.device)
+        titles, cells, chance, failed = eval_columns(summaries, out, eval_tasks, limit=eval_limit, task_data=task_data,
+                                                     device=cfg.device, max_length=eval_max_length)
+        for r, why in failed.items():
+            summaries[r] = {**summaries[r], "eval_error": why}
         rows = [row + cells.get(r, [""] * len(titles)) for r, row in zip(summaries, rows)]
         header += titles
-        rows += [["chance"] + [""] * (len(COLUMNS) - 1) + chance] if titles else []
+        rows += [["chance"] + [""] * (len(COLUMNS) - 1) + chance] if chance else []
     md = _markdown(rows, header)
     (out / "compare.md").write_text(md + "\n")
     write_csv(out / "compare.csv", rows, header)
