@@ -32,7 +32,7 @@ try:
 except ImportError:  # a Triton without the interpreter module: nothing is ever interpreted
     InterpretedFunction = ()
 
-__all__ = ["launch", "TRACED_LAUNCHES", "set_traced_launches"]
+__all__ = ["launch", "TRACED_LAUNCHES", "set_traced_launches", "row_geometry"]
 
 #: How a traced launch enters the graph: ``"inline"`` (``wrap_triton``) or ``"opaque"`` (module docstring).
 #: Opaque by default: on the H200 (torch 2.11) the inline form's TTIR analyses alone kept a cold
@@ -98,3 +98,13 @@ def launch(kernel, grid: tuple[int, ...], writes: tuple[str, ...], **kwargs) -> 
                        json.dumps(dict(w=list(writes), r=reads, s=scalars)))
     else:
         torch.library.wrap_triton(kernel)[grid](**kwargs)
+
+
+def row_geometry(x: torch.Tensor, axis: int) -> tuple[int, int, int, int]:
+    """``(rows, kc, stride_r, stride_k)`` of a 2-D ``x`` quantized along ``axis`` (0 or 1): the
+    quantizers' row-major view of it, whatever its memory layout. Sizes and strides are read as
+    ints: the launch configuration is a function of them, so a symbolic size is specialized here."""
+    size, stride = [int(s) for s in x.shape], [int(s) for s in x.stride()]
+    if axis == 1:
+        return size[0], size[1], stride[0], stride[1]
+    return size[1], size[0], stride[1], stride[0]

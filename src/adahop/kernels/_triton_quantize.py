@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from ..formats.mxfp4 import folds_exactly
-from ._triton_launch import launch
+from ._triton_launch import launch, row_geometry
 
 RULE_IDS = {"floor": 0, "ceil": 1, "adahop": 2, "tseng": 3}
 
@@ -368,12 +368,7 @@ def mx_quantize(x: torch.Tensor, axis: int, hadamard_block: int, signs: torch.Te
     (tests: poisoned ones). Traceable (the body of :data:`quantize_op`): shapes and strides are
     read as ints (a dynamic size is specialized), the launches go through :func:`launch`.
     """
-    # int(): the launch configuration is a function of the sizes; a symbolic size is specialized here
-    size, stride = [int(s) for s in x.shape], [int(s) for s in x.stride()]
-    if axis == 1:
-        rows, kc, stride_r, stride_k = size[0], size[1], stride[0], stride[1]
-    else:
-        rows, kc, stride_r, stride_k = size[1], size[0], stride[1], stride[0]
+    rows, kc, stride_r, stride_k = row_geometry(x, axis)
     hb = hadamard_block if hadamard_block > 1 else 0
     kp, write_fp8, grid, n_kt, row_src, common, quant = _launch_config(
         rows, kc, stride_r, stride_k, x.element_size(), hb, signs is not None, stochastic, scale_rule,
@@ -394,7 +389,7 @@ def mx_quantize(x: torch.Tensor, axis: int, hadamard_block: int, signs: torch.Te
         fp8 = fp8.view(torch.uint8)
     if rows == 0:
         return codes, scales, fp8.view(torch.float8_e4m3fn), rscale
-    if max(rows * kp, (size[0] - 1) * abs(stride[0]) + (size[1] - 1) * abs(stride[1]) + 1) >= 2**31 - 2**20:
+    if max(rows * kp, (rows - 1) * abs(stride_r) + (kc - 1) * abs(stride_k) + 1) >= 2**31 - 2**20:
         common, quant = dict(common, INT64=True), dict(quant, INT64=True)
     signs_arg = signs if signs is not None else x  # never read without HAS_SIGNS
     keep_arg = keep if keep is not None else x  # never read without ZERO_ROWS

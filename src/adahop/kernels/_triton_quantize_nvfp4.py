@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_launch import launch
+from ._triton_launch import launch, row_geometry
 from ._triton_quantize import _e2m1_round, _e2m1_sr, _e2m1_value, _f32, _fwht, _max_propagate_nan
 
 NV_BLOCK = 16
@@ -258,11 +258,7 @@ def nv_quantize(x: torch.Tensor, axis: int, hadamard_block: int, signs: torch.Te
     (benchmarks); ``out`` supplies the four output buffers (tests: poisoned ones; scales as uint8,
     the tensor scale as a 0-d float32). Traceable (the body of :data:`quantize_op`).
     """
-    size, stride = [int(s) for s in x.shape], [int(s) for s in x.stride()]
-    if axis == 1:
-        rows, kc, stride_r, stride_k = size[0], size[1], stride[0], stride[1]
-    else:
-        rows, kc, stride_r, stride_k = size[1], size[0], stride[1], stride[0]
+    rows, kc, stride_r, stride_k = row_geometry(x, axis)
     hb = hadamard_block if hadamard_block > 1 else 0
     kp, grid, common = _launch_config(rows, kc, stride_r, stride_k, hb, signs is not None, tile_2d, keep is not None,
                                       tuple(sorted(plan.items())) if plan else None)
@@ -277,7 +273,7 @@ def nv_quantize(x: torch.Tensor, axis: int, hadamard_block: int, signs: torch.Te
         if [tuple(t.shape) for t in out] != want or not all(t.is_contiguous() for t in out):
             raise ValueError(f"nv_quantize: out buffers must be contiguous with shapes {want}")
         codes, scales, gs, values = out
-    if max(rows * kp, (size[0] - 1) * abs(stride[0]) + (size[1] - 1) * abs(stride[1]) + 1) >= 2**31 - 2**20:
+    if max(rows * kp, (rows - 1) * abs(stride_r) + (kc - 1) * abs(stride_k) + 1) >= 2**31 - 2**20:
         common = dict(common, INT64=True)
     signs_arg = signs if signs is not None else x  # never read without HAS_SIGNS
     keep_arg = keep if keep is not None else x  # never read without ZERO_ROWS
