@@ -359,6 +359,9 @@ def test_run_folder_continues_from_its_checkpoint(data_dir, tmp_path, single_thr
     assert meta["start_step"] == 7 and meta["checkpoint"].endswith("step_0000007")
     assert meta["config"]["seq_len"] == 32 and meta["recorded_steps"] == [1, 2]
     assert (out / "census.md").exists() and (out / "plan.json").exists()
+    # a training flag beside --run would be ignored (the run's config is used): refused, named
+    with pytest.raises(ValueError, match=r"drop --model, --lr"):
+        run(_args("--run", str(run_dir), "--steps", "2", "--model", "llama-20m", "--lr", "0.5", "--out", str(out)))
 
 
 def test_synthetic_writes_figure3(tmp_path, single_thread):
