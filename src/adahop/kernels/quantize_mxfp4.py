@@ -97,13 +97,25 @@ def _iht_transform(x: torch.Tensor, block: int, axis: int, signs: torch.Tensor |
     return torch.where(v == 0, 0.0, v)
 
 
-def _check_args(x, axis, hadamard_block, rounding, scale_rule, max_scale_range, outputs="all", zero_rows=None) -> int:
+def _check_operand(x, axis, fn: str) -> None:
+    """The checks every operand quantizer (``fn``) makes of ``x`` and ``axis``: a floating 2-D tensor, axis 0 or 1."""
     if not isinstance(x, torch.Tensor) or x.ndim != 2:
-        raise ValueError(f"iht_quantize_mxfp4 expects a 2-D tensor [R, C], got {getattr(x, 'shape', type(x))}")
+        raise ValueError(f"{fn} expects a 2-D tensor [R, C], got {getattr(x, 'shape', type(x))}")
     if not x.is_floating_point():
-        raise TypeError(f"iht_quantize_mxfp4 got dtype {x.dtype}; accepted: float32, float16, bfloat16, float64")
+        raise TypeError(f"{fn} got dtype {x.dtype}; accepted: float32, float16, bfloat16, float64")
     if axis not in (0, 1, -1, -2):
         raise ValueError(f"axis={axis} must be 0 or 1 (the GEMM's contracted dim of a 2-D operand)")
+
+
+def _check_zero_rows(zero_rows) -> None:
+    if zero_rows is not None and (not isinstance(zero_rows, torch.Tensor) or zero_rows.ndim != 1
+                                  or zero_rows.dtype not in (torch.int64, torch.int32)):
+        raise ValueError("zero_rows must be a 1-D int64/int32 tensor of row indices (the dim not quantized along), "
+                         f"got {getattr(zero_rows, 'shape', type(zero_rows))}")
+
+
+def _check_args(x, axis, hadamard_block, rounding, scale_rule, max_scale_range, outputs="all", zero_rows=None) -> int:
+    _check_operand(x, axis, "iht_quantize_mxfp4")
     if hadamard_block is not None:
         check_block_size(hadamard_block, "hadamard_block")
     check_mx_options(scale_rule, rounding, max_scale_range)
@@ -112,10 +124,7 @@ def _check_args(x, axis, hadamard_block, rounding, scale_rule, max_scale_range, 
     if outputs == "fp8" and not folds_exactly(max_scale_range):
         raise ValueError(f"outputs='fp8' needs max_scale_range 0…8 (an exact FP8 fold), got {max_scale_range}; "
                          "use outputs='all'")
-    if zero_rows is not None and (not isinstance(zero_rows, torch.Tensor) or zero_rows.ndim != 1
-                                  or zero_rows.dtype not in (torch.int64, torch.int32)):
-        raise ValueError("zero_rows must be a 1-D int64/int32 tensor of row indices (the dim not quantized along), "
-                         f"got {getattr(zero_rows, 'shape', type(zero_rows))}")
+    _check_zero_rows(zero_rows)
     return axis % 2
 
 

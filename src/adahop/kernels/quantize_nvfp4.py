@@ -19,7 +19,7 @@ import torch
 from ..formats.nvfp4 import NVFP4Tensor, quantize_nvfp4
 from ..hadamard import check_block_size
 from .backend import resolve_backend
-from .quantize_mxfp4 import TRITON_HADAMARD_SIZES, _iht_transform
+from .quantize_mxfp4 import TRITON_HADAMARD_SIZES, _check_operand, _check_zero_rows, _iht_transform
 
 __all__ = ["iht_quantize_nvfp4", "iht_quantize_nvfp4_reference", "iht_quantize_nvfp4_triton", "NV_OUTPUTS"]
 
@@ -30,12 +30,7 @@ NV_OUTPUTS = ("all", "codes", "values")
 
 
 def _check_args(x, axis, hadamard_block, signs, rounding, tile_2d, global_scale, outputs, zero_rows) -> int:
-    if not isinstance(x, torch.Tensor) or x.ndim != 2:
-        raise ValueError(f"iht_quantize_nvfp4 expects a 2-D tensor [R, C], got {getattr(x, 'shape', type(x))}")
-    if not x.is_floating_point():
-        raise TypeError(f"iht_quantize_nvfp4 got dtype {x.dtype}; accepted: float32, float16, bfloat16, float64")
-    if axis not in (0, 1, -1, -2):
-        raise ValueError(f"axis={axis} must be 0 or 1 (the GEMM's contracted dim of a 2-D operand)")
+    _check_operand(x, axis, "iht_quantize_nvfp4")
     if x.numel() == 0:
         raise ValueError(f"iht_quantize_nvfp4: x of shape {tuple(x.shape)} has no elements; nothing to quantize")
     if rounding not in ("nearest", "stochastic"):
@@ -53,10 +48,7 @@ def _check_args(x, axis, hadamard_block, signs, rounding, tile_2d, global_scale,
         raise ValueError(f"global_scale must be a one-element tensor, got {global_scale!r}; pass None to derive it")
     if outputs not in NV_OUTPUTS:
         raise ValueError(f"outputs={outputs!r} is not one of {NV_OUTPUTS}")
-    if zero_rows is not None and (not isinstance(zero_rows, torch.Tensor) or zero_rows.ndim != 1
-                                  or zero_rows.dtype not in (torch.int64, torch.int32)):
-        raise ValueError("zero_rows must be a 1-D int64/int32 tensor of row indices (the dim not quantized along), "
-                         f"got {getattr(zero_rows, 'shape', type(zero_rows))}")
+    _check_zero_rows(zero_rows)
     return axis
 
 
