@@ -94,9 +94,8 @@ def unfused_parts(specs: dict) -> tuple[str, ...]:
     an averis layer 624, against 10 Triton launches and 19 ops (3 of them GEMMs) for quartet; with
     it, nvfp4 runs 12 launches and 36 ops, averis 16 and 90, averis-mxfp4 still 220 ops
     (`scripts/count_layer_ops.py`, CPU). Traced instead, the 410 ops of nvfp4 kept the cold
-    compile of llama-60m past 240 s on the H200. HALO's whole-dimension Hadamards (a butterfly
-    above 256, Kronecker GEMMs for the outer ones) are not listed: traced, dynamo takes the
-    butterfly for the Kronecker GEMMs too, and which is faster on the GPU is unmeasured."""
+    compile of llama-60m past 240 s on the H200. HALO's whole-dimension Hadamards (Kronecker GEMMs
+    above 256) are not listed: a few GEMMs per operand, not a chain."""
     parts = []
     for g, s in specs.items():
         if s.strategy == "bf16":
