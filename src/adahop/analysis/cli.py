@@ -36,7 +36,7 @@ from . import census as cs
 from . import figures, report
 from .foid import foid_markdown, foid_on_captures
 from .scale_range import range_hits_on_captures, range_markdown
-from .options import _SKIP, add_arguments
+from .options import NOT_TRAIN_FLAGS, add_arguments
 from .recorder import PatternRecorder, linear_names
 
 __all__ = ["add_arguments", "run", "record_steps", "vote_window", "window_sentence", "pick_layer", "capture_layers"]
@@ -145,7 +145,7 @@ def _load_run(args) -> tuple[TrainConfig, Path, Path]:
     """(the run's TrainConfig with --device applied, its data folder, its newest checkpoint)."""
     run_dir = Path(args.run)
     given = [f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(TrainConfig)
-             if f.name not in ("device", "steps", *_SKIP) and hasattr(args, f.name) and getattr(args, f.name) != f.default]
+             if f.name not in ("device", "steps", *NOT_TRAIN_FLAGS) and hasattr(args, f.name) and getattr(args, f.name) != f.default]
     if given:  # the run's own config is used: such a flag would be silently ignored
         raise ValueError(f"--run {run_dir} uses the run's own model, data and optimizer settings; drop {', '.join(given)} "
                          "(of the training flags only --device and --steps, the analysis's own steps, apply with --run)")

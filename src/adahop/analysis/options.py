@@ -14,7 +14,7 @@ DETECTOR_RULES = ("ratio", "significance")
 __all__ = ["add_arguments"]
 
 #: `adahop train` options an analysis does not take (it trains BF16, unconverted; --out and --calib-steps are its own)
-_SKIP = ("recipe", "out", "eval_every", "eval_batches", "ckpt_every", "keep_ckpts", "log_every", "compile", "backend",
+NOT_TRAIN_FLAGS = ("recipe", "out", "eval_every", "eval_batches", "ckpt_every", "keep_ckpts", "log_every", "compile", "backend",
          "calib_steps", "plan", "resume", "reschedule", "parallel")
 
 
@@ -55,4 +55,4 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--synthetic-scale", type=float, default=10.0, help="outlier multiplier (default: 10)")
     s.add_argument("--synthetic-n-out", type=int, default=16, help="outlier rows/columns per operand (default: 16)")
     s.add_argument("--synthetic-seeds", default="0,1,2", help="comma-separated seeds averaged (default: 0,1,2)")
-    add_config_flags(p.add_argument_group("training (as `adahop train`)"), TrainConfig, skip=_SKIP)
+    add_config_flags(p.add_argument_group("training (as `adahop train`)"), TrainConfig, skip=NOT_TRAIN_FLAGS)
