@@ -371,6 +371,11 @@ def check_nvfp4_decode(name, x, axis, tile=False):
     got, want = nvfp4_block_values(q, backend="triton"), nvfp4_block_values(q, backend="reference")
     bad = int((got.isnan() != want.isnan()).sum() + (got.nan_to_num().view(torch.int16) != want.nan_to_num().view(torch.int16)).sum())
     detail = dict(diff=bad)
+    if bad:  # the first mismatch with its code and scale bytes, to tell a layout from an arithmetic fault
+        i, k = ((got.nan_to_num().view(torch.int16) != want.nan_to_num().view(torch.int16))
+                | (got.isnan() != want.isnan())).nonzero()[0].tolist()
+        detail.update(first=(i, k, got[i, k].item(), want[i, k].item(), int(q.codes[i, k // 2]),
+                             int(q.scales.view(torch.uint8)[i, k // 16])))
     if x.is_cuda:
         detail.update(us_triton=1e3 * cuda_time_ms(lambda: nvfp4_block_values(q, backend="triton")),
                       us_reference=1e3 * cuda_time_ms(lambda: nvfp4_block_values(q, backend="reference")))

@@ -139,13 +139,15 @@ def quantize_nvfp4(
     finite = torch.isfinite(amax)
     amax = torch.where(finite, amax, torch.zeros_like(amax))
     t_amax = amax.max()
-    s_global = torch.where(t_amax > 0, t_amax / (E4M3_MAX * E2M1_MAX), torch.ones_like(t_amax))
+    # Divide by 0-dim tensors on x's device, never by Python numbers: CUDA turns `t / number` into
+    # `t · (1/number)`, one ulp off IEEE division at times (the Triton quantizer's div_rn).
+    s_global = torch.where(t_amax > 0, t_amax / t_amax.new_full((), E4M3_MAX * E2M1_MAX), torch.ones_like(t_amax))
     # A tensor amax below 2688·2^-150 underflows s_global to 0, and 0/0 below would make NaN scales;
     # keep it at least the smallest FP32 subnormal (this changes no s_global that was positive).
     s_global = s_global.clamp(min=2.0**-149)
     if global_scale is not None:
         s_global = global_scale.to(device=s_global.device, dtype=torch.float32).reshape(())
-    s_exact = (amax / E2M1_MAX / s_global).clamp(max=E4M3_MAX)
+    s_exact = (amax / amax.new_full((), E2M1_MAX) / s_global).clamp(max=E4M3_MAX)
     if rounding == "stochastic":
         s_block = _e4m3_round_up(s_exact)
     else:

@@ -184,28 +184,25 @@ def _nv_quantize_kernel(x_ptr, stride_r, stride_k, rows, kc, kp, tamax_ptr, gs_i
 def _nv_decode_kernel(codes_ptr, scales_ptr, values_ptr, rows, kp, BR: tl.constexpr, BK: tl.constexpr,
                       INT64: tl.constexpr):
     """Saved packed NVFP4 ``[rows, kp]`` (codes, E4M3 scale bytes) -> BF16 ``q · s_block`` (NaN blocks NaN):
-    the backward GEMMs' operands, one read of the codes and one write of the values."""
-    NB: tl.constexpr = BK // _B
+    the backward GEMMs' operands, one read of the codes and one write of the values.
+
+    Every element loads its own byte and scale byte (each is read by 2 and 16 neighbours: L1 hits),
+    so the tile stays 2-D: the join-and-reshape unpack of round 13 decoded wrong on the H200
+    (``docs/kernels_notes.md`` §10) though the interpreter agreed with the reference."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     if INT64:
         r = r.to(tl.int64)
-    k0 = tl.program_id(1) * BK
-    rmask = r < rows
-    kh = k0 // 2 + tl.arange(0, BK // 2)
-    b = tl.load(codes_ptr + r[:, None] * (kp // 2) + kh[None, :], mask=rmask[:, None] & (kh < kp // 2)[None, :],
-                other=0).to(tl.int32)
-    code = tl.reshape(tl.join(b & 15, b >> 4), [BR, NB, _B])  # even index in the low nibble
-    nb = k0 // _B + tl.arange(0, NB)
-    sb = tl.load(scales_ptr + r[:, None] * (kp // _B) + nb[None, :], mask=rmask[:, None] & (nb < kp // _B)[None, :],
-                 other=0).to(tl.int32)
+    k = tl.program_id(1) * BK + tl.arange(0, BK)
+    m2 = (r < rows)[:, None] & (k < kp)[None, :]
+    b = tl.load(codes_ptr + r[:, None] * (kp // 2) + (k // 2)[None, :], mask=m2, other=0).to(tl.int32)
+    code = (b >> ((k & 1) * 4)[None, :]) & 15  # even index in the low nibble
+    sb = tl.load(scales_ptr + r[:, None] * (kp // _B) + (k // _B)[None, :], mask=m2, other=0).to(tl.int32)
     e, m = (sb >> 3) & 15, sb & 7  # E4M3: 2^(e-7)·(1 + m/8), subnormal m·2^-9; 0x7F/0xFF NaN
-    s = tl.where(e > 0, ((e + 120) << 23 | (m << 20)).to(tl.float32, bitcast=True), m.to(tl.float32) * 0.001953125)
+    s = tl.where(e > 0, (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True), m.to(tl.float32) * 0.001953125)
     s = tl.where((sb & 0x7F) == 0x7F, float("nan"), tl.where((sb & 0x80) != 0, -s, s))
     mag = _e2m1_value(code & 7)
-    v = tl.where((code & 8) != 0, -mag, mag) * s[:, :, None]  # exact (6 significant bits)
-    k = k0 + tl.arange(0, BK)
-    tl.store(values_ptr + r[:, None] * kp + k[None, :], tl.reshape(v, [BR, BK]).to(tl.bfloat16),
-             mask=rmask[:, None] & (k < kp)[None, :])
+    v = tl.where((code & 8) != 0, -mag, mag) * s  # exact (6 significant bits)
+    tl.store(values_ptr + r[:, None] * kp + k[None, :], v.to(tl.bfloat16), mask=m2)
 
 
 # ----------------------------------------------------------------------------- launcher
