@@ -187,8 +187,9 @@ def _nv_decode_kernel(codes_ptr, scales_ptr, values_ptr, rows, kp, BR: tl.conste
     the backward GEMMs' operands, one read of the codes and one write of the values.
 
     Every element loads its own byte and scale byte (each is read by 2 and 16 neighbours: L1 hits),
-    so the tile stays 2-D: the join-and-reshape unpack of round 13 decoded wrong on the H200
-    (``docs/kernels_notes.md`` §10) though the interpreter agreed with the reference."""
+    so the tile stays 2-D. The join-and-reshape unpack this replaces decoded 35-40% of the elements
+    of two large operands differently from the reference on an H200 (round 14), though the
+    interpreter agreed; the cause was not isolated (``docs/kernels_notes.md`` §10)."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     if INT64:
         r = r.to(tl.int64)
