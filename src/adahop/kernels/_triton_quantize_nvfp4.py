@@ -187,9 +187,10 @@ def _nv_decode_kernel(codes_ptr, scales_ptr, values_ptr, rows, kp, BR: tl.conste
     the backward GEMMs' operands, one read of the codes and one write of the values.
 
     Every element loads its own byte and scale byte (each is read by 2 and 16 neighbours: L1 hits),
-    so the tile stays 2-D. The join-and-reshape unpack this replaces decoded 35-40% of the elements
-    of two large operands differently from the reference on an H200 (round 14), though the
-    interpreter agreed; the cause was not isolated (``docs/kernels_notes.md`` §10)."""
+    so the tile stays 2-D, and signs are set as bits. The unpack this replaces (join + reshape, signs
+    by negation) differed bitwise from the reference in 35-40% of the elements of two large operands
+    on an H200 (round 14), not in the interpreter; the cause was not isolated, and a zero's sign is
+    one candidate (``docs/kernels_notes.md`` §10)."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     if INT64:
         r = r.to(tl.int64)
@@ -200,9 +201,12 @@ def _nv_decode_kernel(codes_ptr, scales_ptr, values_ptr, rows, kp, BR: tl.conste
     sb = tl.load(scales_ptr + r[:, None] * (kp // _B) + (k // _B)[None, :], mask=m2, other=0).to(tl.int32)
     e, m = (sb >> 3) & 15, sb & 7  # E4M3: 2^(e-7)·(1 + m/8), subnormal m·2^-9; 0x7F/0xFF NaN
     s = tl.where(e > 0, (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True), m.to(tl.float32) * 0.001953125)
-    s = tl.where((sb & 0x7F) == 0x7F, float("nan"), tl.where((sb & 0x80) != 0, -s, s))
-    mag = _e2m1_value(code & 7)
-    v = tl.where((code & 8) != 0, -mag, mag) * s  # exact (6 significant bits)
+    s = tl.where((sb & 0x7F) == 0x7F, float("nan"), s)
+    p = _e2m1_value(code & 7) * s  # |q · s_block|, exact (6 significant bits)
+    # the sign as a bit, so a zero keeps it (-0 for code 8, or a negative code times a zero scale)
+    # whatever the compiler does with a negated zero
+    sign = ((code >> 3) ^ (sb >> 7)) & 1
+    v = (p.to(tl.int32, bitcast=True) | (sign << 31)).to(tl.float32, bitcast=True)
     tl.store(values_ptr + r[:, None] * kp + k[None, :], v.to(tl.bfloat16), mask=m2)
 
 
