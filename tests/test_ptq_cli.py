@@ -182,3 +182,45 @@ def test_an_out_holding_the_model_or_another_one_is_refused_not_overwritten(run_
     _check(argparse.Namespace(model=str(run_dir), out=str(left), calib_tokens=1, batch_size=1, seq_len=None,
                               eval_batches=None, eval_limit=None, eval_max_length=None, harp_steps=1, passes=1, damp=0.01,
                               hbd_block=8, radix=8, max_radix=8, harp_lr=0.03, hbd_lambda=0.1))
+
+
+def test_a_model_without_linear_blocks_is_refused_with_one_prefix(run_dir, tmp_path, capsys):
+    """calibrate.py's message began with "adahop ptq:" and main() adds "adahop ptq: error: ", so the line read
+    `adahop ptq: error: adahop ptq: the model has ...`. GPT-2 (Conv1D, not nn.Linear) reaches it."""
+    import shutil
+
+    import transformers
+
+    from adahop.cli import main
+
+    gpt2 = tmp_path / "gpt2"
+    run_cfg = json.loads((run_dir / "config.json").read_text())
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, n_positions=64, vocab_size=run_cfg["vocab_size"],
+                                  bos_token_id=0, eos_token_id=0)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(gpt2)
+    for f in run_dir.glob("tokenizer*"):  # the run's tokenizer, so the data's tokenizer check passes
+        shutil.copy(f, gpt2)
+    assert main(["ptq", str(gpt2), "--method", "rtn", "--bits", "4", "--calib-data", run_cfg["adahop"]["data_dir"],
+                 "--calib-tokens", "256", "--batch-size", "4", "--seq-len", "32", "--skip-baseline",
+                 "--out", str(tmp_path / "q")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("adahop ptq:") == 1
+    assert err.splitlines()[-1] == ("adahop ptq: error: the model has no list of decoder blocks built of nn.Linear layers "
+                                    "(GPT-2's Conv1D layers are not nn.Linear); pass a Llama/Qwen-style causal LM")
+
+
+def test_a_missing_lm_eval_is_named_once_and_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    """The eval harness's message began with "adahop eval", printed after "adahop ptq: error: "."""
+    import sys
+
+    from adahop.cli import main
+
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # `import lm_eval` raises ImportError, as when not installed
+    with pytest.raises(ImportError) as why:
+        import lm_eval  # noqa: F401
+    assert main(["ptq", str(tmp_path / "no-model"), "--method", "rtn", "--bits", "4", "--calib-data", "x",
+                 "--eval-tasks", "piqa", "--out", str(tmp_path / "q")]) == 2
+    assert capsys.readouterr().err == (f"adahop ptq: error: zero-shot tasks are scored with lm-evaluation-harness, which "
+                                       f"is not installed ({why.value}); pip install 'adahop[eval]' (or pip install "
+                                       f"lm-eval) after torch\n")
+
