@@ -224,3 +224,33 @@ def test_a_missing_lm_eval_is_named_once_and_before_the_model_loads(tmp_path, ca
                                        f"is not installed ({why.value}); pip install 'adahop[eval]' (or pip install "
                                        f"lm-eval) after torch\n")
 
+
+def test_the_baseline_is_the_bf16_export_of_the_unquantized_model(run_dir, tmp_path):
+    """The quantized folder is a BF16 deployment, so Δ ppl is against the unquantized model as its BF16
+    export reloads, not against the FP32 masters the run folder loads with."""
+    import transformers
+
+    from adahop.eval.model import load_model
+    from adahop.eval.perplexity import perplexity
+
+    out = tmp_path / "rtn4"
+    assert _ptq(run_dir, out, "--method", "rtn", "--bits", "4") == 0
+    res = json.loads((out / "ptq.json").read_text())
+    data = json.loads((run_dir / "config.json").read_text())["adahop"]["data_dir"]
+    cpu = torch.device("cpu")
+
+    def ppl(m):
+        with torch.no_grad():
+            return perplexity(m, data, seq_len=res["seq_len"], batch_size=4, max_batches=2, device=cpu, bf16=False)["perplexity"]
+
+    fp32 = ppl(load_model(run_dir, device=cpu).model)
+    # independently of ptq's code: export in BF16 as `adahop ptq` exports its model, reload with transformers
+    load_model(run_dir, device=cpu).model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    bf16 = ppl(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.float32).eval())
+    # Tolerance 0: both sides hold the same FP32 values (BF16 widened) and run the same single-thread CPU FP32
+    # forward over the same two batches, so the result is deterministic; the quantized folder's perplexity
+    # matches transformers' to the last bit the same way (first test). A tolerance allowing a reordered FP32
+    # reduction (~1e-6 relative of ppl) would sit only ~10x below the FP32-vs-BF16 gap (~1.1e-5 here).
+    assert res["baseline"]["perplexity"] == bf16
+    assert res["baseline_fp32"]["perplexity"] == fp32
+    assert abs(fp32 / bf16 - 1) > 1e-6, (fp32, bf16)  # the two baselines differ: the test tells them apart
