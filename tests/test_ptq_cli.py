@@ -182,3 +182,75 @@ def test_an_out_holding_the_model_or_another_one_is_refused_not_overwritten(run_
     _check(argparse.Namespace(model=str(run_dir), out=str(left), calib_tokens=1, batch_size=1, seq_len=None,
                               eval_batches=None, eval_limit=None, eval_max_length=None, harp_steps=1, passes=1, damp=0.01,
                               hbd_block=8, radix=8, max_radix=8, harp_lr=0.03, hbd_lambda=0.1))
+
+
+def test_a_model_without_linear_blocks_is_refused_with_one_prefix(run_dir, tmp_path, capsys):
+    """calibrate.py's message began with "adahop ptq:" and main() adds "adahop ptq: error: ", so the line read
+    `adahop ptq: error: adahop ptq: the model has ...`. GPT-2 (Conv1D, not nn.Linear) reaches it."""
+    import shutil
+
+    import transformers
+
+    from adahop.cli import main
+
+    gpt2 = tmp_path / "gpt2"
+    run_cfg = json.loads((run_dir / "config.json").read_text())
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, n_positions=64, vocab_size=run_cfg["vocab_size"],
+                                  bos_token_id=0, eos_token_id=0)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(gpt2)
+    for f in run_dir.glob("tokenizer*"):  # the run's tokenizer, so the data's tokenizer check passes
+        shutil.copy(f, gpt2)
+    assert main(["ptq", str(gpt2), "--method", "rtn", "--bits", "4", "--calib-data", run_cfg["adahop"]["data_dir"],
+                 "--calib-tokens", "256", "--batch-size", "4", "--seq-len", "32", "--skip-baseline",
+                 "--out", str(tmp_path / "q")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("adahop ptq:") == 1
+    assert err.splitlines()[-1] == ("adahop ptq: error: the model has no list of decoder blocks built of nn.Linear layers "
+                                    "(GPT-2's Conv1D layers are not nn.Linear); pass a Llama/Qwen-style causal LM")
+
+
+def test_a_missing_lm_eval_is_named_once_and_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    """The eval harness's message began with "adahop eval", printed after "adahop ptq: error: "."""
+    import sys
+
+    from adahop.cli import main
+
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # `import lm_eval` raises ImportError, as when not installed
+    with pytest.raises(ImportError) as why:
+        import lm_eval  # noqa: F401
+    assert main(["ptq", str(tmp_path / "no-model"), "--method", "rtn", "--bits", "4", "--calib-data", "x",
+                 "--eval-tasks", "piqa", "--out", str(tmp_path / "q")]) == 2
+    assert capsys.readouterr().err == (f"adahop ptq: error: zero-shot tasks are scored with lm-evaluation-harness, which "
+                                       f"is not installed ({why.value}); pip install 'adahop[eval]' (or pip install "
+                                       f"lm-eval) after torch\n")
+
+
+def test_the_baseline_is_the_bf16_export_of_the_unquantized_model(run_dir, tmp_path):
+    """The quantized folder is a BF16 deployment, so Δ ppl is against the unquantized model as its BF16
+    export reloads, not against the FP32 masters the run folder loads with."""
+    import transformers
+
+    from adahop.eval.model import load_model
+    from adahop.eval.perplexity import perplexity
+
+    out = tmp_path / "rtn4"
+    assert _ptq(run_dir, out, "--method", "rtn", "--bits", "4") == 0
+    res = json.loads((out / "ptq.json").read_text())
+    data = json.loads((run_dir / "config.json").read_text())["adahop"]["data_dir"]
+    cpu = torch.device("cpu")
+
+    def ppl(m):
+        with torch.no_grad():
+            return perplexity(m, data, seq_len=res["seq_len"], batch_size=4, max_batches=2, device=cpu, bf16=False)["perplexity"]
+
+    fp32 = ppl(load_model(run_dir, device=cpu).model)
+    # independently of ptq's code: export in BF16 as `adahop ptq` exports its model, reload with transformers
+    load_model(run_dir, device=cpu).model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    bf16 = ppl(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.float32).eval())
+    # Tolerance 0: both sides hold the same FP32 values (BF16 widened) and run the same single-thread CPU FP32
+    # forward over the same two batches, so the result is deterministic; the quantized folder's perplexity
+    # matches transformers' to the last bit the same way (first test). A tolerance allowing a reordered FP32
+    # reduction (~1e-6 relative of ppl) would sit only ~10x below the FP32-vs-BF16 gap (~1.1e-5 here).
+    assert res["baseline"]["perplexity"] == bf16
+    assert res["baseline_fp32"]["perplexity"] == fp32
+    assert abs(fp32 / bf16 - 1) > 1e-6, (fp32, bf16)  # the two baselines differ: the test tells them apart

@@ -34,7 +34,7 @@ def require_lm_eval():
     try:
         import lm_eval
     except ImportError as e:
-        raise ValueError(f"adahop eval scores with lm-evaluation-harness, which is not installed ({e}); "
+        raise ValueError(f"zero-shot tasks are scored with lm-evaluation-harness, which is not installed ({e}); "
                          f"pip install 'adahop[eval]' (or pip install lm-eval) after torch") from None
     return lm_eval
 

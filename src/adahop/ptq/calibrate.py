@@ -35,7 +35,7 @@ def decoder_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
             if best is None or len(mod) > len(best[1]):
                 best = (name, mod)
     if best is None:
-        raise ValueError("adahop ptq: the model has no list of decoder blocks built of nn.Linear layers "
+        raise ValueError("the model has no list of decoder blocks built of nn.Linear layers "
                          "(GPT-2's Conv1D layers are not nn.Linear); pass a Llama/Qwen-style causal LM")
     return best
 

@@ -5,7 +5,10 @@
 
 Calibration uses the train split of ``--calib-data``, perplexity its val split. The printed
 perplexity is that of the written folder reloaded from disk (BF16 weights), so any tool that loads
-``--out`` measures the same number. This module imports nothing heavy at the top.
+``--out`` measures the same number. The baseline it is compared with (``baseline`` in ptq.json, and
+Δ ppl) is the unquantized model rounded to BF16, as its own BF16 export would reload: deployment
+against deployment. ``baseline_fp32`` is the model as loaded (a run's FP32 master weights). This module
+imports nothing heavy at the top.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seq-len", type=int, default=None, help="tokens per window, calibration and perplexity (default: the run's)")
     g.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass (default 8)")
     g.add_argument("--eval-batches", type=int, default=None, metavar="N", help="perplexity on the first N val batches (default: all)")
-    g.add_argument("--skip-baseline", action="store_true", help="do not score the unquantized model")
+    g.add_argument("--skip-baseline", action="store_true", help="do not score the unquantized model (its BF16 copy, "
+                   "which Δ ppl is against, and the FP32 weights as loaded)")
     g.add_argument("--eval-tasks", default=None, help="also score these zero-shot tasks (as `adahop eval --tasks`)")
     g.add_argument("--eval-limit", type=int, default=None, metavar="N", help="first N documents of each task")
     g.add_argument("--eval-max-length", type=int, default=None, metavar="TOKENS",
@@ -107,7 +111,11 @@ def _data(args, run_config: dict | None) -> Path:
 
 
 def run(args: argparse.Namespace) -> dict:
-    """Run `adahop ptq`; returns the results written to ``DIR/ptq.json``. Raises ValueError for bad input."""
+    """Run `adahop ptq`; returns the results written to ``DIR/ptq.json``. Raises ValueError for bad input.
+
+    ``baseline`` (which Δ ppl is against) is the perplexity of the unquantized model rounded to BF16,
+    ``baseline_fp32`` that of the model as loaded; both None with ``--skip-baseline``.
+    """
     _check(args)
     from .grids import make_grid
 
@@ -142,7 +150,12 @@ def run(args: argparse.Namespace) -> dict:
             return perplexity(m, data, split="val", seq_len=seq_len, batch_size=args.batch_size,
                               max_batches=args.eval_batches, device=device, bf16=bf16)
 
-    base = None if args.skip_baseline else ppl(model)
+    base = base_fp32 = None
+    if not args.skip_baseline:
+        deployed = _bf16_rounded(model)
+        base = ppl(deployed)
+        base_fp32 = base if deployed is model else ppl(model)
+        del deployed
     batches = calibration_batches(data, tokens=args.calib_tokens, seq_len=seq_len, batch_size=args.batch_size, seed=args.seed)
     gen = torch.Generator().manual_seed(args.seed)
     grid0 = make_grid(args.quantizer, args.bits, args.group_size)
@@ -166,7 +179,8 @@ def run(args: argparse.Namespace) -> dict:
     res_ppl = ppl(reloaded.model)
     fits = [r.stats["harp"] for r in layers.values() if "harp" in r.stats]
     res = {**meta, "bits_per_weight": bpw, "quantized_weights": n_weights, "perplexity": res_ppl, "baseline": base,
-           "seq_len": seq_len, "device": str(device), "seconds_quantize": quant_s, "seconds_total": None,
+           "baseline_fp32": base_fp32, "seq_len": seq_len, "device": str(device), "seconds_quantize": quant_s,
+           "seconds_total": None,
            "harp_fit_seconds_per_layer": (sum(f["seconds"] for f in fits) / len(fits)) if fits else None,
            "git_revision": git_revision(), "packed": str(out / PACKED_FILE),
            "layers": {n: {"shape": list(r.weight.shape), "stored_bits": r.stored_bits, **r.stats} for n, r in layers.items()}}
@@ -186,6 +200,26 @@ def run(args: argparse.Namespace) -> dict:
     atomic_write_text(out / RESULTS_FILE, json.dumps(res, indent=1))  # written last: its presence means finished
     print(f"wrote {out} (transformers folder, {PACKED_FILE}, {RESULTS_FILE}) in {res['seconds_total']:.0f} s")
     return res
+
+
+def _bf16_rounded(model):
+    """A copy of ``model`` whose state dict is rounded to BF16 and held in FP32: the unquantized model as
+    its BF16 export (the dtype ``--out`` stores) reloads, so the baseline and the quantized folder are
+    scored alike. ``model`` itself when rounding changes nothing (no copy, no second perplexity pass)."""
+    import copy
+
+    import torch
+
+    def floats(m):  # what save_pretrained writes: parameters and persistent buffers (RoPE's inv_freq is rebuilt)
+        return [t for t in m.state_dict(keep_vars=True).values() if t.is_floating_point()]
+
+    if all(torch.equal(t, t.to(torch.bfloat16).to(t.dtype)) for t in floats(model)):
+        return model
+    copied = copy.deepcopy(model)
+    with torch.no_grad():
+        for t in floats(copied):
+            t.copy_(t.to(torch.bfloat16))
+    return copied
 
 
 @contextlib.contextmanager
