@@ -9,7 +9,8 @@
 Each cell is one `adahop ptq` process (a crash or an out-of-memory error costs that cell only) writing
 ``OUT/<model>/<method>-w<bits>-<quantizer>/``; a cell whose ``ptq.json`` exists is finished and is
 skipped when the script runs again, so an interrupted or budget-cut run resumes where it stopped.
-The unquantized perplexity of each model comes from `adahop eval` with the same windows. Cells start
+The unquantized perplexity of each model (Δ's reference) is the first cell's `adahop ptq` baseline: the
+model rounded to BF16 as its export reloads, on the same windows (``OUT/<model>/baseline.json``). Cells start
 only while ``--budget-s`` lasts, and each is given what is left of it as its timeout. The results go
 to ``OUT/summary.json`` and ``OUT/summary.md`` (tables, the ordering target of the issue checked cell
 by cell, the BF16- vs adahop-lv2-trained comparison at MXFP4 W4, and HARP fitting time per layer).
@@ -61,25 +62,30 @@ def run(cmd: list[str], log: Path, timeout: float) -> tuple[int | str, float]:
     return rc, time.perf_counter() - t0
 
 
-def baseline(args, model: str, out: Path, deadline: float) -> dict | None:
-    """The unquantized model's perplexity, by `adahop eval` on the windows `adahop ptq` scores."""
+def baseline(out: Path, model: str) -> dict | None:
+    """The unquantized model's perplexity kept from an earlier cell (``OUT/<model>/baseline.json``), or None."""
     path = out / Path(model).name / "baseline.json"
-    if not path.exists():
-        cmd = [sys.executable, "-m", "adahop", "eval", model, "--tasks", "none", "--data", args.data,
-               "--batch-size", str(args.batch_size), "--device", args.device, "--out", str(path)]
-        cmd += ["--seq-len", str(args.seq_len)] if args.seq_len else []
-        cmd += ["--eval-batches", str(args.eval_batches)] if args.eval_batches else []
-        rc, _ = run(cmd, path.with_suffix(".log"), deadline - time.time())
-        if rc != 0:
-            print(f"  baseline of {model}: failed ({rc}), see {path.with_suffix('.log')}")
-            return None
-    return json.loads(path.read_text())["perplexity"]
+    return json.loads(path.read_text())["perplexity"] if path.exists() else None
 
 
-def ptq_cmd(args, model, method, bits, quantizer, d: Path) -> list[str]:
+def keep_baseline(out: Path, model: str, d: Path) -> dict | None:
+    """The baseline cell ``d`` scored (`adahop ptq`'s ``baseline``: the unquantized model rounded to
+    BF16, as its export reloads), written beside the model's cells; None if it scored none."""
+    res = json.loads((d / "ptq.json").read_text())
+    if res.get("baseline") is None:
+        return None
+    path = out / Path(model).name / "baseline.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"perplexity": res["baseline"], "perplexity_fp32": res.get("baseline_fp32"), "cell": d.name}))
+    return res["baseline"]
+
+
+def ptq_cmd(args, model, method, bits, quantizer, d: Path, with_baseline: bool = False) -> list[str]:
+    """The `adahop ptq` command of one cell; ``with_baseline`` also scores the unquantized model (once per model)."""
     cmd = [sys.executable, "-m", "adahop", "ptq", model, "--method", method, "--bits", str(bits), "--quantizer", quantizer,
            "--calib-data", args.data, "--calib-tokens", str(args.calib_tokens), "--batch-size", str(args.batch_size),
-           "--harp-steps", str(args.harp_steps), "--device", args.device, "--skip-baseline", "--out", str(d)]
+           "--harp-steps", str(args.harp_steps), "--device", args.device, "--out", str(d)]
+    cmd += [] if with_baseline else ["--skip-baseline"]
     cmd += ["--seq-len", str(args.seq_len)] if args.seq_len else []
     cmd += ["--eval-batches", str(args.eval_batches)] if args.eval_batches else []
     cmd += ["--group-size", str(args.group_size)] if quantizer == "int" and args.group_size else []
@@ -201,7 +207,7 @@ def main(argv=None) -> int:
         if not args.data:
             p.error("--data is required for a model that is not an `adahop train` run folder")
     todo = cells(models, [int(b) for b in args.bits.split(",")], [m.strip() for m in args.methods.split(",")], not args.no_mx)
-    bases = {Path(m).name: baseline(args, m, out, deadline) for m in models}
+    bases = {Path(m).name: baseline(out, m) for m in models}
     rows = []
     for i, (model, method, bits, quantizer) in enumerate(todo):
         d = cell_dir(out, model, method, bits, quantizer)
@@ -212,9 +218,12 @@ def main(argv=None) -> int:
             if left <= 0:
                 status = "not run (budget)"
             else:
-                rc, secs = run(ptq_cmd(args, model, method, bits, quantizer, d), d.with_name(d.name + ".log"), left)
+                need_base = bases.get(Path(model).name) is None  # the first cell of a model scores its baseline
+                rc, secs = run(ptq_cmd(args, model, method, bits, quantizer, d, need_base), d.with_name(d.name + ".log"), left)
                 status = "done" if rc == 0 else ("timeout (budget)" if rc == "timeout" else f"failed (exit {rc})")
                 print(f"{tag}: {status} in {secs:.0f} s")
+                if rc == 0 and need_base:
+                    bases[Path(model).name] = keep_baseline(out, model, d)
         else:
             print(f"{tag}: finished before, skipped")
         rows.append(collect(d, model, method, bits, quantizer, status))

@@ -47,3 +47,31 @@ def test_a_finished_cell_is_skipped_and_the_summary_checks_the_order(tmp_path, c
     assert "- W2: gptq < rtn (gptq 12.000, rtn 14.000)" in printed
     rows = json.loads((out / "summary.json").read_text())["rows"]
     assert [r["status"] for r in rows] == ["done", "done"]
+
+
+def test_the_first_cell_of_a_model_scores_the_baseline_and_later_cells_skip_it(tmp_path, monkeypatch):
+    """The baseline comes from `adahop ptq`'s own (BF16-rounded) baseline of the first cell run, and is
+    kept in OUT/<model>/baseline.json; the other cells pass --skip-baseline."""
+    s = _script()
+    model, out, cmds = tmp_path / "m", tmp_path / "out", []
+
+    def fake_run(cmd, log, timeout):  # writes the ptq.json a cell would, with a baseline only when asked
+        cmds.append(cmd)
+        d = Path(cmd[cmd.index("--out") + 1])
+        d.mkdir(parents=True, exist_ok=True)
+        base = None if "--skip-baseline" in cmd else {"perplexity": 10.0}
+        d.joinpath("ptq.json").write_text(json.dumps({
+            "perplexity": {"perplexity": 12.5, "loss": 2.5}, "baseline": base, "baseline_fp32": None if base is None else {"perplexity": 9.9},
+            "bits_per_weight": 4.25, "seconds_quantize": 1.0, "seconds_total": 2.0, "harp_fit_seconds_per_layer": None,
+            "layers": {"l": {"shape": [4, 8], "stored_bits": 1}}, "device": "cpu", "calib_tokens": 64}))
+        return 0, 0.1
+
+    monkeypatch.setattr(s, "run", fake_run)
+    rc = s.main(["--models", str(model), "--data", str(tmp_path), "--out", str(out), "--bits", "4", "--methods", "rtn,gptq",
+                 "--no-mx", "--budget-s", "60"])
+    assert rc == 0 and len(cmds) == 2
+    assert "--skip-baseline" not in cmds[0] and "--skip-baseline" in cmds[1]
+    kept = json.loads((out / "m" / "baseline.json").read_text())
+    assert kept["perplexity"] == {"perplexity": 10.0} and kept["perplexity_fp32"] == {"perplexity": 9.9}
+    assert "Unquantized perplexity: 10.0000" in (out / "summary.md").read_text()
+    assert "+25.00" in (out / "summary.md").read_text()  # 12.5 against the BF16 baseline 10.0
