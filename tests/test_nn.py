@@ -153,6 +153,61 @@ def test_saved_bytes_mxfp4_had_bf16():
     assert ours < bf16_xw / 3.5, f"saved {ours} B vs BF16 X+W {bf16_xw} B: only {bf16_xw / ours:.2f}x smaller"
 
 
+def _held_bytes(fn):
+    """``(bytes, fn())``: the CPU allocator's bytes handed out during ``fn()`` and not freed when it
+    returns, i.e. what its result keeps alive (for a loss: everything its graph holds for backward)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    return sum(e.self_cpu_memory_usage for e in prof.events()), out
+
+
+@pytest.mark.parametrize("recipe", ["mxfp4-had", "averis", "nvfp4"])
+def test_a_layer_holds_what_saved_bytes_reports(recipe):
+    """The allocator count that the checkpointing test relies on sees a converted layer's packed
+    saved operands: a forward holds exactly its output plus :func:`adahop.saved_bytes`."""
+    model = adahop.convert_model(nn.Sequential(nn.Linear(256, 512)), recipe, exclude=None)
+    x = torch.randn(128, 256, requires_grad=True)
+    model(x).sum().backward()  # the device constants (Hadamard blocks, tables) exist before the count
+    held, y = _held_bytes(lambda: model(x))
+    assert held == y.numel() * y.element_size() + adahop.saved_bytes(model)[0] > y.numel() * y.element_size()
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("recipe", ["mxfp4-had", "averis", "nvfp4"])
+def test_checkpointed_blocks_hold_only_their_inputs(recipe, reentrant):
+    """Between forward and backward a checkpointed region keeps its input, nothing more. The packed
+    X and W of the converted layers were attributes of their autograd ctx, which the non-reentrant
+    checkpoint's saved-tensor hooks never see: each layer held them as without checkpointing
+    (487 KiB more than BF16 for this model under mxfp4-had). They now go through save_for_backward."""
+    from torch.utils.checkpoint import checkpoint as ckpt
+
+    T, C, H = 256, 256, 512
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(nn.Sequential(nn.Linear(C, H), nn.GELU(), nn.Linear(H, C)) for _ in range(2))
+    adahop.convert_model(blocks, recipe, exclude=None, seed=0)
+    x = torch.randn(T, C, generator=torch.Generator().manual_seed(3), requires_grad=True)
+
+    def loss(checkpointed: bool):
+        h = x
+        for b in blocks:
+            h = ckpt(b, h, use_reentrant=reentrant) if checkpointed else b(h)
+        return h.square().mean()
+
+    loss(True).backward()  # the device constants exist before the count
+    held, out = _held_bytes(lambda: loss(True))
+    # block 1's input (block 0's output), block 1's output (saved by square), the loss, and the CPU
+    # RNG state each checkpoint keeps to replay its region
+    expect = 2 * T * C * 4 + 4 + 2 * torch.get_rng_state().numel()
+    assert held == expect, f"{recipe}: checkpointed blocks hold {held} B, their inputs {expect} B"
+    out.backward()
+    plain, out = _held_bytes(lambda: loss(False))
+    out.backward()
+    # uncheckpointed, the same forward holds the packed operands too (and the GELU inputs)
+    assert plain - held >= adahop.saved_bytes(blocks)[0] > 0, (plain, held)
+
+
 # ---- reproducibility ------------------------------------------------------------------------
 
 _SR = OperandSpec(fmt="mxfp4", rounding="stochastic", scale_rule="ceil")
@@ -200,10 +255,11 @@ def test_an_evaluation_leaves_the_next_training_step_unchanged():
     assert out is not None and out.requires_grad is False and torch.isfinite(out).all()
 
 
-def _grads_checkpointed(recipe: str, checkpoint: bool, micro: int = 2):
-    """Gradients of a two-block MLP (each block one region of ``torch.utils.checkpoint``, as
-    ``gradient_checkpointing_enable()`` of transformers 5 does it: non-reentrant) over ``micro``
-    micro-batches of one optimizer step."""
+def _grads_checkpointed(recipe: str, checkpoint: str | None, micro: int = 2, shared: bool = False):
+    """Loss and gradients of a two-block MLP over ``micro`` micro-batches of one optimizer step,
+    each block one region of ``torch.utils.checkpoint`` when ``checkpoint`` is ``"non-reentrant"``
+    (as ``gradient_checkpointing_enable()`` of transformers 5 does it) or ``"reentrant"`` (its
+    default before 5); ``shared``: one block applied twice, each use its own region."""
     from torch.utils.checkpoint import checkpoint as ckpt
 
     torch.manual_seed(0)
@@ -212,27 +268,94 @@ def _grads_checkpointed(recipe: str, checkpoint: bool, micro: int = 2):
     g = torch.Generator().manual_seed(3)
     losses = []
     for _ in range(micro):
-        h = torch.randn(64, 64, generator=g)
-        for b in blocks:
-            h = ckpt(b, h, use_reentrant=False) if checkpoint else b(h)
+        h = torch.randn(64, 64, generator=g, requires_grad=True)  # a reentrant region needs an input that does
+        for b in ([blocks[0]] * 2 if shared else blocks):
+            h = ckpt(b, h, use_reentrant=checkpoint == "reentrant") if checkpoint else b(h)
         loss = h.square().mean()
         loss.backward()
         losses.append(loss.item())
-    return losses, [p.grad.clone() for p in blocks.parameters()]
+    return losses, [p.grad.clone() for p in blocks.parameters() if p.grad is not None]
 
 
+@pytest.mark.parametrize("checkpoint", ["non-reentrant", "reentrant"])
 @pytest.mark.parametrize("recipe", ["averis", "quartet"])
-def test_gradient_checkpointing_recomputes_the_forward_with_its_own_random_bits(recipe):
+def test_gradient_checkpointing_recomputes_the_forward_with_its_own_random_bits(recipe, checkpoint):
     """A checkpointed block runs its forward again in backward; the converted layers counted that as a
     new call and drew new stochastic-rounding bits, so an SR-fprop recipe (averis) got gradients of a
     forward other than the one that made the loss: 30% away from the same step run without
-    checkpointing. The recompute now takes the bits of the call it repeats."""
-    plain_loss, plain = _grads_checkpointed(recipe, False)
-    ck_loss, ck = _grads_checkpointed(recipe, True)
+    checkpointing. The recompute now takes the bits of the call it repeats. A reentrant checkpoint
+    runs the first forward under no_grad, which drew averis's fprop bits from the evaluation
+    stream: the loss differed, and the gradients by 37%. That forward is now a training call."""
+    plain_loss, plain = _grads_checkpointed(recipe, None)
+    ck_loss, ck = _grads_checkpointed(recipe, checkpoint)
     assert ck_loss == plain_loss
+    assert len(ck) == len(plain) == 8
     for a, b in zip(plain, ck):
         assert torch.equal(a, b), f"{recipe}: max |Δgrad| {(a - b).abs().max().item():.3g}"
-    assert _grads_checkpointed(recipe, False, micro=1)[1][0].ne(plain[0]).any()  # the 2nd micro-batch counts
+    assert _grads_checkpointed(recipe, None, micro=1)[1][0].ne(plain[0]).any()  # the 2nd micro-batch counts
+
+
+@pytest.mark.parametrize("checkpoint", ["non-reentrant", "reentrant"])
+def test_a_block_checkpointed_twice_recomputes_each_use_with_its_bits(checkpoint):
+    """One block in two regions: backward recomputes the second use first, then the first, each
+    with the bits of its own forward (the second use's are not taken twice)."""
+    plain_loss, plain = _grads_checkpointed("averis", None, micro=1, shared=True)
+    ck_loss, ck = _grads_checkpointed("averis", checkpoint, micro=1, shared=True)
+    assert ck_loss == plain_loss and len(ck) == len(plain) == 4
+    assert all(torch.equal(a, b) for a, b in zip(plain, ck))
+
+
+@pytest.mark.parametrize("checkpoint", ["non-reentrant", "reentrant"])
+def test_a_frozen_layer_in_a_checkpointed_region_recomputes_its_bits(checkpoint):
+    """A frozen layer fed no tensor that needs grad runs forward-only even under grad mode; its
+    output scales a trained branch, so its recompute must repeat its bits too. Such calls are
+    training calls (eval-stream bits are for no-grad evaluation only), as in the reentrant first forward."""
+    from torch.utils.checkpoint import checkpoint as ckpt
+
+    def grads(checkpoint: str | None):
+        torch.manual_seed(0)
+        m = adahop.convert_model(nn.ModuleList([nn.Linear(64, 64), nn.Linear(64, 64)]), "averis", exclude=None, seed=0)
+        m[1].requires_grad_(False)
+        g = torch.Generator().manual_seed(3)
+        x, c = torch.randn(64, 64, generator=g, requires_grad=True), torch.randn(64, 64, generator=g)
+        region = lambda x, c: m[0](x) * m[1](c)  # noqa: E731
+        y = ckpt(region, x, c, use_reentrant=checkpoint == "reentrant") if checkpoint else region(x, c)
+        y.square().mean().backward()
+        return x.grad, m[0].weight.grad
+
+    assert all(torch.equal(a, b) for a, b in zip(grads(None), grads(checkpoint)))
+
+
+def test_nested_reentrant_checkpoints_match_and_mixed_nesting_is_refused():
+    """A reentrant region inside another runs its no-grad forward twice (the outer recompute runs
+    it again) before its own recompute: all three take one forward's bits. A non-reentrant region
+    inside a reentrant one recomputes a forward that drew no training bits; that, and a second
+    backward through a checkpointed region, say which checkpoint to use instead of drawing bits
+    of no forward."""
+    from torch.utils.checkpoint import checkpoint as ckpt
+
+    def grads(inner: str | None, outer: str | None):
+        torch.manual_seed(0)
+        b = adahop.convert_model(nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64)), "averis",
+                                 exclude=None, seed=0)
+        x = torch.randn(64, 64, generator=torch.Generator().manual_seed(3), requires_grad=True)
+        first = (lambda h: ckpt(lambda y: b[1](b[0](y)), h, use_reentrant=inner == "reentrant")) if inner else \
+            (lambda h: b[1](b[0](h)))
+        region = lambda h: b[2](first(h))  # noqa: E731
+        out = ckpt(region, x, use_reentrant=outer == "reentrant") if outer else region(x)
+        out.square().mean().backward()
+        return [p.grad for p in b.parameters()]
+
+    plain = grads(None, None)
+    for inner, outer in (("reentrant", "reentrant"), ("reentrant", "non-reentrant")):
+        assert all(torch.equal(a, c) for a, c in zip(plain, grads(inner, outer))), (inner, outer)
+    with pytest.raises(RuntimeError, match=r"no forward of step 0 left for it to repeat.*use_reentrant=False"):
+        grads("non-reentrant", "reentrant")
+    b = adahop.convert_model(nn.Sequential(nn.Linear(64, 64)), "averis", exclude=None)
+    y = ckpt(b, torch.randn(8, 64, requires_grad=True), use_reentrant=False).sum()
+    y.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="no retain_graph through a checkpointed region"):
+        y.backward()
 
 
 def test_forward_only_calls_equal_the_training_forward_and_are_not_calibrated():
@@ -403,11 +526,17 @@ def test_deepcopy_and_pickle_of_a_converted_model_keep_their_own_controller():
     assert get_controller(d).layers == [d[0], d[2]] and torch.equal(d(x), c(x))
 
 
-def test_second_backward_through_a_quantized_layer_says_why_it_cannot():
+def test_second_backward_through_a_quantized_layer_repeats_the_first():
+    """The packed operands are saved tensors, so ``retain_graph=True`` keeps them for a second
+    backward (mxfp4 draws no random bits: the same gradient again), and without it autograd says
+    that they were freed (adahop freed them itself and refused any second backward)."""
     m = adahop.convert_model(nn.Sequential(nn.Linear(64, 64)), "mxfp4")
     y = m(torch.randn(32, 64)).square().sum()
     y.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="second backward"):
+    first = m[0].weight.grad.clone()
+    y.backward()
+    assert torch.equal(m[0].weight.grad, 2 * first) and first.abs().sum() > 0
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
         y.backward()
 
 

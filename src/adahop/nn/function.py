@@ -10,11 +10,14 @@ consumes them, unless that GEMM needs them in high precision (`DESIGN.md` §2).
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 import torch
 
 from ..gemm import draw_signs, gemm, multiply, prepare
 
-__all__ = ["LowPrecisionLinearFn", "fprop", "forward_body", "backward_body"]
+__all__ = ["LowPrecisionLinearFn", "fprop", "forward_body", "backward_body", "flatten", "unflatten"]
 
 
 SALTS = {"fprop": 0, "dgrad": 1, "wgrad": 2}
@@ -43,6 +46,51 @@ def fprop(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, spec, gen
         return torch.nn.functional.linear(x, w, b)
     y = gemm(x, w.t(), spec, generator=generator, out_dtype=dtype, backend=backend, seed=seed, salt=sign_salt)
     return y if b is None else y + b
+
+
+class _Slot:
+    """Where a tensor was in a flattened structure: its index in the tensor list (a plain class: not walked by :func:`_map`)."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
+
+
+def _map(obj, fn):
+    """``obj`` rebuilt through its tuples, lists and dataclasses (copies), ``fn`` applied to every other value."""
+    if isinstance(obj, tuple):
+        return tuple(_map(v, fn) for v in obj)
+    if isinstance(obj, list):
+        return [_map(v, fn) for v in obj]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        new = copy.copy(obj)
+        for f in dataclasses.fields(obj):
+            object.__setattr__(new, f.name, _map(getattr(obj, f.name), fn))
+        return new
+    return fn(obj)
+
+
+def flatten(obj, leaves: list):
+    """``obj`` (tuples, lists and dataclasses such as :class:`~adahop.gemm.Prepared`) with every
+    tensor replaced by a slot into ``leaves``, to which each distinct tensor object is appended once.
+    The result holds no tensor; :func:`unflatten` puts them back."""
+    seen: dict[int, int] = {}
+
+    def slot(v):
+        if not isinstance(v, torch.Tensor):
+            return v
+        if id(v) not in seen:
+            seen[id(v)] = len(leaves)
+            leaves.append(v)
+        return _Slot(seen[id(v)])
+
+    return _map(obj, slot)
+
+
+def unflatten(tpl, leaves):
+    """The inverse of :func:`flatten`: ``tpl`` with each slot replaced by its tensor of ``leaves``."""
+    return _map(tpl, lambda v: leaves[v.index] if isinstance(v, _Slot) else v)
 
 
 def _needs_hp_b(spec) -> bool:
@@ -101,25 +149,30 @@ def forward_body(ctx, x, weight, bias, layer, dtype, seed=None) -> torch.Tensor:
         gw, gd = layer.generator("wgrad"), layer.generator("dgrad")
         ctx.gens = (gd, gw)
         # drawn once here and saved: backward never draws them again (compiled: hashed from seed)
-        ctx.signs_w = draw_signs(wg, gw, x.device, seed=seed, salt=salt(layer, "wgrad"))
-        ctx.signs_d = draw_signs(dg, gd, x.device, seed=seed, salt=salt(layer, "dgrad"))
+        signs_w = draw_signs(wg, gw, x.device, seed=seed, salt=salt(layer, "wgrad"))
+        signs_d = draw_signs(dg, gd, x.device, seed=seed, salt=salt(layer, "dgrad"))
         # saved operands hold only the packed MXFP4 (4.25 bits/element; backward unpacks it straight
         # to FP8, `DESIGN.md` §3); the GEMMs' own operands only the FP8 fold
-        ctx.x_prep = None if _needs_hp_b(wg) else prepare(x, "b", wg, signs=ctx.signs_w, generator=gw,
-                                                          backend=layer.backend, outputs="codes")
-        ctx.w_prep = None if _needs_hp_b(dg) else prepare(w, "b", dg, signs=ctx.signs_d, generator=gd,
-                                                          backend=layer.backend, outputs="codes")
-        ctx.save_for_backward(x if ctx.x_prep is None else None, weight)
-        layer.saved_bytes = x.numel() * x.element_size() if ctx.x_prep is None else ctx.x_prep.nbytes
-        if ctx.w_prep is not None:
-            layer.saved_bytes += ctx.w_prep.nbytes
+        x_prep = None if _needs_hp_b(wg) else prepare(x, "b", wg, signs=signs_w, generator=gw, backend=layer.backend,
+                                                      outputs="codes")
+        w_prep = None if _needs_hp_b(dg) else prepare(w, "b", dg, signs=signs_d, generator=gd, backend=layer.backend,
+                                                      outputs="codes")
+        # every tensor of them goes through save_for_backward, none stays on ctx: saved-tensor hooks
+        # must see them all, or torch.utils.checkpoint (non-reentrant) kept them alive from forward
+        # to backward as ctx attributes (a checkpointed layer held its whole packed X and W)
+        leaves: list[torch.Tensor] = []
+        ctx.saved_state = flatten((signs_w, signs_d, x_prep, w_prep), leaves)
+        ctx.save_for_backward(x if x_prep is None else None, weight, *leaves)
+        layer.saved_bytes = x.numel() * x.element_size() if x_prep is None else x_prep.nbytes
+        if w_prep is not None:
+            layer.saved_bytes += w_prep.nbytes
     return y
 
 
 def backward_body(ctx, dy):
     """The backward of :class:`LowPrecisionLinearFn` from the ``ctx`` :func:`forward_body` filled:
     ``(dx, dw, grad_bias, None, None, None)``."""
-    x, weight = ctx.saved_tensors
+    x, weight, *leaves = ctx.saved_tensors
     layer, dtype, specs = ctx.layer, ctx.dtype, ctx.specs
     dy = dy.to(dtype)
     grad_bias = dy.sum(0).to(weight.dtype) if ctx.has_bias else None
@@ -130,23 +183,19 @@ def backward_body(ctx, dy):
         dw = dy.t() @ x  # wgrad
         return dx, dw.to(weight.dtype), grad_bias, None, None, None
 
-    if ctx.x_prep is None and x is None:  # only X's packed MXFP4 was saved, and the first backward freed it
-        raise RuntimeError("adahop: a second backward through a converted layer (retain_graph=True) is not supported: "
-                           "the first backward frees the saved MXFP4 copy of its input to save memory. Run the "
-                           "forward again for each backward (double backward, create_graph=True, is not supported "
-                           "either)")
+    signs_w, signs_d, x_prep, w_prep = unflatten(ctx.saved_state, leaves)
     gd, gw = ctx.gens
     # operands not saved prepared (they need high precision) are prepared now, with the signs
     # drawn in forward, so both GEMMs always run as prepare(A) · saved-or-prepared(B)
     be = layer.backend
-    w_prep = ctx.w_prep or prepare(weight.to(dtype), "b", specs["dgrad"], signs=ctx.signs_d, generator=gd, backend=be,
-                                   outputs="fp8")
-    x_prep = ctx.x_prep or prepare(x, "b", specs["wgrad"], signs=ctx.signs_w, generator=gw, backend=be, outputs="fp8")
+    if w_prep is None:
+        w_prep = prepare(weight.to(dtype), "b", specs["dgrad"], signs=signs_d, generator=gd, backend=be, outputs="fp8")
+    if x_prep is None:
+        x_prep = prepare(x, "b", specs["wgrad"], signs=signs_w, generator=gw, backend=be, outputs="fp8")
     # dgrad: ∇X = ∇Y·W
-    pa = prepare(dy, "a", specs["dgrad"], signs=ctx.signs_d, generator=gd, backend=be, outputs="fp8")
+    pa = prepare(dy, "a", specs["dgrad"], signs=signs_d, generator=gd, backend=be, outputs="fp8")
     dx = multiply(pa, w_prep, specs["dgrad"], out_dtype=dtype, backend=be)
     # wgrad: ∇W = ∇Yᵀ·X
-    pa = prepare(dy.t(), "a", specs["wgrad"], signs=ctx.signs_w, generator=gw, backend=be, outputs="fp8")
+    pa = prepare(dy.t(), "a", specs["wgrad"], signs=signs_w, generator=gw, backend=be, outputs="fp8")
     dw = multiply(pa, x_prep, specs["wgrad"], out_dtype=torch.float32, backend=be)
-    ctx.x_prep = ctx.w_prep = None
     return dx, dw.to(weight.dtype), grad_bias, None, None, None

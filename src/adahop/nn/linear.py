@@ -28,6 +28,15 @@ def plan_for_another_model(name: str, plan: Plan, missing: int = 1) -> ValueErro
                       "model instead, or pass its own plan")
 
 
+def _runs_again() -> bool:
+    """True when a layer's forward (not yet inside its own autograd function) is one that backward
+    will run again with grad on: a no-grad call inside an autograd.Function's forward (torch runs
+    those with grad and forward-mode AD both off, where ``torch.no_grad`` turns off only the first),
+    which is what reentrant checkpoints are: ``torch.utils.checkpoint(..., use_reentrant=True)``,
+    and the autograd.Function checkpoints of DeepSpeed or Megatron-LM (built so; not run here)."""
+    return not torch.is_grad_enabled() and not torch._C._is_fwd_grad_enabled()
+
+
 class Controller:
     """State shared by every converted layer of one model.
 
@@ -259,18 +268,38 @@ class LowPrecisionLinear(nn.Linear):
         return {g: s.strategy for g, s in self._specs.items()}
 
     # -- randomness and calibration hooks ----------------------------------------------------
-    def generator(self, gemm: str, stream: str = "train") -> torch.Generator | None:
+    def generator(self, gemm: str, stream: str = "train", rerun: bool = False) -> torch.Generator | None:
         """A generator for this call's stochastic rounding / random signs, seeded from
         (run seed, step, layer, GEMM, call index); None when the GEMM draws nothing, and under
         torch.compile (the default generator is used; see :func:`adahop.nn.seed_compiled_rng`).
         ``stream="eval"`` (forward-only calls) counts its calls apart and seeds another stream, so
         that evaluating between steps never shifts the training draws. A forward that
-        ``torch.utils.checkpoint`` (non-reentrant) runs again during backward is no new call: it
-        takes the bits of the forward it recomputes, so checkpointing leaves every number as it was."""
-        spec = (self._specs or {}).get(gemm)
-        if spec is None:
+        ``torch.utils.checkpoint`` runs again during backward is no new call: it takes the bits of
+        the forward it recomputes, so checkpointing leaves every number as it was. That holds for
+        ``use_reentrant=False`` and ``True`` (and other checkpoints built as an autograd.Function:
+        their first forward is a training call, see :meth:`_forward_only`); ``rerun`` marks such a
+        forward (a no-grad forward that backward runs again).
+
+        Raises:
+            RuntimeError: a forward of this layer runs inside backward with no forward of this
+                step left for it to repeat (a reentrant checkpoint inside a non-reentrant one, a
+                second backward through a checkpointed region, ``adahop.on_step`` between a forward
+                and its backward, a forward from a backward hook): its bits would differ from the
+                forward's."""
+        call = self._call_index(gemm, stream, rerun)
+        if call is None:
             return None
-        if not spec.draws_random_bits:
+        g = torch.Generator(device=self.weight.device)
+        tag = (gemm,) if stream == "train" else (gemm, stream)  # the training seeds predate the eval stream
+        g.manual_seed(mix_seed(self.controller.seed, self.controller.step, self.layer_id, *tag, call))
+        return g
+
+    def _call_index(self, gemm: str, stream: str, rerun: bool = False) -> int | None:
+        """The call index that seeds :meth:`generator` (None when it returns None), counted per
+        (step, GEMM, stream). A training call outside backward takes the next index and queues it
+        for a recompute; a forward inside backward takes the latest queued one."""
+        spec = (self._specs or {}).get(gemm)
+        if spec is None or not spec.draws_random_bits:
             return None
         if torch.compiler.is_compiling() or opaque.in_opaque_layer():
             # a Generator per call cannot be traced (nor replayed from a CUDA graph, in the opaque ops):
@@ -278,23 +307,26 @@ class LowPrecisionLinear(nn.Linear):
             # seed, rank, step) — reproducible, fresh per step and per rank, but a different stream from eager mode's
             return None
         step = self.controller.step
-        key = (step, gemm, stream)
         self._calls = {k: v for k, v in self._calls.items() if k[0] == step}
-        issued = self._calls.setdefault(key, [0, []])  # [calls so far, indices of forwards not yet recomputed]
+        issued = self._calls.setdefault((step, gemm, stream), [0, []])  # [calls so far, indices of forwards not yet recomputed]
         in_backward = torch._C._current_graph_task_id() != -1
-        if in_backward and issued[1]:
-            # a forward inside a backward: torch.utils.checkpoint recomputing a forward of this step (the latest
-            # one first, as backward visits them): it must draw that forward's bits to recompute its tensors
-            call = issued[1].pop()
-        else:  # a new call (in backward with nothing to repeat: a reentrant checkpoint, whose forward ran under no_grad)
+        if stream == "eval" or not in_backward:  # a new call; a training one may be recomputed later
             call = issued[0]
             issued[0] += 1
-            if not in_backward:
+            if stream == "train":
                 issued[1].append(call)
-        g = torch.Generator(device=self.weight.device)
-        tag = (gemm,) if stream == "train" else (gemm, stream)  # the training seeds predate the eval stream
-        g.manual_seed(mix_seed(self.controller.seed, step, self.layer_id, *tag, call))
-        return g
+            return call
+        if not issued[1]:
+            raise RuntimeError(
+                f"adahop: {self.name}: a forward ran inside backward with no forward of step {step} left for it to "
+                f"repeat, so its {gemm} random bits would differ from the forward's. torch.utils.checkpoint recomputes "
+                "each forward once per backward: use checkpoint(..., use_reentrant=False) (or use_reentrant=True) "
+                "without nesting one kind in the other, one backward per forward (no retain_graph through a "
+                "checkpointed region), and call adahop.on_step only after the step's backward")
+        # torch.utils.checkpoint recomputing a forward of this step, the latest one first, as backward
+        # visits them. A reentrant checkpoint's no-grad forward run inside such a recompute (nested
+        # checkpoints) runs once more, at its own recompute, which then takes the index
+        return issued[1][-1] if rerun else issued[1].pop()
 
     def observe(self, tensor: str, t: torch.Tensor) -> None:
         """During calibration, record the pattern of ``tensor`` ("x" [T,K], "w" [N,K] or "dy" [T,N])."""
@@ -361,10 +393,19 @@ class LowPrecisionLinear(nn.Linear):
     def _forward_only(self, x2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         # evaluation / no_grad: the training fprop, but nothing is observed by calibration, nothing
         # is prepared for a backward that never comes, and random bits come from the eval stream;
-        # so an evaluation between steps leaves the plan and the training draws (and resume) as they were
+        # so an evaluation between steps leaves the plan and the training draws (and resume) as they were.
+        # Two forward-only calls are training calls, on the training stream: a frozen layer's under
+        # grad mode, and a no-grad forward that backward runs again (a reentrant checkpoint's)
         specs = self.current_specs()
         spec = None if specs is None else specs["fprop"]
-        gen = None if spec is None else self.generator("fprop", stream="eval")
+        rerun = _runs_again() if spec is not None and not torch.compiler.is_compiling() else False
+        stream = "train" if rerun or torch.is_grad_enabled() else "eval"
+        gen = None if spec is None else self.generator("fprop", stream=stream, rerun=rerun)
+        if rerun:
+            # its recompute draws the saved operands' bits: reserve the calls this forward would have
+            # made, so that it takes theirs (as a non-reentrant recompute does) and plain runs match
+            self._call_index("wgrad", "train", rerun)
+            self._call_index("dgrad", "train", rerun)
         seed = None if spec is None else self._sign_seed(("fprop",))
         return fprop(x2, self.weight.to(dtype), self.bias, spec, gen, self.backend, dtype, seed, salt(self, "fprop"))
 

@@ -36,8 +36,6 @@ direction. The NVFP4 quantizer has since become a fused kernel (`adahop.kernels.
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import itertools
 import os
 import threading
@@ -127,49 +125,6 @@ class _Inside:
         _STATE.depth -= 1
 
 
-class _Slot:
-    """Where a tensor was in a template: its index in the op's tensor list (a plain class: not walked by :func:`_map`)."""
-
-    __slots__ = ("index",)
-
-    def __init__(self, index: int):
-        self.index = index
-
-
-def _map(obj, fn):
-    """``obj`` rebuilt through its tuples, lists and dataclasses (copies), ``fn`` applied to every other value."""
-    if isinstance(obj, tuple):
-        return tuple(_map(v, fn) for v in obj)
-    if isinstance(obj, list):
-        return [_map(v, fn) for v in obj]
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        new = copy.copy(obj)
-        for f in dataclasses.fields(obj):
-            object.__setattr__(new, f.name, _map(getattr(obj, f.name), fn))
-        return new
-    return fn(obj)
-
-
-def _flatten(obj, leaves: list):
-    """``obj`` with every tensor replaced by a ``_Slot`` into ``leaves`` (one slot per tensor object)."""
-    seen: dict[int, int] = {}
-
-    def slot(v):
-        if not isinstance(v, torch.Tensor):
-            return v
-        if id(v) not in seen:
-            seen[id(v)] = len(leaves)
-            leaves.append(v)
-        return _Slot(seen[id(v)])
-
-    return _map(obj, slot)
-
-
-def _unflatten(tpl, leaves):
-    """The inverse of :func:`_flatten`: ``tpl`` with each ``_Slot`` replaced by its tensor of ``leaves``."""
-    return _map(tpl, lambda v: leaves[v.index] if isinstance(v, _Slot) else v)
-
-
 class _Ctx:
     """What :func:`forward_body` / :func:`backward_body` read and write of an autograd ctx."""
 
@@ -201,8 +156,9 @@ def _forward(x, weight, bias, layer, specs_version, dtype, seed, record: bool) -
         y = forward_body(ctx, x, weight, bias, mod, dtype, seed)
     if not record:  # the fake run: the layer's byte counts stay those of real calls (fake sizes may be symbolic)
         mod.saved_bytes, mod.hp_saved_bytes = counts
-    leaves: list[torch.Tensor] = []
-    tpl = _flatten((ctx.specs, ctx.signs_w, ctx.signs_d, ctx.x_prep, ctx.w_prep), leaves)
+    # forward_body saved (x or None, weight, *the prepared operands' tensors) and left their structure on ctx
+    leaves = list(ctx.saved_tensors[2:])
+    tpl = (ctx.specs, ctx.saved_state)  # the specs hold no tensor
     key = (layer, x.shape[0], weight.dtype, dtype)
     if record:  # real calls only: fake shapes may be symbolic; one template per token count
         _TEMPLATES[key] = tpl
@@ -255,8 +211,8 @@ def _bwd_impl(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor, sa
     ctx = _Ctx()
     ctx.layer, ctx.dtype, ctx.has_bias, ctx.gens = _layer(layer), dtype, has_bias, (None, None)
     tpl = _TEMPLATES[(layer, int(dy.shape[0]), weight.dtype, dtype)]  # the forward of this token count
-    ctx.specs, ctx.signs_w, ctx.signs_d, ctx.x_prep, ctx.w_prep = _unflatten(tpl, saved)
-    ctx.saved_tensors = (x, weight)
+    ctx.specs, ctx.saved_state = tpl
+    ctx.saved_tensors = (x, weight, *saved)
     with _Inside():
         dx, dw, db = backward_body(ctx, dy)[:3]
     return [dx, dw] + ([db] if db is not None else [])
