@@ -233,24 +233,28 @@ def test_stochastic_runs_are_reproducible_under_a_seed():
     assert not torch.equal(a[0], other_step[0])  # ... and are fresh at every step
 
 
-def _sr_grads_after_eval(evaluate: bool):
+def _sr_grads_after_eval(evaluate: bool, recipe: str = "tseng", mode=torch.no_grad):
     """Gradients of the training step that follows a step-0 evaluation (or none) of an SR recipe."""
     torch.manual_seed(0)
-    model = adahop.convert_model(nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 32)), "tseng", seed=0)
+    model = adahop.convert_model(nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 32)), recipe, seed=0)
     x = torch.randn(64, 64, generator=torch.Generator().manual_seed(1))
     out = None
     if evaluate:
-        with torch.no_grad():
+        with mode():
             out = model(x)
     model(x).square().sum().backward()
     return out, [p.grad for p in model.parameters()]
 
 
-def test_an_evaluation_leaves_the_next_training_step_unchanged():
+@pytest.mark.parametrize("recipe", ["tseng", "averis"])  # SR in backward only; SR in fprop too
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode], ids=["no_grad", "inference_mode"])
+def test_an_evaluation_leaves_the_next_training_step_unchanged(recipe, mode):
     """Forward-only calls draw stochastic-rounding bits from their own stream, so a run that
-    evaluates between steps trains bit for bit like one that does not (resume stays exact)."""
-    out, after_eval = _sr_grads_after_eval(True)
-    _, plain = _sr_grads_after_eval(False)
+    evaluates between steps trains bit for bit like one that does not (resume stays exact). Under
+    inference_mode too, where forward-mode AD is off as inside an autograd.Function's forward: such
+    a call is not taken for a reentrant checkpoint's first forward (which draws training bits)."""
+    out, after_eval = _sr_grads_after_eval(True, recipe, mode)
+    _, plain = _sr_grads_after_eval(False, recipe, mode)
     assert all(torch.equal(a, b) for a, b in zip(after_eval, plain))
     assert out is not None and out.requires_grad is False and torch.isfinite(out).all()
 

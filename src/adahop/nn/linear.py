@@ -33,8 +33,10 @@ def _runs_again() -> bool:
     will run again with grad on: a no-grad call inside an autograd.Function's forward (torch runs
     those with grad and forward-mode AD both off, where ``torch.no_grad`` turns off only the first),
     which is what reentrant checkpoints are: ``torch.utils.checkpoint(..., use_reentrant=True)``,
-    and the autograd.Function checkpoints of DeepSpeed or Megatron-LM (built so; not run here)."""
-    return not torch.is_grad_enabled() and not torch._C._is_fwd_grad_enabled()
+    and the autograd.Function checkpoints of DeepSpeed or Megatron-LM (built so; not run here).
+    ``torch.inference_mode`` turns both off as well, and is an evaluation: never a rerun."""
+    return (not torch.is_grad_enabled() and not torch._C._is_fwd_grad_enabled()
+            and not torch.is_inference_mode_enabled())
 
 
 class Controller:
