@@ -53,7 +53,7 @@
 #   r8a (round 8, one GPU): the full kernel validation (the FP8 form of the Triton quantizer after the
 #      signed-zero change), then the issue-19 census (stage i19c) in the time left
 #   r14a (round 14, one GPU): validate_kernels --only ${VALIDATE:-nvfp4,rivals,compile}, a 60-step llama-60m nvfp4 train
-#      --compile alone (the opaque form: the fused NVFP4 quantizer's speed), then the i19q chunk
+#      --compile alone (the opaque form: the fused NVFP4 quantizer's speed; TRAIN60=0 skips it), then the i19q chunk
 #   r9a (round 9, one GPU; run first: nothing of issue 18's triton_op path, the multi-tensor optimizer step
 #      or train --compile's CUDA-graph mode has run on a GPU yet): the full kernel validation, the SR
 #      projection under Inductor, a compiled llama-20m adahop-lv2 train (mode switch at the freeze, no
@@ -197,10 +197,12 @@ if [ "$STAGE" = r14a ]; then  # round 14 (one GPU): the rivals' fast paths check
   export CUDA_VISIBLE_DEVICES=0
   timeout 200 python3 scripts/validate_kernels.py --only ${VALIDATE:-nvfp4,rivals,compile} --log $OUT/validate_r14.json > $OUT/validate_r14.log 2>&1
   grep -E "^(PASS|FAIL)" $OUT/validate_r14.log | cut -c1-220; tail -1 $OUT/validate_r14.log; echo "validate done at $(el) s"
-  grep -q "^FAIL.*NVFP4" $OUT/validate_r14.log && echo "WARNING: an NVFP4 check failed: do not keep nvfp4/averis runs"
-  timeout 150 python3 -m adahop train --model llama-60m --recipe nvfp4 --data runs/issue19/main --steps 60 --eval-every 0 \
-    --ckpt-every 0 --log-every 10 --seq-len 512 --batch-size 32 --compile --out /tmp/nv60 > $OUT/train60_nvfp4.log 2>&1
-  echo "nvfp4 llama-60m train --compile alone: exit $? at $(el) s"; python3 -c "import json; d = json.load(open('/tmp/nv60/summary.json')); print({k: d.get(k) for k in ('final_train_loss', 'compile_mode', 'tok_per_s', 'warmup_s', 'recompiles_steady_state', 'graph_breaks_steady_state')})"
+  grep -qi "^FAIL.*nvfp4" $OUT/validate_r14.log && echo "WARNING: an NVFP4 check failed: do not keep nvfp4/averis runs"
+  if [ "${TRAIN60:-1}" = 1 ]; then  # TRAIN60=0 skips the timing run
+    timeout 150 python3 -m adahop train --model llama-60m --recipe nvfp4 --data runs/issue19/main --steps 60 --eval-every 0 \
+      --ckpt-every 0 --log-every 10 --seq-len 512 --batch-size 32 --compile --out /tmp/nv60 > $OUT/train60_nvfp4.log 2>&1
+    echo "nvfp4 llama-60m train --compile alone: exit $? at $(el) s"; python3 -c "import json; d = json.load(open('/tmp/nv60/summary.json')); print({k: d.get(k) for k in ('final_train_loss', 'compile_mode', 'tok_per_s', 'warmup_s', 'recompiles_steady_state', 'graph_breaks_steady_state')})"
+  fi
   STAGE=i19q
 fi
 if [ "$STAGE" = r13a ]; then  # round 13 (one GPU): the traced rival layers checked, timed alone, then the i19q chunk
