@@ -318,6 +318,24 @@ def check_nvfp4_quantize(name, x, axis, hb=None, signs=None, tile=False, gs=None
     record(f"nvfp4 quant {name}", same and api and not any(diffs), **detail)
 
 
+def check_nvfp4_plan(name, x, axis, hb=None, signs=None, tile=False):
+    """The K-major transposing tile (`transposing_plan`) vs the default plan: the same bytes (codes,
+    scales, tensor scale, values) and both times; the default moves to the faster one on this."""
+    from adahop.kernels import _triton_quantize_nvfp4 as nq
+
+    args = (x, axis, hb or 0, signs, False, tile, None, None, True, True, None)
+    plan = nq.transposing_plan(x.element_size(), hb or 0, tile)
+    want, got = nq.nv_quantize(*args), nq.nv_quantize(*args, plan=plan)
+    bits = lambda t: t.reshape(-1).view(torch.uint8)  # noqa: E731
+    same = all(torch.equal(bits(a), bits(b)) for a, b in zip(want, got))
+    detail = {}
+    if x.is_cuda:
+        t0 = 1e3 * cuda_time_ms(lambda: nq.nv_quantize(*args))
+        t1 = 1e3 * cuda_time_ms(lambda: nq.nv_quantize(*args, plan=plan))
+        detail = dict(us_default=t0, us_layout1=t1, layout1_speedup=t0 / t1)
+    record(f"nvfp4 plan {name}", same, **detail)
+
+
 def check_nvfp4_stochastic(name, x, axis, hb=None, signs=None, tile=False):
     """SR: the reference's block and tensor scales bit for bit (the scale rounded up), every value one of
     the two grid neighbours of the scaled input, t-statistics of the error's mean and of its slope against
@@ -706,6 +724,11 @@ def main() -> int:
         check_nvfp4_quantize("X 8192x4096 ax1 given tensor scale", x, 1, gs=torch.tensor(0.75, device=dev))
         rows = torch.randperm(x.shape[0], device=dev, generator=gen)[:64]
         check_nvfp4_quantize("X 8192x4096 ax1 OE zero rows", x, 1, zero=rows)
+        check_nvfp4_plan("X 8192x4096 ax0 bf16 (transposing)", x, 0)
+        check_nvfp4_plan("X 8192x4096 ax0 RHT16 TE signs (wgrad B)", x, 0, hb=16, signs=te)
+        check_nvfp4_plan("dYt = (8192x1024).t() ax1 RHT16 (wgrad A)", dy.t(), 1, hb=16, signs=te)
+        check_nvfp4_plan("W 14336x4096 ax0 16x16 tiles (dgrad B)", w, 0, tile=True)
+        check_nvfp4_plan("X 8192x4096 ax0 fp32", x.float(), 0)
         for axis in (1, 0):
             check_nvfp4_stochastic(f"4096x4096 ax{axis} bf16 1x16", mk((4096, 4096)), axis)
         check_nvfp4_stochastic("W 4096x4096 ax0 16x16 tiles", mk((4096, 4096)), 0, tile=True)

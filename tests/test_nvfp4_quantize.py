@@ -182,7 +182,7 @@ interp = pytest.mark.skipif(not (HAS_TRITON and INTERPRET),
 
 
 @pytest.mark.skipif(not HAS_TRITON or INTERPRET, reason="needs triton; runs the interp_* tests in a child process")
-@pytest.mark.parametrize("group", ["bit_exact and (ax1 or global)", "bit_exact and ax0", "rounding or ties or outputs or decode",
+@pytest.mark.parametrize("group", ["bit_exact and (ax1 or global)", "bit_exact and (ax0 or transposing)", "rounding or ties or outputs or decode",
                                    "stochastic and blocks", "stochastic and not blocks", "op_traces",
                                    "layer and not averis", "layer and averis"])
 def test_nvfp4_kernels_in_interpreter(group):
@@ -246,6 +246,35 @@ def test_interp_bit_exact_global_scale_and_zero_rows():
     zero = torch.zeros(16, 32)  # an all-zero tensor: tensor scale 1, every code 0
     q = iht_quantize_nvfp4(zero, axis=1, backend="triton")
     assert _same(q, quantize_nvfp4(zero, axis=1)) and float(q.global_scale) == 1.0
+
+
+@interp
+def test_interp_bit_exact_transposing_plan():
+    """The K-major LAYOUT-1 tile (`transposing_plan`, a candidate for rows contiguous) gives the
+    default plan's bytes: codes, scales, tensor scale and values; RNE and SR under one seed, RHT-16
+    with signs, a 32-block Hadamard, 16×16 tiles, OE rows, ragged rows and Kc."""
+    from adahop.kernels import _triton_quantize_nvfp4 as nq
+
+    signs = torch.randint(0, 2, (16,)).float() * 2 - 1
+    for shape, hb, tile, dtype, stoch, keep in (((96, 80), 16, False, torch.bfloat16, False, False),
+                                                ((96, 80), 16, False, torch.float32, True, False),
+                                                ((70, 50), 0, True, torch.bfloat16, False, False),
+                                                ((64, 200), 0, False, torch.bfloat16, False, True),
+                                                ((64, 70), 32, False, torch.float32, False, False)):
+        x = _special(*shape, seed=shape[1]).to(dtype)  # axis 0 of a row-major x: rows contiguous
+        keep_t = None
+        if keep:
+            keep_t = torch.ones(shape[1], dtype=torch.uint8)
+            keep_t[[0, 5, 63]] = 0
+        seed = torch.tensor([1234], dtype=torch.int64) if stoch else None
+        args = (x, 0, hb, signs if hb == 16 else None, stoch, tile, seed, None, True, True, keep_t)
+        plan = nq.transposing_plan(x.element_size(), hb, tile)
+        want, got = nq.nv_quantize(*args), nq.nv_quantize(*args, plan=plan)
+        assert plan["LAYOUT"] == 1 and plan["VEC"] == (2 if dtype == torch.bfloat16 else 1)
+        for a, b in zip(want, got):
+            assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), (shape, hb, tile)
+    with pytest.raises(ValueError, match="LAYOUT 0 or 1"):
+        nq.nv_quantize(*args, plan=dict(plan, LAYOUT=2))
 
 
 if HAS_TRITON and INTERPRET:  # a probe of the kernels' E4M3 rounding (the names it calls must be module globals)

@@ -68,16 +68,40 @@ def _e4m3_bits(v):
 
 
 @triton.jit
+def _fwht_mid(v, G: tl.constexpr, HB: tl.constexpr, LOG_HB: tl.constexpr, C: tl.constexpr):
+    """`_triton_quantize._fwht` along axis 1 of ``v [G, HB, C]``: the same stages, pairs and sums, so
+    the same values; the last axis (the rows of the transposing tile) is carried along."""
+    pair = tl.arange(0, 2)[None, :, None, None]
+    sgn = tl.where(pair == 0, 1.0, -1.0)
+    for j in tl.static_range(LOG_HB):
+        w = tl.reshape(v, [G * HB // (2 << j), 2, 1 << j, C])
+        s = tl.sum(w, axis=1, keep_dims=True)  # a + b
+        d = tl.sum(w * sgn, axis=1, keep_dims=True)  # a + (-b) == a - b
+        v = tl.reshape(tl.where(pair == 0, s, d), [G, HB, C])
+    return v
+
+
+@triton.jit
 def _nv_tile(x_ptr, stride_r, stride_k, r, k0, rows, kc, signs_ptr, keep_ptr,
              BR: tl.constexpr, BK: tl.constexpr, INT64: tl.constexpr, TILE2D: tl.constexpr,
              HB: tl.constexpr, LOG_HB: tl.constexpr, HSCALE: tl.constexpr, HAS_SIGNS: tl.constexpr,
-             ZERO_ROWS: tl.constexpr):
+             ZERO_ROWS: tl.constexpr, LAYOUT: tl.constexpr, VEC: tl.constexpr):
     """Tile ``X'[r, k0:k0+BK]`` (zeros outside, H_b-transformed if HB) as fp32 ``[BR, BK/16, 16]``,
     with each block's finite amax (0 where not finite) and non-finite flag ``[BR, BK/16]`` (of its
-    16×16 tile under TILE2D: rows ``r`` start at a multiple of 16)."""
+    16×16 tile under TILE2D: rows ``r`` start at a multiple of 16).
+
+    LAYOUT 0 loads a ``[BR, BK]`` tile. LAYOUT 1 (rows contiguous, the transposing case) loads it
+    K-major, ``[BK/16, 16, BR]`` with the rows last and shown in runs of VEC, so that lanes and warps
+    go along the rows and each thread holds whole 16-blocks of K: the Hadamard's butterfly then stays
+    in registers (with the ``[BR, BK]`` tile it exchanges data between lanes at every stage); a
+    permute, which moves no data, gives the ``[BR, BK/16, 16]`` view. Same values either way."""
     NB: tl.constexpr = BK // _B
-    rr = r[:, None]
-    k = k0 + tl.arange(0, BK)[None, :]
+    if LAYOUT == 1:
+        rr = ((r // VEC) * VEC + r % VEC)[None, None, :]  # same values; provable contiguity VEC
+        k = (k0 + tl.arange(0, NB)[:, None] * _B + tl.arange(0, _B)[None, :])[:, :, None]
+    else:
+        rr = r[:, None]
+        k = k0 + tl.arange(0, BK)[None, :]
     if INT64:
         offs = rr.to(tl.int64) * stride_r + k.to(tl.int64) * stride_k
     else:
@@ -87,13 +111,24 @@ def _nv_tile(x_ptr, stride_r, stride_k, r, k0, rows, kc, signs_ptr, keep_ptr,
         keep = tl.load(keep_ptr + rr, mask=rr < rows, other=1)
         v = tl.where(keep != 0, v, 0.0)
     if HB > 1:  # the same add/sub sequence as kernels.quantize_mxfp4.hadamard_butterfly
-        G: tl.constexpr = BR * BK // HB
-        v = tl.reshape(v, [G, HB])
-        if HAS_SIGNS:
-            v = v * tl.load(signs_ptr + tl.arange(0, HB))[None, :]
-        v = _fwht(v, G, HB, LOG_HB) * HSCALE
-        v = tl.where(v == 0, 0.0, v)  # -0 -> +0
-    v = tl.reshape(v, [BR, NB, _B])
+        if LAYOUT == 1:
+            GK: tl.constexpr = BK // HB
+            v = tl.reshape(v, [GK, HB, BR])
+            if HAS_SIGNS:
+                v = v * tl.load(signs_ptr + tl.arange(0, HB))[None, :, None]
+            v = _fwht_mid(v, GK, HB, LOG_HB, BR) * HSCALE
+            v = tl.reshape(tl.where(v == 0, 0.0, v), [NB, _B, BR])  # -0 -> +0
+        else:
+            G: tl.constexpr = BR * BK // HB
+            v = tl.reshape(v, [G, HB])
+            if HAS_SIGNS:
+                v = v * tl.load(signs_ptr + tl.arange(0, HB))[None, :]
+            v = _fwht(v, G, HB, LOG_HB) * HSCALE
+            v = tl.where(v == 0, 0.0, v)  # -0 -> +0
+    if LAYOUT == 1:
+        v = tl.permute(v, (2, 0, 1))
+    else:
+        v = tl.reshape(v, [BR, NB, _B])
     amax = tl.reduce(tl.abs(v), 2, _max_propagate_nan)  # NaN if the block holds one, Inf if an Inf
     if TILE2D:
         t = tl.reduce(tl.reshape(amax, [BR // _B, _B, NB]), 1, _max_propagate_nan)
@@ -109,11 +144,11 @@ def _nv_tile(x_ptr, stride_r, stride_k, r, k0, rows, kc, signs_ptr, keep_ptr,
 def _nv_amax_kernel(x_ptr, stride_r, stride_k, rows, kc, tamax_ptr, signs_ptr, keep_ptr,
                     BR: tl.constexpr, BK: tl.constexpr, INT64: tl.constexpr, TILE2D: tl.constexpr,
                     HB: tl.constexpr, LOG_HB: tl.constexpr, HSCALE: tl.constexpr, HAS_SIGNS: tl.constexpr,
-                    ZERO_ROWS: tl.constexpr):
+                    ZERO_ROWS: tl.constexpr, LAYOUT: tl.constexpr, VEC: tl.constexpr):
     """Pass 1 of 2: ``tamax`` (int32 [1], zeroed) = max over the tensor of the finite block amaxes, as bits."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     _, amax, _ = _nv_tile(x_ptr, stride_r, stride_k, r, tl.program_id(1) * BK, rows, kc, signs_ptr, keep_ptr, BR, BK,
-                          INT64, TILE2D, HB, LOG_HB, HSCALE, HAS_SIGNS, ZERO_ROWS)
+                          INT64, TILE2D, HB, LOG_HB, HSCALE, HAS_SIGNS, ZERO_ROWS, LAYOUT, VEC)
     tl.atomic_max(tamax_ptr, tl.max(tl.max(amax, axis=1), axis=0).to(tl.int32, bitcast=True))
 
 
@@ -123,7 +158,8 @@ def _nv_quantize_kernel(x_ptr, stride_r, stride_k, rows, kc, kp, tamax_ptr, gs_i
                         BR: tl.constexpr, BK: tl.constexpr, INT64: tl.constexpr, TILE2D: tl.constexpr,
                         HB: tl.constexpr, LOG_HB: tl.constexpr, HSCALE: tl.constexpr, HAS_SIGNS: tl.constexpr,
                         ZERO_ROWS: tl.constexpr, STOCHASTIC: tl.constexpr, GS_GIVEN: tl.constexpr,
-                        WRITE_CODES: tl.constexpr, WRITE_VALUES: tl.constexpr):
+                        WRITE_CODES: tl.constexpr, WRITE_VALUES: tl.constexpr, LAYOUT: tl.constexpr,
+                        VEC: tl.constexpr):
     """Pass 2 of 2: codes ``[rows, kp/2]``, E4M3 scale bytes ``[rows, kp/16]``, the tensor scale
     ``[1]`` and (WRITE_VALUES) BF16 ``q · s_block`` ``[rows, kp]`` of one tile."""
     NB: tl.constexpr = BK // _B
@@ -134,7 +170,7 @@ def _nv_quantize_kernel(x_ptr, stride_r, stride_k, rows, kc, kp, tamax_ptr, gs_i
         r = r.to(tl.int64)
     k0 = pid_k * BK
     v, amax, bad = _nv_tile(x_ptr, stride_r, stride_k, r, k0, rows, kc, signs_ptr, keep_ptr, BR, BK, INT64, TILE2D,
-                            HB, LOG_HB, HSCALE, HAS_SIGNS, ZERO_ROWS)
+                            HB, LOG_HB, HSCALE, HAS_SIGNS, ZERO_ROWS, LAYOUT, VEC)
     # the tensor scale: t_amax / (448 · 6), 1 for an all-zero tensor, at least 2^-149 (the reference's clamp)
     if GS_GIVEN:
         sg = tl.load(gs_in_ptr)
@@ -228,7 +264,17 @@ def default_plan(rows: int, kp: int, stride_r: int, stride_k: int, hb: int, tile
     if tile_2d:  # whole 16x16 tiles, still about 4096 elements
         br = max(br, NV_BLOCK)
         bk = max(min(bk, 4096 // br), NV_BLOCK, hb)
-    return dict(BR=br, BK=bk, num_warps=max(1, min(8, br * bk // 512)))
+    return dict(BR=br, BK=bk, num_warps=max(1, min(8, br * bk // 512)), LAYOUT=0, VEC=1)
+
+
+def transposing_plan(elem_size: int, hb: int, tile_2d: bool) -> dict:
+    """The LAYOUT-1 tile of `_nv_tile` for rows contiguous: ``[BK/16, 16, BR]`` K-major, BK = 16 (or
+    the Hadamard block), BR = 32 lanes × VEC × 4 warps (VEC = 2 for 2-byte inputs, else 1), so each
+    thread holds VEC rows × BK. A candidate beside :func:`default_plan`'s ``[128, 32]`` tile:
+    ``scripts/validate_kernels.py --only nvfp4`` checks it bit for bit and times both, and the
+    default moves to it only on that measurement."""
+    vec = 2 if elem_size == 2 else 1
+    return dict(BR=32 * vec * 4, BK=max(NV_BLOCK, hb), num_warps=4, LAYOUT=1, VEC=vec)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -237,12 +283,14 @@ def _launch_config(rows, kc, stride_r, stride_k, hb, has_signs, tile_2d, zero_ro
     kp = -(-kc // NV_BLOCK) * NV_BLOCK
     p = dict(plan_items) if plan_items else default_plan(rows, kp, stride_r, stride_k, hb, tile_2d)
     br, bk = p["BR"], p["BK"]
-    if bk % NV_BLOCK or (hb and bk % hb) or (tile_2d and br % NV_BLOCK) or bk & (bk - 1) or br & (br - 1):
+    vec = p.get("VEC", 1)
+    if (bk % NV_BLOCK or (hb and bk % hb) or (tile_2d and br % NV_BLOCK) or bk & (bk - 1) or br & (br - 1)
+            or p.get("LAYOUT", 0) not in (0, 1) or vec & (vec - 1) or br % vec):
         raise ValueError(f"nvfp4 quantizer plan {p}: BR, BK must be powers of two, BK a multiple of 16 and of the "
-                         f"Hadamard block {hb}, BR of 16 for 16x16 tiles")
+                         f"Hadamard block {hb}, BR of 16 for 16x16 tiles and of VEC (a power of two); LAYOUT 0 or 1")
     common = dict(BR=br, BK=bk, INT64=False, TILE2D=tile_2d, HB=hb, LOG_HB=int(math.log2(hb)) if hb else 0,
                   HSCALE=_f32(1 / math.sqrt(hb)) if hb else 1.0, HAS_SIGNS=has_signs, ZERO_ROWS=zero_rows,
-                  num_warps=p["num_warps"])
+                  num_warps=p["num_warps"], LAYOUT=p.get("LAYOUT", 0), VEC=p.get("VEC", 1))
     return kp, (triton.cdiv(rows, br), triton.cdiv(kp, bk)), common
 
 
