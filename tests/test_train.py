@@ -689,3 +689,28 @@ def test_startup_summary_warns_when_the_warmup_outlasts_the_run():
     note = _short_run_note(TrainConfig(steps=4, warmup_steps=30, lr=3e-3), 4)
     assert "--warmup-steps 30 >= the schedule's 4 steps: the lr peaks at 0.0004, never --lr 0.003" in note
     assert _short_run_note(TrainConfig(steps=100, warmup_steps=30), 100) == ""
+
+
+def test_startup_notes_name_a_given_plan_and_packed_masters_under_round_to_nearest():
+    """Fresh-user pass: with --plan the GEMM table still printed "calibration: 30 BF16 steps", and FP4
+    masters trained under the default rounding (nearest) with no word, though they stall."""
+    from adahop.train.config import TrainConfig
+    from adahop.train.setup import _run_notes
+
+    assert _run_notes(TrainConfig()) == []
+    (plan,) = _run_notes(TrainConfig(plan="runs/a/plan.json"))
+    assert "frozen from runs/a/plan.json: no calibration runs" in plan
+    for master, rounding in (("fp4", "auto"), ("fp8", "nearest"), ("nvfp4", "auto")):
+        (warn,) = _run_notes(TrainConfig(master_weights=master, master_rounding=rounding))
+        assert f"--master-weights {master} with round to nearest" in warn and "--master-rounding stochastic" in warn
+    assert _run_notes(TrainConfig(master_weights="fp4", master_rounding="stochastic")) == []
+    assert _run_notes(TrainConfig(master_weights="bf16")) == []
+
+
+def test_a_plan_folder_is_refused_with_the_file_to_pass(tmp_path):
+    from adahop.train.config import TrainConfig
+    from adahop.train.setup import resolve_recipe
+
+    (tmp_path / "plan.json").write_text("{}")
+    with pytest.raises(ValueError, match=f"--plan {tmp_path} is a folder; pass the plan file itself \\(--plan {tmp_path}/plan.json\\)"):
+        resolve_recipe(TrainConfig(recipe="adahop-lv2", plan=str(tmp_path)))

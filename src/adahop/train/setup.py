@@ -314,7 +314,21 @@ def startup_summary(cfg: TrainConfig, model: torch.nn.Module, recipe, train: Tok
               f"at step {schedule_steps}" + _short_run_note(cfg, schedule_steps),
               f"  GEMMs of {recipe.name}:"]
     lines += ["    " + line for line in gemm_table(recipe).splitlines()]
-    return "\n".join(lines)
+    return "\n".join(lines + _run_notes(cfg))
+
+
+def _run_notes(cfg: TrainConfig) -> list[str]:
+    """Start-up lines about this run's settings that the recipe's table cannot show: a given plan
+    (no calibration runs, whatever the table's calibration note says) and packed master weights
+    under round to nearest (which lose every update below half a step of their format)."""
+    notes = []
+    if cfg.plan:
+        notes.append(f"  plan            frozen from {cfg.plan}: no calibration runs (--calib-steps has no effect)")
+    if cfg.master_weights in ("fp8", "fp4", "nvfp4") and cfg.master_rounding in ("auto", "nearest"):
+        notes.append(f"  warning         --master-weights {cfg.master_weights} with round to nearest: updates below half a "
+                     "step of the format are lost (docs/results.md: an FP4 master stalled at 6.69, FP8 ended 5.8% behind); "
+                     "pass --master-rounding stochastic")
+    return notes
 
 
 def make_model(cfg: TrainConfig, manifest: Manifest, device: torch.device) -> torch.nn.Module:
@@ -342,6 +356,10 @@ def resolve_recipe(cfg: TrainConfig):
     if cfg.plan:
         if not Path(cfg.plan).exists():
             raise ValueError(f"--plan {cfg.plan}: no such file")
+        if Path(cfg.plan).is_dir():
+            hint = Path(cfg.plan) / "plan.json"
+            raise ValueError(f"--plan {cfg.plan} is a folder; pass the plan file itself"
+                             + (f" (--plan {hint})" if hint.exists() else " (a plan.json of a run, a checkpoint or analyze)"))
         if recipe.calibration is None:
             raise ValueError(f"--plan is for AdaHOP recipes (they calibrate); --recipe {cfg.recipe} has fixed strategies "
                              f"and would ignore it. Use --recipe adahop-lv1 or adahop-lv2, or drop --plan")
