@@ -387,11 +387,12 @@ def check_nvfp4_decode(name, x, axis, tile=False):
     """The decode of a saved packed NVFP4 operand (Triton) vs the gather build, bit for bit, with its time."""
     q = iht_quantize_nvfp4(x, axis=axis, tile_2d=tile, backend="reference")
     got, want = nvfp4_block_values(q, backend="triton"), nvfp4_block_values(q, backend="reference")
-    bad = int((got.isnan() != want.isnan()).sum() + (got.nan_to_num().view(torch.int16) != want.nan_to_num().view(torch.int16)).sum())
+    nan_diff = got.isnan() != want.isnan()
+    bits_diff = got.nan_to_num().view(torch.int16) != want.nan_to_num().view(torch.int16)
+    bad = int(nan_diff.sum() + bits_diff.sum())
     detail = dict(diff=bad)
     if bad:  # the first mismatch with its code and scale bytes, to tell a layout from an arithmetic fault
-        i, k = ((got.nan_to_num().view(torch.int16) != want.nan_to_num().view(torch.int16))
-                | (got.isnan() != want.isnan())).nonzero()[0].tolist()
+        i, k = (nan_diff | bits_diff).nonzero()[0].tolist()
         detail.update(first=(i, k, got[i, k].item(), want[i, k].item(), int(q.codes[i, k // 2]),
                              int(q.scales.view(torch.uint8)[i, k // 16])))
     if x.is_cuda:

@@ -704,6 +704,7 @@ def test_startup_notes_name_a_given_plan_and_packed_masters_under_round_to_neare
         (warn,) = _run_notes(TrainConfig(master_weights=master, master_rounding=rounding))
         assert f"--master-weights {master} with round to nearest" in warn and "--master-rounding stochastic" in warn
     assert _run_notes(TrainConfig(master_weights="fp4", master_rounding="stochastic")) == []
+    assert _run_notes(TrainConfig(optimizer="sr-adamw", master_weights="fp8")) == []  # auto is stochastic there
     assert _run_notes(TrainConfig(master_weights="bf16")) == []
 
 

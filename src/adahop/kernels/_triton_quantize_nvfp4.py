@@ -290,7 +290,7 @@ def _launch_config(rows, kc, stride_r, stride_k, hb, has_signs, tile_2d, zero_ro
                          f"Hadamard block {hb}, BR of 16 for 16x16 tiles and of VEC (a power of two); LAYOUT 0 or 1")
     common = dict(BR=br, BK=bk, INT64=False, TILE2D=tile_2d, HB=hb, LOG_HB=int(math.log2(hb)) if hb else 0,
                   HSCALE=_f32(1 / math.sqrt(hb)) if hb else 1.0, HAS_SIGNS=has_signs, ZERO_ROWS=zero_rows,
-                  num_warps=p["num_warps"], LAYOUT=p.get("LAYOUT", 0), VEC=p.get("VEC", 1))
+                  num_warps=p["num_warps"], LAYOUT=p.get("LAYOUT", 0), VEC=vec)
     return kp, (triton.cdiv(rows, br), triton.cdiv(kp, bk)), common
 
 

@@ -10,7 +10,7 @@ from .base import STATE_DTYPES
 from .kahan_adamw import KahanAdamW
 from .madam import MAdam
 from .master import weight_bytes
-from .names import MADAM_FORMS, MASTER_FORMATS, MASTER_ROUNDINGS, OPTIMIZERS
+from .names import MADAM_FORMS, MASTER_FORMATS, MASTER_ROUNDINGS, OPTIMIZERS, resolved_rounding
 from .sr_adamw import SRAdamW
 
 __all__ = ["build_optimizer", "memory_bytes"]
@@ -53,7 +53,7 @@ def build_optimizer(name: str, params, *, lr: float, betas=(0.9, 0.999), eps: fl
     kw = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, state_dtype=STATE_DTYPES[states], seed=seed,
               backend=backend)
     if name != "sr-adamw":  # SRAdamW sets its own
-        kw["rounding"] = "nearest" if rounding == "auto" else rounding
+        kw["rounding"] = resolved_rounding(name, rounding)
     if name == "m+adam":
         if madam_form not in MADAM_FORMS:
             raise ValueError(f"--madam-form {madam_form!r}: use one of {tuple(MADAM_FORMS)}")

@@ -13,6 +13,7 @@ from ..data import Manifest, TokenStream
 from ..data.cache import cached_path, is_cached, prepare_cached
 from ..data.identity import changed_sources, identity_changes, manifest_identity
 from ..models import build_model, check_compat
+from ..optim.names import PACKED_FORMATS, resolved_rounding
 from ..patterns import Plan
 from ..recipes import get_recipe
 from .config import ERROR_FILE, TrainConfig
@@ -324,7 +325,7 @@ def _run_notes(cfg: TrainConfig) -> list[str]:
     notes = []
     if cfg.plan:
         notes.append(f"  plan            frozen from {cfg.plan}: no calibration runs (--calib-steps has no effect)")
-    if cfg.master_weights in ("fp8", "fp4", "nvfp4") and cfg.master_rounding in ("auto", "nearest"):
+    if cfg.master_weights in PACKED_FORMATS and resolved_rounding(cfg.optimizer, cfg.master_rounding) == "nearest":
         notes.append(f"  warning         --master-weights {cfg.master_weights} with round to nearest: updates below half a "
                      "step of the format are lost (docs/results.md: an FP4 master stalled at 6.69, FP8 ended 5.8% behind); "
                      "pass --master-rounding stochastic")
