@@ -343,8 +343,9 @@ def test_opaque_fake_run_leaves_no_fake_tensor_in_the_constant_caches(recipe, si
 
 
 def test_opaque_layer_recompiles_when_its_specs_change(single_thread):
-    """A compiled graph holds the layer's specs version as a constant: new specs (a new plan) make
-    dynamo recompile instead of running the old graph's op layout; the op refuses a stale version."""
+    """A compiled graph holds a digest of the layer's specs as a constant: new specs (a new plan)
+    make dynamo recompile instead of running the old graph's op layout, the same specs resolved
+    again do not; the op refuses a stale digest."""
     from torch._dynamo.utils import counters
 
     from adahop.nn.opaque import _fwd_impl
@@ -353,13 +354,35 @@ def test_opaque_layer_recompiles_when_its_specs_change(single_thread):
     f = torch.compile(m, fullgraph=True, backend="aot_eager")
     x = torch.randn(T, K)
     counters.clear()
-    y0 = f(x)
+    f(x)
+    m[0].resolve_specs()  # the same specs: the same digest, the same graph
+    f(x)
+    assert counters["stats"]["unique_graphs"] == 1
+    m[0].recipe = get_recipe("mxfp4-had@only-dgrad")  # other specs: another graph
     m[0].resolve_specs()
     y1 = f(x)
-    assert counters["stats"]["unique_graphs"] == 2  # the second call compiled again
-    torch.testing.assert_close(y1, y0, rtol=0, atol=0)
+    assert counters["stats"]["unique_graphs"] == 2
+    torch.testing.assert_close(y1, x @ m[0].weight.detach().t(), rtol=1e-6, atol=1e-6)  # fprop is BF16 there
     with pytest.raises(RuntimeError, match="specs changed after the model was compiled"):
         _fwd_impl(x, m[0].weight, None, m[0]._op_key, m[0]._specs_version - 1, torch.float32, None)
+
+
+def test_opaque_graph_constant_tells_recipes_apart_across_processes(single_thread):
+    """Two runs side by side number their layers alike (the op's layer key), so the specs constant
+    alone keeps their graphs apart in the shared Inductor/AOT caches. It is a digest of the specs
+    (round 15, H200: mxfp4-had@only-dgrad loaded the graph compiled for @only-wgrad and failed with
+    "expected size 256==8192"): equal for equal specs, whatever the conversion, different otherwise."""
+    digests = {}
+    for recipe in ("mxfp4-had@only-dgrad", "mxfp4-had@only-wgrad", "mxfp4-had", "mxfp4-had@only-dgrad"):
+        m = _layer(recipe)
+        digests.setdefault(recipe, set()).add(m[0]._specs_version)
+    assert all(len(v) == 1 for v in digests.values()), digests  # a second conversion: the same constant
+    assert len({next(iter(v)) for v in digests.values()}) == 3
+    m = _layer("mxfp4-had")
+    other = _layer("mxfp4-had")
+    other[0].backend = "triton"
+    other[0].resolve_specs()
+    assert other[0]._specs_version != m[0]._specs_version  # the backend's kernels save other tensors
 
 
 def test_converted_layer_makes_its_device_constants_before_any_compiled_call(single_thread):

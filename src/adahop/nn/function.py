@@ -161,7 +161,13 @@ def forward_body(ctx, x, weight, bias, layer, dtype, seed=None) -> torch.Tensor:
         # must see them all, or torch.utils.checkpoint (non-reentrant) kept them alive from forward
         # to backward as ctx attributes (a checkpointed layer held its whole packed X and W)
         leaves: list[torch.Tensor] = []
-        ctx.saved_state = flatten((signs_w, signs_d, x_prep, w_prep), leaves)
+        state = (signs_w, signs_d, x_prep, w_prep)
+        if torch.compiler.is_dynamo_compiling():
+            # the traced form: torch 2.11's dynamo cannot trace flatten's dataclass walk ("Unsupported
+            # hasattr call", H200 round 15) and a traced graph has no saved-tensor hooks to serve
+            ctx.saved_state, ctx.live_state = None, state
+        else:
+            ctx.saved_state = flatten(state, leaves)
         ctx.save_for_backward(x if x_prep is None else None, weight, *leaves)
         layer.saved_bytes = x.numel() * x.element_size() if x_prep is None else x_prep.nbytes
         if w_prep is not None:
@@ -183,7 +189,8 @@ def backward_body(ctx, dy):
         dw = dy.t() @ x  # wgrad
         return dx, dw.to(weight.dtype), grad_bias, None, None, None
 
-    signs_w, signs_d, x_prep, w_prep = unflatten(ctx.saved_state, leaves)
+    live = ctx.saved_state is None  # forward_body's traced form kept the structure itself
+    signs_w, signs_d, x_prep, w_prep = ctx.live_state if live else unflatten(ctx.saved_state, leaves)
     gd, gw = ctx.gens
     # operands not saved prepared (they need high precision) are prepared now, with the signs
     # drawn in forward, so both GEMMs always run as prepare(A) · saved-or-prepared(B)

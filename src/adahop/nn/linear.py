@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import itertools
 import warnings
 import weakref
 
@@ -14,9 +13,9 @@ from ..patterns import Calibrator, Plan
 from ..recipes.spec import GEMMS, GemmSpec, Recipe
 from ..utils import mix_seed
 from . import opaque
+from .opaque import specs_digest
 from .function import LowPrecisionLinearFn, fprop, salt
 
-_SPECS_VERSIONS = itertools.count()
 
 __all__ = ["LowPrecisionLinear", "Controller"]
 
@@ -193,7 +192,14 @@ class LowPrecisionLinear(nn.Linear):
     # -- plan and specs ----------------------------------------------------------------------
     def resolve_specs(self) -> None:
         """Fix the spec of each GEMM: 'calibrated' strategies come from the controller's plan."""
-        self._specs_version = next(_SPECS_VERSIONS)  # a compiled graph of older specs refuses to run (adahop.nn.opaque)
+        self._resolve_specs()
+        # the opaque ops take this as a graph constant: a compiled graph of other specs refuses to run
+        # (adahop.nn.opaque). A digest of the content, not a counter: two processes that number their
+        # layers alike (two recipes, or two plans, run side by side) must not share an Inductor/AOT cache
+        # entry, whose graph bakes in the other one's saved tensors (round 15: "expected size 256==8192")
+        self._specs_version = specs_digest(self._specs, self.backend)
+
+    def _resolve_specs(self) -> None:
         if self.force_bf16 or self.recipe.is_bf16:
             self._specs = None
             return

@@ -6,7 +6,8 @@ llama-125m AdaHOP-Lv2 on the H200 took 120.7 s against BF16's 26.4 s, with dynam
 the layers at 45 s (`docs/benchmarks_history.md`, round 9). Here, once the plan is frozen, the
 compiled graph holds each layer as two ops instead of its traced GEMMs:
 
-- ``adahop::lp_linear_fwd(x, weight, bias, layer, specs_version, dtype, seed) -> [y, *saved]`` runs the
+- ``adahop::lp_linear_fwd(x, weight, bias, layer, specs_version, dtype, seed) -> [y, *saved]`` (``specs_version``:
+  :func:`specs_digest` of the layer's specs) runs the
   layer's fprop and prepares the backward operands (the very code of eager mode,
   :func:`adahop.nn.function.forward_body`); ``saved`` are the tensors of the prepared operands;
 - ``adahop::lp_linear_bwd(dy, x, weight, saved, layer, dtype, has_bias) -> [dx, dw, dbias]``
@@ -36,6 +37,7 @@ direction. The NVFP4 quantizer has since become a fused kernel (`adahop.kernels.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import os
 import threading
@@ -46,7 +48,7 @@ import torch
 from .function import _needs_hp_b, backward_body, forward_body
 
 __all__ = ["COMPILED_LAYERS", "FORMS", "set_compiled_layers", "unfused_parts", "layer_form", "register", "lp_linear",
-           "in_opaque_layer"]
+           "in_opaque_layer", "specs_digest"]
 
 #: The forms :data:`COMPILED_LAYERS` takes.
 FORMS = ("auto", "opaque", "traced")
@@ -110,6 +112,14 @@ def layer_form(specs: dict, how: str | None = None) -> str:
     ``specs`` is kept in the signature so a per-layer rule can return without changing callers."""
     how = COMPILED_LAYERS if how is None else how
     return "opaque" if how == "auto" else how
+
+
+def specs_digest(specs: dict | None, backend: str) -> int:
+    """A 56-bit digest of a layer's resolved GEMM specs (GEMM name -> ``GemmSpec``, or None) and
+    backend: what the opaque ops' saved tensors depend on besides the shapes and dtypes the graph
+    already holds. The ops take it as a constant, so it keys dynamo's guards and Inductor's caches."""
+    text = repr((backend, None if specs is None else sorted(specs.items())))
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
 
 
 def in_opaque_layer() -> bool:
@@ -263,5 +273,5 @@ def lp_linear(layer, x: torch.Tensor, dtype: torch.dtype, seed: torch.Tensor | N
     Raises (when the op runs):
         RuntimeError: the layer no longer exists, or its specs changed since the graph was traced.
     """
-    # the specs' version is a constant of the graph, so dynamo guards on it: a new plan recompiles
+    # the specs' digest is a constant of the graph, so dynamo guards on it: a new plan recompiles
     return torch.ops.adahop.lp_linear_fwd(x, layer.weight, layer.bias, layer._op_key, layer._specs_version, dtype, seed)[0]
