@@ -319,20 +319,21 @@ def check_nvfp4_quantize(name, x, axis, hb=None, signs=None, tile=False, gs=None
 
 
 def check_nvfp4_plan(name, x, axis, hb=None, signs=None, tile=False):
-    """The K-major transposing tile (`transposing_plan`) vs the default plan: the same bytes (codes,
-    scales, tensor scale, values) and both times; the default moves to the faster one on this."""
+    """The default plan for rows contiguous (the K-major transposing tile, `transposing_plan`, since
+    round 15) vs the row tile it replaced (`row_tile_plan`): the same bytes (codes, scales, tensor
+    scale, values) and both times."""
     from adahop.kernels import _triton_quantize_nvfp4 as nq
 
     args = (x, axis, hb or 0, signs, False, tile, None, None, True, True, None)
-    plan = nq.transposing_plan(x.element_size(), hb or 0, tile)
-    want, got = nq.nv_quantize(*args), nq.nv_quantize(*args, plan=plan)
+    old = nq.row_tile_plan(hb or 0, tile)
+    want, got = nq.nv_quantize(*args, plan=old), nq.nv_quantize(*args)
     bits = lambda t: t.reshape(-1).view(torch.uint8)  # noqa: E731
     same = all(torch.equal(bits(a), bits(b)) for a, b in zip(want, got))
     detail = {}
     if x.is_cuda:
-        t0 = 1e3 * cuda_time_ms(lambda: nq.nv_quantize(*args))
-        t1 = 1e3 * cuda_time_ms(lambda: nq.nv_quantize(*args, plan=plan))
-        detail = dict(us_default=t0, us_layout1=t1, layout1_speedup=t0 / t1)
+        t0 = 1e3 * cuda_time_ms(lambda: nq.nv_quantize(*args, plan=old))
+        t1 = 1e3 * cuda_time_ms(lambda: nq.nv_quantize(*args))
+        detail = dict(us_row_tile=t0, us_default=t1, speedup=t0 / t1)
     record(f"nvfp4 plan {name}", same, **detail)
 
 

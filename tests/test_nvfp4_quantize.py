@@ -250,9 +250,10 @@ def test_interp_bit_exact_global_scale_and_zero_rows():
 
 @interp
 def test_interp_bit_exact_transposing_plan():
-    """The K-major LAYOUT-1 tile (`transposing_plan`, a candidate for rows contiguous) gives the
-    default plan's bytes: codes, scales, tensor scale and values; RNE and SR under one seed, RHT-16
-    with signs, a 32-block Hadamard, 16×16 tiles, OE rows, ragged rows and Kc."""
+    """The K-major LAYOUT-1 tile (`transposing_plan`, the default for rows contiguous since round 15)
+    gives the row tile's bytes (`row_tile_plan`, the LAYOUT-0 default before it): codes, scales,
+    tensor scale and values; RNE and SR under one seed, RHT-16 with signs, a 32-block Hadamard,
+    16×16 tiles, OE rows, ragged rows and Kc."""
     from adahop.kernels import _triton_quantize_nvfp4 as nq
 
     signs = torch.randint(0, 2, (16,)).float() * 2 - 1
@@ -269,7 +270,8 @@ def test_interp_bit_exact_transposing_plan():
         seed = torch.tensor([1234], dtype=torch.int64) if stoch else None
         args = (x, 0, hb, signs if hb == 16 else None, stoch, tile, seed, None, True, True, keep_t)
         plan = nq.transposing_plan(x.element_size(), hb, tile)
-        want, got = nq.nv_quantize(*args), nq.nv_quantize(*args, plan=plan)
+        assert nq.default_plan(shape[1], 0, 1, shape[1], hb, tile, x.element_size()) == plan
+        want, got = nq.nv_quantize(*args, plan=nq.row_tile_plan(hb, tile)), nq.nv_quantize(*args)
         assert plan["LAYOUT"] == 1 and plan["VEC"] == (2 if dtype == torch.bfloat16 else 1)
         for a, b in zip(want, got):
             assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), (shape, hb, tile)

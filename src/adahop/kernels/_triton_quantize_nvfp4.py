@@ -249,20 +249,29 @@ def _nv_decode_kernel(codes_ptr, scales_ptr, values_ptr, rows, kp, BR: tl.conste
 # ----------------------------------------------------------------------------- launcher
 
 
-def default_plan(rows: int, kp: int, stride_r: int, stride_k: int, hb: int, tile_2d: bool) -> dict:
-    """Tile ``[BR, BK]`` and warps: about 4096 elements per program, BK along the contiguous dim when
-    it is K (a multiple of 16 and of the Hadamard block), BR a multiple of 16 for 16×16 tiles.
-    Rows contiguous (the transposing case): 128 rows × 32 of K, Triton coalesces along rows.
-    16 elements per thread: compiled for sm_90 (Triton 3.9, ptxas from its wheel) the pass-2 kernel
-    then holds ~100 registers (RNE) / ~140 (SR), against 184 / 255 with a spill at 32 per thread.
-    Not yet timed on the GPU (``scripts/validate_kernels.py --only nvfp4`` prints the times)."""
+def default_plan(rows: int, kp: int, stride_r: int, stride_k: int, hb: int, tile_2d: bool, elem_size: int) -> dict:
+    """Tile ``[BR, BK]`` and warps. K contiguous: about 4096 elements per program, BK along K (a
+    multiple of 16 and of the Hadamard block), BR a multiple of 16 for 16×16 tiles; 16 elements per
+    thread: compiled for sm_90 (Triton 3.9, ptxas from its wheel) the pass-2 kernel then holds ~100
+    registers (RNE) / ~140 (SR), against 184 / 255 with a spill at 32 per thread. Rows contiguous
+    (the transposing case): :func:`transposing_plan`, which the H200 measured 2.0–16× faster than
+    the row tile (:func:`row_tile_plan`) at the same bytes (`docs/benchmarks_history.md#round-15`)."""
     if stride_k == 1 or stride_r != 1:
         bk = max(min(triton.next_power_of_2(kp), 512), NV_BLOCK, hb)
         br = max(1, 4096 // bk)
-    else:
-        bk, br = max(32, hb), 128
-    if tile_2d:  # whole 16x16 tiles, still about 4096 elements
-        br = max(br, NV_BLOCK)
+        if tile_2d:  # whole 16x16 tiles, still about 4096 elements
+            br = max(br, NV_BLOCK)
+            bk = max(min(bk, 4096 // br), NV_BLOCK, hb)
+        return dict(BR=br, BK=bk, num_warps=max(1, min(8, br * bk // 512)), LAYOUT=0, VEC=1)
+    return transposing_plan(elem_size, hb, tile_2d)
+
+
+def row_tile_plan(hb: int, tile_2d: bool) -> dict:
+    """The LAYOUT-0 tile the transposing case had before round 15: 128 rows × 32 of K (or the
+    Hadamard block), Triton coalescing along rows. Kept for the bit-exactness tests and the timing
+    rows of ``scripts/validate_kernels.py --only nvfp4``."""
+    br, bk = 128, max(32, hb)
+    if tile_2d:
         bk = max(min(bk, 4096 // br), NV_BLOCK, hb)
     return dict(BR=br, BK=bk, num_warps=max(1, min(8, br * bk // 512)), LAYOUT=0, VEC=1)
 
@@ -270,18 +279,17 @@ def default_plan(rows: int, kp: int, stride_r: int, stride_k: int, hb: int, tile
 def transposing_plan(elem_size: int, hb: int, tile_2d: bool) -> dict:
     """The LAYOUT-1 tile of `_nv_tile` for rows contiguous: ``[BK/16, 16, BR]`` K-major, BK = 16 (or
     the Hadamard block), BR = 32 lanes × VEC × 4 warps (VEC = 2 for 2-byte inputs, else 1), so each
-    thread holds VEC rows × BK. A candidate beside :func:`default_plan`'s ``[128, 32]`` tile:
-    ``scripts/validate_kernels.py --only nvfp4`` checks it bit for bit and times both, and the
-    default moves to it only on that measurement."""
+    thread holds VEC rows × whole 16-blocks, and RHT-16 along T needs no warp shuffle (0 against 192
+    in the row tile, sm_90 PTX). ``tile_2d`` needs no change: BR is a multiple of 16."""
     vec = 2 if elem_size == 2 else 1
     return dict(BR=32 * vec * 4, BK=max(NV_BLOCK, hb), num_warps=4, LAYOUT=1, VEC=vec)
 
 
 @functools.lru_cache(maxsize=1024)
-def _launch_config(rows, kc, stride_r, stride_k, hb, has_signs, tile_2d, zero_rows, plan_items):
+def _launch_config(rows, kc, stride_r, stride_k, hb, has_signs, tile_2d, zero_rows, plan_items, elem_size):
     """Everything about a launch that follows from shapes and options (cached: host time matters)."""
     kp = -(-kc // NV_BLOCK) * NV_BLOCK
-    p = dict(plan_items) if plan_items else default_plan(rows, kp, stride_r, stride_k, hb, tile_2d)
+    p = dict(plan_items) if plan_items else default_plan(rows, kp, stride_r, stride_k, hb, tile_2d, elem_size)
     br, bk = p["BR"], p["BK"]
     vec = p.get("VEC", 1)
     if (bk % NV_BLOCK or (hb and bk % hb) or (tile_2d and br % NV_BLOCK) or bk & (bk - 1) or br & (br - 1)
@@ -311,7 +319,7 @@ def nv_quantize(x: torch.Tensor, axis: int, hadamard_block: int, signs: torch.Te
     rows, kc, stride_r, stride_k = row_geometry(x, axis)
     hb = hadamard_block if hadamard_block > 1 else 0
     kp, grid, common = _launch_config(rows, kc, stride_r, stride_k, hb, signs is not None, tile_2d, keep is not None,
-                                      tuple(sorted(plan.items())) if plan else None)
+                                      tuple(sorted(plan.items())) if plan else None, x.element_size())
     dev = x.device
     want = [(rows, kp // 2 if write_codes else 0), (rows, kp // NV_BLOCK), (), (rows, kp if write_values else 0)]
     if out is None:
