@@ -194,7 +194,8 @@ def test_strategy_tables_exact():
     }  # fmt: skip
     diff = {p for p in STRATEGY_TABLES["lv2"] if STRATEGY_TABLES["lv1"][p] != STRATEGY_TABLES["lv2"][p]}
     assert diff == {"CC"} and STRATEGY_TABLES["lv1"]["CC"] == "iht+oe_right"
-    assert set(STRATEGY_TABLES) == {"lv1", "lv2"}
+    assert set(STRATEGY_TABLES) == {"lv1", "lv2", "iht"}  # "iht": the uniform-IHT control (@bf16-calib)
+    assert STRATEGY_TABLES["iht"] == {p: "iht" for p in STRATEGY_TABLES["lv2"]}
 
 
 def test_strategy_for_wgrad_oe_left_falls_back_to_iht():

@@ -482,3 +482,41 @@ def test_msr_none_variant_and_bad_variants():
     with pytest.raises(ValueError, match="unknown recipe 'mxfp5'"):
         get_recipe("mxfp5@only-fprop")
     assert "@" not in "".join(list_recipes())  # variants are not presets
+
+
+def test_bf16_calib_variant_is_uniform_iht_after_adahops_bf16_steps():
+    """``mxfp4-had@bf16-calib``: the 30 calibration steps run exact BF16 GEMMs (as AdaHOP's), then
+    every GEMM is mxfp4-had's own IHT spec, bit for bit; the variant refuses recipes it cannot mean."""
+    r, base = get_recipe("mxfp4-had@bf16-calib"), get_recipe("mxfp4-had")
+    assert r.calibration.table == "iht" and r.calibration.steps == get_recipe("adahop-lv2").calibration.steps
+    x, w, dy = data(4)
+
+    def layer(name):
+        m = nn.Sequential(nn.Linear(K, N, bias=False))
+        with torch.no_grad():
+            m[0].weight.copy_(w)
+        convert_model(m, name, seed=0)
+        return m
+
+    def grads(m):
+        xx = x.clone().requires_grad_()
+        m.zero_grad(set_to_none=True)
+        y = m(xx)
+        y.backward(dy)
+        return y.detach(), xx.grad, m[0].weight.grad.clone()
+
+    m, ref, exact = layer(r.name), layer("mxfp4-had"), layer("bf16")
+    for step in range(r.calibration.steps):
+        on_step(m, step)
+        got = grads(m)
+        if step == 0:
+            assert all(torch.equal(a, b) for a, b in zip(got, grads(exact)))  # calibrating: exact GEMMs
+    on_step(m, r.calibration.steps)
+    assert m[0].strategies() == {g: "iht" for g in GEMMS}
+    assert m[0]._specs == {g: base.gemm(g) for g in GEMMS}
+    for a, b in zip(grads(m), grads(ref)):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="IHT on every GEMM and no calibration"):
+        get_recipe("mxfp4@bf16-calib")
+    with pytest.raises(ValueError, match="calibrates already"):
+        get_recipe("adahop-lv2@bf16-calib")

@@ -48,8 +48,10 @@ ABLATED = ("mxfp4", "mxfp4-had", "adahop-lv2")
 #: Named job tables (issue 19), jobs (recipe, seed, backend or None): ``issue19`` the main table
 #: (3 seeds of six recipes, 1 of four rivals), ``ablation`` only-fprop/dgrad/wgrad of mxfp4,
 #: mxfp4-had and adahop-lv2 (3 seeds), ``msr`` adahop-lv2 with and without the exponent-range
-#: limit, both on the reference backend (the FP8 path needs the limit), run names ``...-ref``.
+#: limit, both on the reference backend (the FP8 path needs the limit), run names ``...-ref``;
+#: ``warmup`` mxfp4-had after AdaHOP's 30 BF16 calibration steps (the control of Lv2 − mxfp4-had).
 TABLES = {
+    "warmup": [("mxfp4-had@bf16-calib", s, None) for s in range(3)],
     "issue19": [(r, s, None) for s in range(3) for r in SEEDS3] + [(r, 0, None) for r in SEED1],
     "ablation": [(f"{r}@only-{g}", s, None) for s in range(3) for r in ABLATED for g in ("fprop", "dgrad", "wgrad")],
     "msr": [(r, s, "reference") for s in range(3) for r in ("adahop-lv2", "adahop-lv2@msr-none")],

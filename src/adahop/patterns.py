@@ -213,8 +213,11 @@ _LV2 = {
     "CR": "iht", "CN": "iht", "CC": "bf16",
     "NR": "iht", "NN": "iht", "NC": "iht+oe_right",
 }  # fmt: skip
-#: Pair → strategy (`specs/adahop.md` §5). Lv1 differs from Lv2 only at CC (IHT + OE-Right).
-STRATEGY_TABLES: dict[str, dict[str, str]] = {"lv2": dict(_LV2), "lv1": {**_LV2, "CC": "iht+oe_right"}}
+#: Pair → strategy (`specs/adahop.md` §5). Lv1 differs from Lv2 only at CC (IHT + OE-Right). ``"iht"``
+#: (ours, a control) maps every pair to IHT: uniform IHT after the same BF16 calibration steps as
+#: AdaHOP (the recipe variant ``@bf16-calib``).
+STRATEGY_TABLES: dict[str, dict[str, str]] = {"lv2": dict(_LV2), "lv1": {**_LV2, "CC": "iht+oe_right"},
+                                              "iht": {pair: "iht" for pair in _LV2}}
 
 
 def strategy_for(gemm: str, pair: str, table: str = "lv2") -> str:

@@ -25,7 +25,7 @@ def register(recipe: Recipe) -> Recipe:
 
 #: Variants a recipe name may carry after ``@`` (`get_recipe`): the per-GEMM ablation and the
 #: exponent-range arm of issue 19.
-VARIANTS = ("only-fprop", "only-dgrad", "only-wgrad", "msr-none", "foid")
+VARIANTS = ("only-fprop", "only-dgrad", "only-wgrad", "msr-none", "foid", "bf16-calib")
 
 
 def get_recipe(name: str) -> Recipe:
@@ -41,9 +41,14 @@ def get_recipe(name: str) -> Recipe:
       does not apply; run it with ``--backend reference`` against the base on the same backend).
     - ``foid``: OE picks its rows/columns by FOID (the norm of the first 64 elements along Kc)
       instead of the exact top-k (`GemmSpec.oe_select`; issue 18).
+    - ``bf16-calib``: a recipe with IHT on every GEMM (``mxfp4-had``) first runs AdaHOP's 30
+      exact-BF16 calibration steps, then IHT everywhere (strategy table ``"iht"``). It is the
+      control that holds the warm-up fixed when AdaHOP is compared with uniform IHT
+      (`docs/results.md`, per-GEMM ablation).
 
     Raises:
-        ValueError: unknown preset (lists the known names) or variant, or a variant given twice.
+        ValueError: unknown preset (lists the known names) or variant, a variant given twice, or
+            ``bf16-calib`` on a recipe that calibrates already or is not IHT on every GEMM.
     """
     base, *variants = name.split("@")
     try:
@@ -71,6 +76,15 @@ def _variant(recipe: Recipe, variant: str) -> Recipe:
     if variant == "foid":
         specs = {g: replace(getattr(recipe, g), oe_select="foid") for g in GEMMS}
         return replace(recipe, description=f"{recipe.description} [OE indices by FOID]", **specs)
+    if variant == "bf16-calib":
+        strategies = {recipe.gemm(g).strategy for g in GEMMS}
+        if recipe.calibration is not None or strategies != {"iht"}:
+            raise ValueError(f"recipe variant 'bf16-calib' needs a recipe with IHT on every GEMM and no calibration "
+                             f"(such as mxfp4-had); {recipe.name!r} has {sorted(strategies)}"
+                             + (" and calibrates already" if recipe.calibration is not None else ""))
+        specs = {g: replace(recipe.gemm(g), strategy="calibrated") for g in GEMMS}
+        return replace(recipe, description=f"{recipe.description} [after 30 BF16 calibration steps, as AdaHOP]",
+                       calibration=CalibSpec(table="iht"), **specs)
     raise ValueError(f"unknown recipe variant {variant!r}; allowed after '@': {', '.join(VARIANTS)}")
 
 

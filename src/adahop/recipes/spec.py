@@ -183,7 +183,8 @@ class CalibSpec:
     """AdaHOP calibration (`specs/adahop.md` §2.4)."""
 
     table: str = "lv2"
-    """Strategy table: ``"lv1"`` or ``"lv2"`` (`adahop.patterns.STRATEGY_TABLES`)."""
+    """Strategy table: ``"lv1"``, ``"lv2"`` or ``"iht"`` (every pair IHT, a control;
+    `adahop.patterns.STRATEGY_TABLES`)."""
     steps: int = 30
     """Optimizer steps of BF16 GEMMs with pattern detection before the plan is frozen."""
     threshold: float = 2.0
@@ -200,7 +201,7 @@ class CalibSpec:
 
     def validate(self, where: str) -> None:
         """Raise ValueError naming ``where`` and the field when a value is not allowed."""
-        _check(self.table in ("lv1", "lv2"), where, f"table={self.table!r}; allowed ('lv1', 'lv2')")
+        _check(self.table in ("lv1", "lv2", "iht"), where, f"table={self.table!r}; allowed ('lv1', 'lv2', 'iht')")
         _check(self.steps >= 1, where, f"steps={self.steps} must be >= 1")
         _check(self.rule in DETECTOR_RULES, where, f"rule={self.rule!r}; allowed {DETECTOR_RULES}")
         _check(self.threshold >= 1 if self.rule == "ratio" else self.threshold > 0, where,
