@@ -739,7 +739,7 @@ def main() -> int:
         check_nvfp4_decode("W 14336x4096 ax0 tiles (saved for dgrad)", w, 0, tile=True)
         check_nvfp4_decode("1000x4104 ax1 special values", mk((1000, 4104), special=True), 1)
         del w, dy, x
-        for recipe in ("nvfp4", "averis"):
+        for recipe in ("nvfp4", "averis", "averis@mean-bf16"):
             t, k, n = big((8192, 4096, 4096))
             check_nvfp4_layer(recipe, t, k, n, dev, gen)
     if "rivals" in only:

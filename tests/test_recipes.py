@@ -17,7 +17,7 @@ from torch import nn
 
 from adahop import convert_model, get_recipe, list_recipes, on_step
 from adahop.formats import quantize_mxfp4, quantize_nvfp4
-from adahop.gemm import draw_signs, gemm, prepare, without_quantization
+from adahop.gemm import draw_signs, gemm, multiply, prepare, without_quantization
 from adahop.hadamard import block_hadamard, hadamard_matrix, random_signs
 from adahop.recipes import GEMMS, GemmSpec, OperandSpec, Recipe, Transform
 from adahop.recipes.table import describe_recipes, gemm_table
@@ -196,14 +196,19 @@ def ref_nvfp4(x, w, dy):
     return y, dx, dw
 
 
-def ref_averis(fmt):
+def ref_averis(fmt, mean_bf16=False):
     def q(t, axis, gen, tile=False):
         if fmt == "nvfp4":
             return q_nv(t, axis, sr=True, tile=tile, gen=gen)
         return q_mx(t, axis, rule="ceil", sr=True, gen=gen)
 
+    def q_mean(mu, gen):  # the mean vector: FP4 on its own, or (mean_bf16) BF16
+        return mu.to(torch.bfloat16).float() if mean_bf16 else q(mu, -1, gen)
+
     def rows_split(a, b_q_fn, gen):  # Eq. 11: Q(R)·Q(B) + 1·(Q(μ)·Q(B)); the mean rides as A's last row
         mu = a.mean(0, keepdim=True)
+        if mean_bf16:  # the BF16 mean times Q(B), broadcast over the rows
+            return q(a - mu, 1, gen) @ (b := b_q_fn()) + mu.to(torch.bfloat16).float() @ b
         a_q = q(torch.cat((a - mu, mu)), 1, gen)
         c = a_q @ b_q_fn()
         return c[:-1] + c[-1:]
@@ -214,13 +219,13 @@ def ref_averis(fmt):
         # forward: X split for wgrad (residual, then its mean), W for dgrad
         mu_x = x.mean(0)
         r_x = q(x - mu_x, 0, gw)
-        mu_x = q(mu_x, -1, gw)
+        mu_x = q_mean(mu_x, gw)
         w_q = q(w, 0, gd, tile=True)
         dx = rows_split(dy, lambda: w_q, gd)
         a = dy.t()  # [N,T]
         mu_d = a.mean(1)
         r_d = q(a - mu_d[:, None], 1, gw)
-        mu_d = q(mu_d, -1, gw)
+        mu_d = q_mean(mu_d, gw)
         # Eq. 12, all four terms
         dw = r_d @ r_x + T * torch.outer(mu_d, mu_x) + torch.outer(r_d.sum(1), mu_x) + torch.outer(mu_d, r_x.sum(0))
         return y, dx, dw
@@ -237,10 +242,11 @@ REFERENCES = {
     "averis": ref_averis("nvfp4"),
     "averis-mxfp4": ref_averis("mxfp4"),
     "quartet": ref_quartet,
+    "averis@mean-bf16": ref_averis("nvfp4", mean_bf16=True),
 }
 
 
-@pytest.mark.parametrize("name", RIVALS)
+@pytest.mark.parametrize("name", RIVALS + ["averis@mean-bf16"])
 def test_recipe_matches_hand_composed_reference(name):
     x, w, dy = data()
     y, dx, dw = run_layer(get_recipe(name), x, w, dy)
@@ -252,7 +258,7 @@ def test_recipe_matches_hand_composed_reference(name):
     assert all(rel(a, e) > 1e-3 for a, e in zip((dx, dw), exact[1:])), "the backward was not quantized"
 
 
-@pytest.mark.parametrize("name", ["nvfp4", "averis"])
+@pytest.mark.parametrize("name", ["nvfp4", "averis", "averis@mean-bf16"])
 def test_nvfp4_fast_gemm_matches_hand_composed_reference(name, monkeypatch):
     """The NVFP4 GEMM on BF16 operands (backend "triton": its CPU emulation under TRITON_INTERPRET=1)
     against the same hand-composed references: it changes no operand, only how the sums are formed.
@@ -520,3 +526,25 @@ def test_bf16_calib_variant_is_uniform_iht_after_adahops_bf16_steps():
         get_recipe("mxfp4@bf16-calib")
     with pytest.raises(ValueError, match="calibrates already"):
         get_recipe("adahop-lv2@bf16-calib")
+
+
+def test_mean_bf16_variant_keeps_the_rank_one_terms_exact_and_refuses_recipes_without_a_split():
+    """``averis@mean-bf16``: operands whose tokens are all equal (residual 0 up to the mean's float
+    rounding) give the BF16 mean times the other quantized operand, where the FP4 mean misses it by
+    its FP4 rounding."""
+    r = get_recipe("averis@mean-bf16")
+    assert all(r.gemm(g).mean_bf16 for g in GEMMS) and not get_recipe("averis").fprop.mean_bf16
+    g = torch.Generator().manual_seed(0)
+    mu, b = torch.randn(1, 64, generator=g), torch.randn(64, 48, generator=g)
+    a = mu.expand(32, 64).contiguous()  # every token the mean: the residual is exactly 0
+    spec = replace(r.fprop, a=replace(r.fprop.a, rounding="nearest"), b=replace(r.fprop.b, rounding="nearest"))
+    pb = prepare(b, "b", spec)
+    got = multiply(prepare(a, "a", spec), pb, spec)
+    want = (mu.to(torch.bfloat16).float() @ pb.q.dequantize(torch.float32)).expand(32, 48)
+    assert rel(got, want) <= 1e-6
+    fp4 = replace(spec, mean_bf16=False)
+    assert rel(multiply(prepare(a, "a", fp4), prepare(b, "b", fp4), fp4), want) > 1e-2  # the FP4 mean's error
+    with pytest.raises(ValueError, match="needs a mean split"):
+        GemmSpec(mean_bf16=True).validate("g")
+    with pytest.raises(ValueError, match="needs a recipe with a mean split"):
+        get_recipe("nvfp4@mean-bf16")

@@ -25,7 +25,7 @@ def register(recipe: Recipe) -> Recipe:
 
 #: Variants a recipe name may carry after ``@`` (`get_recipe`): the per-GEMM ablation and the
 #: exponent-range arm of issue 19.
-VARIANTS = ("only-fprop", "only-dgrad", "only-wgrad", "msr-none", "foid", "bf16-calib")
+VARIANTS = ("only-fprop", "only-dgrad", "only-wgrad", "msr-none", "foid", "bf16-calib", "mean-bf16")
 
 
 def get_recipe(name: str) -> Recipe:
@@ -41,6 +41,7 @@ def get_recipe(name: str) -> Recipe:
       does not apply; run it with ``--backend reference`` against the base on the same backend).
     - ``foid``: OE picks its rows/columns by FOID (the norm of the first 64 elements along Kc)
       instead of the exact top-k (`GemmSpec.oe_select`; issue 18).
+    - ``mean-bf16``: Averis keeps its mean vectors in BF16 (`GemmSpec.mean_bf16`), not FP4.
     - ``bf16-calib``: a recipe with IHT on every GEMM (``mxfp4-had``) first runs AdaHOP's 30
       exact-BF16 calibration steps, then IHT everywhere (strategy table ``"iht"``). It is the
       control that holds the warm-up fixed when AdaHOP is compared with uniform IHT
@@ -76,6 +77,12 @@ def _variant(recipe: Recipe, variant: str) -> Recipe:
     if variant == "foid":
         specs = {g: replace(getattr(recipe, g), oe_select="foid") for g in GEMMS}
         return replace(recipe, description=f"{recipe.description} [OE indices by FOID]", **specs)
+    if variant == "mean-bf16":
+        if all(recipe.gemm(g).mean_split == "none" for g in GEMMS):
+            raise ValueError(f"recipe variant 'mean-bf16' needs a recipe with a mean split (averis, averis-mxfp4); "
+                             f"{recipe.name!r} has none")
+        specs = {g: replace(recipe.gemm(g), mean_bf16=recipe.gemm(g).mean_split != "none") for g in GEMMS}
+        return replace(recipe, description=f"{recipe.description} [mean vectors in BF16]", **specs)
     if variant == "bf16-calib":
         strategies = {recipe.gemm(g).strategy for g in GEMMS}
         if recipe.calibration is not None or strategies != {"iht"}:

@@ -133,6 +133,10 @@ class GemmSpec:
     dgrad) or ``"inner"`` (token means of both operands over Kc: wgrad)."""
     mean_cross_terms: bool = True
     """For ``mean_split='inner'``: keep the two cross terms of Averis Eq. 12."""
+    mean_bf16: bool = False
+    """Averis's mean vectors stay BF16 instead of FP4 (ours; `specs/related_methods.md` §1.7 lists it
+    beside the paper's FP4 mean). The rank-one terms then multiply the BF16 mean by the dequantized
+    other operand: exact but for the BF16 rounding of the mean and the other operand's quantization."""
     accumulation: str = "fp8-mma"
     """How the FP8 fast path sums the quantized product: ``"fp8-mma"`` or ``"fp32"`` (see
     :data:`ACCUMULATIONS`); set every GEMM's at once with :meth:`Recipe.with_accumulation`."""
@@ -155,6 +159,8 @@ class GemmSpec:
         _check(self.foid_prefix >= 1, where, f"foid_prefix={self.foid_prefix} must be >= 1")
         _check(self.mean_split in ("none", "a_rows", "inner"), where,
                f"mean_split={self.mean_split!r}; allowed ('none', 'a_rows', 'inner')")
+        _check(not self.mean_bf16 or self.mean_split != "none", where,
+               "mean_bf16=True needs a mean split (mean_split 'a_rows' or 'inner')")
         _check(self.accumulation in ACCUMULATIONS, where, f"accumulation={self.accumulation!r}; allowed {ACCUMULATIONS}")
 
     @property

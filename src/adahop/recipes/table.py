@@ -64,6 +64,8 @@ def _rows(name: str, spec: GemmSpec) -> list[tuple[str, ...]]:
             split = "token mean, " + ("4 terms" if spec.mean_cross_terms else "2 terms")
         else:
             split = "-"
+        if spec.mean_bf16 and split != "-":
+            split += ", mean BF16"
         rnd = {"nearest": "RNE", "stochastic": "SR"}[op.rounding] if op.fmt != "none" else "-"
         rows.append(head + (_fmt(op), rnd, _scale(op), inner, outer_txt, split))
     return rows
