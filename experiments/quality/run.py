@@ -49,9 +49,11 @@ ABLATED = ("mxfp4", "mxfp4-had", "adahop-lv2")
 #: (3 seeds of six recipes, 1 of four rivals), ``ablation`` only-fprop/dgrad/wgrad of mxfp4,
 #: mxfp4-had and adahop-lv2 (3 seeds), ``msr`` adahop-lv2 with and without the exponent-range
 #: limit, both on the reference backend (the FP8 path needs the limit), run names ``...-ref``;
-#: ``warmup`` mxfp4-had after AdaHOP's 30 BF16 calibration steps (the control of Lv2 − mxfp4-had).
+#: ``warmup`` mxfp4-had after AdaHOP's 30 BF16 calibration steps (the control of Lv2 − mxfp4-had),
+#: ``averis`` Averis with its mean vectors in BF16 (seed 0, beside the table's averis-s0).
 TABLES = {
     "warmup": [("mxfp4-had@bf16-calib", s, None) for s in range(3)],
+    "averis": [("averis@mean-bf16", 0, None)],
     "issue19": [(r, s, None) for s in range(3) for r in SEEDS3] + [(r, 0, None) for r in SEED1],
     "ablation": [(f"{r}@only-{g}", s, None) for s in range(3) for r in ABLATED for g in ("fprop", "dgrad", "wgrad")],
     "msr": [(r, s, "reference") for s in range(3) for r in ("adahop-lv2", "adahop-lv2@msr-none")],
