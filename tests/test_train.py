@@ -161,6 +161,19 @@ def test_bad_options_fail_before_training(data_dir, tmp_path):
         train(_cfg(data_dir, tmp_path / "v", plan=str(plan)))
 
 
+def test_reschedule_without_resume_is_refused(tmp_path, capsys):
+    """--reschedule only changes the schedule a resumed run keeps: alone it did nothing, silently."""
+    from adahop.cli import main
+
+    with pytest.raises(ValueError, match="--reschedule: only applies with --resume"):
+        TrainConfig(out=str(tmp_path / "r"), reschedule=True)
+    assert TrainConfig(out=str(tmp_path / "r"), resume=True, reschedule=True).reschedule
+    assert main(["train", "--reschedule", "--steps", "20", "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["adahop train: error: --reschedule: only applies with --resume (it stretches a resumed run's cosine "
+                   "decay over a larger --steps); add --resume to continue the run in --out, or drop --reschedule"]
+
+
 def test_run_ending_inside_calibration_warns_and_says_so(data_dir, tmp_path, single_thread, capsys):
     """--steps within the calibration: every GEMM stays BF16, so the run warns and its summary
     says the plan never froze (it would otherwise pass for an AdaHOP result)."""

@@ -157,7 +157,7 @@ def _load_run(args) -> tuple[TrainConfig, Path, Path]:
         raise ValueError(f"--run {run_dir}: config.json has no 'adahop' section with 'config' and 'data_dir'")
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     cfg = TrainConfig(**{k: v for k, v in section["config"].items() if k in known})
-    cfg = dataclasses.replace(cfg, device=args.device, resume=False)
+    cfg = dataclasses.replace(cfg, device=args.device, resume=False, reschedule=False)  # a run resumed --reschedule
     cks = sorted((run_dir / "checkpoints").glob("step_*"))
     if not cks or not (cks[-1] / "model.safetensors").exists():
         raise ValueError(f"--run {run_dir}: no checkpoints/step_*/model.safetensors")
