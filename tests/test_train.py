@@ -721,6 +721,20 @@ def test_startup_notes_name_a_given_plan_and_packed_masters_under_round_to_neare
     assert _run_notes(TrainConfig(master_weights="bf16")) == []
 
 
+def test_calib_steps_with_a_recipe_without_calibration_warns_at_start_up():
+    """Fresh-user pass: `--recipe bf16 --calib-steps 10` was taken without a word, though no step calibrates."""
+    from adahop.recipes import get_recipe
+    from adahop.train.config import TrainConfig
+    from adahop.train.setup import _run_notes
+
+    (warn,) = _run_notes(TrainConfig(recipe="bf16", calib_steps=10), get_recipe("bf16"))
+    assert warn.split() == ["warning", "--calib-steps", "10", "does", "nothing:", "recipe", "bf16", "has", "no", "AdaHOP",
+                            "calibration", "(its", "GEMM", "strategies", "are", "fixed);", "drop", "--calib-steps,", "or",
+                            "use", "a", "calibrating", "recipe", "such", "as", "adahop-lv2"]
+    assert _run_notes(TrainConfig(recipe="mxfp4"), get_recipe("mxfp4")) == []  # not given: nothing to say
+    assert _run_notes(TrainConfig(calib_steps=10), get_recipe("adahop-lv2")) == []
+
+
 def test_a_plan_folder_is_refused_with_the_file_to_pass(tmp_path):
     from adahop.train.config import TrainConfig
     from adahop.train.setup import resolve_recipe
