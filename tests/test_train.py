@@ -83,6 +83,19 @@ def test_loss_falls_and_run_folder_is_complete(data_dir, tmp_path, single_thread
     assert 0 < s["final_val_bpb"] < 10
 
 
+def test_tokens_per_second_is_null_until_measured(data_dir, tmp_path, single_thread):
+    """The first two steps are warm-up (not timed): their records said tok_per_s 0.0, a speed of zero."""
+    from adahop.plots import plot_run
+
+    s = train(_cfg(data_dir, tmp_path / "r", recipe="bf16", steps=3, eval_every=0, ckpt_every=0))
+    recs = [r for r in read_metrics(tmp_path / "r" / "metrics.jsonl") if "loss" in r]
+    assert [r["tok_per_s"] for r in recs[:2]] == [None, None] and recs[2]["tok_per_s"] > 0
+    assert '"tok_per_s": null' in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()[0]
+    assert s["tok_per_s"] == pytest.approx(recs[2]["tok_per_s"])
+    plot_run(recs, tmp_path / "loss.png", title="t")  # the readers take the nulls
+    assert (tmp_path / "loss.png").stat().st_size > 0
+
+
 def test_export_loads_with_transformers(data_dir, tmp_path, single_thread):
     from transformers import AutoModelForCausalLM
 
