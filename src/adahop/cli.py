@@ -32,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--val-fraction", type=float, default=0.01, help="held-out share, spread across the corpus")
     prep.add_argument("--text-field", default="text", help="the JSONL field / Parquet or dataset column holding the text")
     prep.add_argument("--seed", type=int, default=0)
+    prep.add_argument("--overwrite", action="store_true", help="replace the data already prepared in --out")
 
     tr = sub.add_parser("train", help="pretrain a model from scratch with a recipe")
     add_config_flags(tr, TrainConfig)
@@ -102,6 +103,38 @@ def _quiet_imports() -> None:
             lg.setLevel(level)
 
 
+def _prepare(args) -> None:
+    """`adahop data prepare`: refuses to replace a prepared --out unless --overwrite (runs may train on
+    it), and --vocab-size with a tokenizer that brings its own; says which vocabulary was used."""
+    import json
+
+    default_vocab = 8192  # the flag's default: another value was given on purpose
+    if args.tokenizer != "bpe" and args.vocab_size != default_vocab:
+        raise ValueError(f"--vocab-size {args.vocab_size} is for --tokenizer bpe; --tokenizer {args.tokenizer} brings "
+                         f"its own vocabulary: drop --vocab-size")
+    old = Path(args.out) / "manifest.json"
+    existed = old.is_file()
+    if existed and not args.overwrite:
+        try:
+            m = json.loads(old.read_text())
+            what = (f"tokenizer {m['tokenizer']['name']}, vocab {m['tokenizer']['vocab_size']:,}, "
+                    f"{m['train']['tokens']:,} training tokens, made {m['created']}")
+        except (OSError, ValueError, KeyError, TypeError):
+            what = "its manifest.json does not read"
+        raise ValueError(f"--out {args.out} already holds prepared data ({what}); pass --overwrite to replace it, "
+                         f"or choose a new --out")
+    from .data import prepare
+
+    m = prepare(args.source, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
+                val_fraction=args.val_fraction, seed=args.seed, text_field=args.text_field)
+    vocab = f"vocab {m.tokenizer.vocab_size:,}"
+    if args.tokenizer == "bpe" and m.tokenizer.vocab_size < args.vocab_size:  # the BPE ran out of pairs to merge
+        vocab += (f", not the {args.vocab_size:,} asked: the corpus has too few distinct byte pairs to merge further "
+                  f"(more text gives more)")
+    print(f"{'replaced' if existed else 'wrote'} {args.out}: train {m.train.tokens:,} tokens, "
+          f"val {m.val.tokens:,} tokens, tokenizer {m.tokenizer.name} ({vocab})")
+
+
 def _kept_on_abort(run: Path) -> str:
     done = sorted(p.parent.name for p in (run / "checkpoints").glob("step_*/state.json"))  # state.json: written last
     return (f"; the last complete checkpoint, {run / 'checkpoints' / done[-1]}, is kept (continue with --resume)" if done
@@ -137,12 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.cmd == "data":
-            from .data import prepare
-
-            m = prepare(args.source, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
-                        val_fraction=args.val_fraction, seed=args.seed, text_field=args.text_field)
-            print(f"wrote {args.out}: train {m.train.tokens:,} tokens, val {m.val.tokens:,} tokens, "
-                  f"tokenizer {m.tokenizer.name} (vocab {m.tokenizer.vocab_size})")
+            _prepare(args)
         elif args.cmd == "train":
             return _train(args)
         elif args.cmd == "compare":
