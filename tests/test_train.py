@@ -222,6 +222,23 @@ def test_compare_refuses_earlier_runs_made_with_other_settings(data_dir, tmp_pat
         compare([], cfg, out)
 
 
+def test_compare_refuses_a_recipe_named_twice(tmp_path, capsys, monkeypatch):
+    """`--recipes bf16,bf16` trained bf16 once and then reused it as the "second" run, without a word."""
+    import adahop.train.compare as cmp
+    from adahop.cli import main
+
+    def no(*a, **k):
+        raise AssertionError("compare went on to prepare data and train")
+
+    monkeypatch.setattr(cmp, "resolve_data", no)
+    monkeypatch.setattr(cmp, "_run_child", no)
+    assert main(["compare", "--recipes", "bf16,mxfp4,bf16", "--out", str(tmp_path / "c")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"adahop compare: error: compare: --recipes names bf16 more than once; each recipe trains once, into "
+        f"{tmp_path / 'c' / 'bf16'}: drop the repeat (for another seed, run compare again with --seed and a new --out)"]
+    assert not (tmp_path / "c").exists()  # refused before anything is made
+
+
 def test_compare_exits_nonzero_when_a_recipe_fails(monkeypatch, tmp_path):
     import adahop.train.compare as cmp
     from adahop.cli import main
