@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SURFACE = Path(__file__).with_name("cli_surface.json")
 UPDATE = f"python {Path(__file__).relative_to(Path(__file__).parents[1])}"  # rewrites cli_surface.json
 
@@ -83,6 +85,25 @@ import adahop.train.loop
     assert "--lr: must be a finite number, got inf" in r.stderr and "--grad-clip: must be a finite number" in r.stderr
     noise = [ln for ln in r.stderr.splitlines() if not ln.startswith("adahop ")]  # the two refusals are ours
     assert noise == [], noise  # no third-party warning (torchao, torch's pytree) on the way to a run
+
+
+@pytest.mark.parametrize("argv,error", [
+    (["eval", "runs/a", "--dtype", "fp16"], "argument --dtype: invalid choice: 'fp16' (choose from "),
+    (["ptq", "runs/a", "--method", "rtn", "--bits", "5", "--calib-data", "d", "--out", "q"],
+     "argument --bits: invalid choice: 5 (choose from "),
+    (["train", "--steps", "many"], "argument --steps: invalid int value: 'many'"),
+    (["data", "prepare", "--out", "d"], "the following arguments are required: --source"),
+])
+def test_option_errors_are_one_line_and_a_pointer_to_help(argv, error, capsys):
+    """An invalid choice printed the whole usage first (40 lines for `adahop train`), the error last."""
+    from adahop.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    cmd = "adahop " + " ".join(argv[:2] if argv[0] == "data" else argv[:1])
+    first, *rest = capsys.readouterr().err.splitlines()
+    assert first.startswith(f"{cmd}: error: {error}") and rest == [f"see `{cmd} --help`"]  # (choices quoted by Python)
 
 
 def test_compare_help_shows_its_own_out_default():
