@@ -222,8 +222,9 @@ def test_compare_refuses_earlier_runs_made_with_other_settings(data_dir, tmp_pat
         compare([], cfg, out)
 
 
-def test_compare_refuses_a_recipe_named_twice(tmp_path, capsys, monkeypatch):
-    """`--recipes bf16,bf16` trained bf16 once and then reused it as the "second" run, without a word."""
+def test_compare_refuses_a_recipe_named_twice_and_calib_steps_no_recipe_uses(tmp_path, capsys, monkeypatch):
+    """`--recipes bf16,bf16` trained bf16 once and then reused it as the "second" run, without a word;
+    `--calib-steps` with recipes that all have fixed strategies did nothing, also without a word."""
     import adahop.train.compare as cmp
     from adahop.cli import main
 
@@ -237,6 +238,10 @@ def test_compare_refuses_a_recipe_named_twice(tmp_path, capsys, monkeypatch):
         f"adahop compare: error: compare: --recipes names bf16 more than once; each recipe trains once, into "
         f"{tmp_path / 'c' / 'bf16'}: drop the repeat (for another seed, run compare again with --seed and a new --out)"]
     assert not (tmp_path / "c").exists()  # refused before anything is made
+    assert main(["compare", "--recipes", "bf16,mxfp4", "--calib-steps", "5", "--out", str(tmp_path / "c")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "adahop compare: error: --calib-steps 5: none of --recipes bf16,mxfp4 has an AdaHOP calibration (their GEMM "
+        "strategies are fixed), so it would do nothing; drop --calib-steps, or add a calibrating recipe such as adahop-lv2"]
 
 
 def test_compare_exits_nonzero_when_a_recipe_fails(monkeypatch, tmp_path):

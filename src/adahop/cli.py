@@ -187,12 +187,18 @@ def main(argv: list[str] | None = None) -> int:
 
             cfg = config_from(args, TrainConfig)
             _quiet_imports()
+            from .recipes import get_recipe
             from .train.compare import Interrupted, compare
 
+            recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
+            if cfg.calib_steps is not None and all(get_recipe(r).calibration is None for r in recipes):
+                raise ValueError(f"--calib-steps {cfg.calib_steps}: none of --recipes {','.join(recipes)} has an AdaHOP "
+                                 "calibration (their GEMM strategies are fixed), so it would do nothing; drop "
+                                 "--calib-steps, or add a calibrating recipe such as adahop-lv2")
             try:
                 ev = dict(eval_tasks=args.eval_tasks, eval_limit=args.eval_limit, task_data=args.task_data,
                           eval_max_length=args.eval_max_length) if args.eval_tasks else {}
-                summaries = compare([r.strip() for r in args.recipes.split(",") if r.strip()], cfg, Path(cfg.out), **ev)
+                summaries = compare(recipes, cfg, Path(cfg.out), **ev)
             except Interrupted as e:  # the running recipe wrote its checkpoint (or was aborted): say how to go on
                 print(f"adahop compare: {e}", file=sys.stderr)
                 return 130
