@@ -61,3 +61,17 @@ def prepare_real_text(tmp_path_factory):
         return made[chars]
 
     return make
+
+
+@pytest.fixture
+def compare_folder(tmp_path) -> Path:
+    """What `adahop compare --out` leaves, as far as the commands that take one run can tell: a folder of
+    run folders (config.json with an "adahop" section), one per recipe, and the comparison's own files."""
+    import json
+
+    root = tmp_path / "cmp"
+    for recipe in ("bf16", "mxfp4"):
+        (root / recipe).mkdir(parents=True)
+        (root / recipe / "config.json").write_text(json.dumps({"adahop": {"config": {"recipe": recipe}}}))
+    (root / "compare.md").write_text("| recipe |\n")
+    return root

@@ -288,6 +288,12 @@ TINY = ("--model", "llama-tiny", "--seq-len", "32", "--batch-size", "4", "--warm
         "--gain-tokens", "64")
 
 
+def test_a_compare_folder_as_run_lists_its_runs(compare_folder):
+    with pytest.raises(ValueError, match=rf"--run {compare_folder} holds 2 runs \(an `adahop compare` folder: one per "
+                                         rf"recipe\), not one run; pass one of them: {compare_folder / 'bf16'}, "):
+        run(_args("--run", str(compare_folder), "--steps", "2", "--out", str(compare_folder / "an")))
+
+
 def test_end_to_end_writes_every_output(data_dir, tmp_path, single_thread, capsys):
     out = tmp_path / "an"
     paths = run(_args(*TINY, "--data", str(data_dir), "--steps", "4", "--record-every", "2", "--calib-steps", "2",

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SURFACE = Path(__file__).with_name("cli_surface.json")
 UPDATE = f"python {Path(__file__).relative_to(Path(__file__).parents[1])}"  # rewrites cli_surface.json
 
@@ -83,6 +85,41 @@ import adahop.train.loop
     assert "--lr: must be a finite number, got inf" in r.stderr and "--grad-clip: must be a finite number" in r.stderr
     noise = [ln for ln in r.stderr.splitlines() if not ln.startswith("adahop ")]  # the two refusals are ours
     assert noise == [], noise  # no third-party warning (torchao, torch's pytree) on the way to a run
+
+
+@pytest.mark.parametrize("argv,error", [
+    (["eval", "runs/a", "--dtype", "fp16"], "argument --dtype: invalid choice: 'fp16' (choose from "),
+    (["ptq", "runs/a", "--method", "rtn", "--bits", "5", "--calib-data", "d", "--out", "q"],
+     "argument --bits: invalid choice: 5 (choose from "),
+    (["train", "--steps", "many"], "argument --steps: invalid int value: 'many'"),
+    (["data", "prepare", "--out", "d"], "the following arguments are required: --source"),
+])
+def test_option_errors_are_one_line_and_a_pointer_to_help(argv, error, capsys):
+    """An invalid choice printed the whole usage first (40 lines for `adahop train`), the error last."""
+    from adahop.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    cmd = "adahop " + " ".join(argv[:2] if argv[0] == "data" else argv[:1])
+    first, *rest = capsys.readouterr().err.splitlines()
+    assert first.startswith(f"{cmd}: error: {error}") and rest == [f"see `{cmd} --help`"]  # (choices quoted by Python)
+
+
+def test_eval_loads_a_model_without_third_party_import_noise(tmp_path):
+    """`adahop eval` printed torchao's "Failed to load ..._C_mxfp8...so" and torch's pytree deprecation
+    of torchao's enums on loading any model (train, compare, ptq, analyze and bench muted them already)."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                                   num_key_value_heads=2, vocab_size=300)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "m")  # no tokenizer: eval stops right after loading
+    code = f"import sys; from adahop.cli import main; sys.exit(main(['eval', {str(tmp_path / 'm')!r}, '--tasks', 'none', " \
+           "'--data', 'x', '--device', 'cpu']))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "no tokenizer could be loaded" in r.stderr, r.stderr[-2000:]  # the model did load
+    noise = [ln for ln in r.stderr.splitlines() if "torchao" in ln or "_pytree" in ln]
+    assert noise == [], noise
 
 
 def test_compare_help_shows_its_own_out_default():

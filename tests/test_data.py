@@ -242,6 +242,35 @@ def test_tiny_corpus_still_splits(tmp_path):
     assert m.train.tokens > 0 and m.val.tokens > 0
 
 
+def test_cli_prepare_refuses_to_replace_prepared_data_and_says_which_vocab_it_used(tmp_path, capsys):
+    """Fresh-user pass: a second `data prepare` into the same --out replaced the data without a word,
+    a BPE smaller than --vocab-size was not pointed out, and --vocab-size with gpt2 was ignored."""
+    from adahop.cli import main
+
+    src = tmp_path / "a.txt"
+    src.write_text("one two three four five six seven eight nine ten eleven twelve " * 4)
+    out = tmp_path / "o"
+    args = ["data", "prepare", "--source", str(src), "--out", str(out)]
+    assert main([*args, "--vocab-size", "2000"]) == 0
+    vocab = Manifest.load(out).tokenizer.vocab_size
+    assert vocab < 2000
+    assert (f"wrote {out}: train" in (said := capsys.readouterr().out) and
+            f"tokenizer bpe (vocab {vocab:,}, not the 2,000 asked: the corpus has too few distinct byte pairs" in said)
+    before = (out / "manifest.json").read_text()
+    assert main([*args, "--vocab-size", "300"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"adahop data: error: --out {out} already holds prepared data (tokenizer bpe, vocab {vocab:,}, ")
+    assert err.rstrip().endswith("pass --overwrite to replace it, or choose a new --out") and len(err.splitlines()) == 1
+    assert (out / "manifest.json").read_text() == before
+    assert main([*args, "--vocab-size", "300", "--overwrite"]) == 0
+    assert capsys.readouterr().out.startswith(f"replaced {out}: train")
+    assert Manifest.load(out).tokenizer.vocab_size <= 300
+    assert main(["data", "prepare", "--source", str(src), "--out", str(tmp_path / "g"), "--tokenizer", "gpt2",
+                 "--vocab-size", "300"]) == 2
+    assert ("--vocab-size 300 is for --tokenizer bpe; --tokenizer gpt2 brings its own vocabulary: drop --vocab-size"
+            in capsys.readouterr().err) and not (tmp_path / "g").exists()
+
+
 def test_blocks_and_val_rule():
     docs = [iter(["aaaa\n\nbbbb " * 50, "cccc\n" * 30]), iter(["short"]), iter([]), iter(["z " * 400])]
     text_in = ["aaaa\n\nbbbb " * 50 + "cccc\n" * 30, "short", "z " * 400]

@@ -347,6 +347,15 @@ def test_an_adahop_recipe_without_a_plan_and_a_folder_without_a_model_are_refuse
     assert "no config.json" in capsys.readouterr().err
 
 
+def test_a_compare_folder_as_model_lists_its_runs(compare_folder, capsys):
+    from adahop.cli import main
+
+    assert main(["eval", str(compare_folder), "--tasks", "none", "--data", "x"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"adahop eval: error: MODEL {compare_folder} holds 2 runs (an `adahop compare` folder: one per recipe), not one "
+        f"model; pass one of them: {compare_folder / 'bf16'}, {compare_folder / 'mxfp4'}"]
+
+
 def test_compare_adds_the_zero_shot_columns_and_reuses_the_evaluation(run_dir, task_root, prepare_real_text, monkeypatch,
                                                                       capsys):
     pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install 'adahop[eval]')")

@@ -154,6 +154,16 @@ def test_unknown_eval_tasks_are_refused_before_the_model_loads(tmp_path, capsys)
     assert "--eval-tasks: unknown task 'foo'" in err and "no config.json" not in err
 
 
+def test_a_compare_folder_as_model_lists_its_runs(compare_folder, tmp_path, capsys):
+    from adahop.cli import main
+
+    assert main(["ptq", str(compare_folder), "--method", "rtn", "--bits", "4", "--calib-data", "x",
+                 "--out", str(tmp_path / "q")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"adahop ptq: error: MODEL {compare_folder} holds 2 runs (an `adahop compare` folder") and \
+        err.rstrip().endswith(f"pass one of them: {compare_folder / 'bf16'}, {compare_folder / 'mxfp4'}")
+
+
 def test_a_missing_calib_data_is_named_as_calib_data(run_dir, tmp_path, capsys):
     assert _ptq(run_dir, tmp_path / "q", "--method", "rtn", "--bits", "4", "--calib-data", str(tmp_path / "nope")) == 2
     err = capsys.readouterr().err

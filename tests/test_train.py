@@ -83,6 +83,19 @@ def test_loss_falls_and_run_folder_is_complete(data_dir, tmp_path, single_thread
     assert 0 < s["final_val_bpb"] < 10
 
 
+def test_tokens_per_second_is_null_until_measured(data_dir, tmp_path, single_thread):
+    """The first two steps are warm-up (not timed): their records said tok_per_s 0.0, a speed of zero."""
+    from adahop.plots import plot_run
+
+    s = train(_cfg(data_dir, tmp_path / "r", recipe="bf16", steps=3, eval_every=0, ckpt_every=0))
+    recs = [r for r in read_metrics(tmp_path / "r" / "metrics.jsonl") if "loss" in r]
+    assert [r["tok_per_s"] for r in recs[:2]] == [None, None] and recs[2]["tok_per_s"] > 0
+    assert '"tok_per_s": null' in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()[0]
+    assert s["tok_per_s"] == pytest.approx(recs[2]["tok_per_s"])
+    plot_run(recs, tmp_path / "loss.png", title="t")  # the readers take the nulls
+    assert (tmp_path / "loss.png").stat().st_size > 0
+
+
 def test_export_loads_with_transformers(data_dir, tmp_path, single_thread):
     from transformers import AutoModelForCausalLM
 
@@ -161,6 +174,19 @@ def test_bad_options_fail_before_training(data_dir, tmp_path):
         train(_cfg(data_dir, tmp_path / "v", plan=str(plan)))
 
 
+def test_reschedule_without_resume_is_refused(tmp_path, capsys):
+    """--reschedule only changes the schedule a resumed run keeps: alone it did nothing, silently."""
+    from adahop.cli import main
+
+    with pytest.raises(ValueError, match="--reschedule: only applies with --resume"):
+        TrainConfig(out=str(tmp_path / "r"), reschedule=True)
+    assert TrainConfig(out=str(tmp_path / "r"), resume=True, reschedule=True).reschedule
+    assert main(["train", "--reschedule", "--steps", "20", "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["adahop train: error: --reschedule: only applies with --resume (it stretches a resumed run's cosine "
+                   "decay over a larger --steps); add --resume to continue the run in --out, or drop --reschedule"]
+
+
 def test_run_ending_inside_calibration_warns_and_says_so(data_dir, tmp_path, single_thread, capsys):
     """--steps within the calibration: every GEMM stays BF16, so the run warns and its summary
     says the plan never froze (it would otherwise pass for an AdaHOP result)."""
@@ -194,6 +220,28 @@ def test_compare_refuses_earlier_runs_made_with_other_settings(data_dir, tmp_pat
         compare(["bf16"], dataclasses.replace(cfg, lr=1e-3, out=str(out)), out)
     with pytest.raises(ValueError, match="no recipes"):
         compare([], cfg, out)
+
+
+def test_compare_refuses_a_recipe_named_twice_and_calib_steps_no_recipe_uses(tmp_path, capsys, monkeypatch):
+    """`--recipes bf16,bf16` trained bf16 once and then reused it as the "second" run, without a word;
+    `--calib-steps` with recipes that all have fixed strategies did nothing, also without a word."""
+    import adahop.train.compare as cmp
+    from adahop.cli import main
+
+    def no(*a, **k):
+        raise AssertionError("compare went on to prepare data and train")
+
+    monkeypatch.setattr(cmp, "resolve_data", no)
+    monkeypatch.setattr(cmp, "_run_child", no)
+    assert main(["compare", "--recipes", "bf16,mxfp4,bf16", "--out", str(tmp_path / "c")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"adahop compare: error: compare: --recipes names bf16 more than once; each recipe trains once, into "
+        f"{tmp_path / 'c' / 'bf16'}: drop the repeat (for another seed, run compare again with --seed and a new --out)"]
+    assert not (tmp_path / "c").exists()  # refused before anything is made
+    assert main(["compare", "--recipes", "bf16,mxfp4", "--calib-steps", "5", "--out", str(tmp_path / "c")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "adahop compare: error: --calib-steps 5: none of --recipes bf16,mxfp4 has an AdaHOP calibration (their GEMM "
+        "strategies are fixed), so it would do nothing; drop --calib-steps, or add a calibrating recipe such as adahop-lv2"]
 
 
 def test_compare_exits_nonzero_when_a_recipe_fails(monkeypatch, tmp_path):
@@ -706,6 +754,20 @@ def test_startup_notes_name_a_given_plan_and_packed_masters_under_round_to_neare
     assert _run_notes(TrainConfig(master_weights="fp4", master_rounding="stochastic")) == []
     assert _run_notes(TrainConfig(optimizer="sr-adamw", master_weights="fp8")) == []  # auto is stochastic there
     assert _run_notes(TrainConfig(master_weights="bf16")) == []
+
+
+def test_calib_steps_with_a_recipe_without_calibration_warns_at_start_up():
+    """Fresh-user pass: `--recipe bf16 --calib-steps 10` was taken without a word, though no step calibrates."""
+    from adahop.recipes import get_recipe
+    from adahop.train.config import TrainConfig
+    from adahop.train.setup import _run_notes
+
+    (warn,) = _run_notes(TrainConfig(recipe="bf16", calib_steps=10), get_recipe("bf16"))
+    assert warn.split() == ["warning", "--calib-steps", "10", "does", "nothing:", "recipe", "bf16", "has", "no", "AdaHOP",
+                            "calibration", "(its", "GEMM", "strategies", "are", "fixed);", "drop", "--calib-steps,", "or",
+                            "use", "a", "calibrating", "recipe", "such", "as", "adahop-lv2"]
+    assert _run_notes(TrainConfig(recipe="mxfp4"), get_recipe("mxfp4")) == []  # not given: nothing to say
+    assert _run_notes(TrainConfig(calib_steps=10), get_recipe("adahop-lv2")) == []
 
 
 def test_a_plan_folder_is_refused_with_the_file_to_pass(tmp_path):

@@ -15,11 +15,20 @@ from .train.config import add_config_flags, config_from
 __all__ = ["main", "build_parser"]
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser whose option errors (an invalid choice, a missing or mistyped value) are one
+    line and a pointer to ``--help``, not the whole usage (``adahop train``'s runs to 40 lines);
+    exit code 2, as argparse's. Subcommands inherit it (``add_subparsers`` uses the parent's class)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\nsee `{self.prog} --help`\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of every ``adahop`` subcommand."""
     from .train.config import TrainConfig
 
-    p = argparse.ArgumentParser(prog="adahop", description="Train LLMs with MXFP4 GEMMs at BF16 quality (AdaHOP).")
+    p = _Parser(prog="adahop", description="Train LLMs with MXFP4 GEMMs at BF16 quality (AdaHOP).")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     data = sub.add_parser("data", help="data preparation").add_subparsers(dest="data_cmd", required=True)
@@ -32,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--val-fraction", type=float, default=0.01, help="held-out share, spread across the corpus")
     prep.add_argument("--text-field", default="text", help="the JSONL field / Parquet or dataset column holding the text")
     prep.add_argument("--seed", type=int, default=0)
+    prep.add_argument("--overwrite", action="store_true", help="replace the data already prepared in --out")
 
     tr = sub.add_parser("train", help="pretrain a model from scratch with a recipe")
     add_config_flags(tr, TrainConfig)
@@ -102,6 +112,38 @@ def _quiet_imports() -> None:
             lg.setLevel(level)
 
 
+def _prepare(args) -> None:
+    """`adahop data prepare`: refuses to replace a prepared --out unless --overwrite (runs may train on
+    it), and --vocab-size with a tokenizer that brings its own; says which vocabulary was used."""
+    import json
+
+    default_vocab = 8192  # the flag's default: another value was given on purpose
+    if args.tokenizer != "bpe" and args.vocab_size != default_vocab:
+        raise ValueError(f"--vocab-size {args.vocab_size} is for --tokenizer bpe; --tokenizer {args.tokenizer} brings "
+                         f"its own vocabulary: drop --vocab-size")
+    old = Path(args.out) / "manifest.json"
+    existed = old.is_file()
+    if existed and not args.overwrite:
+        try:
+            m = json.loads(old.read_text())
+            what = (f"tokenizer {m['tokenizer']['name']}, vocab {m['tokenizer']['vocab_size']:,}, "
+                    f"{m['train']['tokens']:,} training tokens, made {m['created']}")
+        except (OSError, ValueError, KeyError, TypeError):
+            what = "its manifest.json does not read"
+        raise ValueError(f"--out {args.out} already holds prepared data ({what}); pass --overwrite to replace it, "
+                         f"or choose a new --out")
+    from .data import prepare
+
+    m = prepare(args.source, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
+                val_fraction=args.val_fraction, seed=args.seed, text_field=args.text_field)
+    vocab = f"vocab {m.tokenizer.vocab_size:,}"
+    if args.tokenizer == "bpe" and m.tokenizer.vocab_size < args.vocab_size:  # the BPE ran out of pairs to merge
+        vocab += (f", not the {args.vocab_size:,} asked: the corpus has too few distinct byte pairs to merge further "
+                  f"(more text gives more)")
+    print(f"{'replaced' if existed else 'wrote'} {args.out}: train {m.train.tokens:,} tokens, "
+          f"val {m.val.tokens:,} tokens, tokenizer {m.tokenizer.name} ({vocab})")
+
+
 def _kept_on_abort(run: Path) -> str:
     done = sorted(p.parent.name for p in (run / "checkpoints").glob("step_*/state.json"))  # state.json: written last
     return (f"; the last complete checkpoint, {run / 'checkpoints' / done[-1]}, is kept (continue with --resume)" if done
@@ -137,12 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.cmd == "data":
-            from .data import prepare
-
-            m = prepare(args.source, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
-                        val_fraction=args.val_fraction, seed=args.seed, text_field=args.text_field)
-            print(f"wrote {args.out}: train {m.train.tokens:,} tokens, val {m.val.tokens:,} tokens, "
-                  f"tokenizer {m.tokenizer.name} (vocab {m.tokenizer.vocab_size})")
+            _prepare(args)
         elif args.cmd == "train":
             return _train(args)
         elif args.cmd == "compare":
@@ -150,12 +187,18 @@ def main(argv: list[str] | None = None) -> int:
 
             cfg = config_from(args, TrainConfig)
             _quiet_imports()
+            from .recipes import get_recipe
             from .train.compare import Interrupted, compare
 
+            recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
+            if cfg.calib_steps is not None and all(get_recipe(r).calibration is None for r in recipes):
+                raise ValueError(f"--calib-steps {cfg.calib_steps}: none of --recipes {','.join(recipes)} has an AdaHOP "
+                                 "calibration (their GEMM strategies are fixed), so it would do nothing; drop "
+                                 "--calib-steps, or add a calibrating recipe such as adahop-lv2")
             try:
                 ev = dict(eval_tasks=args.eval_tasks, eval_limit=args.eval_limit, task_data=args.task_data,
                           eval_max_length=args.eval_max_length) if args.eval_tasks else {}
-                summaries = compare([r.strip() for r in args.recipes.split(",") if r.strip()], cfg, Path(cfg.out), **ev)
+                summaries = compare(recipes, cfg, Path(cfg.out), **ev)
             except Interrupted as e:  # the running recipe wrote its checkpoint (or was aborted): say how to go on
                 print(f"adahop compare: {e}", file=sys.stderr)
                 return 130
@@ -183,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
 
             run_bench(args)
         elif args.cmd == "eval":
+            _quiet_imports()  # it loads a transformers model, as train does
             from .eval.cli import run as run_eval
 
             run_eval(args)

@@ -30,7 +30,7 @@ from ..patterns import Plan, pattern_stats
 from ..recipes import get_recipe
 from ..recipes.spec import CalibSpec
 from ..train.config import TrainConfig, config_from
-from ..train.export import read_run_section
+from ..train.export import read_run_section, runs_inside
 from ..train.setup import build_optimizer, lr_at, make_model, make_streams, resolve_data, resolve_device
 from . import census as cs
 from . import figures, report
@@ -150,6 +150,9 @@ def _load_run(args) -> tuple[TrainConfig, Path, Path]:
         raise ValueError(f"--run {run_dir} uses the run's own model, data and optimizer settings; drop {', '.join(given)} "
                          "(of the training flags only --device and --steps, the analysis's own steps, apply with --run)")
     cfg_path = run_dir / "config.json"
+    if not cfg_path.exists() and (runs := runs_inside(run_dir)):
+        raise ValueError(f"--run {run_dir} holds {len(runs)} runs (an `adahop compare` folder: one per recipe), not one "
+                         f"run; pass one of them: {', '.join(str(r) for r in runs)}")
     if not cfg_path.exists():
         raise ValueError(f"--run {run_dir}: no config.json (is it a run folder of `adahop train`?)")
     section = read_run_section(run_dir)
@@ -157,7 +160,7 @@ def _load_run(args) -> tuple[TrainConfig, Path, Path]:
         raise ValueError(f"--run {run_dir}: config.json has no 'adahop' section with 'config' and 'data_dir'")
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     cfg = TrainConfig(**{k: v for k, v in section["config"].items() if k in known})
-    cfg = dataclasses.replace(cfg, device=args.device, resume=False)
+    cfg = dataclasses.replace(cfg, device=args.device, resume=False, reschedule=False)  # a run resumed --reschedule
     cks = sorted((run_dir / "checkpoints").glob("step_*"))
     if not cks or not (cks[-1] / "model.safetensors").exists():
         raise ValueError(f"--run {run_dir}: no checkpoints/step_*/model.safetensors")

@@ -68,16 +68,19 @@ def load_model(path: str | Path, *, device: torch.device, recipe: str | None = N
         backend: kernel backend of the converted layers (never changes numerics).
 
     Raises:
-        ValueError: no config.json, no tokenizer, an unknown recipe, an AdaHOP recipe without a
+        ValueError: no config.json (a folder of runs, e.g. of ``adahop compare``, lists them), no tokenizer, an unknown recipe, an AdaHOP recipe without a
             plan, or a checkpoint that does not fit; each message names the fix.
     """
     import transformers
 
     from ..models import _dtype_kwarg
     from ..train.checkpoint import latest_checkpoint
-    from ..train.export import read_run_section
+    from ..train.export import read_run_section, runs_inside
 
     p = Path(path)
+    if not (p / "config.json").is_file() and (runs := runs_inside(p)):
+        raise ValueError(f"MODEL {p} holds {len(runs)} runs (an `adahop compare` folder: one per recipe), not one "
+                         f"model; pass one of them: {', '.join(str(r) for r in runs)}")
     if not (p / "config.json").is_file():
         raise ValueError(f"MODEL {p}: no config.json; pass a run folder of `adahop train` or a transformers "
                          f"model folder")

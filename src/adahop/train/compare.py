@@ -150,12 +150,17 @@ def compare(recipes: list[str], cfg: TrainConfig, out: Path, *, eval_tasks: str 
     the ones that were interrupted (from their last checkpoint).
 
     Raises:
-        ValueError: no recipes or an unknown recipe name, or a run in ``out/<recipe>`` made with other
+        ValueError: no recipes, a recipe named twice or an unknown recipe name, or a run in ``out/<recipe>`` made with other
             settings or other data (listed; its results would not be comparable) — all before anything trains.
         Interrupted: Ctrl-C while a recipe trained (it checkpointed, or a second Ctrl-C aborted it).
     """
     if not recipes:
         raise ValueError("compare: no recipes given; pass --recipes bf16,adahop-lv2,...")
+    twice = sorted({r for r in recipes if recipes.count(r) > 1})
+    if twice:  # one folder per recipe: a second run would resume or reuse the first, not repeat it
+        raise ValueError(f"compare: --recipes names {', '.join(twice)} more than once; each recipe trains once, into "
+                         f"{Path(out) / twice[0]}: drop the repeat (for another seed, run compare again with --seed and "
+                         f"a new --out)")
     if cfg.parallel != "none":
         raise ValueError(f"--parallel {cfg.parallel}: adahop compare runs each recipe as one process; for data-parallel "
                          "runs launch `torchrun ... -m adahop train --recipe R --out OUT/R` per recipe")

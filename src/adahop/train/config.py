@@ -141,6 +141,9 @@ class TrainConfig:
             bad("parallel", f"{self.parallel!r}; use none, ddp or fsdp")
         if self.calib_steps is not None and self.calib_steps < 1:
             bad("calib_steps", f"must be >= 1, got {self.calib_steps}")
+        if self.reschedule and not self.resume:  # it only changes the schedule a resumed run keeps
+            bad("reschedule", "only applies with --resume (it stretches a resumed run's cosine decay over a larger "
+                "--steps); add --resume to continue the run in --out, or drop --reschedule")
         from .metrics import parse_log_to
 
         parse_log_to(self.log_to)  # an unknown or uninstalled logger fails before any work

@@ -19,7 +19,7 @@ from ..utils import atomic_write_text, read_json
 from .checkpoint import tied_keys
 from .config import TrainConfig
 
-__all__ = ["write_config", "read_run_section", "export_hf", "save_hf_tokenizer", "git_revision"]
+__all__ = ["write_config", "read_run_section", "runs_inside", "export_hf", "save_hf_tokenizer", "git_revision"]
 
 
 def git_revision() -> str | None:
@@ -56,6 +56,24 @@ def read_run_section(run: str | Path) -> dict | None:
     if not path.is_file():
         return None
     return read_json(path, "the run's config").get("adahop") or None
+
+
+def runs_inside(folder: str | Path) -> list[Path]:
+    """The run folders of ``adahop train`` directly inside ``folder``, sorted (an ``adahop compare``
+    --out holds one per recipe); empty when there are none or ``folder`` is not a readable folder.
+    For the error of a command given such a folder where it takes one run."""
+    try:
+        subs = sorted(d for d in Path(folder).iterdir() if d.is_dir())
+    except OSError:
+        return []
+    runs = []
+    for d in subs:
+        try:
+            if read_run_section(d) is not None:
+                runs.append(d)
+        except ValueError:  # a config.json that does not read: not a run to point to
+            pass
+    return runs
 
 
 def export_hf(run: Path, model, data_dir: Path) -> None:

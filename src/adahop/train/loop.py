@@ -328,11 +328,11 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
                 raise Diverged(f"loss or gradient norm became non-finite at or before step {done}; stopped. {_kept(run, last_good)} "
                                f"Start again with a lower --lr in a new --out (--resume keeps the saved --lr), or use a safer recipe.")
             _check_ceiling(peak_loss, ceiling, vocab, done, run, last_good, bar)
-            tps = timed_tokens / clock if clock else 0.0
+            tps = timed_tokens / clock if clock else None  # None (null): not measured yet, the first steps are warm-up
             loss_val = dp.mean_over_ranks(loss_sum).item()
             metrics.log(step=done, loss=loss_val, lr=lr, grad_norm=float(gnorm), tokens=done * tokens_per_step, tok_per_s=tps,
                         step_s=step_s, memory_mb=peak_memory(device) / 2**20)
-            bar.set_postfix(loss=f"{loss_val:.3f}", tok_s=f"{tps:,.0f}")
+            bar.set_postfix(loss=f"{loss_val:.3f}", **({"tok_s": f"{tps:,.0f}"} if tps is not None else {}))
         if cfg.eval_every and (done % cfg.eval_every == 0 or last):
             vl = dp.mean_over_ranks(evaluate(model, val_s, device, autocast, cfg.eval_batches)[0])
             metrics.log(step=done, val_loss=vl, val_bpb=val_s.bits_per_byte(vl))

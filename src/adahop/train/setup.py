@@ -315,14 +315,20 @@ def startup_summary(cfg: TrainConfig, model: torch.nn.Module, recipe, train: Tok
               f"at step {schedule_steps}" + _short_run_note(cfg, schedule_steps),
               f"  GEMMs of {recipe.name}:"]
     lines += ["    " + line for line in gemm_table(recipe).splitlines()]
-    return "\n".join(lines + _run_notes(cfg))
+    return "\n".join(lines + _run_notes(cfg, recipe))
 
 
-def _run_notes(cfg: TrainConfig) -> list[str]:
-    """Start-up lines about this run's settings that the recipe's table cannot show: a given plan
-    (no calibration runs, whatever the table's calibration note says) and packed master weights
-    under round to nearest (which lose every update below half a step of their format)."""
+def _run_notes(cfg: TrainConfig, recipe=None) -> list[str]:
+    """Start-up lines about this run's settings that the recipe's table cannot show: --calib-steps
+    with a ``recipe`` that has no calibration (it does nothing), a given plan (no calibration runs,
+    whatever the table's calibration note says) and packed master weights under round to nearest
+    (which lose every update below half a step of their format)."""
     notes = []
+    if cfg.calib_steps is not None and recipe is not None and recipe.calibration is None:
+        # a warning, not an error: launchers pass one --calib-steps to every recipe of a comparison
+        notes.append(f"  warning         --calib-steps {cfg.calib_steps} does nothing: recipe {recipe.name} has no AdaHOP "
+                     "calibration (its GEMM strategies are fixed); drop --calib-steps, or use a calibrating recipe "
+                     "such as adahop-lv2")
     if cfg.plan:
         notes.append(f"  plan            frozen from {cfg.plan}: no calibration runs (--calib-steps has no effect)")
     if cfg.master_weights in PACKED_FORMATS and resolved_rounding(cfg.optimizer, cfg.master_rounding) == "nearest":
