@@ -387,6 +387,11 @@ def test_wgrad_unbiased_given_inputs(name):
         (lambda: OperandSpec(rounding="stochastic", scale_rule="floor").validate("a"), "scale_rule"),
         (lambda: OperandSpec(fmt="mxfp4", tile_2d=True).validate("a"), "tile_2d"),
         (lambda: GemmSpec(mean_split="tokens").validate("g"), "mean_split"),
+        # the rank-one mean terms are formed untransformed: with a Hadamard along Kc (or, for the
+        # BF16 mean, along B's columns) they came out wrong by ~1.3 relative (quantizer off)
+        (lambda: GemmSpec(strategy="iht", mean_split="a_rows", mean_bf16=True).validate("g"), "mean_bf16.*inner transform"),
+        (lambda: GemmSpec(mean_split="a_rows", mean_bf16=True, outer_b=Transform(block_size=8)).validate("g"), "outer_b"),
+        (lambda: GemmSpec(strategy="iht", mean_split="inner").validate("g"), "mean_split='inner'.*inner transform"),
         (lambda: Recipe(name="x", bf16_last_layers=-1), "bf16_last_layers"),
         (lambda: get_recipe("halo-3"), "halo-2"),
     ],
@@ -548,3 +553,25 @@ def test_mean_bf16_variant_keeps_the_rank_one_terms_exact_and_refuses_recipes_wi
         GemmSpec(mean_bf16=True).validate("g")
     with pytest.raises(ValueError, match="needs a recipe with a mean split"):
         get_recipe("nvfp4@mean-bf16")
+
+
+@pytest.mark.parametrize("kw", [dict(strategy="iht"), dict(inner=Transform(block_size=64)),
+                                dict(outer_b=Transform(block_size=8))], ids=["iht32", "iht64-padded", "outer_b"])
+def test_mean_split_specs_the_gemm_cannot_form_are_refused_not_computed(kw):
+    """A mean split under a transform the rank-one terms do not follow: ``GemmSpec.validate`` (run by
+    every Recipe) refuses it. Computed, the quantizer off, ``mean_bf16`` in fprop missed A·B by ~1.3
+    relative (the BF16 mean times the transformed B) and the ``inner`` split by ~0.35 (means times
+    the padded Kc, sums of transformed residuals) where the exact product was due."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(32, 48, generator=g) + 3, torch.randn(48, 40, generator=g)
+    for split, bf16 in (("a_rows", True), ("inner", False), ("inner", True)):
+        spec = without_quantization(GemmSpec(mean_split=split, mean_bf16=bf16, **kw))
+        if split == "inner" and "outer_b" in kw:  # the token means commute with a Hadamard along N'
+            spec.validate("g")
+            assert bf16 or rel(gemm(a, b, spec), a @ b) <= 1e-5
+            continue
+        with pytest.raises(ValueError, match="transform|outer_b"):
+            spec.validate("g")
+    spec = without_quantization(GemmSpec(mean_split="a_rows", **kw))  # the FP4 mean rides as A's row: transformed too
+    spec.validate("g")
+    assert rel(gemm(a, b, spec), a @ b) <= 1e-5

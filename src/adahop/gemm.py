@@ -285,11 +285,6 @@ def _own(c: torch.Tensor, rows: int, cols: int, dtype: torch.dtype) -> torch.Ten
     return c.to(dtype) if c.dtype != dtype else c
 
 
-def _padded_rows(b: torch.Tensor, kc: int) -> torch.Tensor:
-    """The first ``kc`` rows of a dequantized B (its Kc may be padded to a block multiple)."""
-    return b[:kc] if b.shape[0] != kc else b
-
-
 def _kc_sums(q, kc_axis: int) -> torch.Tensor:
     """A quantized operand's sums along its contracted axis, float32 (Averis's cross terms)."""
     if isinstance(q, NVFP4Tensor):  # no FP32 dequantized copy: the exact BF16 block values, FP32 sums
@@ -328,7 +323,7 @@ def multiply(pa: Prepared, pb: Prepared, spec: GemmSpec, *, out_dtype: torch.dty
     if spec.outer_b is not None:
         c = _outer(c, spec.outer_b, 1, "output")
     if spec.mean_split == "a_rows" and pa.mean is not None:  # mean_bf16: the BF16 mean times Q(B), broadcast
-        c = c + (pa.mean.reshape(1, -1) @ _padded_rows(pb.q.dequantize(torch.float32), pa.mean.numel()))
+        c = c + pa.mean.reshape(1, -1) @ pb.q.dequantize(torch.float32)  # no transform, no padded Kc (validate)
     elif spec.mean_split == "a_rows":
         c = c[:-1] + c[-1:]  # residual rows + the broadcast rank-one mean term
     elif spec.mean_split == "inner":
