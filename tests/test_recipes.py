@@ -109,7 +109,7 @@ def test_nvfp4_keeps_last_block_bf16():
 
 
 def _placement_cases():
-    cases = [pytest.param(get_recipe(n), id=n) for n in FIXED]
+    cases = [pytest.param(get_recipe(n), id=n) for n in FIXED + ["averis@mean-bf16", "averis-mxfp4@mean-bf16"]]
     for name in ("adahop-lv1", "adahop-lv2"):
         r = get_recipe(name)
         for s in ("none", "iht", "iht+oe_left", "iht+oe_right"):
@@ -202,13 +202,17 @@ def ref_averis(fmt, mean_bf16=False):
             return q_nv(t, axis, sr=True, tile=tile, gen=gen)
         return q_mx(t, axis, rule="ceil", sr=True, gen=gen)
 
-    def q_mean(mu, gen):  # the mean vector: FP4 on its own, or (mean_bf16) BF16
-        return mu.to(torch.bfloat16).float() if mean_bf16 else q(mu, -1, gen)
+    def mean(t, dim):  # the token mean; with mean_bf16 rounded to BF16 before R = t - mean is formed
+        mu = t.mean(dim)
+        return mu.to(torch.bfloat16).float() if mean_bf16 else mu
+
+    def q_mean(mu, gen):  # the mean vector: FP4 on its own, or (mean_bf16) the BF16 one as it is
+        return mu if mean_bf16 else q(mu, -1, gen)
 
     def rows_split(a, b_q_fn, gen):  # Eq. 11: Q(R)·Q(B) + 1·(Q(μ)·Q(B)); the mean rides as A's last row
-        mu = a.mean(0, keepdim=True)
+        mu = mean(a, 0)[None]
         if mean_bf16:  # the BF16 mean times Q(B), broadcast over the rows
-            return q(a - mu, 1, gen) @ (b := b_q_fn()) + mu.to(torch.bfloat16).float() @ b
+            return q(a - mu, 1, gen) @ (b := b_q_fn()) + mu @ b
         a_q = q(torch.cat((a - mu, mu)), 1, gen)
         c = a_q @ b_q_fn()
         return c[:-1] + c[-1:]
@@ -217,13 +221,13 @@ def ref_averis(fmt, mean_bf16=False):
         gf, gw, gd = layer_gen("fprop"), layer_gen("wgrad"), layer_gen("dgrad")
         y = rows_split(x, lambda: q(w.t(), 0, gf, tile=True), gf)
         # forward: X split for wgrad (residual, then its mean), W for dgrad
-        mu_x = x.mean(0)
+        mu_x = mean(x, 0)
         r_x = q(x - mu_x, 0, gw)
         mu_x = q_mean(mu_x, gw)
         w_q = q(w, 0, gd, tile=True)
         dx = rows_split(dy, lambda: w_q, gd)
         a = dy.t()  # [N,T]
-        mu_d = a.mean(1)
+        mu_d = mean(a, 1)
         r_d = q(a - mu_d[:, None], 1, gw)
         mu_d = q_mean(mu_d, gw)
         # Eq. 12, all four terms
@@ -540,8 +544,8 @@ def test_mean_bf16_variant_keeps_the_rank_one_terms_exact_and_refuses_recipes_wi
     r = get_recipe("averis@mean-bf16")
     assert all(r.gemm(g).mean_bf16 for g in GEMMS) and not get_recipe("averis").fprop.mean_bf16
     g = torch.Generator().manual_seed(0)
-    mu, b = torch.randn(1, 64, generator=g), torch.randn(64, 48, generator=g)
-    a = mu.expand(32, 64).contiguous()  # every token the mean: the residual is exactly 0
+    mu, b = torch.randn(1, 64, generator=g).to(torch.bfloat16).float(), torch.randn(64, 48, generator=g)
+    a = mu.expand(32, 64).contiguous()  # every token the (BF16) mean: the residual is exactly 0
     spec = replace(r.fprop, a=replace(r.fprop.a, rounding="nearest"), b=replace(r.fprop.b, rounding="nearest"))
     pb = prepare(b, "b", spec)
     got = multiply(prepare(a, "a", spec), pb, spec)

@@ -135,8 +135,9 @@ class GemmSpec:
     """For ``mean_split='inner'``: keep the two cross terms of Averis Eq. 12."""
     mean_bf16: bool = False
     """Averis's mean vectors stay BF16 instead of FP4 (ours; `specs/related_methods.md` §1.7 lists it
-    beside the paper's FP4 mean). The rank-one terms then multiply the BF16 mean by the dequantized
-    other operand: exact but for the BF16 rounding of the mean and the other operand's quantization.
+    beside the paper's FP4 mean). The residual is taken from the BF16-rounded mean, so residual + mean
+    is the operand exactly, and the rank-one terms multiply that BF16 mean by the dequantized other
+    operand: exact but for the other operand's (and the residual's) quantization.
     With ``mean_split="a_rows"`` it takes no inner transform and no ``outer_b`` (ValueError)."""
     accumulation: str = "fp8-mma"
     """How the FP8 fast path sums the quantized product: ``"fp8-mma"`` or ``"fp32"`` (see
