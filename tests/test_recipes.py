@@ -531,7 +531,7 @@ def test_bf16_calib_variant_is_uniform_iht_after_adahops_bf16_steps():
     assert m[0]._specs == {g: base.gemm(g) for g in GEMMS}
     for a, b in zip(grads(m), grads(ref)):
         assert torch.equal(a, b)
-    with pytest.raises(ValueError, match="IHT on every GEMM and no calibration"):
+    with pytest.raises(ValueError, match="IHT on every GEMM it quantizes"):
         get_recipe("mxfp4@bf16-calib")
     with pytest.raises(ValueError, match="calibrates already"):
         get_recipe("adahop-lv2@bf16-calib")
@@ -579,3 +579,15 @@ def test_mean_split_specs_the_gemm_cannot_form_are_refused_not_computed(kw):
     spec = without_quantization(GemmSpec(mean_split="a_rows", **kw))  # the FP4 mean rides as A's row: transformed too
     spec.validate("g")
     assert rel(gemm(a, b, spec), a @ b) <= 1e-5
+
+
+def test_bf16_calib_and_only_gemm_variants_commute():
+    """``mxfp4-had@only-fprop@bf16-calib`` is ``mxfp4-had@bf16-calib@only-fprop`` (the ablation's
+    control of ``adahop-lv2@only-fprop``): the BF16 GEMMs stay BF16, the IHT one is calibrated.
+    Before, that order was refused with "'mxfp4-had' has ['bf16', 'iht']", untrue of mxfp4-had."""
+    for g in GEMMS:
+        a, b = get_recipe(f"mxfp4-had@only-{g}@bf16-calib"), get_recipe(f"mxfp4-had@bf16-calib@only-{g}")
+        assert all(a.gemm(h) == b.gemm(h) for h in GEMMS) and a.calibration == b.calibration
+        assert {h: a.gemm(h).strategy for h in GEMMS} == {h: "calibrated" if h == g else "bf16" for h in GEMMS}
+    with pytest.raises(ValueError, match="IHT on every GEMM"):
+        get_recipe("bf16@bf16-calib")  # nothing quantized: nothing to calibrate
