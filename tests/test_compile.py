@@ -385,6 +385,25 @@ def test_opaque_graph_constant_tells_recipes_apart_across_processes(single_threa
     assert other[0]._specs_version != m[0]._specs_version  # the backend's kernels save other tensors
 
 
+def test_opaque_specs_digest_is_the_same_in_another_process():
+    """The digest keys caches shared between processes, so it may not depend on the process (string
+    hashing is salted per process: a set or a default repr in a spec would change it): another
+    interpreter, under another PYTHONHASHSEED, computes the same digests for the same specs."""
+    import os
+    import subprocess
+    import sys
+
+    from adahop.nn.opaque import specs_digest
+
+    names = ("mxfp4-had@only-dgrad", "averis@mean-bf16", "adahop-lv2")
+    code = ("from adahop.recipes import get_recipe, GEMMS; from adahop.nn.opaque import specs_digest; "
+            f"print([specs_digest({{g: get_recipe(n).gemm(g) for g in GEMMS}}, 'auto') for n in {names!r}])")
+    env = dict(os.environ, PYTHONHASHSEED="12345")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    want = [specs_digest({g: get_recipe(n).gemm(g) for g in ("fprop", "dgrad", "wgrad")}, "auto") for n in names]
+    assert out.strip() == str(want) and len(set(want)) == 3
+
+
 def test_converted_layer_makes_its_device_constants_before_any_compiled_call(single_thread):
     """The constants a layer's GEMMs read (fixed signs, the E2M1 grid, the fold table) are put on its
     device when its specs are fixed and when it moves, eagerly: a first compiled call under CUDA

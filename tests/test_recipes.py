@@ -109,7 +109,7 @@ def test_nvfp4_keeps_last_block_bf16():
 
 
 def _placement_cases():
-    cases = [pytest.param(get_recipe(n), id=n) for n in FIXED]
+    cases = [pytest.param(get_recipe(n), id=n) for n in FIXED + ["averis@mean-bf16", "averis-mxfp4@mean-bf16"]]
     for name in ("adahop-lv1", "adahop-lv2"):
         r = get_recipe(name)
         for s in ("none", "iht", "iht+oe_left", "iht+oe_right"):
@@ -202,13 +202,17 @@ def ref_averis(fmt, mean_bf16=False):
             return q_nv(t, axis, sr=True, tile=tile, gen=gen)
         return q_mx(t, axis, rule="ceil", sr=True, gen=gen)
 
-    def q_mean(mu, gen):  # the mean vector: FP4 on its own, or (mean_bf16) BF16
-        return mu.to(torch.bfloat16).float() if mean_bf16 else q(mu, -1, gen)
+    def mean(t, dim):  # the token mean; with mean_bf16 rounded to BF16 before R = t - mean is formed
+        mu = t.mean(dim)
+        return mu.to(torch.bfloat16).float() if mean_bf16 else mu
+
+    def q_mean(mu, gen):  # the mean vector: FP4 on its own, or (mean_bf16) the BF16 one as it is
+        return mu if mean_bf16 else q(mu, -1, gen)
 
     def rows_split(a, b_q_fn, gen):  # Eq. 11: Q(R)·Q(B) + 1·(Q(μ)·Q(B)); the mean rides as A's last row
-        mu = a.mean(0, keepdim=True)
+        mu = mean(a, 0)[None]
         if mean_bf16:  # the BF16 mean times Q(B), broadcast over the rows
-            return q(a - mu, 1, gen) @ (b := b_q_fn()) + mu.to(torch.bfloat16).float() @ b
+            return q(a - mu, 1, gen) @ (b := b_q_fn()) + mu @ b
         a_q = q(torch.cat((a - mu, mu)), 1, gen)
         c = a_q @ b_q_fn()
         return c[:-1] + c[-1:]
@@ -217,13 +221,13 @@ def ref_averis(fmt, mean_bf16=False):
         gf, gw, gd = layer_gen("fprop"), layer_gen("wgrad"), layer_gen("dgrad")
         y = rows_split(x, lambda: q(w.t(), 0, gf, tile=True), gf)
         # forward: X split for wgrad (residual, then its mean), W for dgrad
-        mu_x = x.mean(0)
+        mu_x = mean(x, 0)
         r_x = q(x - mu_x, 0, gw)
         mu_x = q_mean(mu_x, gw)
         w_q = q(w, 0, gd, tile=True)
         dx = rows_split(dy, lambda: w_q, gd)
         a = dy.t()  # [N,T]
-        mu_d = a.mean(1)
+        mu_d = mean(a, 1)
         r_d = q(a - mu_d[:, None], 1, gw)
         mu_d = q_mean(mu_d, gw)
         # Eq. 12, all four terms
@@ -387,6 +391,11 @@ def test_wgrad_unbiased_given_inputs(name):
         (lambda: OperandSpec(rounding="stochastic", scale_rule="floor").validate("a"), "scale_rule"),
         (lambda: OperandSpec(fmt="mxfp4", tile_2d=True).validate("a"), "tile_2d"),
         (lambda: GemmSpec(mean_split="tokens").validate("g"), "mean_split"),
+        # the rank-one mean terms are formed untransformed: with a Hadamard along Kc (or, for the
+        # BF16 mean, along B's columns) they came out wrong by ~1.3 relative (quantizer off)
+        (lambda: GemmSpec(strategy="iht", mean_split="a_rows", mean_bf16=True).validate("g"), "mean_bf16.*inner transform"),
+        (lambda: GemmSpec(mean_split="a_rows", mean_bf16=True, outer_b=Transform(block_size=8)).validate("g"), "outer_b"),
+        (lambda: GemmSpec(strategy="iht", mean_split="inner").validate("g"), "mean_split='inner'.*inner transform"),
         (lambda: Recipe(name="x", bf16_last_layers=-1), "bf16_last_layers"),
         (lambda: get_recipe("halo-3"), "halo-2"),
     ],
@@ -522,7 +531,7 @@ def test_bf16_calib_variant_is_uniform_iht_after_adahops_bf16_steps():
     assert m[0]._specs == {g: base.gemm(g) for g in GEMMS}
     for a, b in zip(grads(m), grads(ref)):
         assert torch.equal(a, b)
-    with pytest.raises(ValueError, match="IHT on every GEMM and no calibration"):
+    with pytest.raises(ValueError, match="IHT on every GEMM it quantizes"):
         get_recipe("mxfp4@bf16-calib")
     with pytest.raises(ValueError, match="calibrates already"):
         get_recipe("adahop-lv2@bf16-calib")
@@ -535,8 +544,8 @@ def test_mean_bf16_variant_keeps_the_rank_one_terms_exact_and_refuses_recipes_wi
     r = get_recipe("averis@mean-bf16")
     assert all(r.gemm(g).mean_bf16 for g in GEMMS) and not get_recipe("averis").fprop.mean_bf16
     g = torch.Generator().manual_seed(0)
-    mu, b = torch.randn(1, 64, generator=g), torch.randn(64, 48, generator=g)
-    a = mu.expand(32, 64).contiguous()  # every token the mean: the residual is exactly 0
+    mu, b = torch.randn(1, 64, generator=g).to(torch.bfloat16).float(), torch.randn(64, 48, generator=g)
+    a = mu.expand(32, 64).contiguous()  # every token the (BF16) mean: the residual is exactly 0
     spec = replace(r.fprop, a=replace(r.fprop.a, rounding="nearest"), b=replace(r.fprop.b, rounding="nearest"))
     pb = prepare(b, "b", spec)
     got = multiply(prepare(a, "a", spec), pb, spec)
@@ -548,3 +557,37 @@ def test_mean_bf16_variant_keeps_the_rank_one_terms_exact_and_refuses_recipes_wi
         GemmSpec(mean_bf16=True).validate("g")
     with pytest.raises(ValueError, match="needs a recipe with a mean split"):
         get_recipe("nvfp4@mean-bf16")
+
+
+@pytest.mark.parametrize("kw", [dict(strategy="iht"), dict(inner=Transform(block_size=64)),
+                                dict(outer_b=Transform(block_size=8))], ids=["iht32", "iht64-padded", "outer_b"])
+def test_mean_split_specs_the_gemm_cannot_form_are_refused_not_computed(kw):
+    """A mean split under a transform the rank-one terms do not follow: ``GemmSpec.validate`` (run by
+    every Recipe) refuses it. Computed, the quantizer off, ``mean_bf16`` in fprop missed A·B by ~1.3
+    relative (the BF16 mean times the transformed B) and the ``inner`` split by ~0.35 (means times
+    the padded Kc, sums of transformed residuals) where the exact product was due."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(32, 48, generator=g) + 3, torch.randn(48, 40, generator=g)
+    for split, bf16 in (("a_rows", True), ("inner", False), ("inner", True)):
+        spec = without_quantization(GemmSpec(mean_split=split, mean_bf16=bf16, **kw))
+        if split == "inner" and "outer_b" in kw:  # the token means commute with a Hadamard along N'
+            spec.validate("g")
+            assert bf16 or rel(gemm(a, b, spec), a @ b) <= 1e-5
+            continue
+        with pytest.raises(ValueError, match="transform|outer_b"):
+            spec.validate("g")
+    spec = without_quantization(GemmSpec(mean_split="a_rows", **kw))  # the FP4 mean rides as A's row: transformed too
+    spec.validate("g")
+    assert rel(gemm(a, b, spec), a @ b) <= 1e-5
+
+
+def test_bf16_calib_and_only_gemm_variants_commute():
+    """``mxfp4-had@only-fprop@bf16-calib`` is ``mxfp4-had@bf16-calib@only-fprop`` (the ablation's
+    control of ``adahop-lv2@only-fprop``): the BF16 GEMMs stay BF16, the IHT one is calibrated.
+    Before, that order was refused with "'mxfp4-had' has ['bf16', 'iht']", untrue of mxfp4-had."""
+    for g in GEMMS:
+        a, b = get_recipe(f"mxfp4-had@only-{g}@bf16-calib"), get_recipe(f"mxfp4-had@bf16-calib@only-{g}")
+        assert all(a.gemm(h) == b.gemm(h) for h in GEMMS) and a.calibration == b.calibration
+        assert {h: a.gemm(h).strategy for h in GEMMS} == {h: "calibrated" if h == g else "bf16" for h in GEMMS}
+    with pytest.raises(ValueError, match="IHT on every GEMM"):
+        get_recipe("bf16@bf16-calib")  # nothing quantized: nothing to calibrate

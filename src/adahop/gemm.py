@@ -212,12 +212,15 @@ def prepare(
     if spec.mean_split == "a_rows" and side == "a":  # Averis fprop/dgrad: token mean over M
         mu = t.float().mean(dim=0, keepdim=True)  # [1, Kc]
         if spec.mean_bf16:  # kept apart, unquantized: multiply() adds mean · B
+            mu = mu.to(torch.bfloat16).float()  # R takes the mean's BF16 rounding: R + 1·μ is A exactly
             t = t.float() - mu
-            prep.mean = mu.flatten().to(torch.bfloat16).float()
+            prep.mean = mu.flatten()
         else:
             t = torch.cat((t.float() - mu, mu), dim=0)  # the mean rides along as one extra row
     elif spec.mean_split == "inner":  # Averis wgrad: token means over Kc
         mu = t.float().mean(dim=kc_axis, keepdim=True)
+        if spec.mean_bf16:  # as above: the residual takes the BF16 rounding, the split stays exact
+            mu = mu.to(torch.bfloat16).float()
         t = t.float() - mu
         prep.mean = mu.flatten().clone()  # a vector of its own: a view saved for backward breaks torch.compile's capture
 
@@ -237,9 +240,7 @@ def prepare(
     prep.Kc = t.shape[kc_axis]
     op = spec.a if side == "a" else spec.b
     prep.q = _quantize(t, kc_axis, op, tr, signs, generator, backend, outputs, prep.oe_idx)  # OE rows quantize as 0
-    if spec.mean_split == "inner" and spec.mean_bf16:
-        prep.mean = prep.mean.to(torch.bfloat16).float()
-    elif spec.mean_split == "inner":  # the mean vector is quantized on its own
+    if spec.mean_split == "inner" and not spec.mean_bf16:  # the mean vector is quantized on its own
         if op.fmt == "nvfp4":  # as one row, through the fused quantizer (the reference's numbers under RNE)
             q = _kernels().iht_quantize_nvfp4(prep.mean.reshape(1, -1), axis=1, rounding=op.rounding,
                                               tile_2d=op.tile_2d, generator=generator, backend=backend, outputs="values")
@@ -285,11 +286,6 @@ def _own(c: torch.Tensor, rows: int, cols: int, dtype: torch.dtype) -> torch.Ten
     return c.to(dtype) if c.dtype != dtype else c
 
 
-def _padded_rows(b: torch.Tensor, kc: int) -> torch.Tensor:
-    """The first ``kc`` rows of a dequantized B (its Kc may be padded to a block multiple)."""
-    return b[:kc] if b.shape[0] != kc else b
-
-
 def _kc_sums(q, kc_axis: int) -> torch.Tensor:
     """A quantized operand's sums along its contracted axis, float32 (Averis's cross terms)."""
     if isinstance(q, NVFP4Tensor):  # no FP32 dequantized copy: the exact BF16 block values, FP32 sums
@@ -328,7 +324,7 @@ def multiply(pa: Prepared, pb: Prepared, spec: GemmSpec, *, out_dtype: torch.dty
     if spec.outer_b is not None:
         c = _outer(c, spec.outer_b, 1, "output")
     if spec.mean_split == "a_rows" and pa.mean is not None:  # mean_bf16: the BF16 mean times Q(B), broadcast
-        c = c + (pa.mean.reshape(1, -1) @ _padded_rows(pb.q.dequantize(torch.float32), pa.mean.numel()))
+        c = c + pa.mean.reshape(1, -1) @ pb.q.dequantize(torch.float32)  # no transform, no padded Kc (validate)
     elif spec.mean_split == "a_rows":
         c = c[:-1] + c[-1:]  # residual rows + the broadcast rank-one mean term
     elif spec.mean_split == "inner":

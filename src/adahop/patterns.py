@@ -336,8 +336,8 @@ class Calibrator:
     seen count as NONE.
 
     Args:
-        table: strategy table ("lv1" or "lv2"). steps: calibration steps (the plan is voted over
-            optimizer steps 1 … steps). threshold, rule, floor, min_peak: the detector
+        table: strategy table ("lv1", "lv2" or "iht", :data:`STRATEGY_TABLES`). steps: calibration
+            steps (the plan is voted over optimizer steps 1 … steps). threshold, rule, floor, min_peak: the detector
             (:func:`classify`); defaults are the official ratio test, τ = 2, no gates.
 
     Raises:

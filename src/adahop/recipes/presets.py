@@ -43,13 +43,14 @@ def get_recipe(name: str) -> Recipe:
       instead of the exact top-k (`GemmSpec.oe_select`; issue 18).
     - ``mean-bf16``: Averis keeps its mean vectors in BF16 (`GemmSpec.mean_bf16`), not FP4.
     - ``bf16-calib``: a recipe with IHT on every GEMM (``mxfp4-had``) first runs AdaHOP's 30
-      exact-BF16 calibration steps, then IHT everywhere (strategy table ``"iht"``). It is the
+      exact-BF16 calibration steps, then IHT everywhere (strategy table ``"iht"``); GEMMs an
+      ``only-*`` variant made BF16 stay BF16, in either order. It is the
       control that holds the warm-up fixed when AdaHOP is compared with uniform IHT
       (`docs/results.md`, per-GEMM ablation).
 
     Raises:
         ValueError: unknown preset (lists the known names) or variant, a variant given twice, or
-            ``bf16-calib`` on a recipe that calibrates already or is not IHT on every GEMM.
+            ``bf16-calib`` on a recipe that calibrates already or has a GEMM neither IHT nor BF16 (or none IHT).
     """
     base, *variants = name.split("@")
     try:
@@ -84,12 +85,13 @@ def _variant(recipe: Recipe, variant: str) -> Recipe:
         specs = {g: replace(recipe.gemm(g), mean_bf16=recipe.gemm(g).mean_split != "none") for g in GEMMS}
         return replace(recipe, description=f"{recipe.description} [mean vectors in BF16]", **specs)
     if variant == "bf16-calib":
+        # BF16 GEMMs stay (after @only-*: either order gives the same recipe); the IHT ones calibrate
         strategies = {recipe.gemm(g).strategy for g in GEMMS}
-        if recipe.calibration is not None or strategies != {"iht"}:
-            raise ValueError(f"recipe variant 'bf16-calib' needs a recipe with IHT on every GEMM and no calibration "
-                             f"(such as mxfp4-had); {recipe.name!r} has {sorted(strategies)}"
-                             + (" and calibrates already" if recipe.calibration is not None else ""))
-        specs = {g: replace(recipe.gemm(g), strategy="calibrated") for g in GEMMS}
+        if recipe.calibration is not None or "iht" not in strategies or not strategies <= {"iht", "bf16"}:
+            raise ValueError(f"recipe variant 'bf16-calib' needs a recipe with IHT on every GEMM it quantizes and no "
+                             f"calibration (such as mxfp4-had); {recipe.name!r}, with the variants before it, has "
+                             f"{sorted(strategies)}" + (" and calibrates already" if recipe.calibration is not None else ""))
+        specs = {g: replace(recipe.gemm(g), strategy="calibrated") for g in GEMMS if recipe.gemm(g).strategy == "iht"}
         return replace(recipe, description=f"{recipe.description} [after 30 BF16 calibration steps, as AdaHOP]",
                        calibration=CalibSpec(table="iht"), **specs)
     raise ValueError(f"unknown recipe variant {variant!r}; allowed after '@': {', '.join(VARIANTS)}")

@@ -130,13 +130,15 @@ class GemmSpec:
     """Hadamard along B's columns (N'), undone on the output (HALO-1/2 backward)."""
     mean_split: str = "none"
     """Averis mean-residual split: ``"none"``, ``"a_rows"`` (token mean of A over M: fprop and
-    dgrad) or ``"inner"`` (token means of both operands over Kc: wgrad)."""
+    dgrad) or ``"inner"`` (token means of both operands over Kc: wgrad; no inner transform, ValueError)."""
     mean_cross_terms: bool = True
     """For ``mean_split='inner'``: keep the two cross terms of Averis Eq. 12."""
     mean_bf16: bool = False
     """Averis's mean vectors stay BF16 instead of FP4 (ours; `specs/related_methods.md` §1.7 lists it
-    beside the paper's FP4 mean). The rank-one terms then multiply the BF16 mean by the dequantized
-    other operand: exact but for the BF16 rounding of the mean and the other operand's quantization."""
+    beside the paper's FP4 mean). The residual is taken from the BF16-rounded mean, so residual + mean
+    is the operand exactly, and the rank-one terms multiply that BF16 mean by the dequantized other
+    operand: exact but for the other operand's (and the residual's) quantization.
+    With ``mean_split="a_rows"`` it takes no inner transform and no ``outer_b`` (ValueError)."""
     accumulation: str = "fp8-mma"
     """How the FP8 fast path sums the quantized product: ``"fp8-mma"`` or ``"fp32"`` (see
     :data:`ACCUMULATIONS`); set every GEMM's at once with :meth:`Recipe.with_accumulation`."""
@@ -161,6 +163,14 @@ class GemmSpec:
                f"mean_split={self.mean_split!r}; allowed ('none', 'a_rows', 'inner')")
         _check(not self.mean_bf16 or self.mean_split != "none", where,
                "mean_bf16=True needs a mean split (mean_split 'a_rows' or 'inner')")
+        # the rank-one mean terms are formed outside the inner transform (and the BF16 mean outside
+        # outer_b too): under one they would silently miss the product (by ~0.35-1.3 relative)
+        _check(self.mean_split != "inner" or self.transform is None, where,
+               "mean_split='inner' with an inner transform (strategy 'iht*' or inner=...) is not supported: "
+               "its mean terms are formed untransformed; use strategy 'none' and inner=None")
+        _check(not (self.mean_bf16 and self.mean_split == "a_rows") or (self.transform is None and self.outer_b is None),
+               where, "mean_bf16=True with mean_split='a_rows' takes no inner transform (strategy 'iht*' or inner=...) "
+               "and no outer_b: the BF16 mean multiplies the untransformed B; drop them or set mean_bf16=False")
         _check(self.accumulation in ACCUMULATIONS, where, f"accumulation={self.accumulation!r}; allowed {ACCUMULATIONS}")
 
     @property
