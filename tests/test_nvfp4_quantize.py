@@ -270,8 +270,9 @@ def test_interp_bit_exact_transposing_plan():
         seed = torch.tensor([1234], dtype=torch.int64) if stoch else None
         args = (x, 0, hb, signs if hb == 16 else None, stoch, tile, seed, None, True, True, keep_t)
         plan = nq.transposing_plan(x.element_size(), hb, tile)
-        assert nq.default_plan(shape[1], 0, 1, shape[1], hb, tile, x.element_size()) == plan
-        want, got = nq.nv_quantize(*args, plan=nq.row_tile_plan(hb, tile)), nq.nv_quantize(*args)
+        default = nq.default_plan(shape[1], 0, 1, shape[1], hb, tile, x.element_size())
+        assert default == (plan if hb <= 16 else nq.row_tile_plan(hb, tile))  # blocks above 16: not timed yet
+        want, got = nq.nv_quantize(*args, plan=nq.row_tile_plan(hb, tile)), nq.nv_quantize(*args, plan=plan)
         assert plan["LAYOUT"] == 1 and plan["VEC"] == (2 if dtype == torch.bfloat16 else 1)
         for a, b in zip(want, got):
             assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), (shape, hb, tile)

@@ -255,7 +255,8 @@ def default_plan(rows: int, kp: int, stride_r: int, stride_k: int, hb: int, tile
     thread: compiled for sm_90 (Triton 3.9, ptxas from its wheel) the pass-2 kernel then holds ~100
     registers (RNE) / ~140 (SR), against 184 / 255 with a spill at 32 per thread. Rows contiguous
     (the transposing case): :func:`transposing_plan`, which the H200 measured 2.0–16× faster than
-    the row tile (:func:`row_tile_plan`) at the same bytes (`docs/benchmarks_history.md#round-15`)."""
+    the row tile (:func:`row_tile_plan`) at the same bytes (`docs/benchmarks_history.md#round-15`),
+    for no Hadamard or a 16-block one; larger Hadamard blocks keep the row tile until timed."""
     if stride_k == 1 or stride_r != 1:
         bk = max(min(triton.next_power_of_2(kp), 512), NV_BLOCK, hb)
         br = max(1, 4096 // bk)
@@ -263,6 +264,8 @@ def default_plan(rows: int, kp: int, stride_r: int, stride_k: int, hb: int, tile
             br = max(br, NV_BLOCK)
             bk = max(min(bk, 4096 // br), NV_BLOCK, hb)
         return dict(BR=br, BK=bk, num_warps=max(1, min(8, br * bk // 512)), LAYOUT=0, VEC=1)
+    if hb > NV_BLOCK:  # 256·hb values per 128 threads (512 each at hb = 256): not timed on a GPU yet
+        return row_tile_plan(hb, tile_2d)
     return transposing_plan(elem_size, hb, tile_2d)
 
 
