@@ -33,8 +33,9 @@ def _ptq(run_dir: Path, out: Path, *extra: str) -> int:
     from adahop.cli import main
 
     data = json.loads((run_dir / "config.json").read_text())["adahop"]["data_dir"]
+    harp = ["--harp-steps", "3"] if any(a.startswith("harp-") for a in extra) else []  # the other methods refuse it
     return main(["ptq", str(run_dir), "--calib-data", data, "--calib-tokens", "256", "--batch-size", "4",
-                 "--eval-batches", "2", "--harp-steps", "3", "--out", str(out), *extra])
+                 "--eval-batches", "2", *harp, "--out", str(out), *extra])
 
 
 def test_harp_gptq_folder_loads_in_transformers_with_the_printed_perplexity(run_dir, tmp_path, capsys):
@@ -154,6 +155,31 @@ def test_unknown_eval_tasks_are_refused_before_the_model_loads(tmp_path, capsys)
     assert "--eval-tasks: unknown task 'foo'" in err and "no config.json" not in err
 
 
+def test_options_the_method_or_the_missing_eval_tasks_would_ignore_are_refused(tmp_path, capsys):
+    """`--harp-steps 200 --method rht-gptq`, `--damp 0.1 --method rtn` and `--eval-limit 5` without
+    `--eval-tasks` ran and wrote a ptq.json as if the option had been applied."""
+    from adahop.cli import main
+
+    base = ["ptq", str(tmp_path / "no-model"), "--bits", "4", "--calib-data", "x", "--out", str(tmp_path / "q")]
+    for extra, msg in (
+            (("--method", "rht-gptq", "--harp-steps", "200"),
+             "--harp-steps 200 is unused by --method rht-gptq; drop it, or pass --method harp-rtn or harp-gptq"),
+            (("--method", "gptq", "--mixer", "qr"), "--mixer qr is unused by --method gptq"),
+            (("--method", "rtn", "--damp", "0.1"),
+             "--damp 0.1 is unused by --method rtn; drop it, or pass --method gptq, rht-gptq or harp-gptq"),
+            (("--method", "harp-rtn", "--damp", "0.1"), "--damp 0.1 is unused by --method harp-rtn"),
+            (("--method", "rtn", "--eval-limit", "5"),
+             "--eval-limit is for the zero-shot tasks and no --eval-tasks is given (it would be unused)"),
+            (("--method", "rtn", "--eval-tasks", "none", "--task-data", "d"), "--task-data is for the zero-shot tasks"),
+            (("--method", "rtn", "--eval-max-length", "512"), "--eval-max-length is for the zero-shot tasks")):
+        assert main([*base, *extra]) == 2
+        err = capsys.readouterr().err
+        assert msg in err and "no config.json" not in err, err  # refused before the model loads
+    # the methods that use them take them (then the missing model is what stops it)
+    assert main([*base, "--method", "harp-gptq", "--harp-steps", "200", "--damp", "0.1", "--mixer", "qr"]) == 2
+    assert "no config.json" in capsys.readouterr().err
+
+
 def test_a_missing_calib_data_is_named_as_calib_data(run_dir, tmp_path, capsys):
     assert _ptq(run_dir, tmp_path / "q", "--method", "rtn", "--bits", "4", "--calib-data", str(tmp_path / "nope")) == 2
     err = capsys.readouterr().err
@@ -181,7 +207,8 @@ def test_an_out_holding_the_model_or_another_one_is_refused_not_overwritten(run_
     (left / "config.json").write_text(json.dumps({"model_type": "llama", "adahop_ptq": {"method": "rtn"}}))
     _check(argparse.Namespace(model=str(run_dir), out=str(left), calib_tokens=1, batch_size=1, seq_len=None,
                               eval_batches=None, eval_limit=None, eval_max_length=None, harp_steps=1, passes=1, damp=0.01,
-                              hbd_block=8, radix=8, max_radix=8, harp_lr=0.03, hbd_lambda=0.1))
+                              hbd_block=8, radix=8, max_radix=8, harp_lr=0.03, hbd_lambda=0.1, mixer="had_or_qr",
+                              method="harp-gptq", eval_tasks=None, task_data=None))
 
 
 def test_a_model_without_linear_blocks_is_refused_with_one_prefix(run_dir, tmp_path, capsys):

@@ -22,6 +22,15 @@ from pathlib import Path
 __all__ = ["add_arguments", "run"]
 
 
+# The options only some methods use, with their defaults: a value other than the default under a method
+# that ignores it is refused (it would change nothing, and ptq.json would not say so).
+_METHOD_DEFAULTS = {"damp": 0.01, "harp_steps": 1200, "harp_lr": 0.03, "hbd_lambda": 0.1, "hbd_block": 8, "radix": 8,
+                    "max_radix": 8, "passes": 1, "mixer": "had_or_qr"}
+_GPTQ_ONLY = ("damp",)
+_HARP_ONLY = ("harp_steps", "harp_lr", "hbd_lambda", "hbd_block", "radix", "max_radix", "passes", "mixer")
+_EVAL_TASKS_ONLY = ("eval_limit", "eval_max_length", "task_data")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of `adahop ptq`."""
     from .names import METHODS, MIXERS, QUANTIZERS
@@ -49,15 +58,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "max_position_embeddings, the run's --seq-len)")
     g.add_argument("--task-data", default=None, metavar="DIR", help="as `adahop eval --task-data`")
     g = p.add_argument_group("GPTQ and HARP")
-    g.add_argument("--damp", type=float, default=0.01, help="GPTQ damping, a fraction of mean(diag H) (default 0.01)")
-    g.add_argument("--harp-steps", type=int, default=1200, help="Adam steps per layer (default 1200, the paper's)")
-    g.add_argument("--harp-lr", type=float, default=0.03, help="Adam learning rate (default 0.03)")
-    g.add_argument("--hbd-lambda", type=float, default=0.1, help="weight of H̃'s off-block-diagonal energy (default 0.1)")
-    g.add_argument("--hbd-block", type=int, default=8, help="block of that term (default 8)")
-    g.add_argument("--radix", type=int, default=8, help="HARP's preferred radix (default 8)")
-    g.add_argument("--max-radix", type=int, default=8, help="largest other radix (default 8)")
-    g.add_argument("--passes", type=int, default=1, help="repeats of the staged product (default 1)")
-    g.add_argument("--mixer", default="had_or_qr", choices=MIXERS, help="fixed block mixer M_b (default had_or_qr)")
+    d = _METHOD_DEFAULTS
+    g.add_argument("--damp", type=float, default=d["damp"], help="GPTQ damping, a fraction of mean(diag H) (default 0.01)")
+    g.add_argument("--harp-steps", type=int, default=d["harp_steps"], help="Adam steps per layer (default 1200, the paper's)")
+    g.add_argument("--harp-lr", type=float, default=d["harp_lr"], help="Adam learning rate (default 0.03)")
+    g.add_argument("--hbd-lambda", type=float, default=d["hbd_lambda"],
+                   help="weight of H̃'s off-block-diagonal energy (default 0.1)")
+    g.add_argument("--hbd-block", type=int, default=d["hbd_block"], help="block of that term (default 8)")
+    g.add_argument("--radix", type=int, default=d["radix"], help="HARP's preferred radix (default 8)")
+    g.add_argument("--max-radix", type=int, default=d["max_radix"], help="largest other radix (default 8)")
+    g.add_argument("--passes", type=int, default=d["passes"], help="repeats of the staged product (default 1)")
+    g.add_argument("--mixer", default=d["mixer"], choices=MIXERS, help="fixed block mixer M_b (default had_or_qr)")
     g.add_argument("--seed", type=int, default=0, help="random signs, calibration windows and QR mixers")
     g.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
 
@@ -77,6 +88,18 @@ def _check(args) -> None:
         raise ValueError(f"--hbd-lambda {args.hbd_lambda}: must be >= 0")
     if not args.damp > 0:
         raise ValueError(f"--damp {args.damp}: must be > 0 (GPTQ needs H + damp·I positive definite)")
+    for flags, used_by, methods in ((_GPTQ_ONLY, "gptq", "gptq, rht-gptq or harp-gptq"),
+                                    (_HARP_ONLY, "harp-", "harp-rtn or harp-gptq")):
+        if used_by not in args.method:
+            for flag in flags:
+                if getattr(args, flag) != _METHOD_DEFAULTS[flag]:
+                    raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} is unused by --method "
+                                     f"{args.method}; drop it, or pass --method {methods}")
+    if args.eval_tasks is None or args.eval_tasks.strip().lower() == "none":
+        for flag in _EVAL_TASKS_ONLY:
+            if getattr(args, flag) is not None:
+                raise ValueError(f"--{flag.replace('_', '-')} is for the zero-shot tasks and no --eval-tasks is given "
+                                 f"(it would be unused); add --eval-tasks piqa,... or drop it")
     out = Path(args.out)
     from .export import RESULTS_FILE
 
