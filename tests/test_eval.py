@@ -461,6 +461,24 @@ def test_a_plan_without_a_recipe_is_refused_not_ignored(tmp_path, capsys):
     assert "--plan" in err and "--recipe adahop-lv2" in err and "Traceback" not in err
 
 
+def test_options_of_the_part_that_does_not_run_are_refused_not_ignored(tmp_path, capsys):
+    """`--tasks none --data D --limit 5` printed the perplexity and recorded limit 5 in the JSON; so did
+    `--max-length`/`--task-data` without tasks, and `--split train`/`--seq-len`/`--eval-batches` without --data."""
+    from adahop.cli import main
+
+    no_tasks = ["eval", str(tmp_path), "--tasks", "none", "--data", "x"]
+    no_data = ["eval", str(tmp_path), "--tasks", "piqa"]
+    for argv, msg in (([*no_tasks, "--limit", "5"], "--limit is for the zero-shot tasks and --tasks is none"),
+                      ([*no_tasks, "--max-length", "512"], "--max-length is for the zero-shot tasks"),
+                      ([*no_tasks, "--task-data", "d"], "--task-data is for the zero-shot tasks"),
+                      ([*no_data, "--split", "train"], "--split is for the perplexity and no --data is given"),
+                      ([*no_data, "--seq-len", "64"], "--seq-len is for the perplexity and no --data is given"),
+                      ([*no_data, "--eval-batches", "2"], "--eval-batches is for the perplexity")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert msg in err and "no config.json" not in err, err  # refused before anything loads
+
+
 def test_an_unfinished_run_is_scored_with_a_warning_naming_its_step(run_dir, tmp_path):
     """An interrupted run's newest checkpoint was scored as if it were the finished model."""
     import shutil

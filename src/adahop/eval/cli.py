@@ -68,6 +68,17 @@ def run(args: argparse.Namespace) -> dict:
     specs = parse_tasks(args.tasks)
     if not specs and args.data is None:
         raise ValueError("nothing to do: --tasks none and no --data; pass tasks, a data folder, or both")
+    # options of the part that does not run would be silently unused: the JSON would record them as applied
+    if not specs:
+        for flag in ("limit", "max_length", "task_data"):
+            if getattr(args, flag) is not None:
+                raise ValueError(f"--{flag.replace('_', '-')} is for the zero-shot tasks and --tasks is none (it would "
+                                 f"be unused); pass --tasks piqa,... or drop it")
+    if args.data is None:
+        for flag, unset in (("split", "val"), ("seq_len", None), ("eval_batches", None)):
+            if getattr(args, flag) != unset:
+                raise ValueError(f"--{flag.replace('_', '-')} is for the perplexity and no --data is given (it would be "
+                                 f"unused); pass --data DIR or drop it")
     device = resolve_device(args.device)
     bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda")
     if specs:  # a missing lm-eval or task data fails before the model loads
