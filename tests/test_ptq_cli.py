@@ -180,6 +180,31 @@ def test_options_the_method_or_the_missing_eval_tasks_would_ignore_are_refused(t
     assert "no config.json" in capsys.readouterr().err
 
 
+def test_splits_too_small_for_the_options_are_refused_before_the_quantization(run_dir, tmp_path, capsys):
+    """--calib-tokens beyond the train split drew the same windows again (100M tokens of a 2.5M-token
+    split: 40 epochs held in memory); a val split short of one batch failed only after the whole
+    quantization, at the perplexity."""
+    from adahop.data import Manifest
+
+    data = Path(json.loads((run_dir / "config.json").read_text())["adahop"]["data_dir"])
+    m = Manifest.load(data)
+    seq = json.loads((run_dir / "config.json").read_text())["adahop"]["config"]["seq_len"]
+    def n_windows(split):  # as TokenStream counts them: seq_len + 1 tokens, overlapping by one
+        return sum((s.tokens - 1) // seq for s in m.split(split).shards if s.tokens > seq)
+
+    windows = n_windows("train")
+    assert _ptq(run_dir, tmp_path / "a", "--method", "rtn", "--bits", "4", "--calib-tokens", str(windows * seq + 1)) == 2
+    err = capsys.readouterr().err
+    assert f"--calib-tokens {windows * seq + 1:,} is more than the train split of {data} holds in windows of " \
+           f"--seq-len {seq} ({windows * seq:,}); pass --calib-tokens {windows * seq} or less" in err
+    assert not (tmp_path / "a").exists()
+    big = n_windows("val") + 1  # one window more than the val split holds
+    assert _ptq(run_dir, tmp_path / "b", "--method", "rtn", "--bits", "4", "--skip-baseline", "--batch-size", str(big)) == 2
+    cap = capsys.readouterr()
+    assert f"adahop ptq: error: --calib-data {data}: the val split has" in cap.err and "fewer than one batch" in cap.err
+    assert "block 1/" not in cap.out + cap.err and not (tmp_path / "b").exists()  # nothing was quantized
+
+
 def test_a_missing_calib_data_is_named_as_calib_data(run_dir, tmp_path, capsys):
     assert _ptq(run_dir, tmp_path / "q", "--method", "rtn", "--bits", "4", "--calib-data", str(tmp_path / "nope")) == 2
     err = capsys.readouterr().err

@@ -167,6 +167,12 @@ def run(args: argparse.Namespace) -> dict:
         data = _data(args, rc)
         check_same_tokenizer(data, Path(args.model), model.config.vocab_size)
     seq_len = args.seq_len or rc.get("seq_len") or model.config.max_position_embeddings
+    from ..data import TokenStream
+
+    # both splits are checked now: a val split short of one batch failed only after the whole quantization
+    with _named("the val split", f"--calib-data {data}: the val split"):
+        TokenStream(data, "val", seq_len, args.batch_size).val_batches(1)
+    batches = calibration_batches(data, tokens=args.calib_tokens, seq_len=seq_len, batch_size=args.batch_size, seed=args.seed)
 
     def ppl(m):
         with torch.no_grad():
@@ -179,7 +185,6 @@ def run(args: argparse.Namespace) -> dict:
         base = ppl(deployed)
         base_fp32 = base if deployed is model else ppl(model)
         del deployed
-    batches = calibration_batches(data, tokens=args.calib_tokens, seq_len=seq_len, batch_size=args.batch_size, seed=args.seed)
     gen = torch.Generator().manual_seed(args.seed)
     grid0 = make_grid(args.quantizer, args.bits, args.group_size)
 
