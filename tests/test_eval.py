@@ -479,6 +479,20 @@ def test_options_of_the_part_that_does_not_run_are_refused_not_ignored(tmp_path,
         assert msg in err and "no config.json" not in err, err  # refused before anything loads
 
 
+def test_a_refusal_after_the_model_loads_is_one_line_without_third_party_noise(run_dir, tmp_path):
+    """`adahop eval` did not mute torchao's and torch's pytree import warnings as train and ptq do: every
+    run that loaded a model printed three lines of them (torchao installed) before its own message."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "adahop", "eval", str(run_dir), "--tasks", "none",
+                        "--data", str(tmp_path / "nope")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2
+    assert r.stderr.splitlines() == [f"adahop eval: error: --data: '{tmp_path / 'nope'}' does not exist; pass 'default', "
+                                     "a folder made by `adahop data prepare`, or text files (.txt, .jsonl, .parquet, "
+                                     ".xz, .gz, .zst)"], r.stderr
+
+
 def test_an_unfinished_run_is_scored_with_a_warning_naming_its_step(run_dir, tmp_path):
     """An interrupted run's newest checkpoint was scored as if it were the finished model."""
     import shutil

@@ -183,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
 
             run_bench(args)
         elif args.cmd == "eval":
+            _quiet_imports()
             from .eval.cli import run as run_eval
 
             run_eval(args)
