@@ -450,6 +450,17 @@ def test_an_adahop_recipe_scores_with_the_runs_frozen_plan(prepare_real_text, tm
     assert get_controller(m.model).plan.layers == Plan.load(run / "plan.json").layers
     with pytest.raises(ValueError, match="--plan is for AdaHOP recipes"):
         load_model(run, device=torch.device("cpu"), recipe="mxfp4", plan=str(run / "plan.json"))
+    # a deeper model's plan holds an entry for every layer of this one: it was taken, and scored silently
+    deeper = json.loads((run / "plan.json").read_text())
+    layers = deeper["layers"]
+    n = 1 + max(int(k.split(".")[2]) for k in layers)
+    layers.update({k.replace("layers.0.", f"layers.{n}."): v for k, v in list(layers.items()) if "layers.0." in k})
+    (tmp_path / "deeper.json").write_text(json.dumps(deeper))
+    with pytest.raises(ValueError) as e:
+        load_model(run, device=torch.device("cpu"), recipe="adahop-lv2", plan=str(tmp_path / "deeper.json"))
+    assert str(e.value).startswith(f"--plan {tmp_path / 'deeper.json'} has entries for 7 layer(s) this model does not "
+                                   f"have (model.layers.{n}.")
+    assert str(e.value).endswith("it was made for another model; pass the plan.json of the run MODEL is")
 
 
 def test_a_plan_without_a_recipe_is_refused_not_ignored(tmp_path, capsys):

@@ -69,7 +69,8 @@ def load_model(path: str | Path, *, device: torch.device, recipe: str | None = N
 
     Raises:
         ValueError: no config.json, no tokenizer, an unknown recipe, an AdaHOP recipe without a
-            plan, or a checkpoint that does not fit; each message names the fix.
+            plan or with a plan of another model (an entry missing, or one for a layer the model
+            lacks), or a checkpoint that does not fit; each message names the fix.
     """
     import transformers
 
@@ -132,6 +133,15 @@ def _convert(model, recipe_name: str, plan_path: str | None, folder: Path, secti
         raise ValueError(f"--plan is for AdaHOP recipes; --recipe {recipe_name} has fixed strategies. Drop --plan")
     seed = (section or {}).get("config", {}).get("seed", 0)
     convert_model(model, recipe, seed=seed, plan=plan, backend=backend)
+    if plan is not None:  # a larger model's plan covers every layer of this one, so conversion alone accepts it
+        from ..nn import LowPrecisionLinear
+
+        converted = {n for n, m in model.named_modules() if isinstance(m, LowPrecisionLinear)}
+        foreign = [n for n in plan.layers if n not in converted]
+        if foreign:
+            raise ValueError(f"--plan {plan_path} has entries for {len(foreign)} layer(s) this model does not have "
+                             f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}): it was made for another "
+                             f"model; pass the plan.json of the run MODEL is")
     return plan_path
 
 
