@@ -490,6 +490,18 @@ def test_options_of_the_part_that_does_not_run_are_refused_not_ignored(tmp_path,
         assert msg in err and "no config.json" not in err, err  # refused before anything loads
 
 
+def test_an_out_that_cannot_be_written_is_refused_before_the_scoring(tmp_path, capsys):
+    """`--out` naming a folder, or a path under a file, failed with an OSError after all the scoring."""
+    from adahop.cli import main
+
+    (tmp_path / "f").write_text("")
+    for out, msg in ((tmp_path, f"--out {tmp_path} is a folder, not a file; pass a file path, e.g. {tmp_path / 'eval.json'}"),
+                     (tmp_path / "f" / "e.json", f"--out {tmp_path / 'f' / 'e.json'}: {tmp_path / 'f'} is a file, not a folder")):
+        assert main(["eval", str(tmp_path / "no-model"), "--tasks", "none", "--data", "x", "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert msg in err and "no config.json" not in err, err
+
+
 def test_a_refusal_after_the_model_loads_is_one_line_without_third_party_noise(run_dir, tmp_path):
     """`adahop eval` did not mute torchao's and torch's pytree import warnings as train and ptq do: every
     run that loaded a model printed three lines of them (torchao installed) before its own message."""

@@ -180,6 +180,19 @@ def test_options_the_method_or_the_missing_eval_tasks_would_ignore_are_refused(t
     assert "no config.json" in capsys.readouterr().err
 
 
+def test_an_out_that_cannot_be_a_folder_is_refused_before_the_model_loads(tmp_path, capsys):
+    """An --out that is a file, or lies under one, failed with a FileExistsError after the quantization."""
+    from adahop.cli import main
+
+    (tmp_path / "f").write_text("")
+    for out, msg in ((tmp_path / "f", f"--out {tmp_path / 'f'} is a file, not a folder; pass a folder"),
+                     (tmp_path / "f" / "q", f"--out {tmp_path / 'f' / 'q'}: {tmp_path / 'f'} is a file, not a folder")):
+        assert main(["ptq", str(tmp_path / "no-model"), "--method", "rtn", "--bits", "4", "--calib-data", "x",
+                     "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert msg in err and "no config.json" not in err, err
+
+
 def test_splits_too_small_for_the_options_are_refused_before_the_quantization(run_dir, tmp_path, capsys):
     """--calib-tokens beyond the train split drew the same windows again (100M tokens of a 2.5M-token
     split: 40 epochs held in memory); a val split short of one batch failed only after the whole

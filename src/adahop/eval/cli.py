@@ -65,6 +65,10 @@ def run(args: argparse.Namespace) -> dict:
     if args.plan is not None and args.recipe is None:  # it would be unused: the model scored unquantized
         raise ValueError(f"--plan {args.plan} is for an AdaHOP --recipe and none is given; add --recipe adahop-lv2 "
                          f"(or adahop-lv1), or drop --plan to score the model as trained")
+    if args.out:
+        from ..utils import check_out_path
+
+        check_out_path(args.out, "--out", folder=False)
     specs = parse_tasks(args.tasks)
     if not specs and args.data is None:
         raise ValueError("nothing to do: --tasks none and no --data; pass tasks, a data folder, or both")

@@ -101,7 +101,10 @@ def _check(args) -> None:
                 raise ValueError(f"--{flag.replace('_', '-')} is for the zero-shot tasks and no --eval-tasks is given "
                                  f"(it would be unused); add --eval-tasks piqa,... or drop it")
     out = Path(args.out)
+    from ..utils import check_out_path
     from .export import RESULTS_FILE
+
+    check_out_path(out, "--out", folder=True)
 
     if (out / RESULTS_FILE).exists():
         raise ValueError(f"--out {out} already holds a quantized model ({RESULTS_FILE}); pass another --out or delete it")
