@@ -319,3 +319,37 @@ def test_the_baseline_is_the_bf16_export_of_the_unquantized_model(run_dir, tmp_p
     assert res["baseline"]["perplexity"] == bf16
     assert res["baseline_fp32"]["perplexity"] == fp32
     assert abs(fp32 / bf16 - 1) > 1e-6, (fp32, bf16)  # the two baselines differ: the test tells them apart
+
+
+def test_an_rht_dimension_without_a_block_is_refused_before_the_baseline_and_calibration(run_dir, tmp_path, capsys,
+                                                                                          monkeypatch):
+    """A dimension the RHT cannot rotate was found only when its layer's turn came: after the baseline
+    perplexity and the block's calibration; the message named neither the layer nor --method."""
+    import shutil
+
+    import transformers
+
+    import adahop.ptq.calibrate as calibrate
+    from adahop.cli import main
+
+    run_cfg = json.loads((run_dir / "config.json").read_text())
+    folder = tmp_path / "d140"
+    cfg = transformers.LlamaConfig(vocab_size=run_cfg["vocab_size"], hidden_size=64, intermediate_size=140,
+                                   num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                                   max_position_embeddings=64)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(folder)
+    for f in run_dir.glob("tokenizer*"):
+        shutil.copy(f, folder)
+    import adahop.eval.perplexity as perplexity
+
+    called = []
+    monkeypatch.setattr(calibrate, "block_hessians", lambda *a, **k: called.append("calibration"))
+    monkeypatch.setattr(perplexity, "perplexity", lambda *a, **k: called.append("baseline"))
+    assert main(["ptq", str(folder), "--method", "rht-gptq", "--bits", "4", "--calib-data", run_cfg["adahop"]["data_dir"],
+                 "--calib-tokens", "256", "--batch-size", "4", "--seq-len", "32", "--out", str(tmp_path / "q")]) == 2
+    cap = capsys.readouterr()
+    assert cap.err.splitlines()[-1] == (
+        "adahop ptq: error: --method rht-gptq: layer model.layers.0.mlp.gate_proj (64->140): dimension 140 has no "
+        "power-of-two block >= 8 for the RHT (its largest power-of-two factor is 4); use a harp-* method (HARP's "
+        "mixed-radix rotation fits any dimension) or a model whose dims are multiples of 8")
+    assert called == []  # neither the baseline nor the calibration ran

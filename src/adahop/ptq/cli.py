@@ -169,6 +169,8 @@ def run(args: argparse.Namespace) -> dict:
     with _named("--data", "--calib-data"):
         data = _data(args, rc)
         check_same_tokenizer(data, Path(args.model), model.config.vocab_size)
+    if args.method.startswith("rht-"):
+        _check_rht_dims(model, args.method)  # each layer's check came only when its block was reached
     seq_len = args.seq_len or rc.get("seq_len") or model.config.max_position_embeddings
     from ..data import TokenStream
 
@@ -231,6 +233,23 @@ def run(args: argparse.Namespace) -> dict:
     atomic_write_text(out / RESULTS_FILE, json.dumps(res, indent=1))  # written last: its presence means finished
     print(f"wrote {out} (transformers folder, {PACKED_FILE}, {RESULTS_FILE}) in {res['seconds_total']:.0f} s")
     return res
+
+
+def _check_rht_dims(model, method: str) -> None:
+    """Raise ValueError, naming the first layer and dimension, when a linear of the decoder blocks
+    has a dimension the RHT cannot rotate (:func:`~adahop.ptq.incoherence.rht_block`)."""
+    from .calibrate import block_linears, decoder_blocks
+    from .incoherence import rht_block
+
+    prefix, blocks = decoder_blocks(model)
+    for i, block in enumerate(blocks):
+        for name, lin in block_linears(block):
+            for d in (lin.out_features, lin.in_features):
+                try:
+                    rht_block(d)
+                except ValueError as e:
+                    raise ValueError(f"--method {method}: layer {prefix}.{i}.{name} ({lin.in_features}->"
+                                     f"{lin.out_features}): {e}") from None
 
 
 def _bf16_rounded(model):
