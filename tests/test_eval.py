@@ -490,6 +490,23 @@ def test_options_of_the_part_that_does_not_run_are_refused_not_ignored(tmp_path,
         assert msg in err and "no config.json" not in err, err  # refused before anything loads
 
 
+def test_more_eval_batches_than_the_split_holds_is_refused_not_capped(run_dir, capsys):
+    """`--eval-batches 100000` scored the whole split (the JSON's settings still said 100000) where
+    `adahop train --eval-batches` refuses it."""
+    from adahop.cli import main
+    from adahop.eval.perplexity import scored_batches
+
+    data = json.loads((run_dir / "config.json").read_text())["adahop"]["data_dir"]
+    stream, n = scored_batches(data, "val", seq_len=32, batch_size=4, max_batches=None)
+    assert n == stream.n_windows // 4 > 1
+    assert scored_batches(data, "val", seq_len=32, batch_size=4, max_batches=n)[1] == n  # the whole split, asked for
+    assert main(["eval", str(run_dir), "--tasks", "none", "--data", data, "--batch-size", "4",
+                 "--eval-batches", str(n + 1)]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"adahop eval: error: --eval-batches {n + 1}: the val split of {data} holds {n} batch(es) of --batch-size 4 windows "
+        f"of --seq-len + 1 = 33 tokens; pass --eval-batches {n} or fewer, or drop it to score the whole split")
+
+
 def test_an_out_that_cannot_be_written_is_refused_before_the_scoring(tmp_path, capsys):
     """`--out` naming a folder, or a path under a file, failed with an OSError after all the scoring."""
     from adahop.cli import main

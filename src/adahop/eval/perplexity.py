@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["perplexity", "check_same_tokenizer"]
+__all__ = ["perplexity", "scored_batches", "check_same_tokenizer"]
 
 
 def check_same_tokenizer(data_dir: Path, model_dir: Path, vocab_size: int) -> None:
@@ -60,6 +60,25 @@ def _text_to_ids(path: Path) -> list:
     return [d.get(k) for k in ("normalizer", "pre_tokenizer", "model", "added_tokens")]
 
 
+def scored_batches(data_dir: str | Path, split: str, *, seq_len: int, batch_size: int, max_batches: int | None):
+    """The stream of ``split`` that :func:`perplexity` scores, and its number of batches (``max_batches``,
+    or every full batch when None); cheap, so a command can check its data before the work.
+
+    Raises:
+        ValueError: an unknown split, too few tokens for one batch, or ``max_batches`` more batches than
+            the split holds (``adahop train`` refuses that too); the message names the options.
+    """
+    from ..data import TokenStream
+
+    stream = TokenStream(data_dir, split, seq_len, batch_size, seed=0)
+    stream.val_batches(1)  # raises the split's own message when it holds no full batch
+    if max_batches is not None and max_batches > stream.steps_per_epoch:  # scoring fewer would not be what was asked
+        raise ValueError(f"--eval-batches {max_batches}: the {split} split of {data_dir} holds {stream.steps_per_epoch} "
+                         f"batch(es) of --batch-size {batch_size} windows of --seq-len + 1 = {seq_len + 1} tokens; pass "
+                         f"--eval-batches {stream.steps_per_epoch} or fewer, or drop it to score the whole split")
+    return stream, stream.steps_per_epoch if max_batches is None else max_batches
+
+
 def perplexity(model: torch.nn.Module, data_dir: str | Path, *, split: str = "val", seq_len: int, batch_size: int,
                max_batches: int | None = None, device: torch.device, bf16: bool) -> dict:
     """Mean cross-entropy of ``model`` on ``split`` of ``data_dir``, as perplexity and bits per byte.
@@ -79,13 +98,11 @@ def perplexity(model: torch.nn.Module, data_dir: str | Path, *, split: str = "va
         (scored), "batches", "seq_len", "batch_size"}``.
 
     Raises:
-        ValueError: an unknown split, or too few tokens for one batch (the message names the options).
+        ValueError: as :func:`scored_batches`.
     """
-    from ..data import TokenStream
     from ..train.loop import evaluate
 
-    stream = TokenStream(data_dir, split, seq_len, batch_size, seed=0)
-    n = stream.steps_per_epoch if max_batches is None else min(max_batches, stream.steps_per_epoch)
+    stream, n = scored_batches(data_dir, split, seq_len=seq_len, batch_size=batch_size, max_batches=max_batches)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
     loss, bpb = evaluate(model, stream, device, autocast, n)
     model.eval()  # evaluate() leaves the model in training mode, as the training loop needs

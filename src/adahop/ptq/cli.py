@@ -172,11 +172,11 @@ def run(args: argparse.Namespace) -> dict:
     if args.method.startswith("rht-"):
         _check_rht_dims(model, args.method)  # each layer's check came only when its block was reached
     seq_len = args.seq_len or rc.get("seq_len") or model.config.max_position_embeddings
-    from ..data import TokenStream
+    from ..eval.perplexity import scored_batches
 
     # both splits are checked now: a val split short of one batch failed only after the whole quantization
     with _named("the val split", f"--calib-data {data}: the val split"):
-        TokenStream(data, "val", seq_len, args.batch_size).val_batches(1)
+        scored_batches(data, "val", seq_len=seq_len, batch_size=args.batch_size, max_batches=args.eval_batches)
     batches = calibration_batches(data, tokens=args.calib_tokens, seq_len=seq_len, batch_size=args.batch_size, seed=args.seed)
 
     def ppl(m):
