@@ -490,6 +490,21 @@ def test_options_of_the_part_that_does_not_run_are_refused_not_ignored(tmp_path,
         assert msg in err and "no config.json" not in err, err  # refused before anything loads
 
 
+def test_a_model_folder_given_as_data_is_named_not_prepared(run_dir, capsys):
+    """`--data RUN` took the run folder for a corpus and failed on its metrics.jsonl ('no string field
+    text; prepare it with --text-field'), a fix that does not apply."""
+    from adahop.cli import main
+
+    data = json.loads((run_dir / "config.json").read_text())["adahop"]["data_dir"]
+    assert main(["eval", str(run_dir), "--tasks", "none", "--data", str(run_dir)]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"adahop eval: error: --data {run_dir} is a model folder (config.json), not data; pass the data it trained "
+        f"on, {data}")
+    assert main(["ptq", str(run_dir), "--method", "rtn", "--bits", "4", "--calib-data", str(run_dir),
+                 "--out", str(run_dir.parent / "q")]) == 2
+    assert capsys.readouterr().err.splitlines()[-1].startswith(f"adahop ptq: error: --calib-data {run_dir} is a model folder")
+
+
 def test_more_eval_batches_than_the_split_holds_is_refused_not_capped(run_dir, capsys):
     """`--eval-batches 100000` scored the whole split (the JSON's settings still said 100000) where
     `adahop train --eval-batches` refuses it."""

@@ -129,15 +129,10 @@ def settings(args: argparse.Namespace) -> dict:
 
 
 def _perplexity(args, loaded, device, bf16: bool) -> dict:
-    from ..train.config import TrainConfig
-    from ..train.setup import resolve_data
-    from .perplexity import check_same_tokenizer, perplexity
+    from .perplexity import check_same_tokenizer, perplexity, prepared_data
 
     rc = loaded.run_config or {}
-    data = Path(args.data)
-    if not (data / "manifest.json").exists():  # 'default' or text files: the folder `adahop train` prepares for them
-        keys = ("tokenizer", "vocab_size", "val_fraction")
-        data = resolve_data(TrainConfig(data=args.data, **{k: rc[k] for k in keys if k in rc}))
+    data = prepared_data(args.data, rc)
     check_same_tokenizer(data, Path(args.model), loaded.model.config.vocab_size)
     seq_len = args.seq_len or rc.get("seq_len") or loaded.model.config.max_position_embeddings
     out = perplexity(loaded.model, data, split=args.split, seq_len=seq_len, batch_size=args.batch_size,

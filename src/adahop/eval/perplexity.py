@@ -11,7 +11,33 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["perplexity", "scored_batches", "check_same_tokenizer"]
+__all__ = ["perplexity", "scored_batches", "prepared_data", "check_same_tokenizer"]
+
+
+def prepared_data(data: str, run_config: dict | None) -> Path:
+    """The prepared folder of ``--data``: itself when it holds a ``manifest.json``, else what
+    ``adahop train --data`` makes of it ('default' or text files, prepared once and cached) with the
+    run's tokenizer settings (``run_config``: the run's ``adahop train`` config, or None).
+
+    Raises:
+        ValueError: ``data`` is a model or run folder (its ``metrics.jsonl`` was taken for a corpus),
+            or as :func:`adahop.train.setup.resolve_data`; the messages name ``--data``.
+    """
+    from ..train.config import TrainConfig
+    from ..train.export import read_run_section
+    from ..train.setup import resolve_data
+
+    p = Path(data)
+    if (p / "manifest.json").exists():
+        return p
+    if (p / "config.json").is_file():
+        section = read_run_section(p) or {}
+        own = f"pass the data it trained on, {section['data_dir']}" if section.get("data_dir") else \
+            "pass a folder made by `adahop data prepare`, 'default', or text files"
+        raise ValueError(f"--data {p} is a model folder (config.json), not data; {own}")
+    keys = ("tokenizer", "vocab_size", "val_fraction")
+    rc = run_config or {}
+    return resolve_data(TrainConfig(data=data, **{k: rc[k] for k in keys if k in rc}))
 
 
 def check_same_tokenizer(data_dir: Path, model_dir: Path, vocab_size: int) -> None:

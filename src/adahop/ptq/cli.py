@@ -126,14 +126,9 @@ def _read_config(path: Path) -> dict:
 
 def _data(args, run_config: dict | None) -> Path:
     """The prepared folder of ``--calib-data`` (what ``adahop train --data`` takes is prepared once)."""
-    from ..train.config import TrainConfig
-    from ..train.setup import resolve_data
+    from ..eval.perplexity import prepared_data
 
-    data = Path(args.calib_data)
-    if (data / "manifest.json").exists():
-        return data
-    keys = ("tokenizer", "vocab_size", "val_fraction")
-    return resolve_data(TrainConfig(data=args.calib_data, **{k: (run_config or {})[k] for k in keys if k in (run_config or {})}))
+    return prepared_data(args.calib_data, run_config)
 
 
 def run(args: argparse.Namespace) -> dict:
