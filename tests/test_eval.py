@@ -490,6 +490,18 @@ def test_options_of_the_part_that_does_not_run_are_refused_not_ignored(tmp_path,
         assert msg in err and "no config.json" not in err, err  # refused before anything loads
 
 
+def test_compare_refuses_eval_options_without_eval_tasks(tmp_path, capsys):
+    """`adahop compare --eval-limit 5` (no --eval-tasks) trained every recipe and scored nothing."""
+    from adahop.cli import main
+
+    for flag, v in (("--eval-limit", "5"), ("--eval-max-length", "512"), ("--task-data", "d")):
+        assert main(["compare", "--recipes", "bf16", "--out", str(tmp_path / "cmp"), flag, v]) == 2
+        assert capsys.readouterr().err.splitlines()[-1] == (
+            f"adahop compare: error: {flag} is for --eval-tasks and none is given (it would be unused); add "
+            f"--eval-tasks piqa,... or drop it")
+    assert not (tmp_path / "cmp").exists()
+
+
 def test_a_model_folder_given_as_data_is_named_not_prepared(run_dir, capsys):
     """`--data RUN` took the run folder for a corpus and failed on its metrics.jsonl ('no string field
     text; prepare it with --text-field'), a fix that does not apply."""
