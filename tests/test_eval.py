@@ -281,6 +281,21 @@ def test_eval_command_perplexity_equals_train_val_loss_and_prints_the_table(run_
     assert "| model | PIQA acc | LAMBADA acc | LAMBADA ppl | Avg |" in printed and "| chance | 50.00 | 0.00 | - |" in printed
 
 
+def test_a_limit_above_a_tasks_documents_is_not_printed_as_applied(run_dir, task_root, capsys):
+    """`--limit 100000` printed "(first 100000 documents of each task ...)" under a table of 6 documents."""
+    pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install 'adahop[eval]')")
+    from adahop.cli import main
+
+    n = len(PIQA_LABELS)
+    assert main(["eval", str(run_dir), "--tasks", "piqa", "--task-data", str(task_root), "--limit", str(n + 1),
+                 "--batch-size", "4"]) == 0
+    assert f"(first {n + 1} documents of each task; piqa has {n} in all, every one scored; ± is the standard error)" \
+        in capsys.readouterr().out
+    assert main(["eval", str(run_dir), "--tasks", "piqa", "--task-data", str(task_root), "--limit", str(n - 1),
+                 "--batch-size", "4"]) == 0
+    assert f"(first {n - 1} documents of each task; ± is the standard error)" in capsys.readouterr().out
+
+
 def test_hf_wrapper_scores_the_models_own_log_likelihoods_also_under_a_recipe(run_dir):
     pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install 'adahop[eval]')")
     from lm_eval.api.instance import Instance

@@ -112,8 +112,10 @@ def run(args: argparse.Namespace) -> dict:
         res.update(scored)
         header, rows = report.table_rows({args.model + (f" ({args.recipe})" if args.recipe else ""): scored})
         print(report.markdown(header, rows))
-        if args.limit is not None:
-            print(f"(first {args.limit} documents of each task; ± is the standard error)")
+        if args.limit is not None:  # a task with fewer documents is scored whole: the note must not claim N of it
+            short = [f"{t} has {v['docs']:,}" for t, v in scored["tasks"].items() if v.get("docs", args.limit) < args.limit]
+            print(f"(first {args.limit} documents of each task" + (f"; {', '.join(short)} in all, every one scored"
+                                                                   if short else "") + "; ± is the standard error)")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(res, indent=1))
