@@ -478,6 +478,30 @@ def test_an_adahop_recipe_scores_with_the_runs_frozen_plan(prepare_real_text, tm
     assert str(e.value).endswith("it was made for another model; pass the plan.json of the run MODEL is")
 
 
+def test_a_recipe_that_fits_no_layer_is_refused_not_scored_as_bf16(run_dir, tmp_path):
+    """`--recipe mxfp4` on a model whose dims are no multiples of 32 warned, ran every GEMM in BF16 and
+    printed the score as the mxfp4 one; `adahop train` refuses that model under that recipe."""
+    import shutil
+
+    import transformers
+
+    from adahop.eval.model import load_model
+
+    folder = tmp_path / "d40"
+    cfg = transformers.LlamaConfig(vocab_size=json.loads((run_dir / "config.json").read_text())["vocab_size"],
+                                   hidden_size=40, intermediate_size=120, num_hidden_layers=1, num_attention_heads=2,
+                                   num_key_value_heads=2, max_position_embeddings=32)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(folder)
+    for f in run_dir.glob("tokenizer*"):
+        shutil.copy(f, folder)
+    with pytest.warns(UserWarning, match="cannot quantize these layers"), pytest.raises(ValueError) as e:
+        load_model(folder, device=torch.device("cpu"), recipe="mxfp4")
+    assert str(e.value).startswith("--recipe mxfp4: none of the model's 7 linear layers can run it "
+                                   "(model.layers.0.self_attn.q_proj: shape 40->40; ")
+    assert "drop --recipe, or use a recipe whose block size divides the layers' dims" in str(e.value)
+    assert load_model(folder, device=torch.device("cpu"), recipe="bf16").info["recipe"] == "bf16"  # nothing to fit
+
+
 def test_a_plan_without_a_recipe_is_refused_not_ignored(tmp_path, capsys):
     """`--plan` alone used to score the model unquantized, the plan silently unused."""
     from adahop.cli import main
