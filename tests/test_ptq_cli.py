@@ -224,6 +224,19 @@ def test_a_missing_calib_data_is_named_as_calib_data(run_dir, tmp_path, capsys):
     assert err.startswith("adahop ptq: error: --calib-data:") and "does not exist" in err
 
 
+def test_foreign_calib_data_is_refused_naming_calib_data_throughout(run_dir, tmp_path, capsys):
+    """The message began with --calib-data but told the user to pass `--data RUN_DATA`, an option ptq does not have."""
+    from adahop.data import prepare
+
+    (tmp_path / "t.txt").write_text("Some other text, tokenized another way. " * 300)
+    prepare([str(tmp_path / "t.txt")], tmp_path / "other", tokenizer="bpe", vocab_size=300, val_fraction=0.1)
+    own = json.loads((run_dir / "config.json").read_text())["adahop"]["data_dir"]
+    assert _ptq(run_dir, tmp_path / "q", "--method", "rtn", "--bits", "4", "--calib-data", str(tmp_path / "other")) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.startswith(f"adahop ptq: error: --calib-data {tmp_path / 'other'} was tokenized with bpe, another tokenizer")
+    assert f"pass the run's own data (--calib-data {own})" in err and "--data " not in err
+
+
 def test_an_out_holding_the_model_or_another_one_is_refused_not_overwritten(run_dir, tmp_path, capsys):
     """`adahop ptq RUN --out RUN` replaced the run's own export and config.json (its training section
     gone) with the quantized model; any folder holding another model was overwritten the same way."""

@@ -40,29 +40,30 @@ def prepared_data(data: str, run_config: dict | None) -> Path:
     return resolve_data(TrainConfig(data=data, **{k: rc[k] for k in keys if k in rc}))
 
 
-def check_same_tokenizer(data_dir: Path, model_dir: Path, vocab_size: int) -> None:
+def check_same_tokenizer(data_dir: Path, model_dir: Path, vocab_size: int, flag: str = "--data") -> None:
     """Raise ValueError when the data in ``data_dir`` was tokenized with another tokenizer than the
     model's: the perplexity of a model on foreign token ids is a silently wrong number.
 
     The check compares the vocabulary, merges, normalizer, pre-tokenizer and special tokens of the
     ``tokenizer.json`` of both folders where both have one, and the data's
-    vocabulary against the model's embedding size (``vocab_size``) always.
+    vocabulary against the model's embedding size (``vocab_size``) always. ``flag``: the option
+    the messages name (``adahop ptq`` takes the data as ``--calib-data``).
     """
     from ..data import Manifest
 
     m = Manifest.load(data_dir)
     if m.tokenizer.vocab_size > vocab_size:
-        raise ValueError(f"--data {data_dir}: its tokenizer has {m.tokenizer.vocab_size} tokens, the model only "
+        raise ValueError(f"{flag} {data_dir}: its tokenizer has {m.tokenizer.vocab_size} tokens, the model only "
                          f"{vocab_size}; prepare the data with the model's tokenizer (--tokenizer hf:{model_dir})")
     run = _run_tokenizer(Path(model_dir))  # an adahop run records its data's tokenizer fingerprint
     if run is not None and run[0] and m.tokenizer.sha256 and run[0] != m.tokenizer.sha256:
-        own = f"pass the run's own data (--data {run[1]}), or " if run[1] else ""
-        raise ValueError(f"--data {data_dir} was tokenized with {m.tokenizer.name}, another tokenizer than the one "
+        own = f"pass the run's own data ({flag} {run[1]}), or " if run[1] else ""
+        raise ValueError(f"{flag} {data_dir} was tokenized with {m.tokenizer.name}, another tokenizer than the one "
                          f"{model_dir} trained on (their fingerprints differ); {own}prepare the data with "
                          f"--tokenizer hf:{model_dir}")
     a, b = Path(data_dir) / "tokenizer.json", Path(model_dir) / "tokenizer.json"
     if a.exists() and b.exists() and _text_to_ids(a) != _text_to_ids(b):
-        raise ValueError(f"--data {data_dir} was tokenized with another tokenizer than {model_dir}'s (their "
+        raise ValueError(f"{flag} {data_dir} was tokenized with another tokenizer than {model_dir}'s (their "
                          f"tokenizer.json differ); prepare the data with --tokenizer hf:{model_dir}")
 
 

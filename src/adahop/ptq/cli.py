@@ -163,7 +163,7 @@ def run(args: argparse.Namespace) -> dict:
     model, rc = loaded.model, loaded.run_config or {}
     with _named("--data", "--calib-data"):
         data = _data(args, rc)
-        check_same_tokenizer(data, Path(args.model), model.config.vocab_size)
+        check_same_tokenizer(data, Path(args.model), model.config.vocab_size, flag="--calib-data")
     if args.method.startswith("rht-"):
         _check_rht_dims(model, args.method)  # each layer's check came only when its block was reached
     seq_len = args.seq_len or rc.get("seq_len") or model.config.max_position_embeddings
