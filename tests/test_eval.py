@@ -529,6 +529,20 @@ def test_options_of_the_part_that_does_not_run_are_refused_not_ignored(tmp_path,
         assert msg in err and "no config.json" not in err, err  # refused before anything loads
 
 
+def test_an_empty_data_folder_is_named_by_its_option(run_dir, tmp_path, capsys):
+    """The data preparation's message ('source folder X holds no usable files') named no option: under
+    ptq it did not say that --calib-data was the culprit."""
+    from adahop.cli import main
+
+    (tmp_path / "empty").mkdir()
+    tail = f"{tmp_path / 'empty'}: source folder {tmp_path / 'empty'} holds no usable files"
+    assert main(["eval", str(run_dir), "--tasks", "none", "--data", str(tmp_path / "empty")]) == 2
+    assert capsys.readouterr().err.startswith(f"adahop eval: error: --data {tail}")
+    assert main(["ptq", str(run_dir), "--method", "rtn", "--bits", "4", "--calib-data", str(tmp_path / "empty"),
+                 "--out", str(tmp_path / "q")]) == 2
+    assert capsys.readouterr().err.startswith(f"adahop ptq: error: --calib-data {tail}")
+
+
 def test_compare_refuses_eval_options_without_eval_tasks(tmp_path, capsys):
     """`adahop compare --eval-limit 5` (no --eval-tasks) trained every recipe and scored nothing."""
     from adahop.cli import main

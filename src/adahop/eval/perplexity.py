@@ -37,7 +37,12 @@ def prepared_data(data: str, run_config: dict | None) -> Path:
         raise ValueError(f"--data {p} is a model folder (config.json), not data; {own}")
     keys = ("tokenizer", "vocab_size", "val_fraction")
     rc = run_config or {}
-    return resolve_data(TrainConfig(data=data, **{k: rc[k] for k in keys if k in rc}))
+    try:
+        return resolve_data(TrainConfig(data=data, **{k: rc[k] for k in keys if k in rc}))
+    except ValueError as e:  # the data preparation's own messages name its sources, not the option
+        if str(e).startswith("--data"):
+            raise
+        raise ValueError(f"--data {data}: {e}") from None
 
 
 def check_same_tokenizer(data_dir: Path, model_dir: Path, vocab_size: int, flag: str = "--data") -> None:
