@@ -502,6 +502,37 @@ def test_a_recipe_that_fits_no_layer_is_refused_not_scored_as_bf16(run_dir, tmp_
     assert load_model(folder, device=torch.device("cpu"), recipe="bf16").info["recipe"] == "bf16"  # nothing to fit
 
 
+def test_windows_past_a_learned_position_table_are_refused_not_a_traceback(run_dir, task_root, tmp_path, capsys):
+    """`--seq-len 64` on an OPT model with 32 learned positions ended in `IndexError: index out of range
+    in self` from the embedding (a traceback); a RoPE model scores past its length and is let through."""
+    import shutil
+
+    import transformers
+
+    from adahop.cli import main
+    from adahop.eval.model import check_window
+
+    vocab = json.loads((run_dir / "config.json").read_text())["vocab_size"]
+    opt = tmp_path / "opt"
+    transformers.OPTForCausalLM(transformers.OPTConfig(vocab_size=vocab, hidden_size=32, ffn_dim=64, num_hidden_layers=1,
+                                                       num_attention_heads=2, max_position_embeddings=32,
+                                                       word_embed_proj_dim=32)).save_pretrained(opt)
+    for f in run_dir.glob("tokenizer*"):
+        shutil.copy(f, opt)
+    data = json.loads((run_dir / "config.json").read_text())["adahop"]["data_dir"]
+    assert main(["eval", str(opt), "--tasks", "none", "--data", data, "--seq-len", "33"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "adahop eval: error: --seq-len 33: the model has learned position embeddings for 32 positions "
+        "(max_position_embeddings) and cannot score longer windows; pass --seq-len 32 or less")
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64,
+                                                                   num_hidden_layers=1, num_attention_heads=2,
+                                                                   max_position_embeddings=32))
+    check_window(llama, 4096, "--seq-len")  # RoPE: no table to run past
+    pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install 'adahop[eval]')")
+    assert main(["eval", str(opt), "--tasks", "piqa", "--task-data", str(task_root), "--max-length", "64"]) == 2
+    assert "--max-length 64: the model has learned position embeddings for 32" in capsys.readouterr().err
+
+
 def test_a_plan_without_a_recipe_is_refused_not_ignored(tmp_path, capsys):
     """`--plan` alone used to score the model unquantized, the plan silently unused."""
     from adahop.cli import main

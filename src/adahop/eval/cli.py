@@ -91,6 +91,10 @@ def run(args: argparse.Namespace) -> dict:
         require_lm_eval()
     root = task_root(specs, args.task_data) if specs else None
     loaded = load_model(args.model, device=device, recipe=args.recipe, plan=args.plan)
+    from .model import check_window
+
+    check_window(loaded.model, args.seq_len if args.data is not None else None, "--seq-len")
+    check_window(loaded.model, args.max_length if specs else None, "--max-length")
     from .. import __version__
 
     res = {"model": loaded.info, "dtype": "bf16" if bf16 else "fp32", "device": str(device),

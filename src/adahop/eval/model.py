@@ -9,7 +9,21 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["LoadedModel", "load_model"]
+__all__ = ["LoadedModel", "load_model", "check_window"]
+
+
+def check_window(model: torch.nn.Module, tokens: int | None, flag: str) -> None:
+    """Raise ValueError naming ``flag`` when windows of ``tokens`` exceed a learned position table
+    (GPT-2's ``wpe``, OPT's ``embed_positions``: an ``nn.Embedding`` besides the token embeddings
+    with ``max_position_embeddings`` rows, OPT's two offset rows allowed), where the forward would
+    fail with an IndexError. RoPE and other models extend past their training length and pass."""
+    n = getattr(model.config, "max_position_embeddings", None)
+    if tokens is None or not n or tokens <= n:
+        return
+    tok = model.get_input_embeddings()
+    if any(isinstance(m, torch.nn.Embedding) and m is not tok and n <= m.num_embeddings <= n + 2 for m in model.modules()):
+        raise ValueError(f"{flag} {tokens}: the model has learned position embeddings for {n} positions "
+                         f"(max_position_embeddings) and cannot score longer windows; pass {flag} {n} or less")
 
 
 @dataclass

@@ -167,6 +167,10 @@ def run(args: argparse.Namespace) -> dict:
     if args.method.startswith("rht-"):
         _check_rht_dims(model, args.method)  # each layer's check came only when its block was reached
     seq_len = args.seq_len or rc.get("seq_len") or model.config.max_position_embeddings
+    from ..eval.model import check_window
+
+    check_window(model, seq_len, "--seq-len")
+    check_window(model, args.eval_max_length if tasks is not None else None, "--eval-max-length")
     from ..eval.perplexity import scored_batches
 
     # both splits are checked now: a val split short of one batch failed only after the whole quantization
