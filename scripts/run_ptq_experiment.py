@@ -84,7 +84,8 @@ def ptq_cmd(args, model, method, bits, quantizer, d: Path, with_baseline: bool =
     """The `adahop ptq` command of one cell; ``with_baseline`` also scores the unquantized model (once per model)."""
     cmd = [sys.executable, "-m", "adahop", "ptq", model, "--method", method, "--bits", str(bits), "--quantizer", quantizer,
            "--calib-data", args.data, "--calib-tokens", str(args.calib_tokens), "--batch-size", str(args.batch_size),
-           "--harp-steps", str(args.harp_steps), "--device", args.device, "--out", str(d)]
+           "--device", args.device, "--out", str(d)]
+    cmd += ["--harp-steps", str(args.harp_steps)] if method.startswith("harp-") else []  # the others refuse it (unused)
     cmd += [] if with_baseline else ["--skip-baseline"]
     cmd += ["--seq-len", str(args.seq_len)] if args.seq_len else []
     cmd += ["--eval-batches", str(args.eval_batches)] if args.eval_batches else []

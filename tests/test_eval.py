@@ -281,6 +281,21 @@ def test_eval_command_perplexity_equals_train_val_loss_and_prints_the_table(run_
     assert "| model | PIQA acc | LAMBADA acc | LAMBADA ppl | Avg |" in printed and "| chance | 50.00 | 0.00 | - |" in printed
 
 
+def test_a_limit_above_a_tasks_documents_is_not_printed_as_applied(run_dir, task_root, capsys):
+    """`--limit 100000` printed "(first 100000 documents of each task ...)" under a table of 6 documents."""
+    pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install 'adahop[eval]')")
+    from adahop.cli import main
+
+    n = len(PIQA_LABELS)
+    assert main(["eval", str(run_dir), "--tasks", "piqa", "--task-data", str(task_root), "--limit", str(n + 1),
+                 "--batch-size", "4"]) == 0
+    assert f"(first {n + 1} documents of each task; piqa has {n} in all, every one scored; ± is the standard error)" \
+        in capsys.readouterr().out
+    assert main(["eval", str(run_dir), "--tasks", "piqa", "--task-data", str(task_root), "--limit", str(n - 1),
+                 "--batch-size", "4"]) == 0
+    assert f"(first {n - 1} documents of each task; ± is the standard error)" in capsys.readouterr().out
+
+
 def test_hf_wrapper_scores_the_models_own_log_likelihoods_also_under_a_recipe(run_dir):
     pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install 'adahop[eval]')")
     from lm_eval.api.instance import Instance
@@ -459,6 +474,72 @@ def test_an_adahop_recipe_scores_with_the_runs_frozen_plan(prepare_real_text, tm
     assert get_controller(m.model).plan.layers == Plan.load(run / "plan.json").layers
     with pytest.raises(ValueError, match="--plan is for AdaHOP recipes"):
         load_model(run, device=torch.device("cpu"), recipe="mxfp4", plan=str(run / "plan.json"))
+    # a deeper model's plan holds an entry for every layer of this one: it was taken, and scored silently
+    deeper = json.loads((run / "plan.json").read_text())
+    layers = deeper["layers"]
+    n = 1 + max(int(k.split(".")[2]) for k in layers)
+    layers.update({k.replace("layers.0.", f"layers.{n}."): v for k, v in list(layers.items()) if "layers.0." in k})
+    (tmp_path / "deeper.json").write_text(json.dumps(deeper))
+    with pytest.raises(ValueError) as e:
+        load_model(run, device=torch.device("cpu"), recipe="adahop-lv2", plan=str(tmp_path / "deeper.json"))
+    assert str(e.value).startswith(f"--plan {tmp_path / 'deeper.json'} has entries for 7 layer(s) this model does not "
+                                   f"have (model.layers.{n}.")
+    assert str(e.value).endswith("it was made for another model; pass the plan.json of the run MODEL is")
+
+
+def test_a_recipe_that_fits_no_layer_is_refused_not_scored_as_bf16(run_dir, tmp_path):
+    """`--recipe mxfp4` on a model whose dims are no multiples of 32 warned, ran every GEMM in BF16 and
+    printed the score as the mxfp4 one; `adahop train` refuses that model under that recipe."""
+    import shutil
+
+    import transformers
+
+    from adahop.eval.model import load_model
+
+    folder = tmp_path / "d40"
+    cfg = transformers.LlamaConfig(vocab_size=json.loads((run_dir / "config.json").read_text())["vocab_size"],
+                                   hidden_size=40, intermediate_size=120, num_hidden_layers=1, num_attention_heads=2,
+                                   num_key_value_heads=2, max_position_embeddings=32)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(folder)
+    for f in run_dir.glob("tokenizer*"):
+        shutil.copy(f, folder)
+    with pytest.warns(UserWarning, match="cannot quantize these layers"), pytest.raises(ValueError) as e:
+        load_model(folder, device=torch.device("cpu"), recipe="mxfp4")
+    assert str(e.value).startswith("--recipe mxfp4: none of the model's 7 linear layers can run it "
+                                   "(model.layers.0.self_attn.q_proj: shape 40->40; ")
+    assert "drop --recipe, or use a recipe whose block size divides the layers' dims" in str(e.value)
+    assert load_model(folder, device=torch.device("cpu"), recipe="bf16").info["recipe"] == "bf16"  # nothing to fit
+
+
+def test_windows_past_a_learned_position_table_are_refused_not_a_traceback(run_dir, task_root, tmp_path, capsys):
+    """`--seq-len 64` on an OPT model with 32 learned positions ended in `IndexError: index out of range
+    in self` from the embedding (a traceback); a RoPE model scores past its length and is let through."""
+    import shutil
+
+    import transformers
+
+    from adahop.cli import main
+    from adahop.eval.model import check_window
+
+    vocab = json.loads((run_dir / "config.json").read_text())["vocab_size"]
+    opt = tmp_path / "opt"
+    transformers.OPTForCausalLM(transformers.OPTConfig(vocab_size=vocab, hidden_size=32, ffn_dim=64, num_hidden_layers=1,
+                                                       num_attention_heads=2, max_position_embeddings=32,
+                                                       word_embed_proj_dim=32)).save_pretrained(opt)
+    for f in run_dir.glob("tokenizer*"):
+        shutil.copy(f, opt)
+    data = json.loads((run_dir / "config.json").read_text())["adahop"]["data_dir"]
+    assert main(["eval", str(opt), "--tasks", "none", "--data", data, "--seq-len", "33"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "adahop eval: error: --seq-len 33: the model has learned position embeddings for 32 positions "
+        "(max_position_embeddings) and cannot score longer windows; pass --seq-len 32 or less")
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64,
+                                                                   num_hidden_layers=1, num_attention_heads=2,
+                                                                   max_position_embeddings=32))
+    check_window(llama, 4096, "--seq-len")  # RoPE: no table to run past
+    pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install 'adahop[eval]')")
+    assert main(["eval", str(opt), "--tasks", "piqa", "--task-data", str(task_root), "--max-length", "64"]) == 2
+    assert "--max-length 64: the model has learned position embeddings for 32" in capsys.readouterr().err
 
 
 def test_a_plan_without_a_recipe_is_refused_not_ignored(tmp_path, capsys):
@@ -468,6 +549,108 @@ def test_a_plan_without_a_recipe_is_refused_not_ignored(tmp_path, capsys):
     assert main(["eval", str(tmp_path), "--tasks", "none", "--data", "x", "--plan", str(tmp_path / "plan.json")]) == 2
     err = capsys.readouterr().err
     assert "--plan" in err and "--recipe adahop-lv2" in err and "Traceback" not in err
+
+
+def test_options_of_the_part_that_does_not_run_are_refused_not_ignored(tmp_path, capsys):
+    """`--tasks none --data D --limit 5` printed the perplexity and recorded limit 5 in the JSON; so did
+    `--max-length`/`--task-data` without tasks, and `--split train`/`--seq-len`/`--eval-batches` without --data."""
+    from adahop.cli import main
+
+    no_tasks = ["eval", str(tmp_path), "--tasks", "none", "--data", "x"]
+    no_data = ["eval", str(tmp_path), "--tasks", "piqa"]
+    for argv, msg in (([*no_tasks, "--limit", "5"], "--limit is for the zero-shot tasks and --tasks is none"),
+                      ([*no_tasks, "--max-length", "512"], "--max-length is for the zero-shot tasks"),
+                      ([*no_tasks, "--task-data", "d"], "--task-data is for the zero-shot tasks"),
+                      ([*no_data, "--split", "train"], "--split is for the perplexity and no --data is given"),
+                      ([*no_data, "--seq-len", "64"], "--seq-len is for the perplexity and no --data is given"),
+                      ([*no_data, "--eval-batches", "2"], "--eval-batches is for the perplexity")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert msg in err and "no config.json" not in err, err  # refused before anything loads
+
+
+def test_an_empty_data_folder_is_named_by_its_option(run_dir, tmp_path, capsys):
+    """The data preparation's message ('source folder X holds no usable files') named no option: under
+    ptq it did not say that --calib-data was the culprit."""
+    from adahop.cli import main
+
+    (tmp_path / "empty").mkdir()
+    tail = f"{tmp_path / 'empty'}: source folder {tmp_path / 'empty'} holds no usable files"
+    assert main(["eval", str(run_dir), "--tasks", "none", "--data", str(tmp_path / "empty")]) == 2
+    assert capsys.readouterr().err.startswith(f"adahop eval: error: --data {tail}")
+    assert main(["ptq", str(run_dir), "--method", "rtn", "--bits", "4", "--calib-data", str(tmp_path / "empty"),
+                 "--out", str(tmp_path / "q")]) == 2
+    assert capsys.readouterr().err.startswith(f"adahop ptq: error: --calib-data {tail}")
+
+
+def test_compare_refuses_eval_options_without_eval_tasks(tmp_path, capsys):
+    """`adahop compare --eval-limit 5` (no --eval-tasks) trained every recipe and scored nothing."""
+    from adahop.cli import main
+
+    for flag, v in (("--eval-limit", "5"), ("--eval-max-length", "512"), ("--task-data", "d")):
+        assert main(["compare", "--recipes", "bf16", "--out", str(tmp_path / "cmp"), flag, v]) == 2
+        assert capsys.readouterr().err.splitlines()[-1] == (
+            f"adahop compare: error: {flag} is for --eval-tasks and none is given (it would be unused); add "
+            f"--eval-tasks piqa,... or drop it")
+    assert not (tmp_path / "cmp").exists()
+
+
+def test_a_model_folder_given_as_data_is_named_not_prepared(run_dir, capsys):
+    """`--data RUN` took the run folder for a corpus and failed on its metrics.jsonl ('no string field
+    text; prepare it with --text-field'), a fix that does not apply."""
+    from adahop.cli import main
+
+    data = json.loads((run_dir / "config.json").read_text())["adahop"]["data_dir"]
+    assert main(["eval", str(run_dir), "--tasks", "none", "--data", str(run_dir)]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"adahop eval: error: --data {run_dir} is a model folder (config.json), not data; pass the data it trained "
+        f"on, {data}")
+    assert main(["ptq", str(run_dir), "--method", "rtn", "--bits", "4", "--calib-data", str(run_dir),
+                 "--out", str(run_dir.parent / "q")]) == 2
+    assert capsys.readouterr().err.splitlines()[-1].startswith(f"adahop ptq: error: --calib-data {run_dir} is a model folder")
+
+
+def test_more_eval_batches_than_the_split_holds_is_refused_not_capped(run_dir, capsys):
+    """`--eval-batches 100000` scored the whole split (the JSON's settings still said 100000) where
+    `adahop train --eval-batches` refuses it."""
+    from adahop.cli import main
+    from adahop.eval.perplexity import scored_batches
+
+    data = json.loads((run_dir / "config.json").read_text())["adahop"]["data_dir"]
+    stream, n = scored_batches(data, "val", seq_len=32, batch_size=4, max_batches=None)
+    assert n == stream.n_windows // 4 > 1
+    assert scored_batches(data, "val", seq_len=32, batch_size=4, max_batches=n)[1] == n  # the whole split, asked for
+    assert main(["eval", str(run_dir), "--tasks", "none", "--data", data, "--batch-size", "4",
+                 "--eval-batches", str(n + 1)]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"adahop eval: error: --eval-batches {n + 1}: the val split of {data} holds {n} batch(es) of --batch-size 4 windows "
+        f"of --seq-len + 1 = 33 tokens; pass --eval-batches {n} or fewer, or drop it to score the whole split")
+
+
+def test_an_out_that_cannot_be_written_is_refused_before_the_scoring(tmp_path, capsys):
+    """`--out` naming a folder, or a path under a file, failed with an OSError after all the scoring."""
+    from adahop.cli import main
+
+    (tmp_path / "f").write_text("")
+    for out, msg in ((tmp_path, f"--out {tmp_path} is a folder, not a file; pass a file path, e.g. {tmp_path / 'eval.json'}"),
+                     (tmp_path / "f" / "e.json", f"--out {tmp_path / 'f' / 'e.json'}: {tmp_path / 'f'} is a file, not a folder")):
+        assert main(["eval", str(tmp_path / "no-model"), "--tasks", "none", "--data", "x", "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert msg in err and "no config.json" not in err, err
+
+
+def test_a_refusal_after_the_model_loads_is_one_line_without_third_party_noise(run_dir, tmp_path):
+    """`adahop eval` did not mute torchao's and torch's pytree import warnings as train and ptq do: every
+    run that loaded a model printed three lines of them (torchao installed) before its own message."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "adahop", "eval", str(run_dir), "--tasks", "none",
+                        "--data", str(tmp_path / "nope")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2
+    assert r.stderr.splitlines() == [f"adahop eval: error: --data: '{tmp_path / 'nope'}' does not exist; pass 'default', "
+                                     "a folder made by `adahop data prepare`, or text files (.txt, .jsonl, .parquet, "
+                                     ".xz, .gz, .zst)"], r.stderr
 
 
 def test_an_unfinished_run_is_scored_with_a_warning_naming_its_step(run_dir, tmp_path):

@@ -33,8 +33,9 @@ def _ptq(run_dir: Path, out: Path, *extra: str) -> int:
     from adahop.cli import main
 
     data = json.loads((run_dir / "config.json").read_text())["adahop"]["data_dir"]
+    harp = ["--harp-steps", "3"] if any(a.startswith("harp-") for a in extra) else []  # the other methods refuse it
     return main(["ptq", str(run_dir), "--calib-data", data, "--calib-tokens", "256", "--batch-size", "4",
-                 "--eval-batches", "2", "--harp-steps", "3", "--out", str(out), *extra])
+                 "--eval-batches", "2", *harp, "--out", str(out), *extra])
 
 
 def test_harp_gptq_folder_loads_in_transformers_with_the_printed_perplexity(run_dir, tmp_path, capsys):
@@ -164,10 +165,86 @@ def test_a_compare_folder_as_model_lists_its_runs(compare_folder, tmp_path, caps
         err.rstrip().endswith(f"pass one of them: {compare_folder / 'bf16'}, {compare_folder / 'mxfp4'}")
 
 
+def test_options_the_method_or_the_missing_eval_tasks_would_ignore_are_refused(tmp_path, capsys):
+    """`--harp-steps 200 --method rht-gptq`, `--damp 0.1 --method rtn` and `--eval-limit 5` without
+    `--eval-tasks` ran and wrote a ptq.json as if the option had been applied."""
+    from adahop.cli import main
+
+    base = ["ptq", str(tmp_path / "no-model"), "--bits", "4", "--calib-data", "x", "--out", str(tmp_path / "q")]
+    for extra, msg in (
+            (("--method", "rht-gptq", "--harp-steps", "200"),
+             "--harp-steps 200 is unused by --method rht-gptq; drop it, or pass --method harp-rtn or harp-gptq"),
+            (("--method", "gptq", "--mixer", "qr"), "--mixer qr is unused by --method gptq"),
+            (("--method", "rtn", "--damp", "0.1"),
+             "--damp 0.1 is unused by --method rtn; drop it, or pass --method gptq, rht-gptq or harp-gptq"),
+            (("--method", "harp-rtn", "--damp", "0.1"), "--damp 0.1 is unused by --method harp-rtn"),
+            (("--method", "rtn", "--eval-limit", "5"),
+             "--eval-limit is for the zero-shot tasks and no --eval-tasks is given (it would be unused)"),
+            (("--method", "rtn", "--eval-tasks", "none", "--task-data", "d"), "--task-data is for the zero-shot tasks"),
+            (("--method", "rtn", "--eval-max-length", "512"), "--eval-max-length is for the zero-shot tasks")):
+        assert main([*base, *extra]) == 2
+        err = capsys.readouterr().err
+        assert msg in err and "no config.json" not in err, err  # refused before the model loads
+    # the methods that use them take them (then the missing model is what stops it)
+    assert main([*base, "--method", "harp-gptq", "--harp-steps", "200", "--damp", "0.1", "--mixer", "qr"]) == 2
+    assert "no config.json" in capsys.readouterr().err
+
+
+def test_an_out_that_cannot_be_a_folder_is_refused_before_the_model_loads(tmp_path, capsys):
+    """An --out that is a file, or lies under one, failed with a FileExistsError after the quantization."""
+    from adahop.cli import main
+
+    (tmp_path / "f").write_text("")
+    for out, msg in ((tmp_path / "f", f"--out {tmp_path / 'f'} is a file, not a folder; pass a folder"),
+                     (tmp_path / "f" / "q", f"--out {tmp_path / 'f' / 'q'}: {tmp_path / 'f'} is a file, not a folder")):
+        assert main(["ptq", str(tmp_path / "no-model"), "--method", "rtn", "--bits", "4", "--calib-data", "x",
+                     "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert msg in err and "no config.json" not in err, err
+
+
+def test_splits_too_small_for_the_options_are_refused_before_the_quantization(run_dir, tmp_path, capsys):
+    """--calib-tokens beyond the train split drew the same windows again (100M tokens of a 2.5M-token
+    split: 40 epochs held in memory); a val split short of one batch failed only after the whole
+    quantization, at the perplexity."""
+    from adahop.data import Manifest
+
+    data = Path(json.loads((run_dir / "config.json").read_text())["adahop"]["data_dir"])
+    m = Manifest.load(data)
+    seq = json.loads((run_dir / "config.json").read_text())["adahop"]["config"]["seq_len"]
+    def n_windows(split):  # as TokenStream counts them: seq_len + 1 tokens, overlapping by one
+        return sum((s.tokens - 1) // seq for s in m.split(split).shards if s.tokens > seq)
+
+    windows = n_windows("train")
+    assert _ptq(run_dir, tmp_path / "a", "--method", "rtn", "--bits", "4", "--calib-tokens", str(windows * seq + 1)) == 2
+    err = capsys.readouterr().err
+    assert f"--calib-tokens {windows * seq + 1:,} is more than the train split of {data} holds in windows of " \
+           f"--seq-len {seq} ({windows * seq:,}); pass --calib-tokens {windows * seq} or less" in err
+    assert not (tmp_path / "a").exists()
+    big = n_windows("val") + 1  # one window more than the val split holds
+    assert _ptq(run_dir, tmp_path / "b", "--method", "rtn", "--bits", "4", "--skip-baseline", "--batch-size", str(big)) == 2
+    cap = capsys.readouterr()
+    assert f"adahop ptq: error: --calib-data {data}: the val split has" in cap.err and "fewer than one batch" in cap.err
+    assert "block 1/" not in cap.out + cap.err and not (tmp_path / "b").exists()  # nothing was quantized
+
+
 def test_a_missing_calib_data_is_named_as_calib_data(run_dir, tmp_path, capsys):
     assert _ptq(run_dir, tmp_path / "q", "--method", "rtn", "--bits", "4", "--calib-data", str(tmp_path / "nope")) == 2
     err = capsys.readouterr().err
     assert err.startswith("adahop ptq: error: --calib-data:") and "does not exist" in err
+
+
+def test_foreign_calib_data_is_refused_naming_calib_data_throughout(run_dir, tmp_path, capsys):
+    """The message began with --calib-data but told the user to pass `--data RUN_DATA`, an option ptq does not have."""
+    from adahop.data import prepare
+
+    (tmp_path / "t.txt").write_text("Some other text, tokenized another way. " * 300)
+    prepare([str(tmp_path / "t.txt")], tmp_path / "other", tokenizer="bpe", vocab_size=300, val_fraction=0.1)
+    own = json.loads((run_dir / "config.json").read_text())["adahop"]["data_dir"]
+    assert _ptq(run_dir, tmp_path / "q", "--method", "rtn", "--bits", "4", "--calib-data", str(tmp_path / "other")) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.startswith(f"adahop ptq: error: --calib-data {tmp_path / 'other'} was tokenized with bpe, another tokenizer")
+    assert f"pass the run's own data (--calib-data {own})" in err and "--data " not in err
 
 
 def test_an_out_holding_the_model_or_another_one_is_refused_not_overwritten(run_dir, tmp_path, capsys):
@@ -191,7 +268,8 @@ def test_an_out_holding_the_model_or_another_one_is_refused_not_overwritten(run_
     (left / "config.json").write_text(json.dumps({"model_type": "llama", "adahop_ptq": {"method": "rtn"}}))
     _check(argparse.Namespace(model=str(run_dir), out=str(left), calib_tokens=1, batch_size=1, seq_len=None,
                               eval_batches=None, eval_limit=None, eval_max_length=None, harp_steps=1, passes=1, damp=0.01,
-                              hbd_block=8, radix=8, max_radix=8, harp_lr=0.03, hbd_lambda=0.1))
+                              hbd_block=8, radix=8, max_radix=8, harp_lr=0.03, hbd_lambda=0.1, mixer="had_or_qr",
+                              method="harp-gptq", eval_tasks=None, task_data=None))
 
 
 def test_a_model_without_linear_blocks_is_refused_with_one_prefix(run_dir, tmp_path, capsys):
@@ -264,3 +342,37 @@ def test_the_baseline_is_the_bf16_export_of_the_unquantized_model(run_dir, tmp_p
     assert res["baseline"]["perplexity"] == bf16
     assert res["baseline_fp32"]["perplexity"] == fp32
     assert abs(fp32 / bf16 - 1) > 1e-6, (fp32, bf16)  # the two baselines differ: the test tells them apart
+
+
+def test_an_rht_dimension_without_a_block_is_refused_before_the_baseline_and_calibration(run_dir, tmp_path, capsys,
+                                                                                          monkeypatch):
+    """A dimension the RHT cannot rotate was found only when its layer's turn came: after the baseline
+    perplexity and the block's calibration; the message named neither the layer nor --method."""
+    import shutil
+
+    import transformers
+
+    import adahop.ptq.calibrate as calibrate
+    from adahop.cli import main
+
+    run_cfg = json.loads((run_dir / "config.json").read_text())
+    folder = tmp_path / "d140"
+    cfg = transformers.LlamaConfig(vocab_size=run_cfg["vocab_size"], hidden_size=64, intermediate_size=140,
+                                   num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                                   max_position_embeddings=64)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(folder)
+    for f in run_dir.glob("tokenizer*"):
+        shutil.copy(f, folder)
+    import adahop.eval.perplexity as perplexity
+
+    called = []
+    monkeypatch.setattr(calibrate, "block_hessians", lambda *a, **k: called.append("calibration"))
+    monkeypatch.setattr(perplexity, "perplexity", lambda *a, **k: called.append("baseline"))
+    assert main(["ptq", str(folder), "--method", "rht-gptq", "--bits", "4", "--calib-data", run_cfg["adahop"]["data_dir"],
+                 "--calib-tokens", "256", "--batch-size", "4", "--seq-len", "32", "--out", str(tmp_path / "q")]) == 2
+    cap = capsys.readouterr()
+    assert cap.err.splitlines()[-1] == (
+        "adahop ptq: error: --method rht-gptq: layer model.layers.0.mlp.gate_proj (64->140): dimension 140 has no "
+        "power-of-two block >= 8 for the RHT (its largest power-of-two factor is 4); use a harp-* method (HARP's "
+        "mixed-radix rotation fits any dimension) or a model whose dims are multiples of 8")
+    assert called == []  # neither the baseline nor the calibration ran

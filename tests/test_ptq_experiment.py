@@ -75,3 +75,17 @@ def test_the_first_cell_of_a_model_scores_the_baseline_and_later_cells_skip_it(t
     assert kept["perplexity"] == {"perplexity": 10.0} and kept["perplexity_fp32"] == {"perplexity": 9.9}
     assert "Unquantized perplexity: 10.0000" in (out / "summary.md").read_text()
     assert "+25.00" in (out / "summary.md").read_text()  # 12.5 against the BF16 baseline 10.0
+
+
+def test_only_the_harp_cells_get_harp_steps():
+    """`adahop ptq` refuses --harp-steps under a method that does not fit a rotation: the script passed
+    it to every cell, so `--harp-steps 200` failed all the rtn/gptq/rht cells."""
+    import argparse
+
+    s = _script()
+    args = argparse.Namespace(data="d", calib_tokens=64, batch_size=2, harp_steps=200, device="cpu", seq_len=None,
+                              eval_batches=None, group_size=None)
+    for method in ("rtn", "gptq", "rht-gptq"):
+        assert "--harp-steps" not in s.ptq_cmd(args, "m", method, 2, "int", Path("o"))
+    cmd = s.ptq_cmd(args, "m", "harp-gptq", 2, "int", Path("o"))
+    assert cmd[cmd.index("--harp-steps") + 1] == "200"

@@ -183,6 +183,10 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "train":
             return _train(args)
         elif args.cmd == "compare":
+            for flag in ("eval_limit", "eval_max_length", "task_data"):  # unused without tasks: refused, not dropped
+                if getattr(args, flag) is not None and not args.eval_tasks:
+                    raise ValueError(f"--{flag.replace('_', '-')} is for --eval-tasks and none is given (it would be "
+                                     f"unused); add --eval-tasks piqa,... or drop it")
             from .train.config import TrainConfig
 
             cfg = config_from(args, TrainConfig)

@@ -1,4 +1,4 @@
-"""Small shared helpers: atomic file writes and seed mixing."""
+"""Small shared helpers: atomic file writes, seed mixing, JSON reading and output-path checks."""
 
 from __future__ import annotations
 
@@ -50,3 +50,18 @@ def read_json(path: str | Path, what: str):
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{what} {path} is not valid JSON ({e}); fix the file or write it again") from None
+
+
+def check_out_path(path: str | Path, flag: str, *, folder: bool) -> None:
+    """Raise ValueError naming ``flag`` when ``path`` cannot become a folder (``folder=True``) or a
+    file: it exists as the other kind, or a path above it is a file. Commands check this first, so
+    that a bad ``--out`` does not lose the results of a long run at its very end."""
+    p = Path(path)
+    if p.exists() and p.is_dir() != folder:
+        fix = "pass a folder" if folder else f"pass a file path, e.g. {p / 'eval.json'}"
+        raise ValueError(f"{flag} {p} is {'a folder' if p.is_dir() else 'a file'}, not a {'folder' if folder else 'file'}; {fix}")
+    for above in p.parents:
+        if above.exists():
+            if not above.is_dir():
+                raise ValueError(f"{flag} {p}: {above} is a file, not a folder; pass another {flag}")
+            break

@@ -65,9 +65,24 @@ def run(args: argparse.Namespace) -> dict:
     if args.plan is not None and args.recipe is None:  # it would be unused: the model scored unquantized
         raise ValueError(f"--plan {args.plan} is for an AdaHOP --recipe and none is given; add --recipe adahop-lv2 "
                          f"(or adahop-lv1), or drop --plan to score the model as trained")
+    if args.out:
+        from ..utils import check_out_path
+
+        check_out_path(args.out, "--out", folder=False)
     specs = parse_tasks(args.tasks)
     if not specs and args.data is None:
         raise ValueError("nothing to do: --tasks none and no --data; pass tasks, a data folder, or both")
+    # options of the part that does not run would be silently unused: the JSON would record them as applied
+    if not specs:
+        for flag in ("limit", "max_length", "task_data"):
+            if getattr(args, flag) is not None:
+                raise ValueError(f"--{flag.replace('_', '-')} is for the zero-shot tasks and --tasks is none (it would "
+                                 f"be unused); pass --tasks piqa,... or drop it")
+    if args.data is None:
+        for flag, unset in (("split", "val"), ("seq_len", None), ("eval_batches", None)):
+            if getattr(args, flag) != unset:
+                raise ValueError(f"--{flag.replace('_', '-')} is for the perplexity and no --data is given (it would be "
+                                 f"unused); pass --data DIR or drop it")
     device = resolve_device(args.device)
     bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda")
     if specs:  # a missing lm-eval or task data fails before the model loads
@@ -76,6 +91,10 @@ def run(args: argparse.Namespace) -> dict:
         require_lm_eval()
     root = task_root(specs, args.task_data) if specs else None
     loaded = load_model(args.model, device=device, recipe=args.recipe, plan=args.plan)
+    from .model import check_window
+
+    check_window(loaded.model, args.seq_len if args.data is not None else None, "--seq-len")
+    check_window(loaded.model, args.max_length if specs else None, "--max-length")
     from .. import __version__
 
     res = {"model": loaded.info, "dtype": "bf16" if bf16 else "fp32", "device": str(device),
@@ -97,8 +116,10 @@ def run(args: argparse.Namespace) -> dict:
         res.update(scored)
         header, rows = report.table_rows({args.model + (f" ({args.recipe})" if args.recipe else ""): scored})
         print(report.markdown(header, rows))
-        if args.limit is not None:
-            print(f"(first {args.limit} documents of each task; ± is the standard error)")
+        if args.limit is not None:  # a task with fewer documents is scored whole: the note must not claim N of it
+            short = [f"{t} has {v['docs']:,}" for t, v in scored["tasks"].items() if v.get("docs", args.limit) < args.limit]
+            print(f"(first {args.limit} documents of each task" + (f"; {', '.join(short)} in all, every one scored"
+                                                                   if short else "") + "; ± is the standard error)")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(res, indent=1))
@@ -114,15 +135,10 @@ def settings(args: argparse.Namespace) -> dict:
 
 
 def _perplexity(args, loaded, device, bf16: bool) -> dict:
-    from ..train.config import TrainConfig
-    from ..train.setup import resolve_data
-    from .perplexity import check_same_tokenizer, perplexity
+    from .perplexity import check_same_tokenizer, perplexity, prepared_data
 
     rc = loaded.run_config or {}
-    data = Path(args.data)
-    if not (data / "manifest.json").exists():  # 'default' or text files: the folder `adahop train` prepares for them
-        keys = ("tokenizer", "vocab_size", "val_fraction")
-        data = resolve_data(TrainConfig(data=args.data, **{k: rc[k] for k in keys if k in rc}))
+    data = prepared_data(args.data, rc)
     check_same_tokenizer(data, Path(args.model), loaded.model.config.vocab_size)
     seq_len = args.seq_len or rc.get("seq_len") or loaded.model.config.max_position_embeddings
     out = perplexity(loaded.model, data, split=args.split, seq_len=seq_len, batch_size=args.batch_size,

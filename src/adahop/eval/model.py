@@ -9,7 +9,21 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["LoadedModel", "load_model"]
+__all__ = ["LoadedModel", "load_model", "check_window"]
+
+
+def check_window(model: torch.nn.Module, tokens: int | None, flag: str) -> None:
+    """Raise ValueError naming ``flag`` when windows of ``tokens`` exceed a learned position table
+    (GPT-2's ``wpe``, OPT's ``embed_positions``: an ``nn.Embedding`` besides the token embeddings
+    with ``max_position_embeddings`` rows, OPT's two offset rows allowed), where the forward would
+    fail with an IndexError. RoPE and other models extend past their training length and pass."""
+    n = getattr(model.config, "max_position_embeddings", None)
+    if tokens is None or not n or tokens <= n:
+        return
+    tok = model.get_input_embeddings()
+    if any(isinstance(m, torch.nn.Embedding) and m is not tok and n <= m.num_embeddings <= n + 2 for m in model.modules()):
+        raise ValueError(f"{flag} {tokens}: the model has learned position embeddings for {n} positions "
+                         f"(max_position_embeddings) and cannot score longer windows; pass {flag} {n} or less")
 
 
 @dataclass
@@ -68,8 +82,10 @@ def load_model(path: str | Path, *, device: torch.device, recipe: str | None = N
         backend: kernel backend of the converted layers (never changes numerics).
 
     Raises:
-        ValueError: no config.json (a folder of runs, e.g. of ``adahop compare``, lists them), no tokenizer, an unknown recipe, an AdaHOP recipe without a
-            plan, or a checkpoint that does not fit; each message names the fix.
+        ValueError: no config.json (a folder of runs, e.g. of ``adahop compare``, lists them), no
+            tokenizer, an unknown recipe, a recipe none of whose GEMMs fits a layer of the model, an
+            AdaHOP recipe without a plan or with a plan of another model (an entry missing, or one
+            for a layer the model lacks), or a checkpoint that does not fit; each message names the fix.
     """
     import transformers
 
@@ -135,6 +151,24 @@ def _convert(model, recipe_name: str, plan_path: str | None, folder: Path, secti
         raise ValueError(f"--plan is for AdaHOP recipes; --recipe {recipe_name} has fixed strategies. Drop --plan")
     seed = (section or {}).get("config", {}).get("seed", 0)
     convert_model(model, recipe, seed=seed, plan=plan, backend=backend)
+    if plan is not None:  # a larger model's plan covers every layer of this one, so conversion alone accepts it
+        from ..nn import LowPrecisionLinear
+
+        converted = {n for n, m in model.named_modules() if isinstance(m, LowPrecisionLinear)}
+        foreign = [n for n in plan.layers if n not in converted]
+        if foreign:
+            raise ValueError(f"--plan {plan_path} has entries for {len(foreign)} layer(s) this model does not have "
+                             f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}): it was made for another "
+                             f"model; pass the plan.json of the run MODEL is")
+    from ..train.setup import converted_layers
+
+    quantized, bf16_layers = converted_layers(model)
+    if not recipe.is_bf16 and not quantized:  # as `adahop train` refuses it: the score would be the unquantized model's
+        raise ValueError(f"--recipe {recipe_name}: none of the model's {len(bf16_layers)} linear layers can run it "
+                         f"({'; '.join(f'{n}: {why}' for n, why in list(bf16_layers.items())[:2])}"
+                         f"{'; ...' if len(bf16_layers) > 2 else ''}): every GEMM would be BF16's and the score would "
+                         f"pass for a {recipe_name} one; drop --recipe, or use a recipe whose block size divides the "
+                         f"layers' dims (32, or 16 for NVFP4)")
     return plan_path
 
 

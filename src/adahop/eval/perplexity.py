@@ -11,32 +11,64 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["perplexity", "check_same_tokenizer"]
+__all__ = ["perplexity", "scored_batches", "prepared_data", "check_same_tokenizer"]
 
 
-def check_same_tokenizer(data_dir: Path, model_dir: Path, vocab_size: int) -> None:
+def prepared_data(data: str, run_config: dict | None) -> Path:
+    """The prepared folder of ``--data``: itself when it holds a ``manifest.json``, else what
+    ``adahop train --data`` makes of it ('default' or text files, prepared once and cached) with the
+    run's tokenizer settings (``run_config``: the run's ``adahop train`` config, or None).
+
+    Raises:
+        ValueError: ``data`` is a model or run folder (its ``metrics.jsonl`` was taken for a corpus),
+            or as :func:`adahop.train.setup.resolve_data`; the messages name ``--data``.
+    """
+    from ..train.config import TrainConfig
+    from ..train.export import read_run_section
+    from ..train.setup import resolve_data
+
+    p = Path(data)
+    if (p / "manifest.json").exists():
+        return p
+    if (p / "config.json").is_file():
+        section = read_run_section(p) or {}
+        own = f"pass the data it trained on, {section['data_dir']}" if section.get("data_dir") else \
+            "pass a folder made by `adahop data prepare`, 'default', or text files"
+        raise ValueError(f"--data {p} is a model folder (config.json), not data; {own}")
+    keys = ("tokenizer", "vocab_size", "val_fraction")
+    rc = run_config or {}
+    try:
+        return resolve_data(TrainConfig(data=data, **{k: rc[k] for k in keys if k in rc}))
+    except ValueError as e:  # the data preparation's own messages name its sources, not the option
+        if str(e).startswith("--data"):
+            raise
+        raise ValueError(f"--data {data}: {e}") from None
+
+
+def check_same_tokenizer(data_dir: Path, model_dir: Path, vocab_size: int, flag: str = "--data") -> None:
     """Raise ValueError when the data in ``data_dir`` was tokenized with another tokenizer than the
     model's: the perplexity of a model on foreign token ids is a silently wrong number.
 
     The check compares the vocabulary, merges, normalizer, pre-tokenizer and special tokens of the
     ``tokenizer.json`` of both folders where both have one, and the data's
-    vocabulary against the model's embedding size (``vocab_size``) always.
+    vocabulary against the model's embedding size (``vocab_size``) always. ``flag``: the option
+    the messages name (``adahop ptq`` takes the data as ``--calib-data``).
     """
     from ..data import Manifest
 
     m = Manifest.load(data_dir)
     if m.tokenizer.vocab_size > vocab_size:
-        raise ValueError(f"--data {data_dir}: its tokenizer has {m.tokenizer.vocab_size} tokens, the model only "
+        raise ValueError(f"{flag} {data_dir}: its tokenizer has {m.tokenizer.vocab_size} tokens, the model only "
                          f"{vocab_size}; prepare the data with the model's tokenizer (--tokenizer hf:{model_dir})")
     run = _run_tokenizer(Path(model_dir))  # an adahop run records its data's tokenizer fingerprint
     if run is not None and run[0] and m.tokenizer.sha256 and run[0] != m.tokenizer.sha256:
-        own = f"pass the run's own data (--data {run[1]}), or " if run[1] else ""
-        raise ValueError(f"--data {data_dir} was tokenized with {m.tokenizer.name}, another tokenizer than the one "
+        own = f"pass the run's own data ({flag} {run[1]}), or " if run[1] else ""
+        raise ValueError(f"{flag} {data_dir} was tokenized with {m.tokenizer.name}, another tokenizer than the one "
                          f"{model_dir} trained on (their fingerprints differ); {own}prepare the data with "
                          f"--tokenizer hf:{model_dir}")
     a, b = Path(data_dir) / "tokenizer.json", Path(model_dir) / "tokenizer.json"
     if a.exists() and b.exists() and _text_to_ids(a) != _text_to_ids(b):
-        raise ValueError(f"--data {data_dir} was tokenized with another tokenizer than {model_dir}'s (their "
+        raise ValueError(f"{flag} {data_dir} was tokenized with another tokenizer than {model_dir}'s (their "
                          f"tokenizer.json differ); prepare the data with --tokenizer hf:{model_dir}")
 
 
@@ -60,6 +92,25 @@ def _text_to_ids(path: Path) -> list:
     return [d.get(k) for k in ("normalizer", "pre_tokenizer", "model", "added_tokens")]
 
 
+def scored_batches(data_dir: str | Path, split: str, *, seq_len: int, batch_size: int, max_batches: int | None):
+    """The stream of ``split`` that :func:`perplexity` scores, and its number of batches (``max_batches``,
+    or every full batch when None); cheap, so a command can check its data before the work.
+
+    Raises:
+        ValueError: an unknown split, too few tokens for one batch, or ``max_batches`` more batches than
+            the split holds (``adahop train`` refuses that too); the message names the options.
+    """
+    from ..data import TokenStream
+
+    stream = TokenStream(data_dir, split, seq_len, batch_size, seed=0)
+    stream.val_batches(1)  # raises the split's own message when it holds no full batch
+    if max_batches is not None and max_batches > stream.steps_per_epoch:  # scoring fewer would not be what was asked
+        raise ValueError(f"--eval-batches {max_batches}: the {split} split of {data_dir} holds {stream.steps_per_epoch} "
+                         f"batch(es) of --batch-size {batch_size} windows of --seq-len + 1 = {seq_len + 1} tokens; pass "
+                         f"--eval-batches {stream.steps_per_epoch} or fewer, or drop it to score the whole split")
+    return stream, stream.steps_per_epoch if max_batches is None else max_batches
+
+
 def perplexity(model: torch.nn.Module, data_dir: str | Path, *, split: str = "val", seq_len: int, batch_size: int,
                max_batches: int | None = None, device: torch.device, bf16: bool) -> dict:
     """Mean cross-entropy of ``model`` on ``split`` of ``data_dir``, as perplexity and bits per byte.
@@ -79,13 +130,11 @@ def perplexity(model: torch.nn.Module, data_dir: str | Path, *, split: str = "va
         (scored), "batches", "seq_len", "batch_size"}``.
 
     Raises:
-        ValueError: an unknown split, or too few tokens for one batch (the message names the options).
+        ValueError: as :func:`scored_batches`.
     """
-    from ..data import TokenStream
     from ..train.loop import evaluate
 
-    stream = TokenStream(data_dir, split, seq_len, batch_size, seed=0)
-    n = stream.steps_per_epoch if max_batches is None else min(max_batches, stream.steps_per_epoch)
+    stream, n = scored_batches(data_dir, split, seq_len=seq_len, batch_size=batch_size, max_batches=max_batches)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
     loss, bpb = evaluate(model, stream, device, autocast, n)
     model.eval()  # evaluate() leaves the model in training mode, as the training loop needs

@@ -50,13 +50,18 @@ def calibration_batches(data_dir: str | Path, *, tokens: int, seq_len: int, batc
     drawn as ``adahop train`` draws them (:class:`adahop.data.TokenStream`, shuffled windows).
 
     Raises:
-        ValueError: ``tokens < 1``, or as :class:`~adahop.data.TokenStream` (a split too small).
+        ValueError: ``tokens < 1``, more tokens than the split's windows hold (they would repeat), or as
+            :class:`~adahop.data.TokenStream` (a split too small).
     """
     from ..data import TokenStream
 
     if tokens < 1:
         raise ValueError(f"--calib-tokens {tokens} must be >= 1")
     stream = TokenStream(data_dir, "train", seq_len, batch_size, seed=seed)
+    if tokens > stream.tokens_per_epoch:  # later epochs repeat the same windows: no new statistics, only time
+        raise ValueError(f"--calib-tokens {tokens:,} is more than the train split of {data_dir} holds in windows of "
+                         f"--seq-len {seq_len} ({stream.tokens_per_epoch:,}); pass --calib-tokens "
+                         f"{stream.tokens_per_epoch} or less, or prepare more data")
     return [stream.batch(i)[0] for i in range(math.ceil(tokens / (seq_len * batch_size)))]
 
 

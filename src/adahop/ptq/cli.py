@@ -22,6 +22,15 @@ from pathlib import Path
 __all__ = ["add_arguments", "run"]
 
 
+# The options only some methods use, with their defaults: a value other than the default under a method
+# that ignores it is refused (it would change nothing, and ptq.json would not say so).
+_METHOD_DEFAULTS = {"damp": 0.01, "harp_steps": 1200, "harp_lr": 0.03, "hbd_lambda": 0.1, "hbd_block": 8, "radix": 8,
+                    "max_radix": 8, "passes": 1, "mixer": "had_or_qr"}
+_GPTQ_ONLY = ("damp",)
+_HARP_ONLY = ("harp_steps", "harp_lr", "hbd_lambda", "hbd_block", "radix", "max_radix", "passes", "mixer")
+_EVAL_TASKS_ONLY = ("eval_limit", "eval_max_length", "task_data")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of `adahop ptq`."""
     from .names import METHODS, MIXERS, QUANTIZERS
@@ -49,15 +58,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "max_position_embeddings, the run's --seq-len)")
     g.add_argument("--task-data", default=None, metavar="DIR", help="as `adahop eval --task-data`")
     g = p.add_argument_group("GPTQ and HARP")
-    g.add_argument("--damp", type=float, default=0.01, help="GPTQ damping, a fraction of mean(diag H) (default 0.01)")
-    g.add_argument("--harp-steps", type=int, default=1200, help="Adam steps per layer (default 1200, the paper's)")
-    g.add_argument("--harp-lr", type=float, default=0.03, help="Adam learning rate (default 0.03)")
-    g.add_argument("--hbd-lambda", type=float, default=0.1, help="weight of H̃'s off-block-diagonal energy (default 0.1)")
-    g.add_argument("--hbd-block", type=int, default=8, help="block of that term (default 8)")
-    g.add_argument("--radix", type=int, default=8, help="HARP's preferred radix (default 8)")
-    g.add_argument("--max-radix", type=int, default=8, help="largest other radix (default 8)")
-    g.add_argument("--passes", type=int, default=1, help="repeats of the staged product (default 1)")
-    g.add_argument("--mixer", default="had_or_qr", choices=MIXERS, help="fixed block mixer M_b (default had_or_qr)")
+    d = _METHOD_DEFAULTS
+    g.add_argument("--damp", type=float, default=d["damp"], help="GPTQ damping, a fraction of mean(diag H) (default 0.01)")
+    g.add_argument("--harp-steps", type=int, default=d["harp_steps"], help="Adam steps per layer (default 1200, the paper's)")
+    g.add_argument("--harp-lr", type=float, default=d["harp_lr"], help="Adam learning rate (default 0.03)")
+    g.add_argument("--hbd-lambda", type=float, default=d["hbd_lambda"],
+                   help="weight of H̃'s off-block-diagonal energy (default 0.1)")
+    g.add_argument("--hbd-block", type=int, default=d["hbd_block"], help="block of that term (default 8)")
+    g.add_argument("--radix", type=int, default=d["radix"], help="HARP's preferred radix (default 8)")
+    g.add_argument("--max-radix", type=int, default=d["max_radix"], help="largest other radix (default 8)")
+    g.add_argument("--passes", type=int, default=d["passes"], help="repeats of the staged product (default 1)")
+    g.add_argument("--mixer", default=d["mixer"], choices=MIXERS, help="fixed block mixer M_b (default had_or_qr)")
     g.add_argument("--seed", type=int, default=0, help="random signs, calibration windows and QR mixers")
     g.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
 
@@ -77,8 +88,23 @@ def _check(args) -> None:
         raise ValueError(f"--hbd-lambda {args.hbd_lambda}: must be >= 0")
     if not args.damp > 0:
         raise ValueError(f"--damp {args.damp}: must be > 0 (GPTQ needs H + damp·I positive definite)")
+    for flags, used_by, methods in ((_GPTQ_ONLY, "gptq", "gptq, rht-gptq or harp-gptq"),
+                                    (_HARP_ONLY, "harp-", "harp-rtn or harp-gptq")):
+        if used_by not in args.method:
+            for flag in flags:
+                if getattr(args, flag) != _METHOD_DEFAULTS[flag]:
+                    raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} is unused by --method "
+                                     f"{args.method}; drop it, or pass --method {methods}")
+    if args.eval_tasks is None or args.eval_tasks.strip().lower() == "none":
+        for flag in _EVAL_TASKS_ONLY:
+            if getattr(args, flag) is not None:
+                raise ValueError(f"--{flag.replace('_', '-')} is for the zero-shot tasks and no --eval-tasks is given "
+                                 f"(it would be unused); add --eval-tasks piqa,... or drop it")
     out = Path(args.out)
+    from ..utils import check_out_path
     from .export import RESULTS_FILE
+
+    check_out_path(out, "--out", folder=True)
 
     if (out / RESULTS_FILE).exists():
         raise ValueError(f"--out {out} already holds a quantized model ({RESULTS_FILE}); pass another --out or delete it")
@@ -100,14 +126,9 @@ def _read_config(path: Path) -> dict:
 
 def _data(args, run_config: dict | None) -> Path:
     """The prepared folder of ``--calib-data`` (what ``adahop train --data`` takes is prepared once)."""
-    from ..train.config import TrainConfig
-    from ..train.setup import resolve_data
+    from ..eval.perplexity import prepared_data
 
-    data = Path(args.calib_data)
-    if (data / "manifest.json").exists():
-        return data
-    keys = ("tokenizer", "vocab_size", "val_fraction")
-    return resolve_data(TrainConfig(data=args.calib_data, **{k: (run_config or {})[k] for k in keys if k in (run_config or {})}))
+    return prepared_data(args.calib_data, run_config)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -142,8 +163,20 @@ def run(args: argparse.Namespace) -> dict:
     model, rc = loaded.model, loaded.run_config or {}
     with _named("--data", "--calib-data"):
         data = _data(args, rc)
-        check_same_tokenizer(data, Path(args.model), model.config.vocab_size)
+        check_same_tokenizer(data, Path(args.model), model.config.vocab_size, flag="--calib-data")
+    if args.method.startswith("rht-"):
+        _check_rht_dims(model, args.method)  # each layer's check came only when its block was reached
     seq_len = args.seq_len or rc.get("seq_len") or model.config.max_position_embeddings
+    from ..eval.model import check_window
+
+    check_window(model, seq_len, "--seq-len")
+    check_window(model, args.eval_max_length if tasks is not None else None, "--eval-max-length")
+    from ..eval.perplexity import scored_batches
+
+    # both splits are checked now: a val split short of one batch failed only after the whole quantization
+    with _named("the val split", f"--calib-data {data}: the val split"):
+        scored_batches(data, "val", seq_len=seq_len, batch_size=args.batch_size, max_batches=args.eval_batches)
+    batches = calibration_batches(data, tokens=args.calib_tokens, seq_len=seq_len, batch_size=args.batch_size, seed=args.seed)
 
     def ppl(m):
         with torch.no_grad():
@@ -156,7 +189,6 @@ def run(args: argparse.Namespace) -> dict:
         base = ppl(deployed)
         base_fp32 = base if deployed is model else ppl(model)
         del deployed
-    batches = calibration_batches(data, tokens=args.calib_tokens, seq_len=seq_len, batch_size=args.batch_size, seed=args.seed)
     gen = torch.Generator().manual_seed(args.seed)
     grid0 = make_grid(args.quantizer, args.bits, args.group_size)
 
@@ -200,6 +232,23 @@ def run(args: argparse.Namespace) -> dict:
     atomic_write_text(out / RESULTS_FILE, json.dumps(res, indent=1))  # written last: its presence means finished
     print(f"wrote {out} (transformers folder, {PACKED_FILE}, {RESULTS_FILE}) in {res['seconds_total']:.0f} s")
     return res
+
+
+def _check_rht_dims(model, method: str) -> None:
+    """Raise ValueError, naming the first layer and dimension, when a linear of the decoder blocks
+    has a dimension the RHT cannot rotate (:func:`~adahop.ptq.incoherence.rht_block`)."""
+    from .calibrate import block_linears, decoder_blocks
+    from .incoherence import rht_block
+
+    prefix, blocks = decoder_blocks(model)
+    for i, block in enumerate(blocks):
+        for name, lin in block_linears(block):
+            for d in (lin.out_features, lin.in_features):
+                try:
+                    rht_block(d)
+                except ValueError as e:
+                    raise ValueError(f"--method {method}: layer {prefix}.{i}.{name} ({lin.in_features}->"
+                                     f"{lin.out_features}): {e}") from None
 
 
 def _bf16_rounded(model):
