@@ -75,3 +75,16 @@ def compare_folder(tmp_path) -> Path:
         (root / recipe / "config.json").write_text(json.dumps({"adahop": {"config": {"recipe": recipe}}}))
     (root / "compare.md").write_text("| recipe |\n")
     return root
+
+
+@pytest.fixture
+def fwd_bwd():
+    """``fwd_bwd(fn, layer, x0, dy)``: ``fn`` (a linear module or its compiled form) on a fresh copy
+    of ``x0`` with ``layer``'s gradients cleared, backward with ``dy``; returns ``(y, dX, dW)``."""
+    def run(fn, layer, x0, dy):
+        x = x0.clone().requires_grad_()
+        layer.zero_grad(set_to_none=True)
+        y = fn(x)
+        y.backward(dy)
+        return y.detach(), x.grad, layer.weight.grad.clone()
+    return run

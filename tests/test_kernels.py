@@ -411,7 +411,7 @@ def test_interp_fast_layer_compiles_without_graph_break(recipe):
 
 
 @interp
-def test_interp_inductor_inlines_the_triton_ops_and_matches_eager():
+def test_interp_inductor_inlines_the_triton_ops_and_matches_eager(fwd_bwd):
     """Issue 18 item 1: under Inductor (fullgraph, CPU, the interpreter), with the layer's GEMMs
     traced (``set_compiled_layers("traced")``), the quantizer and the fold are decomposed ``triton_op`` s: the generated code launches their kernels itself (here through
     the interpreter's launch op), allocates their outputs, and never calls the opaque ops; and a
@@ -429,11 +429,7 @@ def test_interp_inductor_inlines_the_triton_ops_and_matches_eager():
     x0, dy = torch.randn(32, 32), torch.randn(32, 64)
 
     def step(fn):
-        x = x0.clone().requires_grad_()
-        lin.zero_grad(set_to_none=True)
-        y = fn(x)
-        y.backward(dy)
-        return y.detach(), x.grad, lin[0].weight.grad.clone()
+        return fwd_bwd(fn, lin[0], x0, dy)
 
     from adahop.nn.opaque import set_compiled_layers
 

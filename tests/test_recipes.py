@@ -499,7 +499,7 @@ def test_msr_none_variant_and_bad_variants():
     assert "@" not in "".join(list_recipes())  # variants are not presets
 
 
-def test_bf16_calib_variant_is_uniform_iht_after_adahops_bf16_steps():
+def test_bf16_calib_variant_is_uniform_iht_after_adahops_bf16_steps(fwd_bwd):
     """``mxfp4-had@bf16-calib``: the 30 calibration steps run exact BF16 GEMMs (as AdaHOP's), then
     every GEMM is mxfp4-had's own IHT spec, bit for bit; the variant refuses recipes it cannot mean."""
     r, base = get_recipe("mxfp4-had@bf16-calib"), get_recipe("mxfp4-had")
@@ -514,11 +514,7 @@ def test_bf16_calib_variant_is_uniform_iht_after_adahops_bf16_steps():
         return m
 
     def grads(m):
-        xx = x.clone().requires_grad_()
-        m.zero_grad(set_to_none=True)
-        y = m(xx)
-        y.backward(dy)
-        return y.detach(), xx.grad, m[0].weight.grad.clone()
+        return fwd_bwd(m, m[0], x, dy)
 
     m, ref, exact = layer(r.name), layer("mxfp4-had"), layer("bf16")
     for step in range(r.calibration.steps):
