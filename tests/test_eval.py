@@ -637,6 +637,11 @@ def test_an_out_that_cannot_be_written_is_refused_before_the_scoring(tmp_path, c
         assert main(["eval", str(tmp_path / "no-model"), "--tasks", "none", "--data", "x", "--out", str(out)]) == 2
         err = capsys.readouterr().err
         assert msg in err and "no config.json" not in err, err
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.json").write_text("{}")  # MODEL's own file: overwriting it would break the run
+    assert main(["eval", str(tmp_path / "run"), "--tasks", "none", "--data", "x", "--out", str(tmp_path / "run" / "config.json")]) == 2
+    assert f"--out {tmp_path / 'run' / 'config.json'} is a file of MODEL itself; pass a new path" in capsys.readouterr().err
+    assert (tmp_path / "run" / "config.json").read_text() == "{}"
 
 
 def test_a_refusal_after_the_model_loads_is_one_line_without_third_party_noise(run_dir, tmp_path):

@@ -69,6 +69,11 @@ def run(args: argparse.Namespace) -> dict:
         from ..utils import check_out_path
 
         check_out_path(args.out, "--out", folder=False)
+        out = Path(args.out).resolve()
+        if out.exists() and out.parent == Path(args.model).resolve() and out.name != "eval.json":
+            # MODEL's own config, summary, plan or weights: a run folder holds eval.json only as a result
+            raise ValueError(f"--out {args.out} is a file of MODEL itself; pass a new path, e.g. "
+                             f"{Path(args.model) / 'eval.json'}")
     specs = parse_tasks(args.tasks)
     if not specs and args.data is None:
         raise ValueError("nothing to do: --tasks none and no --data; pass tasks, a data folder, or both")
