@@ -376,3 +376,16 @@ def test_an_rht_dimension_without_a_block_is_refused_before_the_baseline_and_cal
         "power-of-two block >= 8 for the RHT (its largest power-of-two factor is 4); use a harp-* method (HARP's "
         "mixed-radix rotation fits any dimension) or a model whose dims are multiples of 8")
     assert called == []  # neither the baseline nor the calibration ran
+
+
+def test_an_hbd_block_covering_a_layers_input_is_refused_before_the_work(run_dir, tmp_path, capsys, monkeypatch):
+    """`--hbd-block 1000` on llama-tiny (128 wide) made the off-block term 0, so --hbd-lambda did nothing, silently."""
+    import adahop.ptq.calibrate as calibrate
+
+    called = []
+    monkeypatch.setattr(calibrate, "block_hessians", lambda *a, **k: called.append("calibration"))
+    assert _ptq(run_dir, tmp_path / "q", "--method", "harp-rtn", "--bits", "4", "--skip-baseline", "--hbd-block", "1000") == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.startswith("adahop ptq: error: --hbd-block 1000 covers the whole input dimension of ") and \
+        err.endswith("q_proj (128), where the off-block term of --hbd-lambda is 0; pass --hbd-block below 128, or "
+                     "--hbd-lambda 0") and called == []

@@ -166,6 +166,8 @@ def run(args: argparse.Namespace) -> dict:
         check_same_tokenizer(data, Path(args.model), model.config.vocab_size, flag="--calib-data")
     if args.method.startswith("rht-"):
         _check_rht_dims(model, args.method)  # each layer's check came only when its block was reached
+    if args.method.startswith("harp-") and args.hbd_lambda > 0:
+        _check_hbd_block(model, args.hbd_block)
     seq_len = args.seq_len or rc.get("seq_len") or model.config.max_position_embeddings
     from ..eval.model import check_window
 
@@ -249,6 +251,20 @@ def _check_rht_dims(model, method: str) -> None:
                 except ValueError as e:
                     raise ValueError(f"--method {method}: layer {prefix}.{i}.{name} ({lin.in_features}->"
                                      f"{lin.out_features}): {e}") from None
+
+
+def _check_hbd_block(model, b: int) -> None:
+    """Raise ValueError when ``--hbd-block`` is at least a layer's input dimension: the Hessian's
+    off-block energy (the λ_hbd term of the fit) is then 0 for it, so ``--hbd-lambda`` silently did nothing."""
+    from .calibrate import block_linears, decoder_blocks
+
+    prefix, blocks = decoder_blocks(model)
+    for i, block in enumerate(blocks):
+        for name, lin in block_linears(block):
+            if b >= lin.in_features:
+                raise ValueError(f"--hbd-block {b} covers the whole input dimension of {prefix}.{i}.{name} "
+                                 f"({lin.in_features}), where the off-block term of --hbd-lambda is 0; pass "
+                                 f"--hbd-block below {lin.in_features}, or --hbd-lambda 0")
 
 
 def _bf16_rounded(model):
