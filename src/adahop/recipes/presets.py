@@ -92,7 +92,7 @@ def _variant(recipe: Recipe, variant: str) -> Recipe:
                              f"calibration (such as mxfp4-had); {recipe.name!r}, with the variants before it, has "
                              f"{sorted(strategies)}" + (" and calibrates already" if recipe.calibration is not None else ""))
         specs = {g: replace(recipe.gemm(g), strategy="calibrated") for g in GEMMS if recipe.gemm(g).strategy == "iht"}
-        return replace(recipe, description=f"{recipe.description} [after 30 BF16 calibration steps, as AdaHOP]",
+        return replace(recipe, description=f"{recipe.description} [after BF16 calibration steps, as AdaHOP (30 unless --calib-steps)]",
                        calibration=CalibSpec(table="iht"), **specs)
     raise ValueError(f"unknown recipe variant {variant!r}; allowed after '@': {', '.join(VARIANTS)}")
 
