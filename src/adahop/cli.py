@@ -15,6 +15,9 @@ from .train.config import add_config_flags, config_from
 __all__ = ["main", "build_parser"]
 
 
+_BPE_VOCAB = 8192  # `data prepare --vocab-size`'s default
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse's parser whose option errors (an invalid choice, a missing or mistyped value) are one
     line and a pointer to ``--help``, not the whole usage (``adahop train``'s runs to 40 lines);
@@ -37,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="'default', a .txt/.jsonl/.parquet file or folder (.xz/.gz/.zst ok), or hf:NAME[:CONFIG][:SPLIT]; repeatable")
     prep.add_argument("--out", required=True, help="output folder")
     prep.add_argument("--tokenizer", default="bpe", help="bpe (trained on the corpus), gpt2, tiktoken:PATH, hf:NAME")
-    prep.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary size")
+    prep.add_argument("--vocab-size", type=int, default=_BPE_VOCAB, help="BPE vocabulary size")
     prep.add_argument("--val-fraction", type=float, default=0.01, help="held-out share, spread across the corpus")
     prep.add_argument("--text-field", default="text", help="the JSONL field / Parquet or dataset column holding the text")
     prep.add_argument("--seed", type=int, default=0)
@@ -117,8 +120,7 @@ def _prepare(args) -> None:
     it), and --vocab-size with a tokenizer that brings its own; says which vocabulary was used."""
     import json
 
-    default_vocab = 8192  # the flag's default: another value was given on purpose
-    if args.tokenizer != "bpe" and args.vocab_size != default_vocab:
+    if args.tokenizer != "bpe" and args.vocab_size != _BPE_VOCAB:  # not the default: given on purpose
         raise ValueError(f"--vocab-size {args.vocab_size} is for --tokenizer bpe; --tokenizer {args.tokenizer} brings "
                          f"its own vocabulary: drop --vocab-size")
     old = Path(args.out) / "manifest.json"
@@ -183,10 +185,11 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "train":
             return _train(args)
         elif args.cmd == "compare":
-            for flag in ("eval_limit", "eval_max_length", "task_data"):  # unused without tasks: refused, not dropped
-                if getattr(args, flag) is not None and not args.eval_tasks:
-                    raise ValueError(f"--{flag.replace('_', '-')} is for --eval-tasks and none is given (it would be "
-                                     f"unused); add --eval-tasks piqa,... or drop it")
+            if not args.eval_tasks:  # the evaluation's options without it: refused, not dropped
+                from .utils import refuse_unused
+
+                refuse_unused(args, ("eval_limit", "eval_max_length", "task_data"), "--eval-tasks and none is given",
+                              "add --eval-tasks piqa,... or drop it")
             from .train.config import TrainConfig
 
             cfg = config_from(args, TrainConfig)

@@ -1,4 +1,4 @@
-"""Small shared helpers: atomic file writes, seed mixing, JSON reading and output-path checks."""
+"""Small shared helpers: atomic file writes, seed mixing, JSON reading and command-line checks."""
 
 from __future__ import annotations
 
@@ -65,3 +65,14 @@ def check_out_path(path: str | Path, flag: str, *, folder: bool) -> None:
             if not above.is_dir():
                 raise ValueError(f"{flag} {p}: {above} is a file, not a folder; pass another {flag}")
             break
+
+
+def refuse_unused(args, flags, reason: str, fix: str) -> None:
+    """Raise ValueError for the first option of ``flags`` that ``args`` sets although the part of the
+    command it is for does not run (it would be silently unused, while the results record it):
+    ``--FLAG is for REASON (it would be unused); FIX``. ``flags``: attribute names, unset when None,
+    or a dict of attribute name -> its unset (default) value."""
+    unset = flags if isinstance(flags, dict) else dict.fromkeys(flags)
+    for flag, default in unset.items():
+        if getattr(args, flag) != default:
+            raise ValueError(f"--{flag.replace('_', '-')} is for {reason} (it would be unused); {fix}")

@@ -65,9 +65,9 @@ def run(args: argparse.Namespace) -> dict:
     if args.plan is not None and args.recipe is None:  # it would be unused: the model scored unquantized
         raise ValueError(f"--plan {args.plan} is for an AdaHOP --recipe and none is given; add --recipe adahop-lv2 "
                          f"(or adahop-lv1), or drop --plan to score the model as trained")
-    if args.out:
-        from ..utils import check_out_path
+    from ..utils import check_out_path, refuse_unused
 
+    if args.out:
         check_out_path(args.out, "--out", folder=False)
         out = Path(args.out).resolve()
         if out.exists() and out.parent == Path(args.model).resolve() and out.name != "eval.json":
@@ -79,15 +79,11 @@ def run(args: argparse.Namespace) -> dict:
         raise ValueError("nothing to do: --tasks none and no --data; pass tasks, a data folder, or both")
     # options of the part that does not run would be silently unused: the JSON would record them as applied
     if not specs:
-        for flag in ("limit", "max_length", "task_data"):
-            if getattr(args, flag) is not None:
-                raise ValueError(f"--{flag.replace('_', '-')} is for the zero-shot tasks and --tasks is none (it would "
-                                 f"be unused); pass --tasks piqa,... or drop it")
+        refuse_unused(args, ("limit", "max_length", "task_data"), "the zero-shot tasks and --tasks is none",
+                      "pass --tasks piqa,... or drop it")
     if args.data is None:
-        for flag, unset in (("split", "val"), ("seq_len", None), ("eval_batches", None)):
-            if getattr(args, flag) != unset:
-                raise ValueError(f"--{flag.replace('_', '-')} is for the perplexity and no --data is given (it would be "
-                                 f"unused); pass --data DIR or drop it")
+        refuse_unused(args, {"split": "val", "seq_len": None, "eval_batches": None},
+                      "the perplexity and no --data is given", "pass --data DIR or drop it")
     device = resolve_device(args.device)
     bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda")
     if specs:  # a missing lm-eval or task data fails before the model loads

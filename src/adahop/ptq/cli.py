@@ -95,13 +95,12 @@ def _check(args) -> None:
                 if getattr(args, flag) != _METHOD_DEFAULTS[flag]:
                     raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} is unused by --method "
                                      f"{args.method}; drop it, or pass --method {methods}")
+    from ..utils import check_out_path, refuse_unused
+
     if args.eval_tasks is None or args.eval_tasks.strip().lower() == "none":
-        for flag in _EVAL_TASKS_ONLY:
-            if getattr(args, flag) is not None:
-                raise ValueError(f"--{flag.replace('_', '-')} is for the zero-shot tasks and no --eval-tasks is given "
-                                 f"(it would be unused); add --eval-tasks piqa,... or drop it")
+        refuse_unused(args, _EVAL_TASKS_ONLY, "the zero-shot tasks and no --eval-tasks is given",
+                      "add --eval-tasks piqa,... or drop it")
     out = Path(args.out)
-    from ..utils import check_out_path
     from .export import RESULTS_FILE
 
     check_out_path(out, "--out", folder=True)
@@ -236,35 +235,37 @@ def run(args: argparse.Namespace) -> dict:
     return res
 
 
-def _check_rht_dims(model, method: str) -> None:
-    """Raise ValueError, naming the first layer and dimension, when a linear of the decoder blocks
-    has a dimension the RHT cannot rotate (:func:`~adahop.ptq.incoherence.rht_block`)."""
+def _quantized_linears(model):
+    """``(qualified name, nn.Linear)`` of every linear of the decoder blocks: the layers ptq quantizes."""
     from .calibrate import block_linears, decoder_blocks
-    from .incoherence import rht_block
 
     prefix, blocks = decoder_blocks(model)
     for i, block in enumerate(blocks):
         for name, lin in block_linears(block):
-            for d in (lin.out_features, lin.in_features):
-                try:
-                    rht_block(d)
-                except ValueError as e:
-                    raise ValueError(f"--method {method}: layer {prefix}.{i}.{name} ({lin.in_features}->"
-                                     f"{lin.out_features}): {e}") from None
+            yield f"{prefix}.{i}.{name}", lin
+
+
+def _check_rht_dims(model, method: str) -> None:
+    """Raise ValueError, naming the first layer and dimension, when a linear of the decoder blocks
+    has a dimension the RHT cannot rotate (:func:`~adahop.ptq.incoherence.rht_block`)."""
+    from .incoherence import rht_block
+
+    for name, lin in _quantized_linears(model):
+        for d in (lin.out_features, lin.in_features):
+            try:
+                rht_block(d)
+            except ValueError as e:
+                raise ValueError(f"--method {method}: layer {name} ({lin.in_features}->{lin.out_features}): {e}") from None
 
 
 def _check_hbd_block(model, b: int) -> None:
     """Raise ValueError when ``--hbd-block`` is at least a layer's input dimension: the Hessian's
     off-block energy (the λ_hbd term of the fit) is then 0 for it, so ``--hbd-lambda`` silently did nothing."""
-    from .calibrate import block_linears, decoder_blocks
-
-    prefix, blocks = decoder_blocks(model)
-    for i, block in enumerate(blocks):
-        for name, lin in block_linears(block):
-            if b >= lin.in_features:
-                raise ValueError(f"--hbd-block {b} covers the whole input dimension of {prefix}.{i}.{name} "
-                                 f"({lin.in_features}), where the off-block term of --hbd-lambda is 0; pass "
-                                 f"--hbd-block below {lin.in_features}, or --hbd-lambda 0")
+    for name, lin in _quantized_linears(model):
+        if b >= lin.in_features:
+            raise ValueError(f"--hbd-block {b} covers the whole input dimension of {name} ({lin.in_features}), where "
+                             f"the off-block term of --hbd-lambda is 0; pass --hbd-block below {lin.in_features}, or "
+                             f"--hbd-lambda 0")
 
 
 def _bf16_rounded(model):
