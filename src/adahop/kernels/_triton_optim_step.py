@@ -138,7 +138,8 @@ def _step_block(w_ptr, g_ptr, s0_ptr, s1_ptr, s2_ptr, s3_ptr, offs, mask, seed, 
         if STOCHASTIC:
             zero = tl.zeros_like(offs)
             # int32 counter words keep Philox4x32 (a stream >= 2^31 arrives as int64: its low 32 bits)
-            r, _r1, _r2, _r3 = philox(seed, offs, zero + stream.to(tl.int32), zero, zero)
+            # (zero + stream) first: a scalar argument equal to 1 arrives as a constexpr, which has no .to
+            r, _r1, _r2, _r3 = philox(seed, offs, (zero + stream).to(tl.int32), zero, zero)
             r16 = (r & 0xFFFF).to(tl.int32)
         wb = _bf16_bits(w_new, r16, STOCHASTIC)
         tl.store(w_ptr + offs, wb.to(tl.int16), mask=mask)
@@ -162,7 +163,7 @@ def _step_block(w_ptr, g_ptr, s0_ptr, s1_ptr, s2_ptr, s3_ptr, offs, mask, seed, 
         _st(s3_ptr, offs, ve, mask, S_BF16)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed", "stream"])  # one compile for every seed and stream
 def _optim_step_kernel(w_ptr, g_ptr, s0_ptr, s1_ptr, s2_ptr, s3_ptr, n, seed, stream,
                        lr, b1, omb1, b2, omb2, eps, decay, wdlr, step_size, rbc1, rsbc2, mul_lr, tau, cap, w_max,
                        ALG: tl.constexpr, W_BF16: tl.constexpr, G_BF16: tl.constexpr, S_BF16: tl.constexpr,

@@ -371,7 +371,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def bit_mismatches(algorithm: str, w: torch.Tensor, g: torch.Tensor, states: list[torch.Tensor], s: StepScalars, *,
-                   rounding: str = "nearest", seed: int = 0) -> tuple[int, int, torch.Tensor]:
+                   rounding: str = "nearest", seed: int = 0, stream: int = 0) -> tuple[int, int, torch.Tensor]:
     """The Triton step against its reference on copies of ``w`` and ``states`` (left as they are):
     ``(weight elements whose bits differ, state elements whose bits differ, Triton's new weight)``.
     Arguments as :func:`optim_step`; shared by the interpreter tests and ``scripts/validate_kernels.py``.
@@ -379,7 +379,7 @@ def bit_mismatches(algorithm: str, w: torch.Tensor, g: torch.Tensor, states: lis
     Raises:
         as :func:`optim_step` with ``backend="triton"``."""
     bad_w, bad_s, ws = bit_mismatches_multi(algorithm, [w], [g], [states], s, rounding=rounding, seed=seed,
-                                            streams=[0], one_tensor=True)
+                                            streams=[stream], one_tensor=True)
     return bad_w, bad_s, ws[0]
 
 
