@@ -448,6 +448,10 @@ def test_gemm_table_shows_each_operand():
     assert "H_T full on T, undone on output" in table and "H_K full on K" in table
     nv = gemm_table(get_recipe("nvfp4"))
     assert "nvfp4 16x16" in nv and "fixed signs" in nv and "last 1" in nv
+    # the iht table extracts no outliers: its table must not promise OE (it showed "OE k=64")
+    iht = gemm_table(get_recipe("mxfp4-had@bf16-calib"))
+    assert iht.count("calibrated (all IHT)") == 3 and "OE k=" not in iht
+    assert gemm_table(get_recipe("adahop-lv2")).count("calibrated (OE k=64)") == 3
 
 
 # ---- ablation variants (BASE@VARIANT) --------------------------------------------------------
