@@ -407,3 +407,11 @@ def test_fig3_directions(fig3):
 def test_fig3_x50_cr_is_bad_for_every_strategy():
     (row,) = figure3_table(**{**FIG3, "scale": 50.0, "seeds": (0,)}, pairs=("CR",), strategies=LOWP_STRATEGIES)
     assert min(row.errors.values()) > 0.5, row.errors
+
+
+def test_strategy_table_names_are_the_ones_calib_spec_accepts():
+    """CalibSpec checks the name against recipes.spec.STRATEGY_TABLE_NAMES (it cannot import patterns)."""
+    from adahop.patterns import STRATEGY_TABLES
+    from adahop.recipes.spec import STRATEGY_TABLE_NAMES
+
+    assert sorted(STRATEGY_TABLES) == sorted(STRATEGY_TABLE_NAMES)

@@ -31,6 +31,9 @@ STRATEGIES = ("bf16", "none", "iht", "iht+oe_left", "iht+oe_right")
 #: Outlier-pattern decision rules (`adahop.patterns.classify`): the official ratio test, and the
 #: earlier reconstruction kept for comparison (`specs/adahop.md` §2.2).
 DETECTOR_RULES = ("ratio", "significance")
+#: Names of the strategy tables (`adahop.patterns.STRATEGY_TABLES` holds them; named here, below
+#: `patterns`, so that `CalibSpec` can check a name without importing it).
+STRATEGY_TABLE_NAMES = ("lv1", "lv2", "iht")
 #: How the FP8 fast path sums an MXFP4 GEMM (`adahop.kernels.mx_matmul`): ``"fp8-mma"`` on the FP8
 #: tensor cores (fast; each instruction's 32 products are added below FP32, ‖Δ‖/‖|A||B|‖ ≈ 1e-5 on
 #: the H200), ``"fp32"`` the same FP8-exact operands on the BF16 tensor cores (exact products, FP32
@@ -217,7 +220,7 @@ class CalibSpec:
 
     def validate(self, where: str) -> None:
         """Raise ValueError naming ``where`` and the field when a value is not allowed."""
-        _check(self.table in ("lv1", "lv2", "iht"), where, f"table={self.table!r}; allowed ('lv1', 'lv2', 'iht')")
+        _check(self.table in STRATEGY_TABLE_NAMES, where, f"table={self.table!r}; allowed {STRATEGY_TABLE_NAMES}")
         _check(self.steps >= 1, where, f"steps={self.steps} must be >= 1")
         _check(self.rule in DETECTOR_RULES, where, f"rule={self.rule!r}; allowed {DETECTOR_RULES}")
         _check(self.threshold >= 1 if self.rule == "ratio" else self.threshold > 0, where,
