@@ -708,3 +708,14 @@ def test_a_run_with_packed_master_weights_is_scored_with_its_masters_values(prep
     pp = perplexity(m.model, Path(data), split="val", seq_len=32, batch_size=4, max_batches=3, device=torch.device("cpu"),
                     bf16=False)
     assert pp["loss"] == pytest.approx(summary["final_val_loss"], rel=2e-2)
+
+
+def test_perplexity_window_defaults_to_the_run_then_to_at_most_2048():
+    """A foreign Llama-3 config (131,072 positions) made the default window the whole split; a run
+    folder keeps its own --seq-len so that perplexity equals train's validation loss."""
+    from adahop.eval.perplexity import default_window
+
+    assert default_window({"seq_len": 512}, 131072) == 512
+    assert default_window(None, 131072) == 2048
+    assert default_window({}, 1024) == 1024
+    assert default_window(None, None) == 2048

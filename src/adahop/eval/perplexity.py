@@ -11,7 +11,19 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["perplexity", "scored_batches", "prepared_data", "check_same_tokenizer"]
+__all__ = ["perplexity", "scored_batches", "prepared_data", "check_same_tokenizer", "default_window"]
+
+#: Perplexity window of a model that `adahop train` did not write, at most: a Llama-3 config's 131,072
+#: positions would make one window of the whole split (the GPTQ/QuIP literature scores at 2048).
+FOREIGN_WINDOW = 2048
+
+
+def default_window(run_config: dict | None, max_position_embeddings: int | None) -> int:
+    """The perplexity window when ``--seq-len`` is not given: the run's own ``seq_len`` (so that the
+    score equals ``adahop train``'s validation loss), else ``min(max_position_embeddings, 2048)``."""
+    if run_config and run_config.get("seq_len"):
+        return int(run_config["seq_len"])
+    return min(max_position_embeddings or FOREIGN_WINDOW, FOREIGN_WINDOW)
 
 
 def prepared_data(data: str, run_config: dict | None) -> Path:

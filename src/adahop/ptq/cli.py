@@ -46,7 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calib-tokens", type=int, default=131072, metavar="N", help="calibration tokens (default 131072)")
     p.add_argument("--out", required=True, metavar="DIR", help="the quantized transformers folder, packed artifact and ptq.json")
     g = p.add_argument_group("evaluation")
-    g.add_argument("--seq-len", type=int, default=None, help="tokens per window, calibration and perplexity (default: the run's)")
+    g.add_argument("--seq-len", type=int, default=None, help="tokens per window, calibration and perplexity (default: the run's; for another model "
+                   "its max_position_embeddings, at most 2048)")
     g.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass (default 8)")
     g.add_argument("--eval-batches", type=int, default=None, metavar="N", help="perplexity on the first N val batches (default: all)")
     g.add_argument("--skip-baseline", action="store_true", help="do not score the unquantized model (its BF16 copy, "
@@ -167,7 +168,9 @@ def run(args: argparse.Namespace) -> dict:
         _check_rht_dims(model, args.method)  # each layer's check came only when its block was reached
     if args.method.startswith("harp-") and args.hbd_lambda > 0:
         _check_hbd_block(model, args.hbd_block)
-    seq_len = args.seq_len or rc.get("seq_len") or model.config.max_position_embeddings
+    from ..eval.perplexity import default_window
+
+    seq_len = args.seq_len or default_window(rc, getattr(model.config, "max_position_embeddings", None))
     from ..eval.model import check_window
 
     check_window(model, seq_len, "--seq-len")
