@@ -250,6 +250,10 @@ def main() -> int:
             continue
         todo.append((recipe, seed, backend, name, False))
     todo.sort(key=lambda job: not job[-1])  # scoring first: it needs the least time and its weights may not last
+
+    def floor(job) -> float:  # seconds of budget a job needs left to start
+        return args.eval_min_left_s if job[-1] else args.min_left_s
+
     print(f"{len(todo)} job(s) to do: {', '.join(t[3] + (' (eval)' if t[4] else '') for t in todo) or '-'}", flush=True)
     if args.dry_run:
         for recipe, seed, backend, name, eval_only in todo:
@@ -284,7 +288,6 @@ def main() -> int:
             for name, (proc, _, _) in running.items():
                 print(f"{name}: no checkpoint within --grace-s; killed (it resumes from its last checkpoint)", flush=True)
                 proc.kill()
-        floor = lambda job: args.eval_min_left_s if job[-1] else args.min_left_s  # noqa: E731
         while todo and len(running) < args.concurrent and not stopping and left() > floor(todo[0]):
             young = sum(time.time() - t < RAMP_S for _, t, _ in running.values())
             if running and not room_for_one(args.min_free_gib, young):

@@ -20,7 +20,11 @@ FOREIGN_WINDOW = 2048
 
 def default_window(run_config: dict | None, max_position_embeddings: int | None) -> int:
     """The perplexity window when ``--seq-len`` is not given: the run's own ``seq_len`` (so that the
-    score equals ``adahop train``'s validation loss), else ``min(max_position_embeddings, 2048)``."""
+    score equals ``adahop train``'s validation loss), else ``min(max_position_embeddings, 2048)``.
+
+    Args: ``run_config`` the run's ``config.json`` training settings (None or {} for a model adahop did
+    not train); ``max_position_embeddings`` the model config's, or None. Returns tokens per window
+    (int). Raises nothing. Source: ours (2048 is the window GPTQ and QuIP# report perplexity at)."""
     if run_config and run_config.get("seq_len"):
         return int(run_config["seq_len"])
     return min(max_position_embeddings or FOREIGN_WINDOW, FOREIGN_WINDOW)

@@ -39,8 +39,8 @@ def _transform(t: Transform | None, dim: str) -> str:
     return f"{size} on {dim}{signs}"
 
 
-def _strategy(spec: GemmSpec, table: str | None) -> str:
-    if spec.strategy == "calibrated" and table == "iht":  # every pair IHT: no OE to describe
+def _strategy(spec: GemmSpec, strategy_table: str | None) -> str:
+    if spec.strategy == "calibrated" and strategy_table == "iht":  # every pair IHT: no OE to describe
         return "calibrated (all IHT)"
     if spec.strategy.startswith("iht+oe") or spec.strategy == "calibrated":
         sel = "" if spec.oe_select == "exact" else f", FOID first {spec.foid_prefix}"
@@ -48,13 +48,13 @@ def _strategy(spec: GemmSpec, table: str | None) -> str:
     return spec.strategy
 
 
-def _rows(name: str, spec: GemmSpec, table: str | None = None) -> list[tuple[str, ...]]:
+def _rows(name: str, spec: GemmSpec, strategy_table: str | None) -> list[tuple[str, ...]]:
     op_a, op_b, kc, out_a, out_b = _OPERANDS[name]
     rows = []
     sides = (("a", op_a, spec.a, spec.outer_a, out_a), ("b", op_b, spec.b, spec.outer_b, out_b))
     for side, label, op, outer, out_dim in sides:
         first = side == "a"
-        head = (name if first else "", _strategy(spec, table) if first else "", f"{side.upper()}={label}")
+        head = (name if first else "", _strategy(spec, strategy_table) if first else "", f"{side.upper()}={label}")
         if spec.strategy == "bf16":
             rows.append(head + ("bf16", "-", "-", "-", "-", "-"))
             continue
@@ -89,8 +89,8 @@ def gemm_table(recipe: Recipe) -> str:
         on the output), the mean split. Empty columns (every row "-") are dropped, and a last
         line gives the BF16 blocks and the calibration when the recipe has them.
     """
-    table = recipe.calibration.table if recipe.calibration is not None else None
-    rows = [row for g in GEMMS for row in _rows(g, recipe.gemm(g), table)]
+    strategy_table = recipe.calibration.table if recipe.calibration is not None else None
+    rows = [row for g in GEMMS for row in _rows(g, recipe.gemm(g), strategy_table)]
     keep = [i for i in range(len(_HEAD)) if i < 3 or any(r[i] not in ("-", "") for r in rows)]
     table = [tuple(_HEAD[i] for i in keep)] + [tuple(r[i] for i in keep) for r in rows]
     widths = [max(len(r[i]) for r in table) for i in range(len(keep))]
