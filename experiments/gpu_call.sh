@@ -43,7 +43,9 @@
 #      issue 21's experiment at once (scripts/run_optim_experiment.py, 20M tokens each), the finished ones
 #      kept in docs/results/runs/optim/ (copy them there from $OUT/optim_runs.tgz); $OUT/runs comes back as runs.tgz;
 #      REV_JOBS (RECIPE:SEED,...): beside them, reruns at this revision of runs the table has from an older one, into
-#      runs/issue19/rev (finished ones kept in docs/results/runs/revision/, from $OUT/rev.tgz), REV_CONC at once (default 1)
+#      runs/issue19/rev (finished ones kept in docs/results/runs/revision/, from $OUT/rev.tgz), REV_CONC at once (default 1);
+#      REV_KEEP: the folder of finished reruns to skip (default docs/results/runs/revision; a missing folder reruns them,
+#      e.g. to score a run whose weights are gone)
 #   r7a (round 7, one GPU): the full kernel validation (the byte-level encoding of issue 19), then the
 #      compiled-gradient checks of issue 24: the SR recipes' mean dW projected on dY^T X under Inductor,
 #      and compiled vs eager gradients of a llama-20m model
@@ -334,7 +336,7 @@ elif [ "$STAGE" = i19q ]; then
   if [ -n "${REV_JOBS:-}" ]; then  # reruns at this revision of runs the table holds from an older one (docs/results.md: revisions)
     python3 experiments/quality/run.py "${EVAL[@]}" --data runs/issue19/main --out runs/issue19/rev --jobs $REV_JOBS --steps ${STEPS:-1221} \
       --eval-every 100 --ckpt-every 100 --compile --concurrent ${REV_CONC:-1} --budget-s $(( ${LIM:-510} - $(el) )) --min-left-s ${MINLEFT:-120} \
-      --grace-s 45 --keep docs/results/runs/revision --collect $OUT/rev > $OUT/rev_launcher.log 2>&1 &
+      --grace-s 45 --keep ${REV_KEEP:-docs/results/runs/revision} --collect $OUT/rev > $OUT/rev_launcher.log 2>&1 &
   fi
   python3 experiments/quality/run.py "${EVAL[@]}" --data runs/issue19/main --out runs/issue19/q --table ${TABLES:-issue19,ablation,msr} \
     --steps ${STEPS:-1221} --eval-every 100 --ckpt-every 100 --compile --concurrent ${CONC:-4} \
