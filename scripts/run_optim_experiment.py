@@ -200,9 +200,31 @@ def launch(args, settings) -> int:
     return 1 if failed else (2 if left else 0)
 
 
+def paired_gaps(runs: dict, row: str, recipe: str) -> tuple[dict, dict]:
+    """``({seed: final val loss}, {seed: gap % to FP32 AdamW of that seed})`` of ``row`` under
+    ``recipe``. Each gap is paired with the reference run of the same seed (same init and data
+    order); a seed whose reference is missing gets no gap, so a one-seed row is never compared
+    with a mean over other seeds."""
+    def losses(r):
+        pre = f"{r}-{recipe}-s"
+        return {int(n[len(pre):]): s["final_val_loss"] for n, s in runs.items()
+                if n.startswith(pre) and n[len(pre):].isdigit() and s.get("final_val_loss")}
+    own, ref = losses(row), losses("adamw-fp32")
+    return own, {k: 100 * (v - ref[k]) / ref[k] for k, v in own.items() if k in ref}
+
+
+def _mean_std(vals: list[float]) -> str:
+    m = sum(vals) / len(vals)
+    if len(vals) < 2:
+        return f"{m:+.2f}"
+    sd = (sum((v - m) ** 2 for v in vals) / (len(vals) - 1)) ** 0.5
+    return f"{m:+.2f} ± {sd:.2f}"
+
+
 def report(args) -> int:
-    """table.md (loss gap to FP32-master AdamW under the same recipe, mean over seeds; bytes per
-    parameter; peak memory; tokens/s) and loss_curves.png from OUT's run folders."""
+    """table.md (per-seed final val loss; the gap to FP32-master AdamW of the same recipe and seed,
+    mean ± std over seeds; bytes per parameter; peak memory and tokens/s of seed 0) and
+    loss_curves.png from OUT's run folders."""
     root = Path(args.out)
     runs = {}
     for d in sorted(root.iterdir()):
@@ -210,21 +232,19 @@ def report(args) -> int:
             summary = json.loads((d / "summary.json").read_text())
             if not summary.get("interrupted"):  # a run stopped mid-way (budget) is not a result yet
                 runs[d.name] = summary
-    lines = ["| row | recipe | seeds | final val loss | gap to FP32 AdamW % | weights+state B/param | peak memory MB | tokens/s |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| row | recipe | final val loss per seed | gap to FP32 AdamW of the same seed %, mean ± std | "
+             "weights+state B/param | peak memory MB | tokens/s |",
+             "|---|---|---|---|---|---|---|"]
     for recipe in RECIPES:
-        def mean(row):
-            vals = [s["final_val_loss"] for n, s in runs.items() if n.startswith(f"{row}-{recipe}-s") and s.get("final_val_loss")]
-            return (sum(vals) / len(vals), len(vals)) if vals else (None, 0)
-        ref, _ = mean("adamw-fp32")
         for row in ROWS:
-            vl, n = mean(row)
-            if not n:
+            own, gaps = paired_gaps(runs, row, recipe)
+            if not own:
                 continue
-            s = runs[next(k for k in runs if k.startswith(f"{row}-{recipe}-s"))]
-            gap = f"{100 * (vl - ref) / ref:+.2f}" if ref else "-"
+            s = runs[f"{row}-{recipe}-s{min(own)}"]
+            per_seed = ", ".join(f"s{k} {v:.4f}" for k, v in sorted(own.items()))
+            gap = "—" if row == "adamw-fp32" else (_mean_std([gaps[k] for k in sorted(gaps)]) if gaps else "-")
             tps = f"{s['tok_per_s']:,.0f}" if s.get("tok_per_s") else "-"  # None: too few steps to time
-            lines.append(f"| {row} | {recipe} | {n} | {vl:.4f} | {gap} | {s.get('bytes_per_param', 0):.2f} | "
+            lines.append(f"| {row} | {recipe} | {per_seed} | {gap} | {s.get('bytes_per_param', 0):.2f} | "
                          f"{s['peak_memory_bytes'] / 2**20:,.0f} | {tps} |")
     (root / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
