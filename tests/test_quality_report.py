@@ -43,3 +43,15 @@ def test_reference_prefers_the_same_revision_then_the_refs_order(tmp_path):
     assert {r[3].name for r in refs} == {"bf16-s0", "bf16-s1", "adamw-fp32-bf16-s1"}
     pick = {n: rep._pick(out / n, refs)[:2] for n in ("mxfp4-s0", "halo-2-s0", "tseng-s1")}
     assert pick == {"mxfp4-s0": (3.90, "aaaaaaa"), "halo-2-s0": (3.96, "ddddddd"), "tseng-s1": (4.06, "bbbbbbb")}
+
+
+def test_a_run_folder_given_as_refs_is_the_only_reference_taken_from_its_launcher(tmp_path):
+    rep = _load()
+    out, optim = tmp_path / "q", tmp_path / "optim"
+    _run(out / "bf16-s1", "bf16", 1, "aaaaaaa", 4.07)
+    _run(out / "mxfp4-s1", "mxfp4", 1, "bbbbbbb", 4.10)
+    _run(optim / "adamw-fp32-bf16-s0", "bf16", 0, "ccccccc", 3.96)
+    _run(optim / "adamw-fp32-bf16-s1", "bf16", 1, "ccccccc", 4.06)
+    refs = rep._references([optim / "adamw-fp32-bf16-s0", out])  # the run, not its siblings
+    assert [r[3].name for r in refs] == ["adamw-fp32-bf16-s0", "bf16-s1"]
+    assert rep._pick(out / "mxfp4-s1", refs)[:2] == (4.07, "aaaaaaa")

@@ -62,11 +62,11 @@ def _finished(folder: Path) -> dict | None:
 
 
 def _references(folders: list[Path]) -> list[tuple[tuple, str, float, Path]]:
-    """BF16 runs with FP32 AdamW (master weights and states FP32) found in ``folders``, in order:
-    ``[((seed, data seed), revision, final val loss, folder)]``."""
+    """BF16 runs with FP32 AdamW (master weights and states FP32) found in ``folders`` (a folder of
+    runs, or one run folder itself), in order: ``[((seed, data seed), revision, final val loss, folder)]``."""
     refs = []
     for d in folders:
-        for p in sorted(d.iterdir()):
+        for p in [d] if (d / "summary.json").exists() else sorted(d.iterdir()):
             s = _finished(p) if p.is_dir() else None
             if s is None:
                 continue
@@ -107,7 +107,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--docs", default="docs/results")
-    ap.add_argument("--refs", nargs="*", default=[], help="more folders with BF16 reference runs, preferred in this order")
+    ap.add_argument("--refs", nargs="*", default=[], help="more BF16 reference runs (folders of runs, or run folders), preferred in this order")
     args = ap.parse_args()
     out, docs = Path(args.out), Path(args.docs)
     docs.mkdir(parents=True, exist_ok=True)
