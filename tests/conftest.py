@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import lzma
 from pathlib import Path
 
@@ -9,6 +10,18 @@ import pytest
 import torch
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def repo_script():
+    """``repo_script("scripts/x.py")``: a script of the repo (not a package module) imported by path."""
+    def load(rel: str):
+        spec = importlib.util.spec_from_file_location(Path(rel).stem, REPO / rel)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+    return load
 
 
 @pytest.fixture

@@ -2,26 +2,21 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "run_optim_experiment.py"
+import pytest
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location("run_optim_experiment", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+@pytest.fixture(scope="module")
+def s(repo_script):
+    return repo_script("scripts/run_optim_experiment.py")
 
 
 def _summary(loss):
     return {"final_val_loss": loss, "peak_memory_bytes": 2**30, "bytes_per_param": 6.0, "tok_per_s": 1000.0}
 
 
-def test_a_one_seed_row_is_compared_with_the_reference_of_its_own_seed():
-    s = _script()
+def test_a_one_seed_row_is_compared_with_the_reference_of_its_own_seed(s):
     runs = {"adamw-fp32-bf16-s0": _summary(4.0), "adamw-fp32-bf16-s1": _summary(4.2),
             "madam-fp8-bf16-s0": _summary(4.4), "madam-bf16-bf16-s0": _summary(3.6), "madam-bf16-bf16-s1": _summary(4.2)}
     own, gaps = s.paired_gaps(runs, "madam-fp8", "bf16")
@@ -31,8 +26,7 @@ def test_a_one_seed_row_is_compared_with_the_reference_of_its_own_seed():
     assert s.paired_gaps(runs, "madam-bf16", "adahop-lv2") == ({}, {})  # another recipe's runs are not read
 
 
-def test_report_writes_per_seed_losses_and_mean_std_of_paired_gaps(tmp_path):
-    s = _script()
+def test_report_writes_per_seed_losses_and_mean_std_of_paired_gaps(s, tmp_path):
     for name, loss in {"adamw-fp32-bf16-s0": 4.0, "adamw-fp32-bf16-s1": 4.2, "madam-bf16-bf16-s0": 3.6,
                        "madam-bf16-bf16-s1": 4.2, "madam-fp4-bf16-s1": 6.3}.items():
         (tmp_path / name).mkdir()

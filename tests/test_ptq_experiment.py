@@ -2,22 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "run_ptq_experiment.py"
+import pytest
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location("run_ptq_experiment", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+@pytest.fixture(scope="module")
+def s(repo_script):
+    return repo_script("scripts/run_ptq_experiment.py")
 
 
-def test_cheap_cells_of_every_model_run_before_harp_and_2_bits_first():
-    s = _script()
+def test_cheap_cells_of_every_model_run_before_harp_and_2_bits_first(s):
     todo = s.cells(["a", "b"], [2, 4], ["rtn", "gptq", "rht-gptq", "harp-gptq"], mx=True)
     assert len(todo) == 2 * 2 * 4 + 2 * 2  # + rht-gptq and harp-gptq at MXFP4 W4 for each model
     first_harp = next(i for i, c in enumerate(todo) if c[1].startswith("harp"))
@@ -26,8 +22,7 @@ def test_cheap_cells_of_every_model_run_before_harp_and_2_bits_first():
     assert todo[-2:] == [("a", "harp-gptq", 4, "mxfp4"), ("b", "harp-gptq", 4, "mxfp4")]
 
 
-def test_a_finished_cell_is_skipped_and_the_summary_checks_the_order(tmp_path, capsys):
-    s = _script()
+def test_a_finished_cell_is_skipped_and_the_summary_checks_the_order(s, tmp_path, capsys):
     model = tmp_path / "m"
     out = tmp_path / "out"
     (out / "m").mkdir(parents=True)
@@ -49,10 +44,9 @@ def test_a_finished_cell_is_skipped_and_the_summary_checks_the_order(tmp_path, c
     assert [r["status"] for r in rows] == ["done", "done"]
 
 
-def test_the_first_cell_of_a_model_scores_the_baseline_and_later_cells_skip_it(tmp_path, monkeypatch):
+def test_the_first_cell_of_a_model_scores_the_baseline_and_later_cells_skip_it(s, tmp_path, monkeypatch):
     """The baseline comes from `adahop ptq`'s own (BF16-rounded) baseline of the first cell run, and is
     kept in OUT/<model>/baseline.json; the other cells pass --skip-baseline."""
-    s = _script()
     model, out, cmds = tmp_path / "m", tmp_path / "out", []
 
     def fake_run(cmd, log, timeout):  # writes the ptq.json a cell would, with a baseline only when asked
@@ -77,12 +71,11 @@ def test_the_first_cell_of_a_model_scores_the_baseline_and_later_cells_skip_it(t
     assert "+25.00" in (out / "summary.md").read_text()  # 12.5 against the BF16 baseline 10.0
 
 
-def test_only_the_harp_cells_get_harp_steps():
+def test_only_the_harp_cells_get_harp_steps(s):
     """`adahop ptq` refuses --harp-steps under a method that does not fit a rotation: the script passed
     it to every cell, so `--harp-steps 200` failed all the rtn/gptq/rht cells."""
     import argparse
 
-    s = _script()
     args = argparse.Namespace(data="d", calib_tokens=64, batch_size=2, harp_steps=200, device="cpu", seq_len=None,
                               eval_batches=None, group_size=None)
     for method in ("rtn", "gptq", "rht-gptq"):

@@ -1,19 +1,11 @@
 """experiments/quality/run.py: the launcher's memory gate and out-of-memory retry (no GPU needed)."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-_PATH = Path(__file__).resolve().parents[1] / "experiments" / "quality" / "run.py"
 
 
 @pytest.fixture(scope="module")
-def launcher():
-    spec = importlib.util.spec_from_file_location("quality_run", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def launcher(repo_script):
+    return repo_script("experiments/quality/run.py")
 
 
 def test_a_job_starts_only_with_room_for_it_and_the_jobs_still_ramping_up(launcher, monkeypatch):

@@ -1,18 +1,15 @@
 """experiments/quality/report.py: each run's BF16 reference is the same seed's, of its own code revision
 when there is one (docs/results.md: BF16 moved 0.04 between revisions, more than most recipe gaps)."""
 
-import importlib.util
 import json
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+import pytest
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("quality_report", ROOT / "experiments/quality/report.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+@pytest.fixture(scope="module")
+def rep(repo_script):
+    return repo_script("experiments/quality/report.py")
 
 
 def _run(folder: Path, recipe: str, seed: int, rev: str, loss: float, *, interrupted=False, optimizer="adamw"):
@@ -23,8 +20,7 @@ def _run(folder: Path, recipe: str, seed: int, rev: str, loss: float, *, interru
     (folder / "summary.json").write_text(json.dumps({"final_val_loss": loss, "interrupted": interrupted}))
 
 
-def test_reference_prefers_the_same_revision_then_the_refs_order(tmp_path):
-    rep = _load()
+def test_reference_prefers_the_same_revision_then_the_refs_order(rep, tmp_path):
     out, rerun, optim = tmp_path / "q", tmp_path / "rev", tmp_path / "optim"
     _run(out / "bf16-s0", "bf16", 0, "aaaaaaa", 3.90)
     _run(out / "mxfp4-s0", "mxfp4", 0, "aaaaaaa", 4.00)   # same revision as q's BF16
@@ -45,8 +41,7 @@ def test_reference_prefers_the_same_revision_then_the_refs_order(tmp_path):
     assert pick == {"mxfp4-s0": (3.90, "aaaaaaa"), "halo-2-s0": (3.96, "ddddddd"), "tseng-s1": (4.06, "bbbbbbb")}
 
 
-def test_a_run_folder_given_as_refs_is_the_only_reference_taken_from_its_launcher(tmp_path):
-    rep = _load()
+def test_a_run_folder_given_as_refs_is_the_only_reference_taken_from_its_launcher(rep, tmp_path):
     out, optim = tmp_path / "q", tmp_path / "optim"
     _run(out / "bf16-s1", "bf16", 1, "aaaaaaa", 4.07)
     _run(out / "mxfp4-s1", "mxfp4", 1, "bbbbbbb", 4.10)
