@@ -93,7 +93,8 @@
 #   p13 (issue 22, one GPU; repeat while the machine is warm, it resumes): llama-125m and llama-350m trained
 #      on the main corpus in bf16 and adahop-lv2 (PTQ_STEPS steps of 1024 x 16, default 600 = 9.8M tokens; all
 #      four at once, skipped when runs/ptq/<model>/summary.json exists), then scripts/run_ptq_experiment.py over
-#      the four with what is left of LIM (cheap cells first, HARP last); $OUT/ptq.tgz: summary.md/json, cell logs
+#      the four with what is left of LIM (cheap cells first, HARP last, PTQ_CONC cells at once, default 4);
+#      $OUT/ptq.tgz: summary.md/json, cell logs
 #   r13a (round 13, one GPU): r12a with the 'auto' compiled-layer form (nvfp4/averis layers traced so Inductor fuses
 #      their quantizers; not yet run on a GPU): the validation first; if a traced rival layer fails it, the chunk
 #      runs with ADAHOP_COMPILED_LAYERS=opaque (the round-12 form); a 60-step llama-60m nvfp4 train --compile
@@ -286,7 +287,7 @@ if [ "$STAGE" = p13 ]; then  # issue 22: the models of our own, then the PTQ tab
   for f in runs/ptq/*/summary.json; do python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print(sys.argv[1], d.get('steps'), d.get('final_val_loss'), d.get('interrupted'), round(d.get('tok_per_s') or 0))" $f; done
   MODELS=$(for D in runs/ptq/*/; do [ -f $D/model.safetensors ] && ! grep -q '"interrupted": true' $D/summary.json && printf "%s," ${D%/}; done)
   [ -n "$MODELS" ] && timeout $(( ${LIM:-560} - $(el) )) python3 scripts/run_ptq_experiment.py --data runs/issue19/main \
-    --models ${MODELS%,} --out runs/ptq_table --budget-s $(( ${LIM:-560} - 60 - $(el) )) > $OUT/ptq_launcher.log 2>&1
+    --models ${MODELS%,} --out runs/ptq_table --concurrent ${PTQ_CONC:-4} --budget-s $(( ${LIM:-560} - 60 - $(el) )) > $OUT/ptq_launcher.log 2>&1
   echo "ptq: exit $? at $(el) s"; tail -5 $OUT/ptq_launcher.log
   (cd runs && tar czf $OUT/ptq.tgz --exclude='*.safetensors' --exclude=checkpoints --exclude='tokenizer*' ptq_table ptq 2>/dev/null)
   (cd $OUT && tar czf train_logs.tgz train_*.log && rm -f train_*.log)

@@ -24,6 +24,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
 INT_METHODS = ("rtn", "gptq", "rht-gptq", "harp-gptq")
@@ -170,6 +171,49 @@ def collect(d: Path, model, method, bits, quantizer, status) -> dict:
     return row
 
 
+def run_cells(args, out: Path, todo: list, bases: dict, deadline: float) -> dict:
+    """Run the unfinished cells of ``todo``, up to ``args.concurrent`` at once, in ``todo``'s order;
+    returns ``{cell: status}``. The first cell started for a model scores its baseline; while that
+    one runs, the model's other cells skip it (a failed baseline cell hands the task to the next one
+    started). A cell starts only before ``deadline`` and gets what is left of it as its timeout."""
+    status, pending, running = {}, [], {}  # running: future -> (cell, scores the baseline)
+    for c in todo:
+        if (cell_dir(out, *c) / "ptq.json").exists():
+            status[c] = "done"
+            print(f"[{todo.index(c) + 1}/{len(todo)}] {Path(c[0]).name} {c[1]} W{c[2]} {c[3]}: finished before, skipped")
+        else:
+            pending.append(c)
+    with ThreadPoolExecutor(max_workers=max(1, args.concurrent)) as pool:  # threads wait on the child processes
+        while pending or running:
+            while pending and len(running) < max(1, args.concurrent):
+                c = pending.pop(0)
+                left = deadline - time.time()
+                if left <= 0:
+                    status[c] = "not run (budget)"
+                    continue
+                name = Path(c[0]).name
+                need_base = bases.get(name) is None and not any(b and cell[0] == c[0] for cell, b in running.values())
+                d = cell_dir(out, *c)
+                running[pool.submit(run, ptq_cmd(args, *c, d, need_base), d.with_name(d.name + ".log"), left)] = (c, need_base)
+            done, _ = wait(running, return_when=FIRST_COMPLETED)
+            for f in done:
+                c, need_base = running.pop(f)
+                rc, secs = f.result()
+                status[c] = "done" if rc == 0 else ("timeout (budget)" if rc == "timeout" else f"failed (exit {rc})")
+                print(f"[{todo.index(c) + 1}/{len(todo)}] {Path(c[0]).name} {c[1]} W{c[2]} {c[3]}: {status[c]} in {secs:.0f} s", flush=True)
+                if rc == 0 and need_base:
+                    bases[Path(c[0]).name] = keep_baseline(out, c[0], cell_dir(out, *c))
+                write_summary(out, todo, status, bases)  # kept up to date: an outer kill loses no finished cell
+    return status
+
+
+def write_summary(out: Path, todo: list, status: dict, bases: dict) -> list[dict]:
+    """``OUT/summary.json`` of the cells with a status so far, in ``todo``'s order; returns its rows."""
+    rows = [collect(cell_dir(out, *c), *c, status[c]) for c in todo if c in status]
+    (out / "summary.json").write_text(json.dumps({"rows": rows, "baselines": bases, "argv": sys.argv}, indent=1))
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", help="a prepared data folder (calibration: train split; perplexity: val split)")
@@ -186,6 +230,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--eval-batches", type=int, default=None)
     p.add_argument("--device", default="auto")
+    p.add_argument("--concurrent", type=int, default=1,
+                   help="cells at once (default 1): small models leave a GPU mostly idle, as the training launchers find")
     p.add_argument("--smoke", action="store_true", help="CPU: llama-tiny (trained here unless --models), short settings")
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -209,26 +255,7 @@ def main(argv=None) -> int:
             p.error("--data is required for a model that is not an `adahop train` run folder")
     todo = cells(models, [int(b) for b in args.bits.split(",")], [m.strip() for m in args.methods.split(",")], not args.no_mx)
     bases = {Path(m).name: baseline(out, m) for m in models}
-    rows = []
-    for i, (model, method, bits, quantizer) in enumerate(todo):
-        d = cell_dir(out, model, method, bits, quantizer)
-        tag = f"[{i + 1}/{len(todo)}] {Path(model).name} {method} W{bits} {quantizer}"
-        status = "done"
-        if not (d / "ptq.json").exists():
-            left = deadline - time.time()
-            if left <= 0:
-                status = "not run (budget)"
-            else:
-                need_base = bases.get(Path(model).name) is None  # the first cell of a model scores its baseline
-                rc, secs = run(ptq_cmd(args, model, method, bits, quantizer, d, need_base), d.with_name(d.name + ".log"), left)
-                status = "done" if rc == 0 else ("timeout (budget)" if rc == "timeout" else f"failed (exit {rc})")
-                print(f"{tag}: {status} in {secs:.0f} s")
-                if rc == 0 and need_base:
-                    bases[Path(model).name] = keep_baseline(out, model, d)
-        else:
-            print(f"{tag}: finished before, skipped")
-        rows.append(collect(d, model, method, bits, quantizer, status))
-        (out / "summary.json").write_text(json.dumps({"rows": rows, "baselines": bases, "argv": sys.argv}, indent=1))
+    rows = write_summary(out, todo, run_cells(args, out, todo, bases, deadline), bases)
     md = summarize(out, rows, bases)
     (out / "summary.md").write_text(md)
     print(md)

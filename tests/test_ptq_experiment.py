@@ -82,3 +82,33 @@ def test_only_the_harp_cells_get_harp_steps(s):
         assert "--harp-steps" not in s.ptq_cmd(args, "m", method, 2, "int", Path("o"))
     cmd = s.ptq_cmd(args, "m", "harp-gptq", 2, "int", Path("o"))
     assert cmd[cmd.index("--harp-steps") + 1] == "200"
+
+
+def test_concurrent_cells_run_at_once_and_a_model_scores_its_baseline_once(s, tmp_path, monkeypatch):
+    """--concurrent 2: two cells are in flight together (the barrier would time out otherwise), and
+    the second cell of a model skips the baseline its first cell is scoring."""
+    import threading
+
+    model, out, cmds = tmp_path / "m", tmp_path / "out", []
+    both = threading.Barrier(2, timeout=10)
+
+    def fake_run(cmd, log, timeout):
+        cmds.append(cmd)
+        both.wait()  # returns only once the other cell has started too
+        d = Path(cmd[cmd.index("--out") + 1])
+        d.mkdir(parents=True, exist_ok=True)
+        base = None if "--skip-baseline" in cmd else {"perplexity": 10.0}
+        d.joinpath("ptq.json").write_text(json.dumps({
+            "perplexity": {"perplexity": 11.0, "loss": 2.4}, "baseline": base, "baseline_fp32": base,
+            "bits_per_weight": 4.25, "seconds_quantize": 1.0, "seconds_total": 2.0, "harp_fit_seconds_per_layer": None,
+            "layers": {"l": {"shape": [4, 8], "stored_bits": 1}}, "device": "cpu", "calib_tokens": 64}))
+        return 0, 0.1
+
+    monkeypatch.setattr(s, "run", fake_run)
+    rc = s.main(["--models", str(model), "--data", str(tmp_path), "--out", str(out), "--bits", "4", "--methods", "rtn,gptq",
+                 "--no-mx", "--budget-s", "60", "--concurrent", "2"])
+    assert rc == 0 and len(cmds) == 2
+    assert sum("--skip-baseline" not in c for c in cmds) == 1
+    rows = json.loads((out / "summary.json").read_text())["rows"]
+    assert [(r["method"], r["status"]) for r in rows] == [("rtn", "done"), ("gptq", "done")]  # todo's order
+    assert json.loads((out / "m" / "baseline.json").read_text())["perplexity"] == {"perplexity": 10.0}
