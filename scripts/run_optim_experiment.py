@@ -38,6 +38,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from statistics import mean, stdev
 
 
 def _gate():
@@ -214,11 +215,7 @@ def paired_gaps(runs: dict, row: str, recipe: str) -> tuple[dict, dict]:
 
 
 def _mean_std(vals: list[float]) -> str:
-    m = sum(vals) / len(vals)
-    if len(vals) < 2:
-        return f"{m:+.2f}"
-    sd = (sum((v - m) ** 2 for v in vals) / (len(vals) - 1)) ** 0.5
-    return f"{m:+.2f} ± {sd:.2f}"
+    return f"{mean(vals):+.2f}" + (f" ± {stdev(vals):.2f}" if len(vals) > 1 else "")  # sample std, as results.md
 
 
 def report(args) -> int:

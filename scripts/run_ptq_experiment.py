@@ -177,22 +177,26 @@ def run_cells(args, out: Path, todo: list, bases: dict, deadline: float) -> dict
     one runs, the model's other cells skip it (a failed baseline cell hands the task to the next one
     started). A cell starts only before ``deadline`` and gets what is left of it as its timeout."""
     status, pending, running = {}, [], {}  # running: future -> (cell, scores the baseline)
+    width = max(1, args.concurrent)
+
+    def tag(c):
+        return f"[{todo.index(c) + 1}/{len(todo)}] {Path(c[0]).name} {c[1]} W{c[2]} {c[3]}"
+
     for c in todo:
         if (cell_dir(out, *c) / "ptq.json").exists():
             status[c] = "done"
-            print(f"[{todo.index(c) + 1}/{len(todo)}] {Path(c[0]).name} {c[1]} W{c[2]} {c[3]}: finished before, skipped")
+            print(f"{tag(c)}: finished before, skipped")
         else:
             pending.append(c)
-    with ThreadPoolExecutor(max_workers=max(1, args.concurrent)) as pool:  # threads wait on the child processes
+    with ThreadPoolExecutor(max_workers=width) as pool:  # threads wait on the child processes
         while pending or running:
-            while pending and len(running) < max(1, args.concurrent):
+            while pending and len(running) < width:
                 c = pending.pop(0)
                 left = deadline - time.time()
                 if left <= 0:
                     status[c] = "not run (budget)"
                     continue
-                name = Path(c[0]).name
-                need_base = bases.get(name) is None and not any(b and cell[0] == c[0] for cell, b in running.values())
+                need_base = bases.get(Path(c[0]).name) is None and not any(b and cell[0] == c[0] for cell, b in running.values())
                 d = cell_dir(out, *c)
                 running[pool.submit(run, ptq_cmd(args, *c, d, need_base), d.with_name(d.name + ".log"), left)] = (c, need_base)
             done, _ = wait(running, return_when=FIRST_COMPLETED)
@@ -200,7 +204,7 @@ def run_cells(args, out: Path, todo: list, bases: dict, deadline: float) -> dict
                 c, need_base = running.pop(f)
                 rc, secs = f.result()
                 status[c] = "done" if rc == 0 else ("timeout (budget)" if rc == "timeout" else f"failed (exit {rc})")
-                print(f"[{todo.index(c) + 1}/{len(todo)}] {Path(c[0]).name} {c[1]} W{c[2]} {c[3]}: {status[c]} in {secs:.0f} s", flush=True)
+                print(f"{tag(c)}: {status[c]} in {secs:.0f} s", flush=True)
                 if rc == 0 and need_base:
                     bases[Path(c[0]).name] = keep_baseline(out, c[0], cell_dir(out, *c))
                 write_summary(out, todo, status, bases)  # kept up to date: an outer kill loses no finished cell
