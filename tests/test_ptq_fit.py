@@ -51,3 +51,22 @@ def test_bad_fit_options_are_refused():
         FitOptions(steps=0)
     with pytest.raises(ValueError, match="lr"):
         FitOptions(lr=0.0)
+
+
+def test_shared_stage_kernels_give_the_same_rotated_weight_and_hessian(gen):
+    """The fitting step computes each rotation's kernels once and rotates W and both sides of H with them."""
+    w, h = _layer(gen, m=24, n=40)  # 24 = 8·3, 40 = 8·5: mixed radix on both sides
+    t = TwoSided.random_signs(HARPRotation(24), HARPRotation(40), generator=gen)
+    with torch.no_grad():
+        for th in list(t.u.thetas) + list(t.v.thetas):
+            th.normal_(0, 0.3, generator=gen)
+        ks = t.kernels()
+        torch.testing.assert_close(t.weight(w, ks), t.weight(w), rtol=0, atol=0)
+        torch.testing.assert_close(t.hessian(h, ks), t.hessian(h), rtol=0, atol=0)
+    rht = TwoSided(RHTRotation(32), RHTRotation(64), torch.ones(32), torch.ones(64))
+    assert rht.kernels() == (None, None)  # no parameters: nothing to share
+
+
+def test_bench_harp_counts_every_decoder_linear_once(repo_script):
+    shapes = repo_script("scripts/bench_harp.py").linear_shapes("llama-350m")
+    assert shapes == {(1024, 1024): 48, (256, 1024): 48, (2752, 1024): 48, (1024, 2752): 24}

@@ -120,11 +120,12 @@ def fit_harp(w: torch.Tensor, h: torch.Tensor, transform: TwoSided, grid: Grid, 
     t0 = time.perf_counter()
     target, hist = None, []
     for step in range(opts.steps):
-        wt = transform.weight(w)
+        ks = transform.kernels()  # once per step: W and both sides of H share V's solves
+        wt = transform.weight(w, ks)
         if step % opts.refresh == 0:
             with torch.no_grad():
                 target = grid.fake_quantize(wt.detach())
-        loss, _ = proxy_loss(wt, transform.hessian(hn), grid, opts, target)
+        loss, _ = proxy_loss(wt, transform.hessian(hn, ks), grid, opts, target)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

@@ -80,17 +80,28 @@ class TwoSided:
         """With signs drawn from ``generator`` (on the CPU, then moved: reproducible on any device)."""
         return cls(u, v, random_signs(u.d, generator=generator).to(device), random_signs(v.d, generator=generator).to(device))
 
-    def weight(self, w: torch.Tensor) -> torch.Tensor:
-        """``W̃ = Uᵀ (S_m W S_n) V`` for ``w`` ``[m, n]`` (float32 result)."""
-        a = self.v.apply(w.float() * self.s_in)  # (S_m W S_n) V, signs commute with the row scaling
-        return self.u.apply((a * self.s_out[:, None]).T).T  # Uᵀ A = (Aᵀ U)ᵀ
+    def kernels(self) -> tuple[list | None, list | None]:
+        """The rotations' stage kernels, computed once for several applications (HARP's fitting step
+        rotates W and both sides of H with the same ones); None for a rotation without parameters."""
+        return tuple(r.kernels() if hasattr(r, "kernels") else None for r in (self.u, self.v))
+
+    @staticmethod
+    def _apply(r, x: torch.Tensor, k) -> torch.Tensor:
+        return r.apply(x) if k is None else r.apply(x, k)
+
+    def weight(self, w: torch.Tensor, kernels: tuple | None = None) -> torch.Tensor:
+        """``W̃ = Uᵀ (S_m W S_n) V`` for ``w`` ``[m, n]`` (float32 result); ``kernels``: from :meth:`kernels`."""
+        ku, kv = kernels or (None, None)
+        a = self._apply(self.v, w.float() * self.s_in, kv)  # (S_m W S_n) V, signs commute with the row scaling
+        return self._apply(self.u, (a * self.s_out[:, None]).T, ku).T  # Uᵀ A = (Aᵀ U)ᵀ
 
     def weight_inverse(self, wt: torch.Tensor) -> torch.Tensor:
         """``W = S_m U W̃ Vᵀ S_n`` (float32)."""
         b = self.v.apply_inverse(wt.float())  # W̃ Vᵀ
         return self.u.apply_inverse(b.T).T * self.s_out[:, None] * self.s_in  # U B = (Bᵀ Uᵀ)ᵀ
 
-    def hessian(self, h: torch.Tensor) -> torch.Tensor:
-        """``H̃ = Vᵀ (S_n H S_n) V`` for ``h`` ``[n, n]`` (float32)."""
-        a = self.v.apply(h.float() * self.s_in[:, None] * self.s_in)
-        return self.v.apply(a.T).T
+    def hessian(self, h: torch.Tensor, kernels: tuple | None = None) -> torch.Tensor:
+        """``H̃ = Vᵀ (S_n H S_n) V`` for ``h`` ``[n, n]`` (float32); ``kernels``: from :meth:`kernels`."""
+        kv = (kernels or (None, None))[1]
+        a = self._apply(self.v, h.float() * self.s_in[:, None] * self.s_in, kv)
+        return self._apply(self.v, a.T, kv).T

@@ -1,0 +1,81 @@
+"""Time HARP's per-layer fitting (`adahop.ptq.fit.fit_harp`) at a model's linear shapes (issue 22).
+
+    python scripts/bench_harp.py --model llama-350m [--steps 100] [--bits 2] [--device cuda] [--json OUT]
+
+For each distinct (out, in) shape of the model's decoder linears, one fit on a random weight and a
+Hessian with a few loud input channels (the structure incoherence processing is for) runs ``--steps``
+Adam steps after 5 untimed ones; the table gives ms per step, the seconds a layer takes at the paper's
+1200 steps, and the model's whole HARP fitting time (every layer, at 1200 steps), the part of `adahop ptq
+--method harp-*` that the issue's "llama-350m end to end in under 10 minutes" target is mostly about.
+Not a kernel check: the fit has no fast path of its own, it is batched PyTorch on whatever device runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import Counter
+
+import torch
+
+from adahop.models import PRESETS
+from adahop.ptq.fit import FitOptions, fit_harp
+from adahop.ptq.grids import make_grid
+from adahop.ptq.incoherence import TwoSided
+from adahop.ptq.rotation import HARPRotation
+
+
+def linear_shapes(model: str) -> Counter:
+    """``Counter({(out, in): layers})`` of the decoder linears of a preset (q, k, v, o, gate, up, down)."""
+    c = PRESETS[model]
+    d, f, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    hd = c.get("head_dim") or d // c["num_attention_heads"]
+    kv = c["num_key_value_heads"] * hd
+    shapes = [(c["num_attention_heads"] * hd, d), (kv, d), (kv, d), (d, c["num_attention_heads"] * hd), (f, d), (f, d), (d, f)]
+    return Counter({s: k * layers for s, k in Counter(shapes).items()})
+
+
+def time_fit(m: int, n: int, steps: int, grid, device) -> dict:
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(m, n, generator=g) * 0.02).to(device)
+    x = torch.randn(4 * n, n, generator=g)
+    x[:, : max(1, n // 256)] *= 20  # a few loud channels
+    h = (x.T @ x / x.shape[0]).to(device)
+    t = TwoSided.random_signs(HARPRotation(m).to(device), HARPRotation(n).to(device), generator=g, device=device)
+    fit_harp(w, h, t, grid, FitOptions(steps=5))  # warm-up: allocator, solver handles
+    r = fit_harp(w, h, t, grid, FitOptions(steps=steps))
+    return {"shape": [m, n], "ms_per_step": 1e3 * r.seconds / steps, "loss_start": r.loss_start, "loss_end": r.loss_end}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="llama-125m", choices=sorted(PRESETS))
+    ap.add_argument("--steps", type=int, default=100, help="timed Adam steps per shape (default 100)")
+    ap.add_argument("--full-steps", type=int, default=FitOptions().steps, help="steps a real fit takes (default: the paper's 1200)")
+    ap.add_argument("--bits", type=int, default=2)
+    ap.add_argument("--quantizer", default="int")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    device, grid = torch.device(args.device), make_grid(args.quantizer, args.bits)
+    rows, total = [], 0.0
+    print(f"HARP fitting at {args.model}'s shapes, {args.quantizer} W{args.bits}, {args.device}, {args.steps} timed steps each\n")
+    print("| shape (out × in) | layers | ms/step | s/layer at {0} steps | proxy loss start → end ({1} steps) |".format(args.full_steps, args.steps))
+    print("|---|---|---|---|---|")
+    for (m, n), count in linear_shapes(args.model).items():
+        r = time_fit(m, n, args.steps, grid, device)
+        per_layer = r["ms_per_step"] * args.full_steps / 1e3
+        total += per_layer * count
+        rows.append({**r, "layers": count, "s_per_layer": per_layer})
+        print(f"| {m} × {n} | {count} | {r['ms_per_step']:.2f} | {per_layer:.1f} | {r['loss_start']:.4f} → {r['loss_end']:.4f} |")
+    print(f"\nwhole model: {total:.0f} s of HARP fitting ({total / 60:.1f} min) for {sum(r['layers'] for r in rows)} layers")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "device": args.device, "bits": args.bits, "quantizer": args.quantizer,
+                       "steps_timed": args.steps, "full_steps": args.full_steps, "rows": rows, "total_s": total}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
