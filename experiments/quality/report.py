@@ -4,7 +4,7 @@
 
 Writes ``table.md`` (with the zero-shot scores of runs that have an eval.json) (recipe, final val loss, gap to BF16 absolute and %, val bits per byte,
 tokens/s, peak memory, saved-for-backward bytes; then, for recipes with several seeds, the gap as
-mean ± std over seeds), ``loss_curves.png`` and ``loss_diff.png`` (training loss minus BF16's of
+mean ± std over seeds; then the per-GEMM ablation's arms beside their full recipes), ``loss_curves.png`` and ``loss_diff.png`` (training loss minus BF16's of
 the same seed, Figure 1 of the AdaHOP paper) into --docs, and prints the table. Run folders are
 ``RECIPE-sSEED`` (``-ref``: the reference backend); interrupted runs are left out.
 
@@ -103,6 +103,37 @@ def _mean_std(runs: dict, base: dict) -> list[str]:
     return out
 
 
+ARM = re.compile(r"^(?P<recipe>.+)@only-(?P<gemm>fprop|dgrad|wgrad)$")
+
+
+def _ablation(runs: dict, base: dict) -> list[str]:
+    """The per-GEMM ablation (``RECIPE@only-GEMM`` runs): each arm's gap % to BF16 per seed, with the full
+    recipe's gap at the same seeds beside it, and the arm's share of that gap (paired per seed, then mean ±
+    std). A seed without its full-recipe run shows the arm's gap alone."""
+    gap = {n: 100 * (s["final_val_loss"] - base[n][0]) / base[n][0] for n, s in runs.items() if n in base}
+    arms: dict[tuple[str, str], dict[str, float]] = {}
+    for n, g in gap.items():
+        if m := ARM.match(_recipe(n)):
+            arms.setdefault((m["recipe"], m["gemm"]), {})[_seed(n)] = g
+    if not arms:
+        return []
+
+    def ms(v: list[float]) -> str:
+        return f"{statistics.mean(v):+.2f} ± {statistics.stdev(v):.2f}" if len(v) > 1 else (f"{v[0]:+.2f}" if v else "-")
+
+    out = ["", "Per-GEMM ablation (gap % to BF16 of the same seed; share: the arm's gap over the full recipe's, per seed):", "",
+           "| recipe | FP4 only in | gap % per seed | arm gap % | full recipe gap %, same seeds | share of the full gap % |",
+           "|---|---|---|---|---|---|"]
+    order = {"fprop": 0, "dgrad": 1, "wgrad": 2}
+    for (r, g), by_seed in sorted(arms.items(), key=lambda kv: (kv[0][0], order[kv[0][1]])):
+        seeds = sorted(by_seed, key=int)
+        full = {s: gap[f"{r}-s{s}"] for s in seeds if f"{r}-s{s}" in gap}
+        share = [100 * by_seed[s] / full[s] for s in full if full[s]]
+        per = ", ".join(f"s{s} {by_seed[s]:+.2f}" for s in seeds)
+        out.append(f"| {r} | {g} | {per} | {ms([by_seed[s] for s in seeds])} | {ms(list(full.values()))} | {ms(share)} |")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
@@ -132,6 +163,7 @@ def main() -> None:
         lines.append(f"\nBF16 across seeds: {', '.join(f'{x:.4f}' for x in own.values())} (spread {v[-1] - v[0]:.4f}, "
                      f"{100 * (v[-1] - v[0]) / v[0]:.2f}%).")
     lines += _mean_std(runs, base)
+    lines += _ablation(runs, base)
     scored = {n: json.loads((out / n / "eval.json").read_text()) for n in order if (out / n / "eval.json").exists()}
     for rev, p in sorted({v[1:] for v in base.values()}):  # the BF16 references kept in other folders
         if p.parent != out and (p / "eval.json").exists():
