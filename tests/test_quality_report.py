@@ -50,3 +50,18 @@ def test_a_run_folder_given_as_refs_is_the_only_reference_taken_from_its_launche
     refs = rep._references([optim / "adamw-fp32-bf16-s0", out])  # the run, not its siblings
     assert [r[3].name for r in refs] == ["adamw-fp32-bf16-s0", "bf16-s1"]
     assert rep._pick(out / "mxfp4-s1", refs)[:2] == (4.07, "aaaaaaa")
+
+
+def test_ablation_table_pairs_each_arm_with_its_full_recipe_per_seed(rep, tmp_path):
+    out = tmp_path / "q"
+    for name, seed, loss in [("bf16", 0, 4.00), ("bf16", 1, 4.10), ("mxfp4", 0, 4.08), ("mxfp4", 1, 4.141),
+                             ("mxfp4@only-fprop", 0, 4.04), ("mxfp4@only-fprop", 1, 4.1205), ("mxfp4@only-wgrad", 0, 3.99)]:
+        _run(out / f"{name}-s{seed}", name, seed, "aaaaaaa", loss)
+    runs = {p.name: rep._finished(p) for p in sorted(out.iterdir())}
+    refs = rep._references([out])
+    base = {n: rep._pick(out / n, refs) for n in runs}
+    rows = [r for r in rep._ablation(runs, base) if r.startswith("| mxfp4")]
+    # fprop: +1.00% and +0.50% against full gaps of +2.00% and +1.00%: a share of 50% at both seeds
+    assert rows[0] == "| mxfp4 | fprop | s0 +1.00, s1 +0.50 | +0.75 ± 0.35 | +1.50 ± 0.71 | +50.00 ± 0.00 |"
+    assert rows[1] == "| mxfp4 | wgrad | s0 -0.25 | -0.25 | +2.00 | -12.50 |"  # one seed: no std
+    assert rep._ablation({n: s for n, s in runs.items() if "@" not in n}, base) == []
