@@ -90,9 +90,11 @@
 #   r10b (round 10, one GPU): llama-125m 1024 x 16 side by side (bf16, mxfp4, adahop-lv2 eager and auto, one
 #      process, opaque layers), then bench model rows of torchao float8 and adahop-lv2@foid, then the
 #      optimizer-step benchmark at llama-125m (issue 21)
-#   p13 (issue 22, one GPU; repeat while the machine is warm, it resumes): llama-125m and llama-350m trained
-#      on the main corpus in bf16 and adahop-lv2 (PTQ_STEPS steps of 1024 x 16, default 600 = 9.8M tokens; all
-#      four at once, skipped when runs/ptq/<model>/summary.json exists), then scripts/run_ptq_experiment.py over
+#   p13 (issue 22, one GPU, alone on it: beside other training runs the BF16 models ran out of memory; repeat while the
+#      machine is warm, it resumes): scripts/bench_harp.py at llama-350m's shapes (HARP fitting time per layer, once per
+#      machine: runs/ptq/bench_harp_350m.json), then llama-125m and llama-350m trained on the main corpus in bf16 and
+#      adahop-lv2 (PTQ_STEPS steps of 1024 x 16, default 1800 = 29.5M tokens: round 18's 600 left models that 2-bit RTN
+#      cost only 2.5-3.4%; all four at once, skipped when runs/ptq/<model>/summary.json exists), then scripts/run_ptq_experiment.py over
 #      the four with what is left of LIM (cheap cells first, HARP last, PTQ_CONC cells at once, default 4);
 #      $OUT/ptq.tgz: summary.md/json, cell logs
 #   r13a (round 13, one GPU): r12a with the 'auto' compiled-layer form (nvfp4/averis layers traced so Inductor fuses
@@ -274,13 +276,15 @@ fi
 if [ "$STAGE" = p13 ]; then  # issue 22: the models of our own, then the PTQ table, resumable while warm
   export CUDA_VISIBLE_DEVICES=0 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   mkdir -p runs/ptq
+  [ -f runs/ptq/bench_harp_350m.json ] || { timeout 150 python3 scripts/bench_harp.py --model llama-350m --steps ${HARP_BENCH_STEPS:-50} \
+    --json runs/ptq/bench_harp_350m.json 2>&1 | grep -v -i warn | tail -9; echo "bench_harp done at $(el) s"; }
   for M in llama-125m llama-350m; do for R in bf16 adahop-lv2; do
     D=runs/ptq/${M#llama-}-$R
     [ -f $D/summary.json ] && ! grep -q '"interrupted": true' $D/summary.json && continue
     RES=; [ -d $D/checkpoints ] && RES=--resume  # SIGINT at the budget writes a checkpoint; the next call resumes it
     T=$(( ${LIM:-560} - 240 - $(el) )); [ $T -ge 60 ] || { echo "no time left to train $D"; continue; }  # timeout 0 would mean none
     timeout -s INT -k 60 $T python3 -m adahop train --model $M --recipe $R --data runs/issue19/main $RES \
-      --steps ${PTQ_STEPS:-600} --seq-len 1024 --batch-size 16 --lr ${PTQ_LR:-1e-3} --warmup-steps 60 --eval-every 100 \
+      --steps ${PTQ_STEPS:-1800} --seq-len 1024 --batch-size 16 --lr ${PTQ_LR:-1e-3} --warmup-steps 60 --eval-every 100 \
       --ckpt-every 100 --log-every 20 --compile --out $D > $OUT/train_${M#llama-}-$R.log 2>&1 &
   done; done
   wait; echo "training done at $(el) s"

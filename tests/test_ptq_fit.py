@@ -70,3 +70,13 @@ def test_shared_stage_kernels_give_the_same_rotated_weight_and_hessian(gen):
 def test_bench_harp_counts_every_decoder_linear_once(repo_script):
     shapes = repo_script("scripts/bench_harp.py").linear_shapes("llama-350m")
     assert shapes == {(1024, 1024): 48, (256, 1024): 48, (2752, 1024): 48, (1024, 2752): 24}
+
+
+def test_bench_harp_runs_and_projects_the_whole_model(repo_script, tmp_path):
+    import json
+    bench = repo_script("scripts/bench_harp.py")
+    assert bench.main(["--model", "llama-tiny", "--steps", "10", "--device", "cpu", "--json", str(tmp_path / "b.json")]) == 0
+    res = json.loads((tmp_path / "b.json").read_text())
+    assert sum(r["layers"] for r in res["rows"]) == 7 * 2  # llama-tiny: two blocks
+    assert res["total_s"] == pytest.approx(sum(r["s_per_layer"] * r["layers"] for r in res["rows"]))
+    assert all(r["ms_per_step"] > 0 and r["loss_end"] < r["loss_start"] for r in res["rows"])  # each fit from the RHT start
