@@ -97,6 +97,10 @@
 #      cost only 2.5-3.4%; all four at once, skipped when runs/ptq/<model>/summary.json exists), then scripts/run_ptq_experiment.py over
 #      the four with what is left of LIM (cheap cells first, HARP last, PTQ_CONC cells at once, default 4);
 #      $OUT/ptq.tgz: summary.md/json, cell logs
+#   r19a, r19b (round 19, one GPU; issue 18's rows with the current code, none measured since round 6 but llama-125m):
+#      r19a: bench model llama-350m 1024 x 16 (bf16, mxfp4, adahop-lv2, torchao float8 rowwise; mode auto), then
+#      bench linear at the 8B shapes, 8192 tokens, eager and CUDA-graph replay; r19b: bench model Llama-3.2-1B 4096 x 4
+#      (bf16, mxfp4, adahop-lv2; auto), then 4 blocks of Llama-3.1-8B 4096 x 2 (same). Rows merge into $OUT/benchmarks.json
 #   r13a (round 13, one GPU): r12a with the 'auto' compiled-layer form (nvfp4/averis layers traced so Inductor fuses
 #      their quantizers; not yet run on a GPU): the validation first; if a traced rival layer fails it, the chunk
 #      runs with ADAHOP_COMPILED_LAYERS=opaque (the round-12 form); a 60-step llama-60m nvfp4 train --compile
@@ -295,6 +299,22 @@ if [ "$STAGE" = p13 ]; then  # issue 22: the models of our own, then the PTQ tab
   echo "ptq: exit $? at $(el) s"; tail -5 $OUT/ptq_launcher.log
   (cd runs && tar czf $OUT/ptq.tgz --exclude='*.safetensors' --exclude=checkpoints --exclude='tokenizer*' ptq_table ptq 2>/dev/null)
   (cd $OUT && tar czf train_logs.tgz train_*.log && rm -f train_*.log)
+  echo "stage $STAGE done at $(el) s"; exit 0
+fi
+if [ "$STAGE" = r19a ] || [ "$STAGE" = r19b ]; then  # issue 18's rows at today's code, side by side per process
+  export CUDA_VISIBLE_DEVICES=0
+  BM="python3 -m adahop bench model --modes ${MODES:-auto} --json $OUT/benchmarks.json"
+  if [ "$STAGE" = r19a ]; then
+    timeout 330 $BM --model llama-350m --seq-len 1024 --batch-size 16 --recipes ${R350:-bf16,mxfp4,adahop-lv2,torchao-fp8-rowwise} \
+      > $OUT/bench_350m.log 2>&1; echo "350m: exit $? at $(el) s"; grep -E "^row:|^\|" $OUT/bench_350m.log | cut -c1-300
+    timeout $(( ${LIM:-570} - $(el) )) python3 -m adahop bench linear --shapes llama3.1-8b --tokens 8192 --reps 20 --cuda-graphs \
+      --json $OUT/bench_linear.json > $OUT/bench_linear.log 2>&1; echo "linear: exit $? at $(el) s"; tail -21 $OUT/bench_linear.log | cut -c1-250
+  else
+    timeout 300 $BM --model llama3.2-1b --seq-len 4096 --batch-size 4 --recipes bf16,mxfp4,adahop-lv2 > $OUT/bench_1b.log 2>&1
+    echo "1b: exit $? at $(el) s"; grep -E "^row:|^\|" $OUT/bench_1b.log | cut -c1-300
+    timeout $(( ${LIM:-570} - $(el) )) $BM --model llama3.1-8b --layers 4 --seq-len 4096 --batch-size 2 --recipes bf16,mxfp4,adahop-lv2 \
+      > $OUT/bench_8b4.log 2>&1; echo "8b4: exit $? at $(el) s"; grep -E "^row:|^\|" $OUT/bench_8b4.log | cut -c1-300
+  fi
   echo "stage $STAGE done at $(el) s"; exit 0
 fi
 if [ "$STAGE" = r10b ]; then
