@@ -152,7 +152,7 @@ def test_unknown_eval_tasks_are_refused_before_the_model_loads(tmp_path, capsys)
     assert main(["ptq", str(tmp_path / "no-model"), "--method", "rtn", "--bits", "4", "--calib-data", "x",
                  "--eval-tasks", "piqa,foo", "--out", str(tmp_path / "q")]) == 2
     err = capsys.readouterr().err
-    assert "--eval-tasks: unknown task 'foo'" in err and "no config.json" not in err
+    assert "--eval-tasks: unknown task 'foo'" in err and "does not exist" not in err
 
 
 def test_a_compare_folder_as_model_lists_its_runs(compare_folder, tmp_path, capsys):
@@ -184,10 +184,10 @@ def test_options_the_method_or_the_missing_eval_tasks_would_ignore_are_refused(t
             (("--method", "rtn", "--eval-max-length", "512"), "--eval-max-length is for the zero-shot tasks")):
         assert main([*base, *extra]) == 2
         err = capsys.readouterr().err
-        assert msg in err and "no config.json" not in err, err  # refused before the model loads
+        assert msg in err and "does not exist" not in err, err  # refused before the model loads
     # the methods that use them take them (then the missing model is what stops it)
     assert main([*base, "--method", "harp-gptq", "--harp-steps", "200", "--damp", "0.1", "--mixer", "qr"]) == 2
-    assert "no config.json" in capsys.readouterr().err
+    assert "does not exist" in capsys.readouterr().err
 
 
 def test_an_out_that_cannot_be_a_folder_is_refused_before_the_model_loads(tmp_path, capsys):
@@ -200,7 +200,7 @@ def test_an_out_that_cannot_be_a_folder_is_refused_before_the_model_loads(tmp_pa
         assert main(["ptq", str(tmp_path / "no-model"), "--method", "rtn", "--bits", "4", "--calib-data", "x",
                      "--out", str(out)]) == 2
         err = capsys.readouterr().err
-        assert msg in err and "no config.json" not in err, err
+        assert msg in err and "does not exist" not in err, err
 
 
 def test_splits_too_small_for_the_options_are_refused_before_the_quantization(run_dir, tmp_path, capsys):
@@ -289,8 +289,8 @@ def test_a_model_without_linear_blocks_is_refused_with_one_prefix(run_dir, tmp_p
     for f in run_dir.glob("tokenizer*"):  # the run's tokenizer, so the data's tokenizer check passes
         shutil.copy(f, gpt2)
     assert main(["ptq", str(gpt2), "--method", "rtn", "--bits", "4", "--calib-data", run_cfg["adahop"]["data_dir"],
-                 "--calib-tokens", "256", "--batch-size", "4", "--seq-len", "32", "--skip-baseline",
-                 "--out", str(tmp_path / "q")]) == 2
+                 "--calib-tokens", "256", "--batch-size", "4", "--seq-len", "128", "--skip-baseline",
+                 "--out", str(tmp_path / "q")]) == 2  # 128 > its 64 positions: the architecture is refused first
     err = capsys.readouterr().err
     assert err.count("adahop ptq:") == 1
     assert err.splitlines()[-1] == ("adahop ptq: error: the model has no list of decoder blocks built of nn.Linear layers "
@@ -389,3 +389,31 @@ def test_an_hbd_block_covering_a_layers_input_is_refused_before_the_work(run_dir
     assert err.startswith("adahop ptq: error: --hbd-block 1000 covers the whole input dimension of ") and \
         err.endswith("q_proj (128), where the off-block term of --hbd-lambda is 0; pass --hbd-block below 128, or "
                      "--hbd-lambda 0") and called == []
+
+
+def test_an_out_inside_the_model_and_a_missing_model_are_refused(run_dir, tmp_path, capsys):
+    """--out RUN/checkpoints wrote the quantized folder among the run's checkpoints; a missing MODEL read 'no config.json'."""
+    assert _ptq(run_dir, run_dir / "checkpoints" / "q", "--method", "rtn", "--bits", "4") == 2
+    assert f"--out {run_dir / 'checkpoints' / 'q'} is inside MODEL" in capsys.readouterr().err
+    assert not (run_dir / "checkpoints" / "q").exists()
+    from adahop.cli import main
+
+    assert main(["ptq", str(tmp_path / "nope"), "--method", "rtn", "--bits", "4", "--calib-data", "default",
+                 "--out", str(tmp_path / "q")]) == 2
+    assert f"MODEL {tmp_path / 'nope'} does not exist" in capsys.readouterr().err
+
+
+def test_text_calib_data_is_tokenized_with_the_models_tokenizer(run_dir, tmp_path, monkeypatch):
+    """Raw text trained a new BPE on itself, which the tokenizer check then refused: it could never work."""
+    from adahop.data import Manifest
+    from adahop.eval.perplexity import prepared_data
+
+    monkeypatch.setenv("ADAHOP_CACHE", str(tmp_path / "cache"))
+    text = tmp_path / "calib.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog, again and again. " * 2000)
+    run_cfg = json.loads((run_dir / "config.json").read_text())["adahop"]["config"]
+    data = prepared_data(str(text), run_cfg, run_dir)
+    assert Manifest.load(data).tokenizer.name.endswith(str((run_dir / "tokenizer.json").resolve()))
+    assert _ptq(run_dir, tmp_path / "q", "--method", "rtn", "--bits", "4", "--calib-data", str(text),
+                "--calib-tokens", "128", "--seq-len", "16", "--skip-baseline") == 0
+    assert json.loads((tmp_path / "q" / "ptq.json").read_text())["calib_data"] == str(data)

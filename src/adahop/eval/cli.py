@@ -141,7 +141,7 @@ def _perplexity(args, loaded, device, bf16: bool) -> dict:
     from .perplexity import check_same_tokenizer, default_window, perplexity, prepared_data
 
     rc = loaded.run_config or {}
-    data = prepared_data(args.data, rc)
+    data = prepared_data(args.data, rc, args.model)
     check_same_tokenizer(data, Path(args.model), loaded.model.config.vocab_size)
     seq_len = args.seq_len or default_window(rc, getattr(loaded.model.config, "max_position_embeddings", None))
     out = perplexity(loaded.model, data, split=args.split, seq_len=seq_len, batch_size=args.batch_size,

@@ -30,10 +30,12 @@ def default_window(run_config: dict | None, max_position_embeddings: int | None)
     return min(max_position_embeddings or FOREIGN_WINDOW, FOREIGN_WINDOW)
 
 
-def prepared_data(data: str, run_config: dict | None) -> Path:
+def prepared_data(data: str, run_config: dict | None, model_dir: str | Path | None = None) -> Path:
     """The prepared folder of ``--data``: itself when it holds a ``manifest.json``, else what
     ``adahop train --data`` makes of it ('default' or text files, prepared once and cached) with the
-    run's tokenizer settings (``run_config``: the run's ``adahop train`` config, or None).
+    run's tokenizer settings (``run_config``: the run's ``adahop train`` config, or None). Text other than
+    the run's own corpus is tokenized with the model's ``tokenizer.json`` (in ``model_dir``) where it has
+    one: a BPE trained on that text would never match the model's vocabulary.
 
     Raises:
         ValueError: ``data`` is a model or run folder (its ``metrics.jsonl`` was taken for a corpus),
@@ -53,8 +55,12 @@ def prepared_data(data: str, run_config: dict | None) -> Path:
         raise ValueError(f"--data {p} is a model folder (config.json), not data; {own}")
     keys = ("tokenizer", "vocab_size", "val_fraction")
     rc = run_config or {}
+    kw = {k: rc[k] for k in keys if k in rc}
+    own_tok = Path(model_dir) / "tokenizer.json" if model_dir is not None else None
+    if rc.get("data") != data and own_tok is not None and own_tok.is_file():
+        kw["tokenizer"] = f"bpe:{own_tok.resolve()}"  # the name a manifest records for a tokenizer.json
     try:
-        return resolve_data(TrainConfig(data=data, **{k: rc[k] for k in keys if k in rc}))
+        return resolve_data(TrainConfig(data=data, **kw))
     except ValueError as e:  # the data preparation's own messages name its sources, not the option
         if str(e).startswith("--data"):
             raise

@@ -108,9 +108,13 @@ def _check(args) -> None:
 
     if (out / RESULTS_FILE).exists():
         raise ValueError(f"--out {out} already holds a quantized model ({RESULTS_FILE}); pass another --out or delete it")
-    if out.resolve() == Path(args.model).resolve():
+    model = Path(args.model).resolve()
+    if out.resolve() == model:
         raise ValueError(f"--out {out} is MODEL itself: the quantized folder would replace the model's config.json and "
                          f"weights (a run's export and its training section); pass another --out")
+    if out.resolve().is_relative_to(model):
+        raise ValueError(f"--out {out} is inside MODEL {args.model} (a run's checkpoints or exports live there); "
+                         f"pass a folder outside it")
     if (out / "config.json").is_file() and "adahop_ptq" not in _read_config(out / "config.json"):
         # a folder of ours left by a failed attempt has adahop_ptq in its config.json and no ptq.json: it may be redone
         raise ValueError(f"--out {out} holds another model or run (its config.json is not one `adahop ptq` wrote), "
@@ -125,10 +129,11 @@ def _read_config(path: Path) -> dict:
 
 
 def _data(args, run_config: dict | None) -> Path:
-    """The prepared folder of ``--calib-data`` (what ``adahop train --data`` takes is prepared once)."""
+    """The prepared folder of ``--calib-data`` (what ``adahop train --data`` takes is prepared once,
+    text other than the run's corpus with the model's own tokenizer)."""
     from ..eval.perplexity import prepared_data
 
-    return prepared_data(args.calib_data, run_config)
+    return prepared_data(args.calib_data, run_config, args.model)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -161,6 +166,9 @@ def run(args: argparse.Namespace) -> dict:
     t_start = time.perf_counter()
     loaded = load_model(args.model, device=device)
     model, rc = loaded.model, loaded.run_config or {}
+    from .calibrate import decoder_blocks
+
+    decoder_blocks(model)  # an architecture it cannot quantize is refused before any check of the windows or data
     with _named("--data", "--calib-data"):
         data = _data(args, rc)
         check_same_tokenizer(data, Path(args.model), model.config.vocab_size, flag="--calib-data")
