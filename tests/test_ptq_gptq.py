@@ -71,6 +71,23 @@ def test_int_grid_is_symmetric_with_all_codes_used(gen):
     assert (vals - w).pow(2).sum() <= (plain.fake_quantize(w) - w).pow(2).sum()
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_int_grid_scale_is_the_first_clipping_ratio_with_the_least_error(bits, gen):
+    """The candidates are scored at once; each row's scale must be the one a ratio-by-ratio search keeps."""
+    grid = make_grid("int", bits, 128)
+    w = torch.randn(300, 128, generator=gen) * torch.rand(300, 1, generator=gen) * 3
+    w[::7, :3] *= 20  # rows with outliers, where clipping wins
+    amax = w.abs().amax(1, keepdim=True)
+    best, best_err = None, None
+    for r in grid.clip:
+        s = (r * amax / (2 ** (bits - 1) - 0.5)).half().float()
+        err = (grid.round(w, s)[1] - w).pow(2).sum(1, keepdim=True)
+        best = s if best is None else torch.where(err < best_err, s, best)
+        best_err = err if best_err is None else torch.minimum(err, best_err)
+    assert torch.equal(grid.scales(w), best)
+    assert (best != (amax / (2 ** (bits - 1) - 0.5)).half().float()).any()  # some rows do clip
+
+
 @pytest.mark.parametrize("q", ["mxfp4", "nvfp4"])
 def test_fp_grid_codes_and_stored_scales_decode_to_the_values(q, gen):
     grid = make_grid(q, 4)

@@ -104,16 +104,12 @@ class IntGrid(Grid):
 
     def scales(self, wg: torch.Tensor) -> torch.Tensor:
         amax = wg.float().abs().amax(1, keepdim=True).clamp(min=1e-12)
-        best, best_err = None, None
-        for r in self.clip:  # a short loop: one rounding of the group per candidate
-            s = (r * amax / self._half()).half().float()  # the stored FP16 scale is the one used
-            err = (self.round(wg, s)[1] - wg).pow(2).sum(1, keepdim=True)
-            if best is None:
-                best, best_err = s, err
-            else:
-                better = err < best_err
-                best, best_err = torch.where(better, s, best), torch.where(better, err, best_err)
-        return best
+        ratios = torch.tensor(self.clip, dtype=torch.float32, device=wg.device).view(-1, 1, 1)
+        s = (ratios * amax / self._half()).half().float()  # [C, m, 1]: the stored FP16 scale is the one used
+        # every candidate at once (a few kernels, not a dozen per candidate: HARP's fit rounds W̃ every step);
+        # argmin keeps the first of equal errors, the order of `clip`
+        err = (self.round(wg, s)[1] - wg).pow(2).sum(-1, keepdim=True)
+        return s.gather(0, err.argmin(0, keepdim=True))[0]
 
     def round(self, x, scale):
         lo = 2 ** (self.bits - 1)
