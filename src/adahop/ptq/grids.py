@@ -11,6 +11,7 @@ and is, by construction, GPTQ with ``H = I`` (tested).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -22,6 +23,13 @@ from ..formats.nvfp4 import E4M3_MAX, NVFP4_BLOCK
 from .names import QUANTIZERS
 
 __all__ = ["Grid", "IntGrid", "MXFP4Grid", "NVFP4Grid", "make_grid", "QUANTIZERS"]
+
+
+@functools.lru_cache(maxsize=16)
+def _clip_ratios(clip: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    """The clipping ratios as a ``[C, 1, 1]`` float32 tensor on ``device``, made once: a copy from the host on
+    every call would stall HARP's fit, which rounds W̃ every step."""
+    return torch.tensor(clip, dtype=torch.float32, device=device).view(-1, 1, 1)
 
 
 def _groups(n: int, g: int) -> list[tuple[int, int]]:
@@ -104,7 +112,7 @@ class IntGrid(Grid):
 
     def scales(self, wg: torch.Tensor) -> torch.Tensor:
         amax = wg.float().abs().amax(1, keepdim=True).clamp(min=1e-12)
-        ratios = torch.tensor(self.clip, dtype=torch.float32, device=wg.device).view(-1, 1, 1)
+        ratios = _clip_ratios(tuple(self.clip), wg.device)
         s = (ratios * amax / self._half()).half().float()  # [C, m, 1]: the stored FP16 scale is the one used
         # every candidate at once (a few kernels, not a dozen per candidate: HARP's fit rounds W̃ every step);
         # argmin keeps the first of equal errors, the order of `clip`
