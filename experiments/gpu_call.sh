@@ -94,7 +94,8 @@
 #      machine is warm, it resumes): scripts/bench_harp.py at llama-350m's shapes (HARP fitting time per layer, once per
 #      machine: runs/ptq/bench_harp_350m.json), then llama-125m and llama-350m trained on the main corpus in bf16 and
 #      adahop-lv2 (PTQ_STEPS steps of 1024 x 16, default 1800 = 29.5M tokens: round 18's 600 left models that 2-bit RTN
-#      cost only 2.5-3.4%; all four at once, skipped when runs/ptq/<model>/summary.json exists), then scripts/run_ptq_experiment.py over
+#      cost only 2.5-3.4%; all four at once, skipped when runs/ptq/<model>/summary.json exists), then (HARP_E2E=1, the
+#      default) one harp-gptq W2 cell of 350m-bf16 alone, timed end to end ($OUT/harp_e2e_350m.log), then the table, then scripts/run_ptq_experiment.py over
 #      the four with what is left of LIM (cheap cells first, HARP last, PTQ_CONC cells at once, default 4);
 #      $OUT/ptq.tgz: summary.md/json, cell logs
 #   r19a, r19b (round 19, one GPU; issue 18's rows with the current code, none measured since round 6 but llama-125m):
@@ -294,6 +295,12 @@ if [ "$STAGE" = p13 ]; then  # issue 22: the models of our own, then the PTQ tab
   wait; echo "training done at $(el) s"
   for f in runs/ptq/*/summary.json; do python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print(sys.argv[1], d.get('steps'), d.get('final_val_loss'), d.get('interrupted'), round(d.get('tok_per_s') or 0))" $f; done
   MODELS=$(for D in runs/ptq/*/; do [ -f $D/model.safetensors ] && ! grep -q '"interrupted": true' $D/summary.json && printf "%s," ${D%/}; done)
+  E2E=runs/ptq_table/350m-bf16/harp-gptq-w2-int  # issue 22's "350m end to end in under 10 minutes": one HARP cell alone first,
+  if [ "${HARP_E2E:-1}" = 1 ] && [[ ",$MODELS" == *",runs/ptq/350m-bf16,"* ]] && [ ! -f $E2E/ptq.json ] && [ $(( ${LIM:-560} - $(el) )) -ge 300 ]; then
+    timeout $(( ${LIM:-560} - 30 - $(el) )) python3 -m adahop ptq runs/ptq/350m-bf16 --method harp-gptq --bits 2 --quantizer int \
+      --calib-data runs/issue19/main --calib-tokens 131072 --batch-size 8 --device auto --out $E2E > $OUT/harp_e2e_350m.log 2>&1
+    echo "harp-gptq W2 350m end to end: exit $? at $(el) s"; grep -E "^block|seconds|\| harp" $OUT/harp_e2e_350m.log | tail -4 | cut -c1-200
+  fi  # (the table skips the cell once its ptq.json exists; a timeout leaves the per-block times in the log)
   [ -n "$MODELS" ] && timeout $(( ${LIM:-560} - $(el) )) python3 scripts/run_ptq_experiment.py --data runs/issue19/main \
     --models ${MODELS%,} --out runs/ptq_table --concurrent ${PTQ_CONC:-4} --budget-s $(( ${LIM:-560} - 60 - $(el) )) > $OUT/ptq_launcher.log 2>&1
   echo "ptq: exit $? at $(el) s"; tail -5 $OUT/ptq_launcher.log
