@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -152,6 +153,32 @@ def test_divergence_stops_and_keeps_last_good_checkpoint(data_dir, tmp_path, sin
     from safetensors.torch import load_file
 
     assert all(torch.isfinite(v).all() for v in load_file(weights).values())
+
+
+def test_a_resumed_diverged_run_keeps_the_runs_own_loss_limit(data_dir, tmp_path, single_thread, monkeypatch):
+    """The limit came from the first loss of each process: a resume after a divergence took its own, already
+    diverged loss as the reference, trained on past the documented limit and pruned the last good checkpoint."""
+    import adahop.train.loop as loop
+
+    real = loop.F.cross_entropy
+    calls = {"n": 0}
+
+    def blown(*a, **k):  # from the 6th training step on, every loss is 10x: finite, far above the limit
+        calls["n"] += 1
+        out = real(*a, **k)
+        return out * 10 if calls["n"] >= 6 + 2 else out  # +2: the eval pass at step 4 (2 batches)
+
+    monkeypatch.setattr(loop.F, "cross_entropy", blown)
+    with pytest.raises(Diverged, match="last good checkpoint"):
+        train(_cfg(data_dir, tmp_path / "r", steps=12, recipe="bf16"))
+    state = json.loads((tmp_path / "r" / "checkpoints" / "step_0000004" / "state.json").read_text())
+    first = read_metrics(tmp_path / "r" / "metrics.jsonl")[0]
+    vocab = json.loads((tmp_path / "r" / "config.json").read_text())["vocab_size"]
+    assert first["step"] == 1 and state["loss_ceiling"] == pytest.approx(2 * max(math.log(vocab), first["loss"]), rel=1e-5)
+    with pytest.raises(Diverged, match=f"above {state['loss_ceiling']:.3g}"):
+        train(_cfg(data_dir, tmp_path / "r", steps=12, recipe="bf16", resume=True))
+    kept = sorted((tmp_path / "r" / "checkpoints").glob("step_*"))
+    assert [p.name for p in kept] == ["step_0000004"]  # still the last good one
 
 
 def test_bad_options_fail_before_training(data_dir, tmp_path):

@@ -251,7 +251,9 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
     bad = torch.zeros((), dtype=torch.bool, device=device)  # non-finite loss or gradient norm (on the device)
     peak_loss = torch.full((), -math.inf, device=device)  # the highest step loss, against the ceiling
     vocab = model.config.vocab_size
-    ceiling = None  # loss_ceiling, set from the first step's loss
+    # loss_ceiling, set from the run's first step and kept in its checkpoints: a resume after a divergence must
+    # not take its own (already diverged) first loss as the reference, or the limit loosens and training goes on
+    ceiling = meta.get("loss_ceiling") if meta else None
     reset_peak_memory(device)
     # ---- TRAINING SECTION ----------------------------------------------------------------------
     # progress on rank 0; TQDM_DISABLE=1 turns it off, and into a log file it is written every 30 s
@@ -305,7 +307,7 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
             frames_from = dynamo_counts()["frames"]
         bad |= ~(torch.isfinite(loss_sum) & torch.isfinite(gnorm))  # on the device; synced only at log/checkpoint time
         peak_loss = torch.maximum(peak_loss, loss_sum)
-        if ceiling is None:  # one host sync, at the first step of this process
+        if ceiling is None:  # one host sync, at the run's first step (or a resume from a checkpoint that predates it)
             ceiling = loss_ceiling(vocab, dp.mean_over_ranks(loss_sum).item())
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -342,7 +344,7 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
                                f"Start again with a lower --lr in a new --out (--resume keeps the saved --lr), or use a safer recipe.")
             _check_ceiling(peak_loss, ceiling, vocab, done, run, last_good, bar)
             (save_checkpoint if cfg.parallel == "none" else dp.save_sharded)(run, done, model, opt, keep=cfg.keep_ckpts,
-                                                                             extra={"schedule_steps": schedule})
+                                                                             extra={"schedule_steps": schedule, "loss_ceiling": ceiling})
             last_good = done
         if stop["now"]:
             bar.close()
