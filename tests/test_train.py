@@ -181,6 +181,34 @@ def test_a_resumed_diverged_run_keeps_the_runs_own_loss_limit(data_dir, tmp_path
     assert [p.name for p in kept] == ["step_0000004"]  # still the last good one
 
 
+def test_an_out_holding_data_a_model_or_a_finished_run_is_refused_not_overwritten(data_dir, tmp_path, single_thread):
+    """Without checkpoints there, --out was trained into whatever it held: a data folder lost its tokenizer.json,
+    a model folder its weights, a finished run whose checkpoints were deleted was silently retrained."""
+    import shutil
+
+    from adahop.train.setup import check_run_dir
+
+    cfg = _cfg(data_dir, tmp_path / "x", recipe="bf16")
+    data = tmp_path / "data"
+    shutil.copytree(data_dir, data)
+    before = (data / "manifest.json").read_bytes()
+    with pytest.raises(ValueError, match="is a prepared data folder"):
+        check_run_dir(cfg, data)
+    assert (data / "manifest.json").read_bytes() == before
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ValueError, match="another model's config.json"):
+        check_run_dir(cfg, model)
+    (model / "model.safetensors").write_bytes(b"weights")
+    with pytest.raises(ValueError, match=r"holds a model \(model.safetensors\) and no checkpoint"):
+        check_run_dir(cfg, model)
+    died = tmp_path / "died"  # a start that died before its first checkpoint: its own config.json, no weights
+    died.mkdir()
+    (died / "config.json").write_text(json.dumps({"model_type": "llama", "adahop": {"config": {"recipe": "bf16"}}}))
+    assert check_run_dir(cfg, died) is None
+
+
 def test_bad_options_fail_before_training(data_dir, tmp_path):
     with pytest.raises(ValueError, match="--grad-accum"):
         _cfg(data_dir, tmp_path, batch_size=4, grad_accum=3)

@@ -115,12 +115,29 @@ def _data_identity(cfg: TrainConfig) -> dict:
 ERROR_FILE = "error.txt"
 
 
+def _refuse_foreign_out(run: Path) -> None:
+    """Raise ValueError when ``--out`` (with no checkpoint) holds what a new run would overwrite: prepared data,
+    an exported model or finished run (``model.safetensors``), or another model's ``config.json``. A start of a
+    run that died before its first checkpoint (its own config.json, no weights) may be started again."""
+    from .export import read_run_section
+
+    if (run / "manifest.json").exists():
+        raise ValueError(f"--out {run} is a prepared data folder (manifest.json), which the run would write into; "
+                         f"pass it as --data and choose a new --out")
+    if (run / "model.safetensors").exists():
+        raise ValueError(f"--out {run} holds a model (model.safetensors) and no checkpoint to resume; the run would "
+                         f"overwrite it. Choose a new --out (or delete the folder)")
+    if (run / "config.json").is_file() and not read_run_section(run):
+        raise ValueError(f"--out {run} holds another model's config.json, which the run would overwrite; choose a new --out")
+
+
 def check_run_dir(cfg: TrainConfig, run: Path) -> int | None:
     """Check ``--out`` against ``--resume`` before anything is built; return the checkpoint step
     to resume from, or None to start at step 0.
 
     Raises:
-        ValueError: an ``--out`` that cannot be created or written; checkpoints of an earlier run
+        ValueError: an ``--out`` that cannot be created or written, or that holds data, a model or a finished
+            run and no checkpoint (:func:`_refuse_foreign_out`); checkpoints of an earlier run
             in ``--out`` without ``--resume`` (a new run would
             mix its files with theirs); with ``--resume``, a setting that differs from the
             checkpointed run's (listed), or ``--steps`` not above the checkpoint's step.
@@ -137,6 +154,7 @@ def check_run_dir(cfg: TrainConfig, run: Path) -> int | None:
     (run / ERROR_FILE).unlink(missing_ok=True)
     ck = latest_checkpoint(run)
     if ck is None:
+        _refuse_foreign_out(run)
         if cfg.resume:
             print(f"--resume: no checkpoint in {run / 'checkpoints'}; starting at step 0")
         return None
