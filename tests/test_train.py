@@ -209,6 +209,28 @@ def test_an_out_holding_data_a_model_or_a_finished_run_is_refused_not_overwritte
     assert check_run_dir(cfg, died) is None
 
 
+def test_a_prepared_folder_whose_tokenizer_changed_is_refused(data_dir, tmp_path):
+    """A data folder whose tokenizer.json was replaced trained on, and the run exported a tokenizer whose ids
+    were not the model's."""
+    import shutil
+
+    from adahop.data import Manifest
+    from adahop.train.setup import resolve_data
+
+    data = tmp_path / "data"
+    shutil.copytree(data_dir, data)
+    assert resolve_data(_cfg(data, tmp_path / "r")) == data  # untouched: accepted
+    spec = Manifest.load(data).tokenizer.spec
+    tok_file = data / spec.split(":", 1)[-1]
+    tok = json.loads(tok_file.read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[300:302]  # two ids swapped: same size, other tokens
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    tok_file.write_text(json.dumps(tok))
+    with pytest.raises(ValueError, match="its tokenizer .* was changed after the tokens were made"):
+        resolve_data(_cfg(data, tmp_path / "r"))
+
+
 def test_bad_options_fail_before_training(data_dir, tmp_path):
     with pytest.raises(ValueError, match="--grad-accum"):
         _cfg(data_dir, tmp_path, batch_size=4, grad_accum=3)

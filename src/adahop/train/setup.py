@@ -211,6 +211,25 @@ def _sources(cfg: TrainConfig) -> list[str]:
     return sources
 
 
+def _check_tokenizer_file(data: Path) -> None:
+    """Raise ValueError when the prepared folder's tokenizer is no longer the one its tokens were made with
+    (``manifest.json``'s fingerprint): the run would export a tokenizer whose ids are not the model's."""
+    from ..data.tokenizer import load_tokenizer
+
+    info = Manifest.load(data).tokenizer
+    if info.sha256 is None:  # format 1: no fingerprint recorded
+        return
+    try:
+        now = load_tokenizer(info.spec, base_dir=data).fingerprint()
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--data {data}: its tokenizer ({info.spec}) cannot be loaded ({e}); prepare the data again "
+                         f"(adahop data prepare ... --out {data} --overwrite)") from None
+    if now != info.sha256:
+        raise ValueError(f"--data {data}: its tokenizer ({info.spec}) was changed after the tokens were made (fingerprint "
+                         f"{now[:12]}, manifest.json {info.sha256[:12]}); prepare the data again "
+                         f"(adahop data prepare ... --out {data} --overwrite) or restore the tokenizer file")
+
+
 def resolve_data(cfg: TrainConfig) -> Path:
     """The prepared data folder for ``cfg.data`` (:func:`prepared_path`), prepared once if missing
     (safe when several runs need it at once). A prepared folder given as ``--data`` is refused when
@@ -227,6 +246,7 @@ def resolve_data(cfg: TrainConfig) -> Path:
                              f"Its tokens are of the old text. To fix: prepare it again (adahop data prepare "
                              f"--source ... --out {p}), pass the changed files themselves as --data (prepared once "
                              f"per content), or restore them")
+        _check_tokenizer_file(p)
         return p
     return prepare_cached(_sources(cfg), tokenizer=cfg.tokenizer, vocab_size=cfg.vocab_size,
                           val_fraction=cfg.val_fraction)
