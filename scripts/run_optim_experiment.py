@@ -230,7 +230,7 @@ def report(args) -> int:
             if not summary.get("interrupted"):  # a run stopped mid-way (budget) is not a result yet
                 runs[d.name] = summary
     lines = ["| row | recipe | final val loss per seed | gap to FP32 AdamW of the same seed %, mean ± std | "
-             "weights+state B/param | peak memory MB | tokens/s |",
+             "weights+state B/param | peak memory MiB | tokens/s |",
              "|---|---|---|---|---|---|---|"]
     for recipe in RECIPES:
         for row in ROWS:

@@ -365,7 +365,7 @@ def test_compare_table_fields():
     assert rows[0][:5] == ["bf16", "4.0000", "+0.00", "1.5000", "1,000"]
     assert rows[1][2] == "+0.50" and rows[1][6] == "0.25 (1.00)"
     assert rows[3][0] == "halo-2 (2 layers BF16: shape)" and rows[3][2] == "+2.50"
-    assert rows[2][1] == "failed"
+    assert rows[2][1] == "failed: exit code 1" and set(rows[2][2:]) == {"-"}  # the reason in no other column
 
 
 def test_compiled_run_reports_no_graph_break_after_the_plan_freeze(data_dir, tmp_path, single_thread, monkeypatch):

@@ -33,7 +33,7 @@ __all__ = ["compare", "format_table", "COLUMNS", "Interrupted"]
 class Interrupted(Exception):
     """Ctrl-C stopped ``adahop compare``; the message says what was kept and how to continue."""
 
-COLUMNS = ("recipe", "final val loss", "gap to bf16 %", "val bpb", "tokens/s", "peak memory MB", "saved for bwd MB (vs plain nn.Linear)",
+COLUMNS = ("recipe", "final val loss", "gap to bf16 %", "val bpb", "tokens/s", "peak memory MiB", "saved for bwd MiB (vs plain nn.Linear)",
            "weights+state B/param")
 
 
@@ -57,7 +57,7 @@ def format_table(summaries: dict[str, dict], baseline: str = "bf16") -> list[lis
     rows = []
     for name, s in summaries.items():
         if "error" in s:
-            rows.append([name, "failed", "", "", "", "", s["error"][:160], ""])
+            rows.append([name, f"failed: {s['error'][:160]}", "-", "-", "-", "-", "-", "-"])  # the reason beside it, no column mislabelled
             continue
         vl = s.get("final_val_loss")
         gap = f"{100 * (vl - base) / base:+.2f}" if (base and vl is not None) else "-"
