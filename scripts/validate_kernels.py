@@ -201,6 +201,26 @@ def check_gemm(name, m, kc, n, dev, gen, hb=32, via_fold=False):
            fp32_accumulation_rel=rel_x, cached_fp8=qa.fp8 is not None)
 
 
+def check_gemm_unfoldable(name, m, kc, n, dev, gen):
+    """msr-none operands (no exponent-range limit) with one massive activation in every 64th row:
+    no FP8 fold, so mx_matmul takes the BF16 GEMM of the dequantized operands (mx_matmul_dequant);
+    its quantizer codes must equal the reference's bit for bit, its product the FP64 one to FP32 sums."""
+    a = make_input((m, kc), torch.bfloat16, dev, gen)
+    a[::64, 7] = 1e4  # a token carrying one massive activation (issue 19's msr arm)
+    b = make_input((n, kc), torch.bfloat16, dev, gen).t()
+    qa = iht_quantize_mxfp4(a, axis=1, hadamard_block=None, max_scale_range=None, backend="triton")
+    qb = iht_quantize_mxfp4(b, axis=0, hadamard_block=32, max_scale_range=None, backend="triton")
+    ra = iht_quantize_mxfp4(a, axis=1, hadamard_block=None, max_scale_range=None, backend="reference")
+    same = torch.equal(qa.codes, ra.codes) and torch.equal(qa.scales, ra.scales)
+    da, db = qa.dequantize().double(), qb.dequantize().double()
+    ref, scale = da @ db, (da.abs() @ db.abs()).norm()
+    out = mx_matmul(qa, qb, backend="triton")
+    rel_ab = ((out.double() - ref).norm() / scale).item()
+    row_e = (qa.scales.to(torch.int32).amax(1) - qa.scales.to(torch.int32).amin(1)).amax().item()
+    record(f"gemm {name} msr-none (BF16 GEMM of exact operands)", same and rel_ab <= 1e-5 and row_e > 8,
+           codes_equal_reference=same, rel_to_absAB=rel_ab, max_row_exponent_range=row_e)
+
+
 def check_nvfp4_gemm(name, m, kc, n, dev, gen, tile_b=True, rounding="nearest"):
     """``nvfp4_matmul`` on the BF16 tensor cores (exact q·s_block operands, FP32 sums, tensor scales
     after) vs the float64 product of the dequantized operands and vs the FP32 reference; also
@@ -703,6 +723,7 @@ def main() -> int:
         m, kc, n = big((2048, 4096, 2048))
         check_gemm(f"{m}x{kc}x{n} via fold_to_fp8 (reference quantizer)", m, kc, n, dev, gen, via_fold=True)
         check_gemm(f"{m}x{kc}x{n} no Hadamard", m, kc, n, dev, gen, hb=None)
+        check_gemm_unfoldable(f"{m}x{kc}x{n}", m, kc, n, dev, gen)
     if "nvfp4" in only:
         # --- the NVFP4 quantizer (recipes nvfp4, averis): RNE bit for bit, SR statistics, decode, layers ------
         from adahop.recipes.rivals import TE_WGRAD_SIGNS

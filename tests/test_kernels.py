@@ -7,6 +7,7 @@ GPU parity and timing live in scripts/validate_kernels.py and scripts/bench_kern
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import importlib.util
 import os
 import subprocess
@@ -144,6 +145,37 @@ def test_fp32_accumulation_equals_the_reference_to_fp32_rounding():
     torch.library.opcheck(_fp8_rowwise_mm, (fa, sa, fb, sb, torch.float32, True), test_utils="test_faketensor")
     with pytest.raises(ValueError, match="accumulation='fp16'"):
         mx_matmul(qa, qb, accumulation="fp16")
+
+
+def test_unfoldable_operands_take_the_exact_bf16_gemm(monkeypatch):
+    """``max_scale_range=None`` (the msr-none variant) with a massive activation: rows span more
+    than 2⁸, so no FP8 fold exists; the fast path multiplies the BF16-dequantized operands, which are
+    exact, and equals the reference to FP32 summation order. Foldable operands keep the FP8 GEMM."""
+    mm = importlib.import_module("adahop.kernels.mx_matmul")  # the package's mx_matmul is the function
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(48, 128, generator=g)
+    a[5, 3] = 1e4  # one massive activation: blocks 1-3 of row 5 sit > 2⁸ below block 0
+    b = torch.randn(128, 40, generator=g)
+    qa = quantize_mxfp4(a, axis=1, max_scale_range=None)
+    qb = quantize_mxfp4(b, axis=0, max_scale_range=None)
+    with pytest.raises(ValueError, match="cannot hold exactly"):
+        fold_to_fp8(qa)
+    assert torch.equal(qa.dequantize(torch.bfloat16).float(), qa.dequantize())  # exact in BF16
+    ref = mx_matmul_reference(qa, qb).double()
+    scale = (qa.dequantize().double().abs() @ qb.dequantize().double().abs()).norm()
+    out = mm.mx_matmul_dequant(qa, qb)
+    assert out.shape == (48, 40) and out.dtype == torch.float32
+    assert ((out.double() - ref).norm() / scale).item() < 1e-6
+    assert mm.mx_matmul_dequant(qa, qb, out_dtype=torch.bfloat16).dtype == torch.bfloat16
+    routed = []
+    monkeypatch.setattr(mm, "resolve_backend", lambda backend, device: "triton")
+    monkeypatch.setattr(mm, "mx_matmul_dequant", lambda qa, qb, out_dtype: routed.append("bf16") or ref.float())
+    monkeypatch.setattr(mm, "mx_matmul_fp8", lambda qa, qb, **kw: routed.append("fp8") or ref.float())
+    mm.mx_matmul(qa, qb, backend="triton")
+    mm.mx_matmul(qa, quantize_mxfp4(b, axis=0, max_scale_range=8), backend="triton")
+    mm.mx_matmul(quantize_mxfp4(a, axis=1, max_scale_range=8), quantize_mxfp4(b, axis=0, max_scale_range=8), backend="triton")
+    assert routed == ["bf16", "bf16", "fp8"]
 
 
 def test_mx_transpose_shares_storage():

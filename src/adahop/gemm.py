@@ -155,7 +155,7 @@ def _quantize(t: torch.Tensor, axis: int, op: OperandSpec, tr: Transform | None,
     GEMM's operand form) asks for the BF16 values (:func:`adahop.kernels.iht_quantize_nvfp4`)."""
     if op.fmt == "mxfp4":  # the kernel zeroes the OE rows as it reads: no copy of t
         if outputs == "fp8" and not _kernels().folds_exactly(op.max_scale_range):
-            outputs = "all"  # no exact FP8 fold without the range limit: the GEMM folds from codes
+            outputs = "all"  # no exact FP8 fold without the range limit: the GEMM multiplies the BF16 dequantized codes
         return _kernels().iht_quantize_mxfp4(
             t, axis=axis, hadamard_block=tr.block_size if tr is not None else None, signs=signs,
             rounding=op.rounding, scale_rule=op.scale_rule, max_scale_range=op.max_scale_range,

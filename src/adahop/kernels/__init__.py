@@ -27,7 +27,8 @@ Eager calls run the same bodies without the ops' dispatch.
 from ..formats.mxfp4 import FOLD_RANGE, folds_exactly
 from .backend import BACKENDS, resolve_backend, triton_available
 from .fold import fold_to_fp8, fold_to_fp8_reference, fold_to_fp8_triton
-from .mx_matmul import ACCUMULATIONS, check_mm_layout, mx_matmul, mx_matmul_fp8, mx_matmul_reference, mx_transpose
+from .mx_matmul import (ACCUMULATIONS, check_mm_layout, mx_matmul, mx_matmul_dequant, mx_matmul_fp8, mx_matmul_reference,
+                        mx_transpose)
 from .nvfp4_matmul import (
     check_nvfp4_layout,
     nvfp4_block_values,
@@ -63,6 +64,7 @@ __all__ = [
     "iht_quantize_nvfp4_triton",
     "mx_matmul",
     "mx_matmul_fp8",
+    "mx_matmul_dequant",
     "mx_matmul_reference",
     "mx_transpose",
     "nvfp4_block_values",

@@ -9,6 +9,13 @@ instruction; the BF16 tensor cores give 1e-8 on the same operands; `scripts/diag
 ``accumulation="fp32"`` multiplies the same FP8 operands on the BF16 tensor cores instead (exact
 products, FP32 sums) at BF16 GEMM speed; converted layers take it from their recipe
 (``GemmSpec.accumulation``, ``Recipe.with_accumulation``).
+
+An operand quantized without the row exponent-range limit (``max_scale_range=None``, the
+``msr-none`` variant) has no exact FP8 fold. The fast path then multiplies the dequantized
+operands on the BF16 tensor cores instead (:func:`mx_matmul_dequant`): every E2M1 value times
+its E8M0 scale is exact in BF16 (two significant bits, exponents within BF16's range for any
+finite BF16 or FP32 input), so it is the same exact-products, FP32-sums GEMM as ``"fp32"``
+accumulation, at BF16 GEMM speed plus one dequantizing pass per operand.
 """
 
 from __future__ import annotations
@@ -18,12 +25,13 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from ..formats.mxfp4 import MXTensor
+from ..formats.mxfp4 import MXTensor, folds_exactly
 from ..recipes.spec import ACCUMULATIONS
 from .backend import resolve_backend
 from .fold import fold_to_fp8
 
-__all__ = ["mx_matmul", "mx_matmul_reference", "mx_matmul_fp8", "mx_transpose", "check_mm_layout", "ACCUMULATIONS"]
+__all__ = ["mx_matmul", "mx_matmul_reference", "mx_matmul_fp8", "mx_matmul_dequant", "mx_transpose", "check_mm_layout",
+           "ACCUMULATIONS"]
 
 
 
@@ -135,6 +143,26 @@ def mx_matmul_fp8(qa: MXTensor, qb: MXTensor, *, out_dtype: torch.dtype = torch.
     return op(fa, sa, fb, sb, out_dtype, exact)
 
 
+def _folds(q: MXTensor) -> bool:
+    """True when ``q`` has an FP8 form or can be folded into one exactly (row exponent range <= 8)."""
+    return q.fp8 is not None or folds_exactly(q.scale_range)
+
+
+def mx_matmul_dequant(qa: MXTensor, qb: MXTensor, *, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Fast path of :func:`mx_matmul` for operands with no exact FP8 fold (``max_scale_range=None``).
+
+    Both operands dequantized to BF16 (exact: see the module docstring), multiplied with FP32
+    accumulation (``torch.mm(..., out_dtype=torch.float32)`` on CUDA, FP32 on the CPU). Same
+    arguments, layouts and result as :func:`mx_matmul_reference`, up to the order of the FP32 sums.
+    """
+    m, _, n = check_mm_layout(qa, qb)
+    a = qa.dequantize(torch.bfloat16)  # [M, Kc]
+    b = qb.dequantize(torch.bfloat16).t()  # [N, Kc]
+    ones_m, ones_n = a.new_ones(m, dtype=torch.float32), a.new_ones(n, dtype=torch.float32)
+    op = _fp8_rowwise_mm if torch.compiler.is_dynamo_compiling() else _fp8_rowwise_mm_impl
+    return op(a, ones_m, b, ones_n, out_dtype, True)
+
+
 def mx_matmul(qa: MXTensor, qb: MXTensor, *, out_dtype: torch.dtype = torch.float32,
               backend: str = "auto", accumulation: str = "fp8-mma") -> torch.Tensor:
     """MXFP4 GEMM ``dequant(qa) @ dequant(qb)``, accumulated in FP32 (between FP8 MMA instructions
@@ -145,8 +173,8 @@ def mx_matmul(qa: MXTensor, qb: MXTensor, *, out_dtype: torch.dtype = torch.floa
         qb: B, logical ``[Kc, N]``, blocked along axis 0 (e.g. ``mx_transpose`` of W quantized
             along K, or a wgrad operand quantized with ``axis=0``).
         out_dtype: float32 or bfloat16.
-        backend: ``"auto"`` (FP8 GEMM on CUDA, else reference), ``"triton"`` (the FP8 path) or
-            ``"reference"``.
+        backend: ``"auto"`` (FP8 GEMM on CUDA, else reference), ``"triton"`` (the FP8 path; for an
+            operand with no exact fold, the BF16 GEMM of :func:`mx_matmul_dequant`) or ``"reference"``.
         accumulation: FP8 path only: ``"fp8-mma"`` (FP8 tensor cores) or ``"fp32"`` (BF16 tensor
             cores, exact FP32-accumulated MXFP4 GEMM). See the module docstring for the accuracy
             of each.
@@ -162,5 +190,7 @@ def mx_matmul(qa: MXTensor, qb: MXTensor, *, out_dtype: torch.dtype = torch.floa
     check_mm_layout(qa, qb)
     _check_accumulation(accumulation)
     if resolve_backend(backend, qa.codes.device) == "triton":
+        if not (_folds(qa) and _folds(qb)):  # msr-none: no exact FP8 form, exact BF16 operands instead
+            return mx_matmul_dequant(qa, qb, out_dtype=out_dtype)
         return mx_matmul_fp8(qa, qb, out_dtype=out_dtype, accumulation=accumulation)
     return mx_matmul_reference(qa, qb, out_dtype=out_dtype)

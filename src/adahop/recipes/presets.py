@@ -38,7 +38,8 @@ def get_recipe(name: str) -> Recipe:
       keeps its calibration, and its plan decides the one quantized GEMM.
     - ``msr-none``: every MXFP4 operand without the row exponent-range limit (``max_scale_range``
       None instead of 8: blocks may sit more than 2⁸ below their row's largest, so the FP8 fold
-      does not apply; run it with ``--backend reference`` against the base on the same backend).
+      does not apply and the fast path multiplies the exact BF16 operands instead:
+      `adahop.kernels.mx_matmul_dequant`).
     - ``foid``: OE picks its rows/columns by FOID (the norm of the first 64 elements along Kc)
       instead of the exact top-k (`GemmSpec.oe_select`; issue 18).
     - ``mean-bf16``: Averis keeps its mean vectors in BF16 (`GemmSpec.mean_bf16`), not FP4.
