@@ -65,3 +65,17 @@ def test_ablation_table_pairs_each_arm_with_its_full_recipe_per_seed(rep, tmp_pa
     assert rows[0] == "| mxfp4 | fprop | s0 +1.00, s1 +0.50 | +0.75 ± 0.35 | +1.50 ± 0.71 | +50.00 ± 0.00 |"
     assert rows[1] == "| mxfp4 | wgrad | s0 -0.25 | -0.25 | +2.00 | -12.50 |"  # one seed: no std
     assert rep._ablation({n: s for n, s in runs.items() if "@" not in n}, base) == []
+
+
+def test_paired_differences_per_seed_and_step(repo_script, tmp_path):
+    paired = repo_script("experiments/quality/paired.py")
+    for name, losses in [("arm-s0", {100: 5.0, 200: 4.5}), ("arm-s1", {100: 5.2}), ("base-s0", {100: 4.9, 200: 4.6}),
+                         ("base-s1", {100: 5.0, 200: 4.7})]:
+        (tmp_path / name).mkdir()
+        recs = [{"step": 50, "loss": 6.0}] + [{"step": s, "val_loss": v} for s, v in losses.items()]
+        (tmp_path / name / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    rows = paired.paired_rows(str(tmp_path / "arm-s{seed}"), str(tmp_path / "base-s{seed}"), [0, 1])
+    assert rows[2] == "| 100 | +0.1000 | +0.2000 | +0.1500 ± 0.0707 |"
+    assert rows[3] == "| 200 | -0.1000 | — | -0.1000 |"  # seed 1's arm stopped before step 200
+    with pytest.raises(ValueError, match="must contain"):
+        paired.paired_rows(str(tmp_path / "arm-s0"), str(tmp_path / "base-s{seed}"), [0])
