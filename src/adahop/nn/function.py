@@ -57,16 +57,29 @@ class _Slot:
         self.index = index
 
 
+_FIELDS: dict[type, tuple[str, ...]] = {}  # field names per dataclass type, () for other types
+
+
+def _field_names(tp: type) -> tuple[str, ...]:
+    # cached per type: flatten/unflatten run at every forward and backward (eager host time)
+    names = _FIELDS.get(tp)
+    if names is None:
+        names = tuple(f.name for f in dataclasses.fields(tp)) if dataclasses.is_dataclass(tp) else ()
+        _FIELDS[tp] = names
+    return names
+
+
 def _map(obj, fn):
     """``obj`` rebuilt through its tuples, lists and dataclasses (copies), ``fn`` applied to every other value."""
     if isinstance(obj, tuple):
         return tuple(_map(v, fn) for v in obj)
     if isinstance(obj, list):
         return [_map(v, fn) for v in obj]
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+    names = _field_names(type(obj))
+    if names:
         new = copy.copy(obj)
-        for f in dataclasses.fields(obj):
-            object.__setattr__(new, f.name, _map(getattr(obj, f.name), fn))
+        for name in names:
+            object.__setattr__(new, name, _map(getattr(obj, name), fn))
         return new
     return fn(obj)
 
