@@ -102,6 +102,10 @@
 #      r19a: bench model llama-350m 1024 x 16 (bf16, mxfp4, adahop-lv2, torchao float8 rowwise; mode auto), then
 #      bench linear at the 8B shapes, 8192 tokens, eager and CUDA-graph replay; r19b: bench model Llama-3.2-1B 4096 x 4
 #      (bf16, mxfp4, adahop-lv2; auto), then 4 blocks of Llama-3.1-8B 4096 x 2 (same). Rows merge into $OUT/benchmarks.json
+#   r21a (issue 18, one GPU): where the 8B-shaped model's first compile goes (round 20: mxfp4's did not finish in ~260 s;
+#      scripts/compile_census.py puts adahop's Triton kernels at ~12 s of it): scripts/bench_compile.py --phases cold for
+#      mxfp4 and adahop-lv2 at 4 blocks of Llama-3.1-8B, 4096 x 2, each alone with empty caches (COLD_TIMEOUT s each,
+#      default 260), each child's Python stack every 20 s and dynamo's compile-phase times in $OUT/compile_logs/
 #   r13a (round 13, one GPU): r12a with the 'auto' compiled-layer form (nvfp4/averis layers traced so Inductor fuses
 #      their quantizers; not yet run on a GPU): the validation first; if a traced rival layer fails it, the chunk
 #      runs with ADAHOP_COMPILED_LAYERS=opaque (the round-12 form); a 60-step llama-60m nvfp4 train --compile
@@ -322,6 +326,14 @@ if [ "$STAGE" = r19a ] || [ "$STAGE" = r19b ]; then  # issue 18's rows at today'
     timeout $(( ${LIM:-570} - $(el) )) $BM --model llama3.1-8b --layers 4 --seq-len 4096 --batch-size 2 --recipes bf16,mxfp4,adahop-lv2 \
       > $OUT/bench_8b4.log 2>&1; echo "8b4: exit $? at $(el) s"; grep -E "^row:|^\|" $OUT/bench_8b4.log | cut -c1-300
   fi
+  echo "stage $STAGE done at $(el) s"; exit 0
+fi
+if [ "$STAGE" = r21a ]; then  # issue 18: the 8B-shaped cold compile, with stack samples of the stuck child
+  export CUDA_VISIBLE_DEVICES=0
+  timeout $(( ${LIM:-570} - $(el) )) python3 scripts/bench_compile.py --model llama3.1-8b --layers 4 --seq-len 4096 --batch-size 2 \
+    --phases cold --recipes ${COLD_RECIPES:-mxfp4,adahop-lv2} --timeout ${COLD_TIMEOUT:-260} --stack-every 20 --log-dir $OUT/compile_logs \
+    --json $OUT/cold_8b4.json > $OUT/cold_8b4.log 2>&1; echo "cold 8b4: exit $? at $(el) s"; tail -8 $OUT/cold_8b4.log | cut -c1-300
+  for f in $OUT/compile_logs/*.log; do echo "== $f"; grep -E "warm-up step|^--- main" $f | tail -6; grep -A3 "^--- main" $f | tail -4; done
   echo "stage $STAGE done at $(el) s"; exit 0
 fi
 if [ "$STAGE" = r10b ]; then

@@ -47,6 +47,9 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
+import time
+import traceback
 from pathlib import Path
 
 KEYS = ("recipe", "mode", "form", "compile_mode", "tok_per_s", "vs_bf16", "step_ms", "compile_step_s", "warmup_s",
@@ -67,6 +70,8 @@ def worker(args) -> None:
         from adahop.kernels._triton_launch import set_traced_launches
 
         set_traced_launches("inline" if args.form == "traced-inline" else "opaque")
+    if args.stack_every:  # a compile that outlives its timeout still says where it was
+        threading.Thread(target=_stack_dumps, args=(args.stack_every,), daemon=True).start()
     prof = None
     if args.profile:  # where the compile's host time goes (the functions with the most cumulative time)
         import cProfile  # (no faulthandler stack dumps: on the H200 they crashed the compiling child, round 9)
@@ -86,6 +91,17 @@ def worker(args) -> None:
     print("ROWS " + json.dumps(rows), flush=True)
 
 
+def _stack_dumps(every: float, stop: threading.Event | None = None) -> None:
+    """Every ``every`` seconds until ``stop`` is set, the main thread's innermost Python frames on stderr.
+    Read from a Python thread (``sys._current_frames``), not faulthandler's signal, which crashed
+    compiling children (round 9)."""
+    main, t0, stop = threading.main_thread().ident, time.perf_counter(), stop or threading.Event()
+    while not stop.wait(every):
+        frame = sys._current_frames().get(main)
+        stack = "".join(traceback.format_stack(frame)[-12:]) if frame is not None else "(no frame)\n"
+        print(f"--- main thread at {time.perf_counter() - t0:.0f} s:\n{stack}", file=sys.stderr, flush=True)
+
+
 def run_child(args, recipes: str, modes: str, timeout: float, form: str = "auto") -> list[dict]:
     """One fresh process with empty Inductor and Triton caches; its rows (an error row if it died).
     Its stderr (progress, compile-phase times) goes to ``--log-dir`` when given."""
@@ -94,7 +110,8 @@ def run_child(args, recipes: str, modes: str, timeout: float, form: str = "auto"
                "TRITON_CACHE_DIR": str(Path(tmp) / "triton")}
         cmd = [sys.executable, __file__, "--worker", "--model", args.model, "--seq-len", str(args.seq_len),
                "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--recipes", recipes, "--modes", modes,
-               "--device", args.device, "--form", form, "--profile", str(args.profile)] + (["--layers", str(args.layers)] if args.layers else [])
+               "--device", args.device, "--form", form, "--profile", str(args.profile), "--stack-every", str(args.stack_every)] + (
+                   ["--layers", str(args.layers)] if args.layers else [])
         err = None
         if args.log_dir:
             Path(args.log_dir).mkdir(parents=True, exist_ok=True)
@@ -139,6 +156,8 @@ def main() -> None:
     ap.add_argument("--form", default="auto", help=argparse.SUPPRESS)  # the child's one form
     ap.add_argument("--profile", type=int, default=0, help="cProfile each child; its N functions of most cumulative time in the log")
     ap.add_argument("--log-dir", default=None, help="each child's stderr (progress, compile-phase times) into a file here")
+    ap.add_argument("--stack-every", type=float, default=0,
+                    help="every S seconds each child writes its main thread's Python stack to its stderr (where a stuck compile is)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -176,3 +176,23 @@ def test_torchao_conversion_swaps_the_linears_adahop_converts(monkeypatch):
     m = build_model("llama-tiny", vocab_size=256, max_seq_len=32)
     assert convert_float8(m, float8_config("torchao-fp8-tensorwise", "cuda")) == 14
     assert not isinstance(m.lm_head, Float8Linear) and isinstance(m.model.layers[0].mlp.down_proj, Float8Linear)
+
+
+def test_bench_compile_stack_dumps_name_the_frame_the_main_thread_is_in(repo_script, capsys):
+    # a cold compile that outlives its timeout must still say where it was (scripts/bench_compile.py --stack-every)
+    import threading
+    import time
+
+    bc = repo_script("scripts/bench_compile.py")
+    stop = threading.Event()
+    t = threading.Thread(target=bc._stack_dumps, args=(0.05, stop), daemon=True)
+    t.start()
+
+    def stuck_in_a_compile():
+        time.sleep(0.3)
+
+    stuck_in_a_compile()
+    stop.set()
+    t.join()
+    err = capsys.readouterr().err
+    assert "--- main thread at" in err and "stuck_in_a_compile" in err
