@@ -39,7 +39,7 @@ from .scale_range import range_hits_on_captures, range_markdown
 from .options import NOT_TRAIN_FLAGS, add_arguments
 from .recorder import PatternRecorder, linear_names
 
-__all__ = ["add_arguments", "run", "record_steps", "vote_window", "window_sentence", "pick_layer", "capture_layers"]
+__all__ = ["add_arguments", "run", "bf16_step", "record_steps", "vote_window", "window_sentence", "pick_layer", "capture_layers"]
 
 def record_steps(total: int, every: int | None, explicit: list[int] | None) -> list[int]:
     """The 1-based steps to record: ``1, every, 2·every, …, total`` ∪ ``explicit`` (every step
@@ -137,6 +137,25 @@ def _run_synthetic(args, out: Path) -> dict[str, Path]:
 # ---- model analysis -----------------------------------------------------------------------------
 
 
+def bf16_step(model: torch.nn.Module, opt: torch.optim.Optimizer, cfg: TrainConfig, x: torch.Tensor, y: torch.Tensor,
+              device: torch.device, autocast) -> float:
+    """One optimizer step of the unconverted model as `adahop train --recipe bf16` takes it: ``x``, ``y``
+    int64 ``[batch, seq_len]`` split into ``cfg.grad_accum`` micro-batches, cross-entropy, ``--grad-clip``,
+    then the step. Returns the step's mean loss. Hooks on the model see every backward."""
+    micro, loss_sum = cfg.batch_size // cfg.grad_accum, 0.0
+    for xm, ym in zip(x.split(micro), y.split(micro)):
+        with autocast:
+            logits = model(input_ids=xm.to(device), use_cache=False).logits
+        loss = F.cross_entropy(logits.float().flatten(0, 1), ym.to(device).flatten()) / cfg.grad_accum
+        loss.backward()
+        loss_sum += loss.item()
+    if cfg.grad_clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss_sum
+
+
 def _config_from_args(args) -> TrainConfig:
     return config_from(args, TrainConfig, recipe="bf16", out=str(args.out), calib_steps=args.calib_steps)
 
@@ -221,7 +240,6 @@ def _run_model(args, out: Path) -> dict[str, Path]:
                           dump_dir=out / "dumps" if args.dump else None)
     use_bf16 = device.type == "cuda"  # as `adahop train`: BF16 autocast on CUDA, FP32 on CPU
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16)
-    micro = cfg.batch_size // cfg.grad_accum
     losses: list[tuple[int, float]] = []
     t0 = time.perf_counter()
     # ---- TRAINING SECTION (BF16, unconverted; patterns recorded at the chosen steps) -------------
@@ -233,19 +251,9 @@ def _run_model(args, out: Path) -> dict[str, Path]:
         if s in todo:
             rec.start(s, capture=s == recorded[-1])
         x, y = train_s.batch(step)
-        loss_sum = 0.0
-        for xm, ym in zip(x.split(micro), y.split(micro)):
-            with autocast:
-                logits = model(input_ids=xm.to(device), use_cache=False).logits
-            loss = F.cross_entropy(logits.float().flatten(0, 1), ym.to(device).flatten()) / cfg.grad_accum
-            loss.backward()
-            loss_sum += loss.item()
+        loss_sum = bf16_step(model, opt, cfg, x, y, device, autocast)
         if s in todo:
             rec.stop()
-        if cfg.grad_clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
         losses.append((s, loss_sum))
     rec.close()
     seconds = time.perf_counter() - t0
