@@ -97,7 +97,9 @@
 #      cost only 2.5-3.4%; all four at once, skipped when runs/ptq/<model>/summary.json exists), then (HARP_E2E=1, the
 #      default) one harp-gptq W2 cell of 350m-bf16 alone, timed end to end ($OUT/harp_e2e_350m.log), then the table, then scripts/run_ptq_experiment.py over
 #      the four with what is left of LIM (cheap cells first, HARP last, PTQ_CONC cells at once, default 4);
-#      $OUT/ptq.tgz: summary.md/json, cell logs
+#      $OUT/ptq.tgz: summary.md/json, cell logs. HARP_BENCH=0 skips bench_harp; PTQ_RESERVE (default 240): seconds of LIM
+#      kept after training for the PTQ cells (30 for a call that only trains: the models cannot leave the machine, so
+#      training and the table must happen in one session, e.g. two training calls then one table call while warm)
 #   r19a, r19b (round 19, one GPU; issue 18's rows with the current code, none measured since round 6 but llama-125m):
 #      r19a: bench model llama-350m 1024 x 16 (bf16, mxfp4, adahop-lv2, torchao float8 rowwise; mode auto), then
 #      bench linear at the 8B shapes, 8192 tokens, eager and CUDA-graph replay; r19b: bench model Llama-3.2-1B 4096 x 4
@@ -285,13 +287,13 @@ fi
 if [ "$STAGE" = p13 ]; then  # issue 22: the models of our own, then the PTQ table, resumable while warm
   export CUDA_VISIBLE_DEVICES=0 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   mkdir -p runs/ptq
-  [ -f runs/ptq/bench_harp_350m.json ] || { timeout 150 python3 scripts/bench_harp.py --model llama-350m --steps ${HARP_BENCH_STEPS:-50} \
+  [ -f runs/ptq/bench_harp_350m.json ] || [ "${HARP_BENCH:-1}" = 0 ] || { timeout 150 python3 scripts/bench_harp.py --model llama-350m --steps ${HARP_BENCH_STEPS:-50} \
     --json runs/ptq/bench_harp_350m.json 2>&1 | grep -v -i warn | tail -9; echo "bench_harp done at $(el) s"; }
   for M in llama-125m llama-350m; do for R in bf16 adahop-lv2; do
     D=runs/ptq/${M#llama-}-$R
     [ -f $D/summary.json ] && ! grep -q '"interrupted": true' $D/summary.json && continue
     RES=; [ -d $D/checkpoints ] && RES=--resume  # SIGINT at the budget writes a checkpoint; the next call resumes it
-    T=$(( ${LIM:-560} - 240 - $(el) )); [ $T -ge 60 ] || { echo "no time left to train $D"; continue; }  # timeout 0 would mean none
+    T=$(( ${LIM:-560} - ${PTQ_RESERVE:-240} - $(el) )); [ $T -ge 60 ] || { echo "no time left to train $D"; continue; }  # timeout 0 would mean none
     timeout -s INT -k 60 $T python3 -m adahop train --model $M --recipe $R --data runs/issue19/main $RES \
       --steps ${PTQ_STEPS:-1800} --seq-len 1024 --batch-size 16 --lr ${PTQ_LR:-1e-3} --warmup-steps 60 --eval-every 100 \
       --ckpt-every 100 --log-every 20 --compile --out $D > $OUT/train_${M#llama-}-$R.log 2>&1 &
