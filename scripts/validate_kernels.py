@@ -672,6 +672,7 @@ def main() -> int:
         check_quantize("1024x20480 ax1 bf16 hb32 (row loop 10x2048)", mk((1024, 20480)), 1)
         check_quantize("8192x4096 ax1 bf16 hb32 special values", mk((8192, 4096), special=True), 1)
         check_quantize("8192x4096 ax0 bf16 hb32 special values", mk((8192, 4096), special=True), 0)
+        check_quantize("16448x768 ax0 bf16 hb32 (129 K-tiles: three steps of the row-max loop)", mk((16448, 768)), 0)
         w = mk((14336, 4096))
         check_quantize("Wt = (14336x4096).t() ax0 (fprop B)", w.t(), 0)
         dy = mk((8192, 1024))
