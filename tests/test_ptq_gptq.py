@@ -122,3 +122,28 @@ def test_quantize_layer_counts_every_stored_bit(gen):
         r = quantize_layer(w, h, method, make_grid("int", 3, 32), generator=torch.Generator().manual_seed(0),
                            fit_opts=FitOptions(steps=2))
         assert r.stored_bits == 32 * 64 * 3 + 32 * 2 * 16 + extra, method
+
+
+@pytest.mark.parametrize("q", ["int", "mxfp4", "nvfp4"])
+def test_zero_groups_and_dead_inputs_quantize_to_finite_weights(q, gen):
+    # a pruned head (zero rows) and inputs that never fire (GPTQ zeroes their columns): an int group
+    # scale of 0 once decoded 0/0 = NaN and `adahop ptq` wrote the NaN model (found by a new-user probe)
+    w = torch.randn(64, 128, generator=gen)
+    w[:32] = 0.0
+    x = torch.randn(512, 128, generator=gen)
+    x[:, :32] = 0.0  # the first 32 inputs never fire: one whole group of dead columns at group size 32
+    h = x.T @ x / x.shape[0]
+    grid = make_grid(q, 4, 32 if q == "int" else None)
+    codes, scales, deq = grid.quantize(w)
+    assert torch.isfinite(deq).all() and deq[:32].abs().max() <= 2.0**-25
+    out = gptq(w, h, make_grid(q, 4, 32 if q == "int" else None))
+    assert torch.isfinite(out["q"]).all()
+    # the finite rows still quantize as usual: the zero rows did not disturb them
+    torch.testing.assert_close(deq[32:], make_grid(q, 4, 32 if q == "int" else None).quantize(w[32:])[2])
+
+
+def test_a_non_finite_quantized_weight_is_refused_not_written(gen):
+    w = torch.randn(32, 64, generator=gen)
+    w[3, 5] = float("nan")
+    with pytest.raises(ValueError, match="input weight itself holds NaN"):
+        quantize_layer(w, torch.eye(64), "rtn", make_grid("int", 4, 32), generator=gen)

@@ -203,8 +203,11 @@ def run(args: argparse.Namespace) -> dict:
     grid0 = make_grid(args.quantizer, args.bits, args.group_size)
 
     def quantize(name, w, h):
-        return quantize_layer(w, h, args.method, make_grid(args.quantizer, args.bits, args.group_size), generator=gen,
-                              rot_opts=rot_opts, fit_opts=fit_opts, damp=args.damp, seed=args.seed)
+        try:
+            return quantize_layer(w, h, args.method, make_grid(args.quantizer, args.bits, args.group_size), generator=gen,
+                                  rot_opts=rot_opts, fit_opts=fit_opts, damp=args.damp, seed=args.seed)
+        except ValueError as e:  # name the layer: nothing is written
+            raise ValueError(f"{name}: {e}") from None
 
     t_q = time.perf_counter()
     layers = quantize_model(model, batches, quantize, device=device)

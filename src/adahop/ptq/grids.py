@@ -93,10 +93,16 @@ class Grid:
         return self.bits + 8 * nbytes / (m * n)
 
 
+#: The smallest positive FP16 value (a subnormal), the floor of an int grid's scale: a group whose
+#: values are all 0 (or below it) is stored as ±½ of it, 3e-8, not as NaN.
+FP16_MIN_SCALE = 2.0**-24
+
+
 @dataclass
 class IntGrid(Grid):
     """Symmetric uniform grid of ``2^bits`` levels ``(k + ½)·s``, ``k ∈ [−2^(b−1), 2^(b−1))``
-    ("mid-rise": all codes used, no zero level), one FP16 scale per row of each group.
+    ("mid-rise": all codes used, no zero level), one FP16 scale per row of each group, at least
+    :data:`FP16_MIN_SCALE` (rows of a group whose amax is below ~1e-7 lose their precision: FP16's floor).
 
     ``clip``: candidate clipping ratios; the scale of each row of a group is the one whose
     rounding error (sum of squares) is smallest, ``s = r·amax / (2^(b−1) − ½)`` (ratio 1: no
@@ -111,9 +117,11 @@ class IntGrid(Grid):
         return 2 ** (self.bits - 1) - 0.5
 
     def scales(self, wg: torch.Tensor) -> torch.Tensor:
-        amax = wg.float().abs().amax(1, keepdim=True).clamp(min=1e-12)
+        amax = wg.float().abs().amax(1, keepdim=True)
         ratios = _clip_ratios(tuple(self.clip), wg.device)
-        s = (ratios * amax / self._half()).half().float()  # [C, m, 1]: the stored FP16 scale is the one used
+        # [C, m, 1]: the stored FP16 scale is the one used; at least FP16's smallest step (2⁻²⁴), or an
+        # all-zero group (a pruned head, GPTQ's dead inputs) would get scale 0 and decode 0/0 = NaN
+        s = (ratios * amax / self._half()).half().float().clamp(min=FP16_MIN_SCALE)
         # every candidate at once (a few kernels, not a dozen per candidate: HARP's fit rounds W̃ every step);
         # argmin keeps the first of equal errors, the order of `clip`
         err = (self.round(wg, s)[1] - wg).pow(2).sum(-1, keepdim=True)

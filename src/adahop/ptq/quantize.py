@@ -90,7 +90,8 @@ def quantize_layer(w: torch.Tensor, h: torch.Tensor, method: str, grid: Grid, *,
     artifact). Computation runs on ``w``'s device in float32.
 
     Raises:
-        ValueError: an unknown method, or an RHT dimension with no Hadamard block that fits.
+        ValueError: an unknown method, an RHT dimension with no Hadamard block that fits, or a
+            quantized weight that is not finite (never written).
     """
     rot, backend = parse_method(method)
     w = w.float()
@@ -123,6 +124,12 @@ def quantize_layer(w: torch.Tensor, h: torch.Tensor, method: str, grid: Grid, *,
         else:
             codes, scales, q = grid.quantize(wq_in)
         weight = t.weight_inverse(q) if t is not None else q
+        if not bool(torch.isfinite(weight).all()):  # never write a model that decodes to NaN or inf
+            bad = int((~torch.isfinite(weight)).sum())
+            finite_in = bool(torch.isfinite(w).all())
+            raise ValueError(f"{method} with the {grid.name} grid produced {bad} non-finite weights of {m * n} ("
+                             + ("the input weight is finite: a bug, please report it with the command)" if finite_in
+                                else "the input weight itself holds NaN or inf: fix or re-export the model)"))
     stored["codes"] = pack_bits(codes, grid.bits)
     stored.update(grid.stored_scales(scales.cpu()))
     stats["proxy_error"] = proxy_error(w, weight, h)
