@@ -417,3 +417,48 @@ def test_text_calib_data_is_tokenized_with_the_models_tokenizer(run_dir, tmp_pat
     assert _ptq(run_dir, tmp_path / "q", "--method", "rtn", "--bits", "4", "--calib-data", str(text),
                 "--calib-tokens", "128", "--seq-len", "16", "--skip-baseline") == 0
     assert json.loads((tmp_path / "q" / "ptq.json").read_text())["calib_data"] == str(data)
+
+
+def test_an_out_with_other_files_and_an_already_quantized_model_are_refused(run_dir, tmp_path, capsys):
+    """A new-user probe overwrote the --calib-data folder (its tokenizer.json replaced) and a folder holding
+    a model.safetensors without config.json; and quantized a quantized folder against itself as baseline."""
+    import shutil
+
+    data = Path(json.loads((run_dir / "config.json").read_text())["adahop"]["data_dir"])
+    copy = tmp_path / "data"
+    shutil.copytree(data, copy)
+    before = {p.name: p.read_bytes() for p in copy.iterdir() if p.is_file()}
+    assert _ptq(run_dir, copy, "--method", "rtn", "--bits", "4") == 2
+    assert "already holds files" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in copy.iterdir() if p.is_file()} == before
+    stray = tmp_path / "stray"
+    stray.mkdir()
+    (stray / "model.safetensors").write_bytes(b"someone else's weights")
+    assert _ptq(run_dir, stray, "--method", "rtn", "--bits", "4") == 2
+    assert (stray / "model.safetensors").read_bytes() == b"someone else's weights"
+    capsys.readouterr()
+
+    q = tmp_path / "q4"
+    assert _ptq(run_dir, q, "--method", "rtn", "--bits", "4", "--seq-len", "16") == 0
+    capsys.readouterr()
+    from adahop.cli import main
+
+    assert main(["ptq", str(q), "--calib-data", str(data), "--method", "rtn", "--bits", "2", "--out", str(tmp_path / "again")]) == 2
+    err = capsys.readouterr().err
+    assert "already quantized by `adahop ptq` (rtn, 4 bits)" in err and str(run_dir) in err
+
+
+def test_eval_of_a_ptq_folder_scores_at_the_window_ptq_printed(run_dir, tmp_path, capsys):
+    from adahop.cli import main
+
+    q = tmp_path / "q4w16"
+    assert _ptq(run_dir, q, "--method", "rtn", "--bits", "4", "--seq-len", "16") == 0
+    capsys.readouterr()
+    res = json.loads((q / "ptq.json").read_text())
+    assert res["seq_len"] == 16 and json.loads((q / "config.json").read_text())["adahop_ptq"]["seq_len"] == 16
+    data = json.loads((run_dir / "config.json").read_text())["adahop"]["data_dir"]
+    assert main(["eval", str(q), "--tasks", "none", "--data", data, "--eval-batches", "2", "--batch-size", "4",
+                 "--out", str(tmp_path / "e.json")]) == 0
+    got = json.loads((tmp_path / "e.json").read_text())
+    ppl = got["perplexity"]["perplexity"] if isinstance(got.get("perplexity"), dict) else got["perplexity"]
+    assert ppl == res["perplexity"]["perplexity"]  # the same window (16, not the model's 32), the same number

@@ -33,7 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a prepared data folder (or what `adahop train --data` takes): score perplexity and bits per byte")
     g.add_argument("--split", default="val", choices=("val", "train"), help="split of --data (default: val)")
     g.add_argument("--seq-len", type=int, default=None,
-                   help="tokens per window (default: the run's --seq-len; for another model its max_position_embeddings, "
+                   help="tokens per window (default: the run's --seq-len; for a folder `adahop ptq` wrote, the window it scored at; "
+                        "for another model its max_position_embeddings, "
                         "at most 2048)")
     g.add_argument("--eval-batches", type=int, default=None, metavar="N",
                    help="the first N batches only, as `adahop train --eval-batches` (default: the whole split)")
@@ -143,7 +144,8 @@ def _perplexity(args, loaded, device, bf16: bool) -> dict:
     rc = loaded.run_config or {}
     data = prepared_data(args.data, rc, args.model)
     check_same_tokenizer(data, Path(args.model), loaded.model.config.vocab_size)
-    seq_len = args.seq_len or default_window(rc, getattr(loaded.model.config, "max_position_embeddings", None))
+    seq_len = args.seq_len or default_window(rc, getattr(loaded.model.config, "max_position_embeddings", None),
+                                             getattr(loaded.model.config, "adahop_ptq", None))
     out = perplexity(loaded.model, data, split=args.split, seq_len=seq_len, batch_size=args.batch_size,
                      max_batches=args.eval_batches, device=device, bf16=bf16)
     return {"data": str(data), **out}

@@ -18,15 +18,20 @@ __all__ = ["perplexity", "scored_batches", "prepared_data", "check_same_tokenize
 FOREIGN_WINDOW = 2048
 
 
-def default_window(run_config: dict | None, max_position_embeddings: int | None) -> int:
+def default_window(run_config: dict | None, max_position_embeddings: int | None, ptq_meta: dict | None = None) -> int:
     """The perplexity window when ``--seq-len`` is not given: the run's own ``seq_len`` (so that the
-    score equals ``adahop train``'s validation loss), else ``min(max_position_embeddings, 2048)``.
+    score equals ``adahop train``'s validation loss), else the window `adahop ptq` scored a quantized
+    folder at (its config's ``adahop_ptq``, so that the score equals the one it printed), else
+    ``min(max_position_embeddings, 2048)``.
 
     Args: ``run_config`` the run's ``config.json`` training settings (None or {} for a model adahop did
-    not train); ``max_position_embeddings`` the model config's, or None. Returns tokens per window
-    (int). Raises nothing. Source: ours (2048 is the window GPTQ and QuIP# report perplexity at)."""
+    not train); ``max_position_embeddings`` the model config's, or None; ``ptq_meta`` the model
+    config's ``adahop_ptq`` section, or None. Returns tokens per window (int). Raises nothing.
+    Source: ours (2048 is the window GPTQ and QuIP# report perplexity at)."""
     if run_config and run_config.get("seq_len"):
         return int(run_config["seq_len"])
+    if ptq_meta and ptq_meta.get("seq_len"):
+        return int(ptq_meta["seq_len"])
     return min(max_position_embeddings or FOREIGN_WINDOW, FOREIGN_WINDOW)
 
 

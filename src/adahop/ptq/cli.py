@@ -5,7 +5,8 @@
 
 Calibration uses the train split of ``--calib-data``, perplexity its val split. The printed
 perplexity is that of the written folder reloaded from disk (BF16 weights), so any tool that loads
-``--out`` measures the same number. The baseline it is compared with (``baseline`` in ptq.json, and
+``--out`` measures the same number at the same window (``seq_len`` in ptq.json and in config.json's
+``adahop_ptq``, which `adahop eval` of the folder takes by default). The baseline it is compared with (``baseline`` in ptq.json, and
 Δ ppl) is the unquantized model rounded to BF16, as its own BF16 export would reload: deployment
 against deployment. ``baseline_fp32`` is the model as loaded (a run's FP32 master weights). This module
 imports nothing heavy at the top.
@@ -115,10 +116,19 @@ def _check(args) -> None:
     if out.resolve().is_relative_to(model):
         raise ValueError(f"--out {out} is inside MODEL {args.model} (a run's checkpoints or exports live there); "
                          f"pass a folder outside it")
-    if (out / "config.json").is_file() and "adahop_ptq" not in _read_config(out / "config.json"):
-        # a folder of ours left by a failed attempt has adahop_ptq in its config.json and no ptq.json: it may be redone
+    ours = "adahop_ptq" in _read_config(out / "config.json")  # a failed attempt of ours (no ptq.json): may be redone
+    if (out / "config.json").is_file() and not ours:
         raise ValueError(f"--out {out} holds another model or run (its config.json is not one `adahop ptq` wrote), "
                          f"which the quantized folder would overwrite; pass a new --out")
+    if out.is_dir() and not ours and any(out.iterdir()):  # e.g. the --calib-data folder, or a model without config.json
+        names = ", ".join(sorted(p.name for p in out.iterdir())[:4])
+        raise ValueError(f"--out {out} already holds files ({names}, ...) that the quantized folder could overwrite; "
+                         f"pass a new or empty --out")
+    source = _read_config(model / "config.json").get("adahop_ptq")
+    if source:
+        raise ValueError(f"MODEL {args.model} is already quantized by `adahop ptq` ({source.get('method')}, "
+                         f"{source.get('bits')} bits): quantizing it again would score against the quantized model and hide "
+                         f"the first quantization's loss; quantize its source model ({source.get('source_model')}) instead")
 
 
 def _read_config(path: Path) -> dict:
@@ -216,7 +226,8 @@ def run(args: argparse.Namespace) -> dict:
     bpw = sum(r.stored_bits for r in layers.values()) / n_weights
     meta = {"method": args.method, "bits": args.bits, "quantizer": args.quantizer, "group_size": grid0.group_size,
             "seed": args.seed, "rotation": {k: getattr(rot_opts, k) for k in rot_opts.__slots__},
-            "source_model": str(args.model), "calib_data": str(data), "calib_tokens": len(batches) * args.batch_size * seq_len}
+            "source_model": str(args.model), "calib_data": str(data), "calib_tokens": len(batches) * args.batch_size * seq_len,
+            "seq_len": seq_len}  # the window it is scored at: `adahop eval` of the folder takes it by default
     out = Path(args.out)
     save_quantized(model, loaded.tokenizer, out, layers, meta)
     del model
