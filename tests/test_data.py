@@ -576,3 +576,29 @@ def test_hf_tokenizer_of_a_tiktoken_run_folder_prepares_the_same_ids(tmp_path):
     save_hf_tokenizer(run, data)
     s = "a<|endoftext|>b café"
     assert HFTokenizer(str(run)).encode_batch([s, s[:5]]) == [load_tokenizer(data).encode(t) for t in (s, s[:5])]
+
+
+def test_one_tokenizer_at_two_paths_shares_one_prepared_cache(tmp_path, monkeypatch):
+    # every `adahop ptq` folder holds a copy of the model's tokenizer.json; `adahop eval DIR --data default`
+    # re-tokenized the corpus into a new cache folder per copy (found by a new-user probe)
+    import shutil
+
+    from adahop.data.cache import cached_path
+    from adahop.data.tokenizer import train_bpe
+
+    monkeypatch.setenv("ADAHOP_CACHE", str(tmp_path / "cache"))
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    tok = train_bpe([text.read_text()], vocab_size=300)
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    tok.save(a)
+    shutil.copy(a / "tokenizer.json", b / "tokenizer.json")
+    pa = cached_path([str(text)], tokenizer=f"bpe:{a / 'tokenizer.json'}", vocab_size=300, val_fraction=0.1)[0]
+    pb = cached_path([str(text)], tokenizer=f"bpe:{b / 'tokenizer.json'}", vocab_size=300, val_fraction=0.1)[0]
+    assert pa == pb
+    c = tmp_path / "c"
+    c.mkdir()
+    train_bpe([text.read_text()], vocab_size=280).save(c)
+    pc = cached_path([str(text)], tokenizer=f"bpe:{c / 'tokenizer.json'}", vocab_size=300, val_fraction=0.1)[0]
+    assert pc != pa  # another tokenizer: its own prepared copy

@@ -854,3 +854,12 @@ def test_a_plan_folder_is_refused_with_the_file_to_pass(tmp_path):
     (tmp_path / "plan.json").write_text("{}")
     with pytest.raises(ValueError, match=f"--plan {tmp_path} is a folder; pass the plan file itself \\(--plan {tmp_path}/plan.json\\)"):
         resolve_recipe(TrainConfig(recipe="adahop-lv2", plan=str(tmp_path)))
+
+
+def test_a_device_that_names_nothing_is_a_clear_error():
+    # `adahop ptq/eval/train --device tpu` ended in torch's RuntimeError traceback (found by a new-user probe)
+    from adahop.train.setup import resolve_device
+
+    with pytest.raises(ValueError, match="--device 'tpu' is not a device; use auto, cpu, cuda or cuda:N"):
+        resolve_device("tpu")
+    assert resolve_device("cpu") == torch.device("cpu")

@@ -62,7 +62,10 @@ def cached_path(specs: Sequence[str], *, tokenizer: str, vocab_size: int, val_fr
     key = hashlib.sha256(json.dumps([content, vocab, planned["tokenizer"]["sha256"], planned["split"],
                                      planned["prepare_revision"]]).encode()).hexdigest()[:16]
     name = "default" if list(specs) == ["default"] else "data"
-    return _root() / f"{name}-{tokenizer.replace('/', '_').replace(':', '_')}-{vocab_size}-{key}", planned
+    # named by the tokenizer's kind, not its path: the key holds its fingerprint, so one tokenizer.json
+    # copied into many folders (every `adahop ptq` output) shares one prepared copy of the corpus
+    kind = tokenizer.split(":", 1)[0].replace("/", "_")
+    return _root() / f"{name}-{kind}-{vocab_size}-{key}", planned
 
 
 def is_cached(folder: str | Path) -> bool:

@@ -176,12 +176,16 @@ def check_run_dir(cfg: TrainConfig, run: Path) -> int | None:
 
 
 def resolve_device(spec: str) -> torch.device:
-    """'auto' → cuda if available else cpu. Raises ValueError for cuda without a GPU."""
+    """'auto' → cuda if available else cpu. Raises ValueError for cuda without a GPU, or a string that
+    names no device (e.g. 'tpu')."""
     if spec == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if spec.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA GPU is visible; use --device cpu")
-    return torch.device(spec)
+    try:
+        return torch.device(spec)
+    except RuntimeError:  # torch's message lists every device type it knows: name ours instead
+        raise ValueError(f"--device {spec!r} is not a device; use auto, cpu, cuda or cuda:N") from None
 
 
 def prepared_path(cfg: TrainConfig) -> Path:
