@@ -132,7 +132,7 @@ def test_answers_beyond_the_window_need_eval_max_length_and_keep_the_quantizatio
     short = tmp_path / "short"
     assert _ptq(run_dir, short, *flags) == 2
     err = capsys.readouterr().err
-    assert "--eval-max-length" in err and f"adahop eval {short}" in err and "--max-length" in err
+    assert "--eval-max-length" in err and f"adahop eval {short} --tasks piqa --limit 2 --max-length N" in err
     kept = json.loads((short / "ptq.json").read_text())  # the quantization's results are kept
     assert "zero_shot" not in kept and "window of 32 tokens" in kept["zero_shot_error"]
     wide = tmp_path / "wide"

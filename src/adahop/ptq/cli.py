@@ -250,7 +250,8 @@ def run(args: argparse.Namespace) -> dict:
             print(_table(res))
             atomic_write_text(out / RESULTS_FILE, json.dumps(res, indent=1))
             raise ValueError(f"{msg}. The quantized model and {RESULTS_FILE} are written to {out}; score it with "
-                             f"`adahop eval {out} --tasks {args.eval_tasks} --max-length N`") from None
+                             f"`adahop eval {out} --tasks {args.eval_tasks}"
+                             + (f" --limit {args.eval_limit}" if args.eval_limit else "") + " --max-length N`") from None
     res["seconds_total"] = time.perf_counter() - t_start
     print(_table(res))
     atomic_write_text(out / RESULTS_FILE, json.dumps(res, indent=1))  # written last: its presence means finished
