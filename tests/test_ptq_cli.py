@@ -225,6 +225,7 @@ def test_splits_too_small_for_the_options_are_refused_before_the_quantization(ru
     assert _ptq(run_dir, tmp_path / "b", "--method", "rtn", "--bits", "4", "--skip-baseline", "--batch-size", str(big)) == 2
     cap = capsys.readouterr()
     assert f"adahop ptq: error: --calib-data {data}: the val split has" in cap.err and "fewer than one batch" in cap.err
+    assert "world size" not in cap.err and "--val-fraction" not in cap.err  # training's options, not ptq's
     assert "block 1/" not in cap.out + cap.err and not (tmp_path / "b").exists()  # nothing was quantized
 
 

@@ -194,8 +194,16 @@ def run(args: argparse.Namespace) -> dict:
     check_window(model, args.eval_max_length if tasks is not None else None, "--eval-max-length")
 
     # both splits are checked now: a val split short of one batch failed only after the whole quantization
-    with _named("the val split", f"--calib-data {data}: the val split"):
-        scored_batches(data, "val", seq_len=seq_len, batch_size=args.batch_size, max_batches=args.eval_batches)
+    shown = data if Path(args.calib_data).resolve() == Path(data).resolve() else f"{args.calib_data} (prepared into {data})"
+    try:
+        with _named("the val split", f"--calib-data {shown}: the val split"):
+            scored_batches(data, "val", seq_len=seq_len, batch_size=args.batch_size, max_batches=args.eval_batches)
+    except ValueError as e:  # the shared message speaks of training's options; say what ptq can change
+        msg = str(e).replace(" (--batch-size x world size)", " (--batch-size)").replace(" (or a larger --val-fraction)", "")
+        if shown != data:  # text prepared here: its val split is a fixed share of it
+            msg += (f"; or prepare the text with a larger validation share, `adahop data prepare --source {args.calib_data} "
+                    f"--tokenizer hf:{args.model} --val-fraction 0.2 --out DIR`, and pass --calib-data DIR")
+        raise ValueError(msg) from None
     batches = calibration_batches(data, tokens=args.calib_tokens, seq_len=seq_len, batch_size=args.batch_size, seed=args.seed)
 
     def ppl(m):
