@@ -493,7 +493,15 @@ def test_msr_none_variant_and_bad_variants():
     assert get_recipe("adahop-lv2").fprop.a.max_scale_range == 8  # the preset itself is untouched
     both = get_recipe("mxfp4-had@only-wgrad@msr-none")
     assert both.wgrad.a.max_scale_range is None and both.fprop.strategy == "bf16"
-    assert get_recipe("nvfp4@msr-none").fprop == get_recipe("nvfp4").fprop  # NVFP4 operands have no such limit
+    # a variant that would change nothing is refused: it ran as its base under the variant's name (new-user probe)
+    for name, what in (("nvfp4@msr-none", "'msr-none' needs MXFP4 operands"), ("bf16@msr-none", "'msr-none' needs"),
+                       ("tseng@only-fprop@msr-none", "'msr-none' needs"), ("mxfp4@foid", "'foid' needs a recipe with Outlier"),
+                       ("mxfp4-had@bf16-calib@foid", "'foid' needs")):
+        with pytest.raises(ValueError, match=what):
+            get_recipe(name)
+    assert get_recipe("adahop-lv1@foid").dgrad.oe_select == "foid"
+    with pytest.raises(ValueError, match="unknown recipe variant 'only-foo'"):  # named before the count check
+        get_recipe("mxfp4@only-foo@only-fprop")
     with pytest.raises(ValueError, match="unknown recipe variant 'only-attn'"):
         get_recipe("mxfp4@only-attn")
     with pytest.raises(ValueError, match="at most once"):

@@ -50,7 +50,8 @@ def get_recipe(name: str) -> Recipe:
       (`docs/results.md`, per-GEMM ablation).
 
     Raises:
-        ValueError: unknown preset (lists the known names) or variant, a variant given twice, or
+        ValueError: unknown preset (lists the known names) or variant, a variant given twice, a variant
+            that would change nothing (``foid`` without OE, ``msr-none`` without a limited MXFP4 operand), or
             ``bf16-calib`` on a recipe that calibrates already or has a GEMM neither IHT nor BF16 (or none IHT).
     """
     base, *variants = name.split("@")
@@ -58,6 +59,9 @@ def get_recipe(name: str) -> Recipe:
         recipe = PRESETS[base]
     except KeyError:
         raise ValueError(f"unknown recipe {base!r}; known recipes: {', '.join(list_recipes())}") from None
+    for v in variants:  # names first: a misspelling is named as such, whatever else is wrong
+        if v not in VARIANTS:
+            raise ValueError(f"unknown recipe variant {v!r}; allowed after '@': {', '.join(VARIANTS)}")
     if len(set(variants)) != len(variants) or sum(v.startswith("only-") for v in variants) > 1:
         raise ValueError(f"recipe {name!r}: each variant at most once, and one only-GEMM at most")
     for v in variants:
@@ -71,12 +75,22 @@ def _variant(recipe: Recipe, variant: str) -> Recipe:
         bf16 = {g: GemmSpec(strategy="bf16") for g in GEMMS if g != keep}
         return replace(recipe, description=f"{recipe.description} [only {keep} quantized; the other GEMMs BF16]", **bf16)
     if variant == "msr-none":
+        if not any(op.fmt == "mxfp4" and op.max_scale_range is not None and recipe.gemm(g).strategy != "bf16"
+                   for g in GEMMS for op in (recipe.gemm(g).a, recipe.gemm(g).b)):
+            raise ValueError(f"recipe variant 'msr-none' needs MXFP4 operands with the exponent-range limit (mxfp4, "
+                             f"mxfp4-had, tseng, adahop-lv1/lv2); {recipe.name!r} has none: it would run as the base under another name")
+
         def unlimited(op: OperandSpec) -> OperandSpec:
             return replace(op, max_scale_range=None) if op.fmt == "mxfp4" else op
         specs = {g: replace(getattr(recipe, g), a=unlimited(recipe.gemm(g).a), b=unlimited(recipe.gemm(g).b))
                  for g in GEMMS}
         return replace(recipe, description=f"{recipe.description} [MXFP4 without the exponent-range limit]", **specs)
     if variant == "foid":
+        table = recipe.calibration.table if recipe.calibration is not None else None
+        if not any("oe" in recipe.gemm(g).strategy or (recipe.gemm(g).strategy == "calibrated" and table in ("lv1", "lv2"))
+                   for g in GEMMS):
+            raise ValueError(f"recipe variant 'foid' needs a recipe with Outlier Extraction (adahop-lv1, adahop-lv2); "
+                             f"{recipe.name!r} has none: FOID would select nothing and it would run as the base under another name")
         specs = {g: replace(getattr(recipe, g), oe_select="foid") for g in GEMMS}
         return replace(recipe, description=f"{recipe.description} [OE indices by FOID]", **specs)
     if variant == "mean-bf16":
