@@ -442,6 +442,18 @@ def test_describe_recipes_lists_every_preset():
         assert g in text
 
 
+def test_adahop_recipes_names_shows_those_recipes_variants_included(capsys):
+    # a variant's GEMM table was shown only by starting a training run (new-user probe)
+    from adahop.cli import main
+
+    assert main(["recipes", "mxfp4-had@only-wgrad", "adahop-lv2@foid"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("mxfp4-had@only-wgrad: ") and "\nadahop-lv2@foid: " in out and "\nmxfp4: " not in out
+    assert "dgrad  bf16" in out and "FOID first 64" in out
+    assert main(["recipes", "mxfp4@foid"]) == 2
+    assert "'foid' needs a recipe with Outlier Extraction" in capsys.readouterr().err
+
+
 def test_gemm_table_shows_each_operand():
     table = gemm_table(get_recipe("halo-2"))
     assert table.count("\n") >= 7  # header, rule, two rows per GEMM

@@ -60,7 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "at --seq-len 128)")
     cmp.add_argument("--task-data", default=None, help="`adahop eval --task-data` of --eval-tasks")
 
-    sub.add_parser("recipes", help="list the recipe presets and what each GEMM does")
+    rec = sub.add_parser("recipes", help="list the recipe presets and what each GEMM does")
+    rec.add_argument("names", nargs="*", metavar="NAME",
+                     help="only these recipes, variants included (e.g. mxfp4-had@only-wgrad); default: every preset")
 
     an = sub.add_parser("analyze", help="outlier-pattern census and the paper's figures")
     from .analysis.options import add_arguments as add_analyze
@@ -221,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "recipes":
             from .recipes.table import describe_recipes
 
-            print(describe_recipes())
+            print(describe_recipes(args.names or None))
         elif args.cmd == "analyze":
             _quiet_imports()
             from .analysis.cli import run

@@ -107,11 +107,15 @@ def gemm_table(recipe: Recipe) -> str:
     return "\n".join(lines + notes)
 
 
-def describe_recipes() -> str:
-    """Every preset, in :func:`~adahop.recipes.list_recipes` order: its name, its one-line
-    description and its :func:`gemm_table` (what ``adahop recipes`` prints)."""
+def describe_recipes(names: list[str] | None = None) -> str:
+    """Every preset, in :func:`~adahop.recipes.list_recipes` order, or the recipes ``names`` (variants
+    such as ``mxfp4-had@only-wgrad`` included): its name, its one-line description and its
+    :func:`gemm_table` (what ``adahop recipes [NAME ...]`` prints).
+
+    Raises:
+        ValueError: a name :func:`~adahop.recipes.get_recipe` refuses (its message names the fix)."""
     blocks = []
-    for name in list_recipes():
+    for name in names or list_recipes():
         r = get_recipe(name)
         table = "\n".join("    " + line for line in gemm_table(r).splitlines())
         blocks.append(f"{name}: {r.description}\n{table}")
