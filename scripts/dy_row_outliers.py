@@ -93,21 +93,22 @@ def main() -> None:
              "| position trend removed | control: random groups removed | corr(RMS, position) | RMS at positions 0-3 / median |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     summary = []
+    everything = torch.ones(tokens, dtype=torch.bool)
+    rank = lambda v: v.argsort().argsort().float()  # noqa: E731
+    pos_rank = rank(pos.float())
     for n in names:
         dy = grads[n]
         rms = dy.square().mean(1).sqrt()
         top = rms >= torch.quantile(rms, 0.99)
-        cells = [_test(dy, torch.ones(tokens, dtype=torch.bool))] + [_test(dy, ~m) for m in groups.values()]
+        cells = [_test(dy, everything)] + [_test(dy, ~m) for m in groups.values()]
         shares = [f"{float((top & m).sum()) / float(top.sum()):.0%}" for m in (first, is_eos, after_eos)]
         by_pos = rms.reshape(seqs, cfg.seq_len).mean(0).clamp_min(1e-30)  # mean row RMS at each position
-        everything = torch.ones(tokens, dtype=torch.bool)
         detrended = _test(dy / by_pos.repeat(seqs)[:, None], everything)
         by_group = torch.empty(tokens)  # the control: the same kind of division, random groups of `seqs` rows
         by_group[perm] = rms[perm].reshape(-1, seqs).mean(1).clamp_min(1e-30).repeat_interleave(seqs)
         control = _test(dy / by_group[:, None], everything)
         head = float(by_pos[:4].mean() / rms.median())
-        rank = lambda v: v.argsort().argsort().float()  # noqa: E731
-        corr = float(torch.corrcoef(torch.stack([rank(rms), rank(pos.float())]))[0, 1])
+        corr = float(torch.corrcoef(torch.stack([rank(rms), pos_rank]))[0, 1])
         short = n.replace("model.layers.", "L").replace("self_attn.", "").replace("mlp.", "")
         lines.append(f"| {short} | " + " | ".join(cells) + " | " + " / ".join(shares) + f" | {detrended} | {control} | {corr:+.2f} | {head:.1f} |")
         summary.append({"layer": n, "tests": cells, "top1pct_shares": shares, "detrended": detrended, "control": control,

@@ -3,7 +3,7 @@
     python experiments/quality/paired.py ARM BASE --seeds 0,1,2
 
 ``ARM`` and ``BASE`` are run-folder paths with ``{seed}`` in them (e.g.
-``docs/results/runs/msr/adahop-lv2@msr-none-s{seed}``). Runs of one seed share their initialization
+``docs/results/runs/q20m/adahop-lv2@msr-none-s{seed}``). Runs of one seed share their initialization
 and data order, so ARM − BASE at one step is far less noisy than a gap between seed means. Interrupted
 runs count up to their last evaluation. Prints a markdown table: step, ARM − BASE per seed, mean ± std
 over the seeds present.

@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "recipes":
             from .recipes.table import describe_recipes
 
-            print(describe_recipes(args.names or None))
+            print(describe_recipes(args.names))
         elif args.cmd == "analyze":
             _quiet_imports()
             from .analysis.cli import run

@@ -124,8 +124,8 @@ def quantize_layer(w: torch.Tensor, h: torch.Tensor, method: str, grid: Grid, *,
         else:
             codes, scales, q = grid.quantize(wq_in)
         weight = t.weight_inverse(q) if t is not None else q
-        if not bool(torch.isfinite(weight).all()):  # never write a model that decodes to NaN or inf
-            bad = int((~torch.isfinite(weight)).sum())
+        bad = int((~torch.isfinite(weight)).sum())
+        if bad:  # never write a model that decodes to NaN or inf
             finite_in = bool(torch.isfinite(w).all())
             raise ValueError(f"{method} with the {grid.name} grid produced {bad} non-finite weights of {m * n} ("
                              + ("the input weight is finite: a bug, please report it with the command)" if finite_in
