@@ -141,7 +141,9 @@ def bf16_step(model: torch.nn.Module, opt: torch.optim.Optimizer, cfg: TrainConf
               device: torch.device, autocast) -> float:
     """One optimizer step of the unconverted model as `adahop train --recipe bf16` takes it: ``x``, ``y``
     int64 ``[batch, seq_len]`` split into ``cfg.grad_accum`` micro-batches, cross-entropy, ``--grad-clip``,
-    then the step. Returns the step's mean loss. Hooks on the model see every backward."""
+    then the step. Returns the step's mean loss (float). Hooks on the model see every backward. Raises
+    nothing of its own (the model's and optimizer's errors pass through). Source: ours, the BF16 step of
+    `adahop train` that the census's calibration window observes (`specs/adahop.md` §2.3)."""
     micro, loss_sum = cfg.batch_size // cfg.grad_accum, 0.0
     for xm, ym in zip(x.split(micro), y.split(micro)):
         with autocast:

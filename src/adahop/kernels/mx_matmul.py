@@ -153,7 +153,11 @@ def mx_matmul_dequant(qa: MXTensor, qb: MXTensor, *, out_dtype: torch.dtype = to
 
     Both operands dequantized to BF16 (exact: see the module docstring), multiplied with FP32
     accumulation (``torch.mm(..., out_dtype=torch.float32)`` on CUDA, FP32 on the CPU). Same
-    arguments, layouts and result as :func:`mx_matmul_reference`, up to the order of the FP32 sums.
+    arguments, layouts and result as :func:`mx_matmul_reference` (``[M, N]`` in ``out_dtype``), up to
+    the order of the FP32 sums.
+
+    Raises:
+        ValueError: operands whose layouts do not multiply (:func:`check_mm_layout`).
     """
     m, _, n = check_mm_layout(qa, qb)
     a = qa.dequantize(torch.bfloat16)  # [M, Kc]
