@@ -14,7 +14,12 @@ plan uses a subset).
 
 Caveat: Triton 3.9 here vs Triton 3.6 on the H200 (its bundled ptxas 12.x for sm_90: ``--ptxas legacy``,
 the default, runs this Triton's bundled 12.9 likewise), and this machine's 2-core CPU:
-the set of specializations is the code's, the seconds are only indicative. Kernels Inductor
+the set of specializations is the code's, the seconds are only indicative. Run it under the GPU's own
+Triton before a GPU round: its compiler passes can fail where 3.9's do not (the transposing quantizer's
+row-max loop broke 3.6's TritonGPUOptimizeThreadLocality, found on the H200 first, then reproduced here):
+
+    pip install --no-deps --target /tmp/tr36 triton==3.6.0
+    PYTHONPATH=/tmp/tr36:src python scripts/compile_census.py --model llama-125m --recipes mxfp4,adahop-lv2 --tokens 1024 Kernels Inductor
 generates itself (casts, pads, the optimizer) are not counted.
 
     python scripts/compile_census.py --model llama3.1-8b --recipes mxfp4,adahop-lv2 --tokens 8192

@@ -360,6 +360,7 @@ CASES = [  # (shape, axis, hadamard_block, dtype, scale_rule, max_scale_range, s
     ((4, 17024), 1, 32, torch.bfloat16, "adahop", 8, False),  # the row loop (kp > 16384), read twice
     ((8, 512), 1, 512, torch.float32, "floor", 8, True),  # blocks above 256 (HALO): the Kronecker form, then the kernel
     ((512, 8), 0, 512, torch.bfloat16, "floor", 8, False),
+    ((8320, 8), 0, 32, torch.bfloat16, "floor", 8, False),  # transposing, 65 K-tiles: two steps of the row-max loop
 ]
 
 

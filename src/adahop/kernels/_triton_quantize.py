@@ -35,6 +35,9 @@ from ..formats.mxfp4 import folds_exactly
 from ._triton_launch import launch, row_geometry
 
 RULE_IDS = {"floor": 0, "ceil": 1, "adahop": 2, "tseng": 3}
+#: K-tiles of pass 1's amaxes the transposing quantizer reads per loop step (a fixed width, so the
+#: kernel does not specialize on each shape's tile count)
+PAMAX_CHUNK = tl.constexpr(64)
 
 
 # ----------------------------------------------------------------------------- device helpers
@@ -195,7 +198,7 @@ def _mx_amax_kernel(x_ptr, stride_r, stride_k, rows, kc, pamax_ptr, n_kt, signs_
 @triton.jit
 def _mx_quantize_kernel(x_ptr, stride_r, stride_k, rows, kc, kp,
                         codes_ptr, scales_ptr, fp8_ptr, rscale_ptr, pamax_ptr, n_kt, signs_ptr, seed_ptr, keep_ptr,
-                        BR: tl.constexpr, BK: tl.constexpr, NCHUNK: tl.constexpr, NKT: tl.constexpr,
+                        BR: tl.constexpr, BK: tl.constexpr, NCHUNK: tl.constexpr,
                         LAYOUT: tl.constexpr, VEC: tl.constexpr, MASK_R: tl.constexpr, MASK_K: tl.constexpr,
                         INT64: tl.constexpr,
                         HB: tl.constexpr, LOG_HB: tl.constexpr, HSCALE: tl.constexpr, HAS_SIGNS: tl.constexpr,
@@ -214,10 +217,15 @@ def _mx_quantize_kernel(x_ptr, stride_r, stride_k, rows, kc, kp,
     r = pid_r * BR + tl.arange(0, BR)
     rmask = r < rows
     row_amax = tl.zeros([BR], dtype=tl.float32)
-    if ROW_SRC == 2:
-        t = tl.arange(0, NKT)
-        pa = tl.load(pamax_ptr + r[:, None] * n_kt + t[None, :], mask=rmask[:, None] & (t < n_kt)[None, :], other=0.0)
-        row_amax = tl.max(pa, axis=1)
+    if ROW_SRC == 2:  # a runtime loop over pass 1's amaxes: one compiled kernel for every K (cold compile, issue 18)
+        # elementwise max across chunks, one reduction after the loop: a reduction inside the loop
+        # breaks Triton 3.6's TritonGPUOptimizeThreadLocality pass (compile failure on sm_90)
+        pa_max = tl.zeros([BR, PAMAX_CHUNK], dtype=tl.float32)
+        for t0 in range(0, n_kt, PAMAX_CHUNK):
+            t = t0 + tl.arange(0, PAMAX_CHUNK)
+            pa = tl.load(pamax_ptr + r[:, None] * n_kt + t[None, :], mask=rmask[:, None] & (t < n_kt)[None, :], other=0.0)
+            pa_max = tl.maximum(pa_max, pa)
+        row_amax = tl.max(pa_max, axis=1)  # amaxes are >= 0 and masked lanes 0: the max of maxes is exact
     if ROW_SRC == 1 and NCHUNK > 1:
         for c in range(NCHUNK):
             _, amax, _ = _load_blocks(x_ptr, stride_r, stride_k, r, c * BK, rows, kc, signs_ptr, keep_ptr, BR, BK, LAYOUT,
@@ -347,7 +355,7 @@ def _launch_config(rows, kc, stride_r, stride_k, elem_size, hb, has_signs, stoch
                   MASK_K=kc % (bk * nchunk) != 0 or kc != kp, INT64=False,
                   HB=hb, LOG_HB=int(math.log2(hb)) if hb else 0, HSCALE=_f32(1 / math.sqrt(hb)) if hb else 1.0,
                   HAS_SIGNS=has_signs, ZERO_ROWS=zero_rows, num_warps=p["num_warps"])
-    quant = dict(common, NCHUNK=nchunk, NKT=triton.next_power_of_2(n_kt), RULE=RULE_IDS[scale_rule],
+    quant = dict(common, NCHUNK=nchunk, RULE=RULE_IDS[scale_rule],
                  STOCHASTIC=stochastic, MSR=msr, ROW_SRC=row_src, WRITE_CODES=write_codes, WRITE_FP8=write_fp8,
                  ELEM_SCALE=_f32(4.0 / 3.0) if scale_rule == "tseng" else 1.0)
     return kp, write_fp8, (triton.cdiv(rows, br), n_kt), n_kt, row_src, common, quant
