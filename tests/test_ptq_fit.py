@@ -80,3 +80,17 @@ def test_bench_harp_runs_and_projects_the_whole_model(repo_script, tmp_path):
     assert sum(r["layers"] for r in res["rows"]) == 7 * 2  # llama-tiny: two blocks
     assert res["total_s"] == pytest.approx(sum(r["s_per_layer"] * r["layers"] for r in res["rows"]))
     assert all(r["ms_per_step"] > 0 and r["loss_end"] < r["loss_start"] for r in res["rows"])  # each fit from the RHT start
+
+
+def test_cuda_graph_is_refused_where_it_cannot_run_and_off_by_default_on_the_cpu(gen):
+    w, h = _layer(gen)
+    grid = make_grid("int", 2, 32)
+
+    def rot():
+        return TwoSided.random_signs(HARPRotation(32), HARPRotation(64), generator=torch.Generator().manual_seed(3))
+
+    with pytest.raises(ValueError, match="cuda_graph=True needs w on CUDA"):
+        fit_harp(w, h, rot(), grid, FitOptions(steps=4), cuda_graph=True)
+    a, b = fit_harp(w, h, rot(), grid, FitOptions(steps=8)), fit_harp(w, h, rot(), grid, FitOptions(steps=8), cuda_graph=False)
+    assert not a.cuda_graph and a.loss_end == b.loss_end and a.history == b.history  # the default on a CPU is the eager loop
+    assert make_grid("nvfp4", 4).capturable is False and grid.capturable  # NVFP4 reads its tensor scale to the host

@@ -20,6 +20,7 @@ whatever device ``W`` is on.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -81,7 +82,8 @@ def proxy_loss(wt: torch.Tensor, ht: torch.Tensor, grid: Grid, opts: FitOptions,
 
 @dataclass
 class FitResult:
-    """What a fit did: losses at the RHT start and at the end (each with a fresh target), time."""
+    """What a fit did: losses at the RHT start and at the end (each with a fresh target), time, and
+    whether its steps replayed a CUDA graph."""
 
     loss_start: float
     loss_end: float
@@ -90,9 +92,16 @@ class FitResult:
     seconds: float
     steps: int
     history: list[float] = field(default_factory=list)
+    cuda_graph: bool = False
 
 
-def fit_harp(w: torch.Tensor, h: torch.Tensor, transform: TwoSided, grid: Grid, opts: FitOptions = FitOptions()) -> FitResult:
+#: Eager steps before a CUDA graph is captured: they build Adam's state and the cached grid
+#: constants outside the capture (and are real steps of the fit).
+GRAPH_WARMUP = 3
+
+
+def fit_harp(w: torch.Tensor, h: torch.Tensor, transform: TwoSided, grid: Grid, opts: FitOptions = FitOptions(),
+             *, cuda_graph: bool | None = None) -> FitResult:
     """Fit ``transform.u`` and ``transform.v`` (:class:`~adahop.ptq.rotation.HARPRotation` modules,
     on ``w``'s device) in place, then round their parameters to what the artifact stores (FP16).
 
@@ -101,41 +110,95 @@ def fit_harp(w: torch.Tensor, h: torch.Tensor, transform: TwoSided, grid: Grid, 
         transform: signs and the two rotations; the signs stay fixed.
         grid: the quantizer whose RTN is the target.
         opts: :class:`FitOptions`.
+        cuda_graph: replay each Adam step from one captured CUDA graph (None: on CUDA when the target
+            is refreshed every step and the grid is ``capturable``: not NVFP4, whose tensor scale is read
+            to the host). A step is ~1,300 small ops, so on a GPU the host's launches, not the
+            arithmetic, set its time; the graph removes them. A capture that fails falls back to eager
+            steps with a warning.
 
     Returns:
         A :class:`FitResult`; ``history`` holds the loss every 50 steps.
+
+    Raises:
+        ValueError: ``cuda_graph=True`` off CUDA or with ``opts.refresh > 1``.
     """
+    on_cuda = w.device.type == "cuda"
+    if cuda_graph and (not on_cuda or opts.refresh != 1):
+        raise ValueError(f"cuda_graph=True needs w on CUDA (it is on {w.device}) and refresh=1 (it is {opts.refresh})")
+    graph = on_cuda and opts.refresh == 1 and grid.capturable if cuda_graph is None else cuda_graph
     hn = h.float() / torch.diagonal(h).float().mean().clamp(min=1e-30)
     params = list(transform.u.parameters()) + list(transform.v.parameters())
-    opt = torch.optim.Adam(params, lr=opts.lr)
+    opt = torch.optim.Adam(params, lr=opts.lr, capturable=graph)  # capturable: its step count lives on the GPU
 
     def losses():
         return proxy_loss(transform.weight(w), transform.hessian(hn), grid, opts)
 
-    with torch.no_grad():
-        l0, q0 = losses()
-    sync = w.device.type == "cuda"
-    if sync:
-        torch.cuda.synchronize(w.device)
-    t0 = time.perf_counter()
-    target, hist = None, []
-    for step in range(opts.steps):
+    target = None
+
+    def step(i: int) -> torch.Tensor:
+        """One Adam step (gradients must be None or zero on entry); the loss before it, detached."""
+        nonlocal target
         ks = transform.kernels()  # once per step: W and both sides of H share V's solves
         wt = transform.weight(w, ks)
-        if step % opts.refresh == 0:
+        if i % opts.refresh == 0:
             with torch.no_grad():
                 target = grid.fake_quantize(wt.detach())
         loss, _ = proxy_loss(wt, transform.hessian(hn, ks), grid, opts, target)
-        opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        if step % 50 == 0:
-            hist.append(float(loss.detach()))
+        return loss.detach()
+
+    def eager(first: int) -> None:
+        for i in range(first, opts.steps):
+            opt.zero_grad(set_to_none=True)
+            loss = step(i)
+            if i % 50 == 0:
+                hist.append(float(loss))
+
+    with torch.no_grad():
+        l0, q0 = losses()
+    if on_cuda:
+        torch.cuda.synchronize(w.device)
+    t0 = time.perf_counter()
+    hist: list[float] = []
+    if graph and opts.steps > GRAPH_WARMUP:
+        graph = _graphed(step, eager, opt, opts.steps, hist, w.device)
+    else:
+        eager(0)
     transform.u.round_params_fp16()
     transform.v.round_params_fp16()
-    if sync:
+    if on_cuda:
         torch.cuda.synchronize(w.device)
     secs = time.perf_counter() - t0
     with torch.no_grad():
         l1, q1 = losses()
-    return FitResult(float(l0), float(l1), float(q0), float(q1), secs, opts.steps, hist)
+    return FitResult(float(l0), float(l1), float(q0), float(q1), secs, opts.steps, hist, bool(graph))
+
+
+def _graphed(step, eager, opt, steps: int, hist: list, device) -> bool:
+    """Run ``steps`` Adam steps: :data:`GRAPH_WARMUP` eager on a side stream, then one captured step
+    replayed (PyTorch's whole-network capture recipe). False if the capture failed and the rest ran eager."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for i in range(GRAPH_WARMUP):
+            opt.zero_grad(set_to_none=True)
+            loss = step(i)
+            if i % 50 == 0:
+                hist.append(float(loss))
+    torch.cuda.current_stream(device).wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    opt.zero_grad(set_to_none=True)  # backward inside the capture allocates the grads from the graph's pool
+    try:
+        with torch.cuda.graph(g):
+            static_loss = step(GRAPH_WARMUP)  # refresh == 1: every step takes a fresh target
+    except RuntimeError as e:  # nothing ran during the capture: the parameters are those after warm-up
+        warnings.warn(f"HARP fit: CUDA graph capture failed ({str(e).splitlines()[0][:160]}); the steps run eager")
+        torch.cuda.synchronize(device)
+        eager(GRAPH_WARMUP)
+        return False
+    for i in range(GRAPH_WARMUP, steps):
+        g.replay()
+        if i % 50 == 0:
+            hist.append(float(static_loss))
+    return True

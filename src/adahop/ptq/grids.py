@@ -45,6 +45,8 @@ class Grid:
     group_size: int
 
     name = "grid"
+    #: fake_quantize runs without reading the GPU from the host, so HARP's fit can capture it in a CUDA graph
+    capturable = True
 
     def prepare(self, w: torch.Tensor) -> None:
         """Tensor-wide state taken from the whole weight before quantization (NVFP4's global scale)."""
@@ -178,6 +180,7 @@ class NVFP4Grid(Grid):
     ``s_global = amax_tensor / (448·6)`` taken from the weight before GPTQ updates it)."""
 
     name = "nvfp4"
+    capturable = False  # fake_quantize reads the tensor scale to the host
     global_scale: float | None = None
 
     def prepare(self, w):

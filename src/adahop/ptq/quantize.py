@@ -106,7 +106,8 @@ def quantize_layer(w: torch.Tensor, h: torch.Tensor, method: str, grid: Grid, *,
         if rot == "harp":
             fit = fit_harp(w, h, t, grid, fit_opts)
             stats["harp"] = {"loss_start": fit.loss_start, "loss_end": fit.loss_end, "lq_start": fit.lq_start,
-                             "lq_end": fit.lq_end, "seconds": fit.seconds, "steps": fit.steps}
+                             "lq_end": fit.lq_end, "seconds": fit.seconds, "steps": fit.steps,
+                             "cuda_graph": fit.cuda_graph}
         with torch.no_grad():
             wq_in, hq_in = t.weight(w), t.hessian(h)
         stored["signs_out"] = pack_bits((t.s_out < 0).to(torch.uint8), 1)
