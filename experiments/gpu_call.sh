@@ -95,9 +95,13 @@
 #      machine: runs/ptq/bench_harp_350m.json), then llama-125m and llama-350m trained on the main corpus in bf16 and
 #      adahop-lv2 (PTQ_STEPS steps of 1024 x 16, default 1800 = 29.5M tokens: round 18's 600 left models that 2-bit RTN
 #      cost only 2.5-3.4%; all four at once, skipped when runs/ptq/<model>/summary.json exists), then (HARP_E2E=1, the
-#      default) one harp-gptq W2 cell of 350m-bf16 alone, timed end to end ($OUT/harp_e2e_350m.log), then the table, then scripts/run_ptq_experiment.py over
-#      the four with what is left of LIM (cheap cells first, HARP last, PTQ_CONC cells at once, default 4);
-#      $OUT/ptq.tgz: summary.md/json, cell logs. HARP_BENCH=0 skips bench_harp; PTQ_RESERVE (default 240): seconds of LIM
+#      default) one harp-gptq W2 cell of 350m-bf16 timed end to end beside the table's cells ($OUT/harp_e2e_350m.log,
+#      runs/ptq_e2e), and scripts/run_ptq_experiment.py over
+#      the models with what is left of LIM (cheap cells first, HARP last, PTQ_CONC cells at once);
+#      $OUT/ptq.tgz: summary.md/json, cell logs. HARP_BENCH=0 skips bench_harp; PTQ_MODELS (default "llama-125m llama-350m"):
+#      the sizes this call trains and tabulates (a machine can be lost between calls, round 21: one size per call keeps
+#      each call's models and cells together; the summaries of several calls are merged on the dev machine);
+#      PTQ_CONC (default 6); PTQ_RESERVE (default 240): seconds of LIM
 #      kept after training for the PTQ cells (30 for a call that only trains: the models cannot leave the machine, so
 #      training and the table must happen in one session, e.g. two training calls then one table call while warm)
 #   r19a, r19b (round 19, one GPU; issue 18's rows with the current code, none measured since round 6 but llama-125m):
@@ -289,7 +293,7 @@ if [ "$STAGE" = p13 ]; then  # issue 22: the models of our own, then the PTQ tab
   mkdir -p runs/ptq
   [ -f runs/ptq/bench_harp_350m.json ] || [ "${HARP_BENCH:-1}" = 0 ] || { timeout 150 python3 scripts/bench_harp.py --model llama-350m --steps ${HARP_BENCH_STEPS:-50} \
     --json runs/ptq/bench_harp_350m.json 2>&1 | grep -v -i warn | tail -9; echo "bench_harp done at $(el) s"; }
-  for M in llama-125m llama-350m; do for R in bf16 adahop-lv2; do
+  for M in ${PTQ_MODELS:-llama-125m llama-350m}; do for R in bf16 adahop-lv2; do
     D=runs/ptq/${M#llama-}-$R
     [ -f $D/summary.json ] && ! grep -q '"interrupted": true' $D/summary.json && continue
     RES=; [ -d $D/checkpoints ] && RES=--resume  # SIGINT at the budget writes a checkpoint; the next call resumes it
@@ -300,17 +304,21 @@ if [ "$STAGE" = p13 ]; then  # issue 22: the models of our own, then the PTQ tab
   done; done
   wait; echo "training done at $(el) s"
   for f in runs/ptq/*/summary.json; do python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print(sys.argv[1], d.get('steps'), d.get('final_val_loss'), d.get('interrupted'), round(d.get('tok_per_s') or 0))" $f; done
-  MODELS=$(for D in runs/ptq/*/; do [ -f $D/model.safetensors ] && ! grep -q '"interrupted": true' $D/summary.json && printf "%s," ${D%/}; done)
-  E2E=runs/ptq_table/350m-bf16/harp-gptq-w2-int  # issue 22's "350m end to end in under 10 minutes": one HARP cell alone first,
-  if [ "${HARP_E2E:-1}" = 1 ] && [[ ",$MODELS" == *",runs/ptq/350m-bf16,"* ]] && [ ! -f $E2E/ptq.json ] && [ $(( ${LIM:-560} - $(el) )) -ge 300 ]; then
-    timeout $(( ${LIM:-560} - 30 - $(el) )) python3 -m adahop ptq runs/ptq/350m-bf16 --method harp-gptq --bits 2 --quantizer int \
-      --calib-data runs/issue19/main --calib-tokens 131072 --batch-size 8 --device auto --out $E2E > $OUT/harp_e2e_350m.log 2>&1
-    echo "harp-gptq W2 350m end to end: exit $? at $(el) s"; grep -E "^block|seconds|\| harp" $OUT/harp_e2e_350m.log | tail -4 | cut -c1-200
-  fi  # (the table skips the cell once its ptq.json exists; a timeout leaves the per-block times in the log)
+  MODELS=$(for M in ${PTQ_MODELS:-llama-125m llama-350m}; do for R in bf16 adahop-lv2; do D=runs/ptq/${M#llama-}-$R
+    [ -f $D/model.safetensors ] && ! grep -q '"interrupted": true' $D/summary.json && printf "%s," $D; done; done)
+  E2E=runs/ptq_e2e/350m-bf16-harp-gptq-w2-int  # issue 22's "350m end to end in under 10 minutes": one HARP cell beside the
+  E2EPID=; C=${PTQ_CONC:-6}                        # table's cells (they share the GPU: its time is an upper bound)
+  if [ "${HARP_E2E:-1}" = 1 ] && [[ ",$MODELS" == *",runs/ptq/350m-bf16,"* ]] && [ ! -f $E2E/ptq.json ] && [ $(( ${LIM:-560} - $(el) )) -ge 120 ]; then
+    mkdir -p runs/ptq_e2e; C=$(( C - 1 ))
+    timeout $(( ${LIM:-560} - 20 - $(el) )) python3 -m adahop ptq runs/ptq/350m-bf16 --method harp-gptq --bits 2 --quantizer int \
+      --calib-data runs/issue19/main --calib-tokens 131072 --batch-size 8 --device auto --out $E2E > $OUT/harp_e2e_350m.log 2>&1 &
+    E2EPID=$!
+  fi  # (a timeout leaves the per-block times in the log)
   [ -n "$MODELS" ] && timeout $(( ${LIM:-560} - $(el) )) python3 scripts/run_ptq_experiment.py --data runs/issue19/main \
-    --models ${MODELS%,} --out runs/ptq_table --concurrent ${PTQ_CONC:-4} --budget-s $(( ${LIM:-560} - 60 - $(el) )) > $OUT/ptq_launcher.log 2>&1
+    --models ${MODELS%,} --out runs/ptq_table --concurrent $C --budget-s $(( ${LIM:-560} - 60 - $(el) )) > $OUT/ptq_launcher.log 2>&1
   echo "ptq: exit $? at $(el) s"; tail -5 $OUT/ptq_launcher.log
-  (cd runs && tar czf $OUT/ptq.tgz --exclude='*.safetensors' --exclude=checkpoints --exclude='tokenizer*' ptq_table ptq 2>/dev/null)
+  [ -n "$E2EPID" ] && { wait $E2EPID; echo "harp-gptq W2 350m end to end: exit $? at $(el) s"; grep -E "^block|seconds|\| harp" $OUT/harp_e2e_350m.log | tail -4 | cut -c1-200; }
+  (cd runs && tar czf $OUT/ptq.tgz --exclude='*.safetensors' --exclude=checkpoints --exclude='tokenizer*' ptq_table ptq ptq_e2e 2>/dev/null)
   (cd $OUT && tar czf train_logs.tgz train_*.log && rm -f train_*.log)
   echo "stage $STAGE done at $(el) s"; exit 0
 fi
