@@ -88,6 +88,19 @@ def test_int_grid_scale_is_the_first_clipping_ratio_with_the_least_error(bits, g
     assert (best != (amax / (2 ** (bits - 1) - 0.5)).half().float()).any()  # some rows do clip
 
 
+@pytest.mark.parametrize("n", [64, 160, 300])
+def test_a_shorter_last_group_is_quantized_on_its_own(n, gen):
+    """n not a multiple of the group (2752 = 21·128 + 64): the whole groups run at once, the last alone;
+    each group must get exactly what quantizing it by itself gives."""
+    grid = make_grid("int", 2, 64)
+    w = torch.randn(5, n, generator=gen) * torch.rand(1, n, generator=gen) * 4
+    codes, scales, vals = grid.quantize(w)
+    assert codes.shape == vals.shape == (5, n) and scales.shape == (5, -(-n // 64))
+    for j, a in enumerate(range(0, n, 64)):
+        c, s, v = grid.quantize(w[:, a:a + 64])
+        assert torch.equal(scales[:, j:j + 1], s) and torch.equal(vals[:, a:a + 64], v) and torch.equal(codes[:, a:a + 64], c)
+
+
 @pytest.mark.parametrize("q", ["mxfp4", "nvfp4"])
 def test_fp_grid_codes_and_stored_scales_decode_to_the_values(q, gen):
     grid = make_grid(q, 4)

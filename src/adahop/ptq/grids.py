@@ -32,11 +32,6 @@ def _clip_ratios(clip: tuple[float, ...], device: torch.device) -> torch.Tensor:
     return torch.tensor(clip, dtype=torch.float32, device=device).view(-1, 1, 1)
 
 
-def _groups(n: int, g: int) -> list[tuple[int, int]]:
-    """Column ranges of the groups of a width-``n`` weight (the last one may be shorter)."""
-    return [(a, min(a + g, n)) for a in range(0, n, g)]
-
-
 @dataclass
 class Grid:
     """Base of the grids. ``bits``: code bits per element; ``group_size``: columns per scale."""
@@ -77,17 +72,20 @@ class Grid:
         self.prepare(w)
         m, n = w.shape
         g = self.group_size
-        if n % g == 0:  # all groups at once: one row per (row, group)
-            wg = w.reshape(m * (n // g), g)
+        full = n // g * g
+        parts = []
+        if full:  # the whole groups at once: one row per (row, group)
+            wg = w[:, :full].reshape(m * (n // g), g)
             s = self.scales(wg)
             c, v = self.round(wg, s)
-            return c.reshape(m, n), s.reshape(m, n // g), v.reshape(m, n)
-        codes, scales, vals = [], [], []
-        for a, b in _groups(n, g):
-            s = self.scales(w[:, a:b])
-            c, v = self.round(w[:, a:b], s)
-            codes.append(c), scales.append(s), vals.append(v)
-        return torch.cat(codes, 1), torch.cat(scales, 1), torch.cat(vals, 1)
+            parts.append((c.reshape(m, full), s.reshape(m, n // g), v.reshape(m, full)))
+        if full < n:  # the shorter last group on its own (2752 = 21·128 + 64): padding would change its scale
+            s = self.scales(w[:, full:])
+            c, v = self.round(w[:, full:], s)
+            parts.append((c, s, v))
+        if len(parts) == 1:
+            return parts[0]
+        return tuple(torch.cat(t, 1) for t in zip(*parts))
 
     def bits_per_weight(self, m: int, n: int) -> float:
         """Bits stored per weight of an ``[m, n]`` layer by codes and scales (rotations not included)."""
