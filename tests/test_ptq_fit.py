@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from adahop.ptq.fit import FitOptions, fit_harp, offblock_energy, proxy_loss
+from adahop.ptq.fit import FitOptions, fit_harp, fit_harp_many, offblock_energy, proxy_loss
 from adahop.ptq.grids import make_grid
 from adahop.ptq.incoherence import RHTRotation, TwoSided
 from adahop.ptq.rotation import HARPRotation
@@ -93,4 +93,35 @@ def test_cuda_graph_is_refused_where_it_cannot_run_and_off_by_default_on_the_cpu
         fit_harp(w, h, rot(), grid, FitOptions(steps=4), cuda_graph=True)
     a, b = fit_harp(w, h, rot(), grid, FitOptions(steps=8)), fit_harp(w, h, rot(), grid, FitOptions(steps=8), cuda_graph=False)
     assert not a.cuda_graph and a.loss_end == b.loss_end and a.history == b.history  # the default on a CPU is the eager loop
-    assert make_grid("nvfp4", 4).capturable is False and grid.capturable  # NVFP4 reads its tensor scale to the host
+    assert make_grid("nvfp4", 4).tensor_scale and not grid.tensor_scale  # NVFP4 reads its tensor scale to the host
+
+
+@pytest.mark.parametrize("q,bits", [("int", 2), ("nvfp4", 4)])
+def test_fitting_layers_together_equals_fitting_each_alone(q, bits, gen):
+    """fit_harp_many sums independent losses: each Θ must follow the path its own fit takes (NVFP4's
+    tensor scale is taken per layer, not over the stack)."""
+    grid = make_grid(q, bits, 32 if q == "int" else None)
+    layers = [_layer(gen) for _ in range(3)]
+    layers[1] = (layers[1][0] * 5, layers[1][1])  # another scale: a shared target or RMS would show
+
+    def rots():
+        g = torch.Generator().manual_seed(11)
+        return [TwoSided.random_signs(HARPRotation(32), HARPRotation(64), generator=g) for _ in layers]
+
+    opts = FitOptions(steps=2)  # few: the RTN target is discontinuous, so a float-rounding gap can flip an element's level
+    alone, together = rots(), rots()
+    res_alone = [fit_harp(w, h, t, grid, opts) for (w, h), t in zip(layers, alone)]
+    res_together = fit_harp_many([w for w, _ in layers], [h for _, h in layers], together, grid, opts)
+    for a, b, ra, rb in zip(alone, together, res_alone, res_together):
+        for pa, pb in zip(list(a.u.thetas) + list(a.v.thetas), list(b.u.thetas) + list(b.v.thetas)):
+            torch.testing.assert_close(pa.detach(), pb.detach(), rtol=0, atol=2.5e-4)  # one FP16 step of the stored Θ
+        assert rb.loss_end == pytest.approx(ra.loss_end, rel=1e-4) and rb.loss_start == pytest.approx(ra.loss_start, rel=1e-6)
+        assert rb.loss_end < rb.loss_start
+
+
+def test_fit_harp_many_refuses_mixed_shapes(gen):
+    grid = make_grid("int", 2, 32)
+    (w, h), g = _layer(gen), torch.Generator().manual_seed(0)
+    t = TwoSided.random_signs(HARPRotation(32), HARPRotation(64), generator=g)
+    with pytest.raises(ValueError, match="weights of one shape"):
+        fit_harp_many([w, w[:16]], [h, h], [t, t], grid, FitOptions(steps=2))

@@ -100,7 +100,7 @@ def block_hessians(model: nn.Module, block: nn.Module, batches: list[torch.Tenso
 
 
 def quantize_model(model: nn.Module, batches: list[torch.Tensor], quantize: Callable, *, device: torch.device,
-                   log: Callable[[str], None] = print) -> dict[str, object]:
+                   log: Callable[[str], None] = print, prepare: Callable | None = None) -> dict[str, object]:
     """Quantize every ``nn.Linear`` of every decoder block, block by block, in place.
 
     Args:
@@ -110,6 +110,8 @@ def quantize_model(model: nn.Module, batches: list[torch.Tensor], quantize: Call
             (:func:`adahop.ptq.quantize.quantize_layer` with the method bound).
         device: where the model runs.
         log: one line per block.
+        prepare: ``prepare([(name, weight, H), ...])``, called with each block's layers before ``quantize``
+            sees them one by one (HARP fits a block's layers of one shape together there).
 
     Returns:
         ``{qualified layer name: LayerResult}``. Each layer's weight is replaced by the result's,
@@ -122,9 +124,11 @@ def quantize_model(model: nn.Module, batches: list[torch.Tensor], quantize: Call
     for i, block in enumerate(blocks):
         t0 = time.perf_counter()
         hs = block_hessians(model, block, batches, device)
-        for name, lin in block_linears(block):
-            full = f"{prefix}.{i}.{name}"
-            res = quantize(full, lin.weight.detach().float(), hs[name])
+        items = [(f"{prefix}.{i}.{name}", lin.weight.detach().float(), hs[name]) for name, lin in block_linears(block)]
+        if prepare is not None:
+            prepare(items)
+        for (full, w, h), (_, lin) in zip(items, block_linears(block)):
+            res = quantize(full, w, h)
             with torch.no_grad():
                 lin.weight.copy_(res.weight.to(torch.bfloat16).to(lin.weight.dtype))
             out[full] = res

@@ -167,7 +167,7 @@ def run(args: argparse.Namespace) -> dict:
     from .calibrate import calibration_batches, quantize_model
     from .export import PACKED_FILE, RESULTS_FILE, save_quantized
     from .fit import FitOptions
-    from .quantize import RotationOptions, quantize_layer
+    from .quantize import RotationOptions, fit_block, quantize_layer
 
     fit_opts = FitOptions(steps=args.harp_steps, lr=args.harp_lr, hbd_lambda=args.hbd_lambda, hbd_block=args.hbd_block)
     rot_opts = RotationOptions(radix=args.radix, max_radix=args.max_radix, passes=args.passes, mixer=args.mixer)
@@ -220,15 +220,22 @@ def run(args: argparse.Namespace) -> dict:
     gen = torch.Generator().manual_seed(args.seed)
     grid0 = make_grid(args.quantizer, args.bits, args.group_size)
 
+    fitted = {}
+
+    def prepare(items):  # harp-*: a block's layers of one shape share one fit (fewer, larger launches)
+        fitted.clear()
+        fitted.update(fit_block(items, args.method, make_grid(args.quantizer, args.bits, args.group_size), generator=gen,
+                                rot_opts=rot_opts, fit_opts=fit_opts, seed=args.seed))
+
     def quantize(name, w, h):
         try:
             return quantize_layer(w, h, args.method, make_grid(args.quantizer, args.bits, args.group_size), generator=gen,
-                                  rot_opts=rot_opts, fit_opts=fit_opts, damp=args.damp, seed=args.seed)
+                                  rot_opts=rot_opts, fit_opts=fit_opts, damp=args.damp, seed=args.seed, fitted=fitted.get(name))
         except ValueError as e:  # name the layer: nothing is written
             raise ValueError(f"{name}: {e}") from None
 
     t_q = time.perf_counter()
-    layers = quantize_model(model, batches, quantize, device=device)
+    layers = quantize_model(model, batches, quantize, device=device, prepare=prepare)
     quant_s = time.perf_counter() - t_q
     n_weights = sum(r.weight.numel() for r in layers.values())
     bpw = sum(r.stored_bits for r in layers.values()) / n_weights

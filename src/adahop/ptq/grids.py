@@ -40,8 +40,9 @@ class Grid:
     group_size: int
 
     name = "grid"
-    #: fake_quantize runs without reading the GPU from the host, so HARP's fit can capture it in a CUDA graph
-    capturable = True
+    #: a scale over the whole tensor (NVFP4's): rows are not rounded independently of each other, and
+    #: fake_quantize reads that scale to the host (HARP's fit then neither stacks layers' rows nor uses a CUDA graph)
+    tensor_scale = False
 
     def prepare(self, w: torch.Tensor) -> None:
         """Tensor-wide state taken from the whole weight before quantization (NVFP4's global scale)."""
@@ -178,7 +179,7 @@ class NVFP4Grid(Grid):
     ``s_global = amax_tensor / (448·6)`` taken from the weight before GPTQ updates it)."""
 
     name = "nvfp4"
-    capturable = False  # fake_quantize reads the tensor scale to the host
+    tensor_scale = True
     global_scale: float | None = None
 
     def prepare(self, w):

@@ -12,14 +12,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .fit import FitOptions, fit_harp
+from .fit import FitOptions, FitResult, fit_harp, fit_harp_many
 from .gptq import gptq, proxy_error
 from .grids import Grid
 from .incoherence import MIN_BLOCK, RHTRotation, TwoSided
 from .names import METHODS
 from .rotation import HARPRotation
 
-__all__ = ["METHODS", "parse_method", "RotationOptions", "quantize_layer", "LayerResult", "pack_bits", "unpack_bits"]
+__all__ = ["METHODS", "parse_method", "RotationOptions", "quantize_layer", "fit_block", "LayerResult", "pack_bits", "unpack_bits"]
 
 
 def parse_method(method: str) -> tuple[str | None, str]:
@@ -81,13 +81,43 @@ def _rotation(kind: str, d: int, opts: RotationOptions, seed: int, device):
     return HARPRotation(d, opts.radix, opts.max_radix, opts.passes, opts.mixer, seed=seed).to(device)
 
 
+def _transform(rot: str, m: int, n: int, rot_opts: RotationOptions, seed: int, generator: torch.Generator, device) -> TwoSided:
+    return TwoSided.random_signs(_rotation(rot, m, rot_opts, seed, device), _rotation(rot, n, rot_opts, seed, device),
+                                 generator=generator, device=device)
+
+
+def fit_block(items: list[tuple[str, torch.Tensor, torch.Tensor]], method: str, grid: Grid, *, generator: torch.Generator,
+              rot_opts: RotationOptions = RotationOptions(), fit_opts: FitOptions = FitOptions(),
+              seed: int = 0) -> dict[str, tuple[TwoSided, FitResult]]:
+    """HARP's rotations of a block's layers, each shape's layers fitted together (:func:`fit_harp_many`:
+    q/k/v/o in one fit, gate/up in another), for :func:`quantize_layer`'s ``fitted``.
+
+    ``items``: ``(name, weight [m, n], H [n, n])`` in the block's order; the signs are drawn from
+    ``generator`` in that order, as :func:`quantize_layer` draws them layer by layer, so the result is the
+    same transforms. Returns ``{}`` for a method without ``harp-``.
+    """
+    rot, _ = parse_method(method)
+    if rot != "harp":
+        return {}
+    ts = {name: _transform(rot, *w.shape, rot_opts, seed, generator, w.device) for name, w, _ in items}
+    groups: dict[tuple, list] = {}
+    for item in items:
+        groups.setdefault(tuple(item[1].shape), []).append(item)
+    out = {}
+    for group in groups.values():
+        fits = fit_harp_many([w for _, w, _ in group], [h for _, _, h in group], [ts[n] for n, _, _ in group], grid, fit_opts)
+        out.update({n: (ts[n], f) for (n, _, _), f in zip(group, fits)})
+    return out
+
+
 def quantize_layer(w: torch.Tensor, h: torch.Tensor, method: str, grid: Grid, *, generator: torch.Generator,
                    rot_opts: RotationOptions = RotationOptions(), fit_opts: FitOptions = FitOptions(),
-                   damp: float = 0.01, seed: int = 0) -> LayerResult:
+                   damp: float = 0.01, seed: int = 0, fitted: tuple[TwoSided, FitResult] | None = None) -> LayerResult:
     """Quantize one weight ``w`` (``[m, n]``, out × in) with ``method`` on its Hessian ``h`` (``[n, n]``).
 
     ``generator`` (CPU) draws the random signs; ``seed`` seeds HARP's QR mixers (recorded in the
-    artifact). Computation runs on ``w``'s device in float32.
+    artifact). Computation runs on ``w``'s device in float32. ``fitted``: a ``harp-`` method's transform
+    and fit already made (:func:`fit_block`); no signs are drawn then.
 
     Raises:
         ValueError: an unknown method, an RHT dimension with no Hadamard block that fits, or a
@@ -101,10 +131,12 @@ def quantize_layer(w: torch.Tensor, h: torch.Tensor, method: str, grid: Grid, *,
     stored: dict[str, torch.Tensor] = {}
     t = None
     if rot is not None:
-        t = TwoSided.random_signs(_rotation(rot, m, rot_opts, seed, w.device), _rotation(rot, n, rot_opts, seed, w.device),
-                                  generator=generator, device=w.device)
-        if rot == "harp":
-            fit = fit_harp(w, h, t, grid, fit_opts)
+        if fitted is not None and rot == "harp":
+            t, fit = fitted
+        else:
+            t = _transform(rot, m, n, rot_opts, seed, generator, w.device)
+            fit = fit_harp(w, h, t, grid, fit_opts) if rot == "harp" else None
+        if fit is not None:
             stats["harp"] = {"loss_start": fit.loss_start, "loss_end": fit.loss_end, "lq_start": fit.lq_start,
                              "lq_end": fit.lq_end, "seconds": fit.seconds, "steps": fit.steps,
                              "cuda_graph": fit.cuda_graph}
