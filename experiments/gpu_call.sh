@@ -90,20 +90,16 @@
 #   r10b (round 10, one GPU): llama-125m 1024 x 16 side by side (bf16, mxfp4, adahop-lv2 eager and auto, one
 #      process, opaque layers), then bench model rows of torchao float8 and adahop-lv2@foid, then the
 #      optimizer-step benchmark at llama-125m (issue 21)
-#   p13 (issue 22, one GPU, alone on it: beside other training runs the BF16 models ran out of memory; repeat while the
-#      machine is warm, it resumes): scripts/bench_harp.py at llama-350m's shapes (HARP fitting time per layer, once per
-#      machine: runs/ptq/bench_harp_350m.json), then llama-125m and llama-350m trained on the main corpus in bf16 and
-#      adahop-lv2 (PTQ_STEPS steps of 1024 x 16, default 1800 = 29.5M tokens: round 18's 600 left models that 2-bit RTN
-#      cost only 2.5-3.4%; all four at once, skipped when runs/ptq/<model>/summary.json exists), then (HARP_E2E=1, the
-#      default) one harp-gptq W2 cell of 350m-bf16 timed end to end beside the table's cells ($OUT/harp_e2e_350m.log,
-#      runs/ptq_e2e), and scripts/run_ptq_experiment.py over
-#      the models with what is left of LIM (cheap cells first, HARP last, PTQ_CONC cells at once);
-#      $OUT/ptq.tgz: summary.md/json, cell logs. HARP_BENCH=0 skips bench_harp; PTQ_MODELS (default "llama-125m llama-350m"):
-#      the sizes this call trains and tabulates (a machine can be lost between calls, round 21: one size per call keeps
-#      each call's models and cells together; the summaries of several calls are merged on the dev machine);
-#      PTQ_CONC (default 6); PTQ_RESERVE (default 240): seconds of LIM
-#      kept after training for the PTQ cells (30 for a call that only trains: the models cannot leave the machine, so
-#      training and the table must happen in one session, e.g. two training calls then one table call while warm)
+#   p13 (issue 22, one GPU, alone on it; one model size per call, PTQ_MODELS, default llama-125m: round 21 lost its
+#      trained models when the machine went back between calls, and the models cannot leave it): scripts/bench_harp.py at
+#      llama-350m's shapes once per machine (eager and CUDA-graphed HARP fits, runs/ptq/bench_harp_350m.json), then per
+#      model size two pipelines at once, bf16 and adahop-lv2: train on the main corpus (PTQ_STEPS of 1024 x 16, default
+#      1200 = 19.7M tokens; lv2 eager unless PTQ_COMPILE_LV2=1; skipped when runs/ptq/<model>/summary.json exists, resumed
+#      from its checkpoint when interrupted), then at once its cells by scripts/run_ptq_experiment.py into
+#      runs/ptq_table/<model> (PTQ_CONC cells at once, default 3; cheap first, HARP last) until LIM; the 350m-bf16 pipeline
+#      also times one harp-gptq W2 cell end to end (HARP_E2E=1, runs/ptq_e2e). PTQ_RESERVE (default 120): seconds of LIM
+#      not given to training. $OUT/ptq.tgz: the per-model summaries, cells and training records; $OUT/logs.tgz. Merge the
+#      calls' tables on the dev machine (scripts/run_ptq_experiment.py --budget-s 0 over the merged folders)
 #   r19a, r19b (round 19, one GPU; issue 18's rows with the current code, none measured since round 6 but llama-125m):
 #      r19a: bench model llama-350m 1024 x 16 (bf16, mxfp4, adahop-lv2, torchao float8 rowwise; mode auto), then
 #      bench linear at the 8B shapes, 8192 tokens, eager and CUDA-graph replay; r19b: bench model Llama-3.2-1B 4096 x 4
@@ -288,38 +284,41 @@ if [ "$STAGE" = r10a ]; then
     | tee $OUT/compiled_grads.log | grep -E "loss eager|Error"
   echo "stage $STAGE done at $(el) s"; exit 0
 fi
-if [ "$STAGE" = p13 ]; then  # issue 22: the models of our own, then the PTQ table, resumable while warm
+if [ "$STAGE" = p13 ]; then  # issue 22: the models of our own, each quantized as soon as it is trained; resumable while warm
   export CUDA_VISIBLE_DEVICES=0 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-  mkdir -p runs/ptq
+  mkdir -p runs/ptq runs/ptq_table
   [ -f runs/ptq/bench_harp_350m.json ] || [ "${HARP_BENCH:-1}" = 0 ] || { timeout 150 python3 scripts/bench_harp.py --model llama-350m --steps ${HARP_BENCH_STEPS:-50} \
     --json runs/ptq/bench_harp_350m.json 2>&1 | grep -v -i warn | tail -9; echo "bench_harp done at $(el) s"; }
-  for M in ${PTQ_MODELS:-llama-125m llama-350m}; do for R in bf16 adahop-lv2; do
-    D=runs/ptq/${M#llama-}-$R
-    [ -f $D/summary.json ] && ! grep -q '"interrupted": true' $D/summary.json && continue
-    RES=; [ -d $D/checkpoints ] && RES=--resume  # SIGINT at the budget writes a checkpoint; the next call resumes it
-    T=$(( ${LIM:-560} - ${PTQ_RESERVE:-240} - $(el) )); [ $T -ge 60 ] || { echo "no time left to train $D"; continue; }  # timeout 0 would mean none
-    timeout -s INT -k 60 $T python3 -m adahop train --model $M --recipe $R --data runs/issue19/main $RES \
-      --steps ${PTQ_STEPS:-1800} --seq-len 1024 --batch-size 16 --lr ${PTQ_LR:-1e-3} --warmup-steps 60 --eval-every 100 \
-      --ckpt-every 100 --log-every 20 --compile --out $D > $OUT/train_${M#llama-}-$R.log 2>&1 &
-  done; done
-  wait; echo "training done at $(el) s"
+  pipeline() {  # train $1 ($M) in recipe $2 unless done, then its PTQ cells into runs/ptq_table/<name> (its own summary)
+    local M=$1 R=$2 D=runs/ptq/${1#llama-}-$2 RES= C T
+    if [ ! -f $D/summary.json ] || grep -q '"interrupted": true' $D/summary.json; then
+      [ -d $D/checkpoints ] && RES=--resume  # SIGINT at the budget writes a checkpoint; the next call resumes it
+      T=$(( ${LIM:-560} - ${PTQ_RESERVE:-120} - $(el) )); [ $T -ge 60 ] || { echo "no time left to train $D"; return; }
+      # adahop-lv2 trains eager unless PTQ_COMPILE_LV2=1: on a fresh machine its frozen plan's compile took over 3.5 min
+      # beside three other runs (round 21), longer than the eager run of the whole 125m training
+      timeout -s INT -k 60 $T python3 -m adahop train --model $M --recipe $R --data runs/issue19/main $RES \
+        --steps ${PTQ_STEPS:-1200} --seq-len 1024 --batch-size 16 --lr ${PTQ_LR:-1e-3} --warmup-steps 60 --eval-every 100 \
+        --ckpt-every 100 --log-every 20 $([ $R = bf16 ] || [ "${PTQ_COMPILE_LV2:-0}" = 1 ] && echo --compile) --out $D > $OUT/train_${D#runs/ptq/}.log 2>&1
+      echo "trained $D: exit $? at $(el) s"
+    fi
+    { [ -f $D/model.safetensors ] && ! grep -q '"interrupted": true' $D/summary.json; } || return
+    C=${PTQ_CONC:-3}
+    if [ "${HARP_E2E:-1}" = 1 ] && [ $D = runs/ptq/350m-bf16 ] && [ ! -f runs/ptq_e2e/harp-gptq-w2-int/ptq.json ] && [ $(( ${LIM:-560} - $(el) )) -ge 120 ]; then
+      mkdir -p runs/ptq_e2e; C=$(( C - 1 ))  # issue 22's "350m end to end in under 10 minutes", beside other cells: an upper bound
+      timeout $(( ${LIM:-560} - 20 - $(el) )) python3 -m adahop ptq $D --method harp-gptq --bits 2 --quantizer int \
+        --calib-data runs/issue19/main --calib-tokens 131072 --batch-size 8 --device auto --out runs/ptq_e2e/harp-gptq-w2-int > $OUT/harp_e2e_350m.log 2>&1 &
+    fi
+    timeout $(( ${LIM:-560} - $(el) )) python3 scripts/run_ptq_experiment.py --data runs/issue19/main --models $D \
+      --out runs/ptq_table/${D#runs/ptq/} --concurrent $C --budget-s $(( ${LIM:-560} - 45 - $(el) )) > $OUT/ptq_${D#runs/ptq/}.log 2>&1
+    echo "ptq $D: exit $? at $(el) s"; grep -E "^- W|ppl|^\| (rtn|gptq|rht|harp)" $OUT/ptq_${D#runs/ptq/}.log | head -20
+    wait
+  }
+  for M in ${PTQ_MODELS:-llama-125m}; do for R in bf16 adahop-lv2; do pipeline $M $R & done; done
+  wait; echo "pipelines done at $(el) s"
   for f in runs/ptq/*/summary.json; do python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print(sys.argv[1], d.get('steps'), d.get('final_val_loss'), d.get('interrupted'), round(d.get('tok_per_s') or 0))" $f; done
-  MODELS=$(for M in ${PTQ_MODELS:-llama-125m llama-350m}; do for R in bf16 adahop-lv2; do D=runs/ptq/${M#llama-}-$R
-    [ -f $D/model.safetensors ] && ! grep -q '"interrupted": true' $D/summary.json && printf "%s," $D; done; done)
-  E2E=runs/ptq_e2e/350m-bf16-harp-gptq-w2-int  # issue 22's "350m end to end in under 10 minutes": one HARP cell beside the
-  E2EPID=; C=${PTQ_CONC:-6}                        # table's cells (they share the GPU: its time is an upper bound)
-  if [ "${HARP_E2E:-1}" = 1 ] && [[ ",$MODELS" == *",runs/ptq/350m-bf16,"* ]] && [ ! -f $E2E/ptq.json ] && [ $(( ${LIM:-560} - $(el) )) -ge 120 ]; then
-    mkdir -p runs/ptq_e2e; C=$(( C - 1 ))
-    timeout $(( ${LIM:-560} - 20 - $(el) )) python3 -m adahop ptq runs/ptq/350m-bf16 --method harp-gptq --bits 2 --quantizer int \
-      --calib-data runs/issue19/main --calib-tokens 131072 --batch-size 8 --device auto --out $E2E > $OUT/harp_e2e_350m.log 2>&1 &
-    E2EPID=$!
-  fi  # (a timeout leaves the per-block times in the log)
-  [ -n "$MODELS" ] && timeout $(( ${LIM:-560} - $(el) )) python3 scripts/run_ptq_experiment.py --data runs/issue19/main \
-    --models ${MODELS%,} --out runs/ptq_table --concurrent $C --budget-s $(( ${LIM:-560} - 60 - $(el) )) > $OUT/ptq_launcher.log 2>&1
-  echo "ptq: exit $? at $(el) s"; tail -5 $OUT/ptq_launcher.log
-  [ -n "$E2EPID" ] && { wait $E2EPID; echo "harp-gptq W2 350m end to end: exit $? at $(el) s"; grep -E "^block|seconds|\| harp" $OUT/harp_e2e_350m.log | tail -4 | cut -c1-200; }
+  [ -f $OUT/harp_e2e_350m.log ] && grep -E "^block|seconds|\| harp" $OUT/harp_e2e_350m.log | tail -4 | cut -c1-200
   (cd runs && tar czf $OUT/ptq.tgz --exclude='*.safetensors' --exclude=checkpoints --exclude='tokenizer*' ptq_table ptq ptq_e2e 2>/dev/null)
-  (cd $OUT && tar czf train_logs.tgz train_*.log && rm -f train_*.log)
+  (cd $OUT && L=$(ls train_*.log ptq_*.log 2>/dev/null) && tar czf logs.tgz $L && rm -f $L)
   echo "stage $STAGE done at $(el) s"; exit 0
 fi
 if [ "$STAGE" = r19a ] || [ "$STAGE" = r19b ]; then  # issue 18's rows at today's code, side by side per process
