@@ -31,22 +31,29 @@ INT_METHODS = ("rtn", "gptq", "rht-gptq", "harp-gptq")
 MX_METHODS = ("rht-gptq", "harp-gptq")
 
 
-def cells(models: list[str], bits: list[int], methods: list[str], mx: bool) -> list[tuple[str, str, int, str]]:
-    """(model, method, bits, quantizer) in the order they run: the cheap cells of every model first,
-    then HARP (the expensive one), 2 bits first, where the issue expects the largest gap."""
+def cells(models: list[str], bits: list[int], methods: list[str], mx: bool,
+          seeds: list[int] = ()) -> list[tuple[str, str, int, str, int]]:
+    """(model, method, bits, quantizer, seed) in the order they run: the cheap cells of every model first,
+    then HARP (the expensive one), 2 bits first, where the issue expects the largest gap. ``seeds``: the W2
+    int cells of the methods that calibrate (gptq, rht-gptq, harp-gptq) again with each of these ``--seed`` s
+    (other signs and calibration windows), the cheap ones before HARP, HARP's last: the spread that says
+    whether a gap between methods is more than noise."""
     cheap = [m for m in methods if not m.startswith("harp")]
     harp = [m for m in methods if m.startswith("harp")]
-    out = [(mo, me, b, "int") for mo in models for b in bits for me in cheap]
+    again = [m for m in methods if m != "rtn"] if 2 in bits else []
+    out = [(mo, me, b, "int", 0) for mo in models for b in bits for me in cheap]
     if mx:
-        out += [(mo, me, 4, "mxfp4") for mo in models for me in MX_METHODS if not me.startswith("harp")]
-    out += [(mo, me, b, "int") for b in bits for mo in models for me in harp]
+        out += [(mo, me, 4, "mxfp4", 0) for mo in models for me in MX_METHODS if not me.startswith("harp")]
+    out += [(mo, me, 2, "int", sd) for sd in seeds for mo in models for me in again if me in cheap]
+    out += [(mo, me, b, "int", 0) for b in bits for mo in models for me in harp]
     if mx:
-        out += [(mo, me, 4, "mxfp4") for mo in models for me in MX_METHODS if me.startswith("harp")]
+        out += [(mo, me, 4, "mxfp4", 0) for mo in models for me in MX_METHODS if me.startswith("harp")]
+    out += [(mo, me, 2, "int", sd) for sd in seeds for mo in models for me in again if me in harp]
     return out
 
 
-def cell_dir(out: Path, model: str, method: str, bits: int, quantizer: str) -> Path:
-    return out / Path(model).name / f"{method}-w{bits}-{quantizer}"
+def cell_dir(out: Path, model: str, method: str, bits: int, quantizer: str, seed: int = 0) -> Path:
+    return out / Path(model).name / (f"{method}-w{bits}-{quantizer}" + (f"-s{seed}" if seed else ""))
 
 
 def run(cmd: list[str], log: Path, timeout: float) -> tuple[int | str, float]:
@@ -81,11 +88,12 @@ def keep_baseline(out: Path, model: str, d: Path) -> dict | None:
     return res["baseline"]
 
 
-def ptq_cmd(args, model, method, bits, quantizer, d: Path, with_baseline: bool = False) -> list[str]:
+def ptq_cmd(args, model, method, bits, quantizer, seed, d: Path, with_baseline: bool = False) -> list[str]:
     """The `adahop ptq` command of one cell; ``with_baseline`` also scores the unquantized model (once per model)."""
     cmd = [sys.executable, "-m", "adahop", "ptq", model, "--method", method, "--bits", str(bits), "--quantizer", quantizer,
            "--calib-data", args.data, "--calib-tokens", str(args.calib_tokens), "--batch-size", str(args.batch_size),
            "--device", args.device, "--out", str(d)]
+    cmd += ["--seed", str(seed)] if seed else []
     cmd += ["--harp-steps", str(args.harp_steps)] if method.startswith("harp-") else []  # the others refuse it (unused)
     cmd += [] if with_baseline else ["--skip-baseline"]
     cmd += ["--seq-len", str(args.seq_len)] if args.seq_len else []
@@ -111,6 +119,8 @@ def summarize(out: Path, rows: list[dict], bases: dict[str, dict | None]) -> str
     """summary.md: per model the method × bits table, the ordering check, MXFP4 by training recipe, fit times."""
     lines = [f"# PTQ experiment ({time.strftime('%Y-%m-%d')})", "", f"Command: `{' '.join(sys.argv)}`", ""]
     models = sorted({r["model"] for r in rows}, key=lambda m: [r["model"] for r in rows].index(m))
+    seeds = [r for r in rows if r.get("seed")]
+    rows = [r for r in rows if not r.get("seed")]  # the tables: seed 0; the repeats get their own section
     for mo in models:
         base = bases.get(mo)
         lines += [f"## {mo}", "", f"Unquantized perplexity: {base['perplexity']:.4f}" if base else "Unquantized: not measured", "",
@@ -135,6 +145,8 @@ def summarize(out: Path, rows: list[dict], bases: dict[str, dict | None]) -> str
             lines.append(f"- W{b}: {' < '.join(order) if ok else 'not in that order'} "
                          f"({', '.join(f'{m} {got[m]:.3f}' for m in order)}){gap}")
         lines.append("")
+    if seeds:
+        lines += _seed_spread(rows, seeds)
     mx = [r for r in rows if r["quantizer"] == "mxfp4" and r.get("perplexity") is not None and bases.get(r["model"])]
     if mx:
         lines += ["## MXFP4 W4: perplexity lost by training recipe", "",
@@ -155,8 +167,25 @@ def summarize(out: Path, rows: list[dict], bases: dict[str, dict | None]) -> str
     return "\n".join(lines)
 
 
-def collect(d: Path, model, method, bits, quantizer, status) -> dict:
-    row = {"model": Path(model).name, "path": model, "method": method, "bits": bits, "quantizer": quantizer, "status": status}
+def _seed_spread(rows: list[dict], repeats: list[dict]) -> list[str]:
+    """summary.md's W2 perplexity per ``--seed`` (signs and calibration windows), with mean and range."""
+    seeds = sorted({r["seed"] for r in repeats})
+    lines = ["## W2 across seeds (signs and calibration windows)", "",
+             "| model | method | seed 0 | " + " | ".join(f"seed {sd}" for sd in seeds) + " | mean | max − min |",
+             "|---|---|---|" + "---|" * len(seeds) + "---|---|"]
+    for r0 in (r for r in rows if r["bits"] == 2 and r["quantizer"] == "int" and r["method"] != "rtn"):
+        vals = [r0.get("perplexity")] + [next((r.get("perplexity") for r in repeats if (r["model"], r["method"], r["seed"])
+                                               == (r0["model"], r0["method"], sd)), None) for sd in seeds]
+        got = [v for v in vals if v is not None]
+        cells_ = " | ".join("-" if v is None else f"{v:.4f}" for v in vals)
+        stats = f"{sum(got) / len(got):.4f} | {max(got) - min(got):.4f}" if len(got) > 1 else "- | -"
+        lines.append(f"| {r0['model']} | {r0['method']} | {cells_} | {stats} |")
+    return lines + [""]
+
+
+def collect(d: Path, model, method, bits, quantizer, seed, status) -> dict:
+    row = {"model": Path(model).name, "path": model, "method": method, "bits": bits, "quantizer": quantizer, "seed": seed,
+           "status": status}
     res_path = d / "ptq.json"
     if res_path.exists():
         res = json.loads(res_path.read_text())
@@ -180,7 +209,7 @@ def run_cells(args, out: Path, todo: list, bases: dict, deadline: float) -> dict
     width = max(1, args.concurrent)
 
     def tag(c):
-        return f"[{todo.index(c) + 1}/{len(todo)}] {Path(c[0]).name} {c[1]} W{c[2]} {c[3]}"
+        return f"[{todo.index(c) + 1}/{len(todo)}] {Path(c[0]).name} {c[1]} W{c[2]} {c[3]}" + (f" seed {c[4]}" if c[4] else "")
 
     for c in todo:
         if (cell_dir(out, *c) / "ptq.json").exists():
@@ -227,6 +256,8 @@ def main(argv=None) -> int:
     p.add_argument("--bits", default="2,3,4")
     p.add_argument("--methods", default=",".join(INT_METHODS))
     p.add_argument("--no-mx", action="store_true", help="skip the MXFP4 W4 cells")
+    p.add_argument("--repeat-seeds", default="", help="comma-separated --seed values to run the W2 cells of gptq, "
+                   "rht-gptq and harp-gptq again with (after the others; summary.md gives their spread)")
     p.add_argument("--calib-tokens", type=int, default=131072)
     p.add_argument("--harp-steps", type=int, default=1200)
     p.add_argument("--group-size", type=int, default=None, help="--group-size of the int cells (default: adahop ptq's, 128)")
@@ -257,7 +288,8 @@ def main(argv=None) -> int:
         args.data = json.loads((Path(models[0]) / "config.json").read_text()).get("adahop", {}).get("data_dir")
         if not args.data:
             p.error("--data is required for a model that is not an `adahop train` run folder")
-    todo = cells(models, [int(b) for b in args.bits.split(",")], [m.strip() for m in args.methods.split(",")], not args.no_mx)
+    todo = cells(models, [int(b) for b in args.bits.split(",")], [m.strip() for m in args.methods.split(",")], not args.no_mx,
+                 [int(x) for x in args.repeat_seeds.split(",") if x.strip()])
     bases = {Path(m).name: baseline(out, m) for m in models}
     rows = write_summary(out, todo, run_cells(args, out, todo, bases, deadline), bases)
     md = summarize(out, rows, bases)

@@ -18,8 +18,19 @@ def test_cheap_cells_of_every_model_run_before_harp_and_2_bits_first(s):
     assert len(todo) == 2 * 2 * 4 + 2 * 2  # + rht-gptq and harp-gptq at MXFP4 W4 for each model
     first_harp = next(i for i, c in enumerate(todo) if c[1].startswith("harp"))
     assert all(not c[1].startswith("harp") for c in todo[:first_harp])
-    assert todo[first_harp:first_harp + 2] == [("a", "harp-gptq", 2, "int"), ("b", "harp-gptq", 2, "int")]
-    assert todo[-2:] == [("a", "harp-gptq", 4, "mxfp4"), ("b", "harp-gptq", 4, "mxfp4")]
+    assert todo[first_harp:first_harp + 2] == [("a", "harp-gptq", 2, "int", 0), ("b", "harp-gptq", 2, "int", 0)]
+    assert todo[-2:] == [("a", "harp-gptq", 4, "mxfp4", 0), ("b", "harp-gptq", 4, "mxfp4", 0)]
+
+
+def test_seed_repeats_rerun_the_w2_cells_that_calibrate_cheap_ones_before_harp(s):
+    base = s.cells(["a"], [2, 4], ["rtn", "gptq", "rht-gptq", "harp-gptq"], mx=False)
+    todo = s.cells(["a"], [2, 4], ["rtn", "gptq", "rht-gptq", "harp-gptq"], mx=False, seeds=[1])
+    assert [c for c in todo if c[4] == 0] == base
+    again = [c for c in todo if c[4] == 1]
+    assert again == [("a", "gptq", 2, "int", 1), ("a", "rht-gptq", 2, "int", 1), ("a", "harp-gptq", 2, "int", 1)]
+    assert todo.index(again[1]) < todo.index(("a", "harp-gptq", 2, "int", 0)) and todo[-1] == again[2]
+    assert s.cell_dir(Path("o"), "m", "gptq", 2, "int", 1).name == "gptq-w2-int-s1"
+    assert s.cell_dir(Path("o"), "m", "gptq", 2, "int").name == "gptq-w2-int"  # seed 0 keeps the old folders
 
 
 def test_a_finished_cell_is_skipped_and_the_summary_checks_the_order(s, tmp_path, capsys):
@@ -34,14 +45,20 @@ def test_a_finished_cell_is_skipped_and_the_summary_checks_the_order(s, tmp_path
         d.joinpath("ptq.json").write_text(json.dumps({
             "perplexity": {"perplexity": ppl, "loss": 1.0}, "bits_per_weight": 2.125, "seconds_quantize": 1.0,
             "seconds_total": 2.0, "harp_fit_seconds_per_layer": None, "layers": layers, "device": "cpu", "calib_tokens": 64}))
+    d = s.cell_dir(out, str(model), "gptq", 2, "int", 1)  # a seed repeat: its own section, not the table
+    d.mkdir(parents=True)
+    d.joinpath("ptq.json").write_text(json.dumps({
+        "perplexity": {"perplexity": 12.5, "loss": 1.0}, "bits_per_weight": 2.125, "seconds_quantize": 1.0,
+        "seconds_total": 2.0, "harp_fit_seconds_per_layer": None, "layers": layers, "device": "cpu", "calib_tokens": 64}))
     rc = s.main(["--models", str(model), "--data", str(tmp_path), "--out", str(out), "--bits", "2", "--methods", "rtn,gptq",
-                 "--no-mx", "--budget-s", "60"])
+                 "--no-mx", "--budget-s", "60", "--repeat-seeds", "1"])
     assert rc == 0
     printed = capsys.readouterr().out
     assert "skipped" in printed and "| gptq | 2 | int | 2.125 | 12.0000 | +20.00 |" in printed
     assert "- W2: gptq < rtn (gptq 12.000, rtn 14.000)" in printed
+    assert "| m | gptq | 12.0000 | 12.5000 | 12.2500 | 0.5000 |" in printed
     rows = json.loads((out / "summary.json").read_text())["rows"]
-    assert [r["status"] for r in rows] == ["done", "done"]
+    assert [(r["status"], r["seed"]) for r in rows] == [("done", 0), ("done", 0), ("done", 1)]
 
 
 def test_the_first_cell_of_a_model_scores_the_baseline_and_later_cells_skip_it(s, tmp_path, monkeypatch):
@@ -79,9 +96,11 @@ def test_only_the_harp_cells_get_harp_steps(s):
     args = argparse.Namespace(data="d", calib_tokens=64, batch_size=2, harp_steps=200, device="cpu", seq_len=None,
                               eval_batches=None, group_size=None)
     for method in ("rtn", "gptq", "rht-gptq"):
-        assert "--harp-steps" not in s.ptq_cmd(args, "m", method, 2, "int", Path("o"))
-    cmd = s.ptq_cmd(args, "m", "harp-gptq", 2, "int", Path("o"))
-    assert cmd[cmd.index("--harp-steps") + 1] == "200"
+        assert "--harp-steps" not in s.ptq_cmd(args, "m", method, 2, "int", 0, Path("o"))
+    cmd = s.ptq_cmd(args, "m", "harp-gptq", 2, "int", 0, Path("o"))
+    assert cmd[cmd.index("--harp-steps") + 1] == "200" and "--seed" not in cmd
+    cmd = s.ptq_cmd(args, "m", "gptq", 2, "int", 3, Path("o"))
+    assert cmd[cmd.index("--seed") + 1] == "3"
 
 
 def test_concurrent_cells_run_at_once_and_a_model_scores_its_baseline_once(s, tmp_path, monkeypatch):
