@@ -40,7 +40,7 @@ def cells(models: list[str], bits: list[int], methods: list[str], mx: bool,
     whether a gap between methods is more than noise."""
     cheap = [m for m in methods if not m.startswith("harp")]
     harp = [m for m in methods if m.startswith("harp")]
-    again = [m for m in methods if m != "rtn"] if 2 in bits else []
+    again = [m for m in methods if m.endswith("gptq")] if 2 in bits else []
     out = [(mo, me, b, "int", 0) for mo in models for b in bits for me in cheap]
     if mx:
         out += [(mo, me, 4, "mxfp4", 0) for mo in models for me in MX_METHODS if not me.startswith("harp")]
@@ -104,7 +104,7 @@ def ptq_cmd(args, model, method, bits, quantizer, seed, d: Path, with_baseline: 
 
 def smoke_model(args, out: Path) -> str:
     """llama-tiny trained for 60 steps on the default corpus (once), for the CPU smoke mode."""
-    run_dir = out / "smoke-llama-tiny"
+    run_dir = out / "_models" / "smoke-llama-tiny"  # not OUT/<model name>: the cells' folders go there, outside the model
     if not (run_dir / "summary.json").exists():
         cmd = [sys.executable, "-m", "adahop", "train", "--recipe", "bf16", "--model", "llama-tiny", "--data", "default",
                "--steps", "60", "--device", "cpu", "--out", str(run_dir)]
@@ -256,7 +256,7 @@ def main(argv=None) -> int:
     p.add_argument("--bits", default="2,3,4")
     p.add_argument("--methods", default=",".join(INT_METHODS))
     p.add_argument("--no-mx", action="store_true", help="skip the MXFP4 W4 cells")
-    p.add_argument("--repeat-seeds", default="", help="comma-separated --seed values to run the W2 cells of gptq, "
+    p.add_argument("--repeat-seeds", default="", help="comma-separated --seed values (> 0) to run the W2 cells of gptq, "
                    "rht-gptq and harp-gptq again with (after the others; summary.md gives their spread)")
     p.add_argument("--calib-tokens", type=int, default=131072)
     p.add_argument("--harp-steps", type=int, default=1200)
@@ -288,8 +288,15 @@ def main(argv=None) -> int:
         args.data = json.loads((Path(models[0]) / "config.json").read_text()).get("adahop", {}).get("data_dir")
         if not args.data:
             p.error("--data is required for a model that is not an `adahop train` run folder")
-    todo = cells(models, [int(b) for b in args.bits.split(",")], [m.strip() for m in args.methods.split(",")], not args.no_mx,
-                 [int(x) for x in args.repeat_seeds.split(",") if x.strip()])
+    bits = [int(b) for b in args.bits.split(",")]
+    try:
+        seeds = sorted({int(x) for x in args.repeat_seeds.split(",") if x.strip()})
+    except ValueError:
+        p.error(f"--repeat-seeds {args.repeat_seeds!r}: give comma-separated integers, e.g. 1,2")
+    if any(sd <= 0 for sd in seeds) or (seeds and 2 not in bits):
+        p.error(f"--repeat-seeds {args.repeat_seeds}: the seeds must be > 0 (seed 0 is the table's own run) and the "
+                f"repeats are W2 cells, so --bits must include 2 (it is {args.bits})")
+    todo = cells(models, bits, [m.strip() for m in args.methods.split(",")], not args.no_mx, seeds)
     bases = {Path(m).name: baseline(out, m) for m in models}
     rows = write_summary(out, todo, run_cells(args, out, todo, bases, deadline), bases)
     md = summarize(out, rows, bases)

@@ -131,3 +131,25 @@ def test_concurrent_cells_run_at_once_and_a_model_scores_its_baseline_once(s, tm
     rows = json.loads((out / "summary.json").read_text())["rows"]
     assert [(r["method"], r["status"]) for r in rows] == [("rtn", "done"), ("gptq", "done")]  # todo's order
     assert json.loads((out / "m" / "baseline.json").read_text())["perplexity"] == {"perplexity": 10.0}
+
+
+def test_the_smoke_model_lives_outside_the_cells_folders(s, tmp_path, monkeypatch):
+    """--smoke trained its model into OUT/smoke-llama-tiny, the folder its cells go to: `adahop ptq` refused
+    every cell (an --out inside MODEL)."""
+    import argparse
+
+    monkeypatch.setattr(s, "run", lambda cmd, log, timeout: (0, 0.1))
+    model = Path(s.smoke_model(argparse.Namespace(), tmp_path))
+    cell = s.cell_dir(tmp_path, str(model), "gptq", 2, "int")
+    assert model not in cell.parents and cell.parent != model
+
+
+def test_repeat_seeds_are_checked(s, tmp_path, capsys):
+    for bad, why in (("0", "must be > 0"), ("a", "comma-separated integers")):
+        with pytest.raises(SystemExit):
+            s.main(["--models", "m", "--data", str(tmp_path), "--out", str(tmp_path / "o"), "--repeat-seeds", bad])
+        assert why in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # repeats are W2 cells
+        s.main(["--models", "m", "--data", str(tmp_path), "--out", str(tmp_path / "o"), "--bits", "4", "--repeat-seeds", "1"])
+    todo = s.cells(["m"], [2], ["rtn", "rht-rtn", "gptq", "harp-gptq"], mx=False, seeds=[1])
+    assert [c[1] for c in todo if c[4]] == ["gptq", "harp-gptq"]  # only the GPTQ methods are repeated

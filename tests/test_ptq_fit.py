@@ -125,3 +125,11 @@ def test_fit_harp_many_refuses_mixed_shapes(gen):
     t = TwoSided.random_signs(HARPRotation(32), HARPRotation(64), generator=g)
     with pytest.raises(ValueError, match="weights of one shape"):
         fit_harp_many([w, w[:16]], [h, h], [t, t], grid, FitOptions(steps=2))
+
+
+def test_a_diverged_fit_is_refused_naming_the_learning_rate(gen):
+    """Θ past FP16's range cannot be stored: the layer used to decode to inf and be reported as a bug."""
+    w, h = _layer(gen)
+    t = TwoSided.random_signs(HARPRotation(32), HARPRotation(64), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="overflow FP16.*lower --harp-lr"):
+        fit_harp(w, h, t, make_grid("int", 2, 32), FitOptions(steps=5, lr=1e9))

@@ -137,6 +137,10 @@ class FitResult:
     cuda_graph: bool = False
 
 
+#: Set once a capture failed in this process: later fits run eager (a failed capture can leave PyTorch's
+#: allocator in a state where another capture crashes).
+_CAPTURE_FAILED = [False]
+
 #: Eager steps before a CUDA graph is captured: they build Adam's state and the cached grid
 #: constants outside the capture (and are real steps of the fit).
 GRAPH_WARMUP = 3
@@ -167,7 +171,7 @@ def fit_harp_many(ws: list[torch.Tensor], hs: list[torch.Tensor], transforms: li
             is refreshed every step and the grid has no tensor-wide scale: NVFP4's is read to the host).
             A step is ~600 small ops after the views, so on a GPU the host's launches, not the
             arithmetic, set its time; the graph removes them. A capture that fails falls back to eager
-            steps with a warning.
+            steps with a warning, and so do the process's later fits.
 
     Returns:
         One :class:`FitResult` per layer; ``seconds`` is the whole fit's time divided by L, and
@@ -175,7 +179,7 @@ def fit_harp_many(ws: list[torch.Tensor], hs: list[torch.Tensor], transforms: li
 
     Raises:
         ValueError: lists of different lengths or shapes, ``cuda_graph=True`` off CUDA or with
-            ``opts.refresh > 1``.
+            ``opts.refresh > 1``, or fitted parameters that overflow FP16 (a diverged fit: lower the lr).
     """
     if not ws or not len(ws) == len(hs) == len(transforms) or len({tuple(x.shape) for x in ws}) != 1:
         raise ValueError(f"fit_harp_many needs as many weights ({len(ws)}), Hessians ({len(hs)}) and transforms "
@@ -183,13 +187,14 @@ def fit_harp_many(ws: list[torch.Tensor], hs: list[torch.Tensor], transforms: li
     on_cuda = ws[0].device.type == "cuda"
     if cuda_graph and (not on_cuda or opts.refresh != 1):
         raise ValueError(f"cuda_graph=True needs w on CUDA (it is on {ws[0].device}) and refresh=1 (it is {opts.refresh})")
-    graph = on_cuda and opts.refresh == 1 and not grid.tensor_scale if cuda_graph is None else cuda_graph
+    graph = (on_cuda and opts.refresh == 1 and not grid.tensor_scale and not _CAPTURE_FAILED[0]) if cuda_graph is None else cuda_graph
     hns = [h.float().to(ws[0].device) / torch.diagonal(h).float().mean().clamp(min=1e-30) for h in hs]
     w, hn = torch.stack([x.float() for x in ws]), torch.stack(hns)
     s_out = torch.stack([t.s_out for t in transforms]).float()
     s_in = torch.stack([t.s_in for t in transforms]).float()
     su, sv = _Stacked([t.u for t in transforms]), _Stacked([t.v for t in transforms])
-    opt = torch.optim.Adam(su.thetas + sv.thetas, lr=opts.lr, capturable=graph)  # capturable: step count on the GPU
+    # capturable on every CUDA fit: the step count on the GPU, and eager and graphed fits the same arithmetic
+    opt = torch.optim.Adam(su.thetas + sv.thetas, lr=opts.lr, capturable=on_cuda)
 
     def losses():  # per layer, through each TwoSided (what the artifact's rotations give)
         with torch.no_grad():
@@ -230,12 +235,16 @@ def fit_harp_many(ws: list[torch.Tensor], hs: list[torch.Tensor], transforms: li
     if graph and opts.steps > GRAPH_WARMUP:
         graph = _graphed(step, eager, record, opt, opts.steps, ws[0].device)
     else:
+        graph = False
         eager(0)
     su.write_back()
     sv.write_back()
     for t in transforms:
         t.u.round_params_fp16()
         t.v.round_params_fp16()
+    if not all(bool(torch.isfinite(th).all()) for t in transforms for th in [*t.u.thetas, *t.v.thetas]):
+        raise ValueError("HARP's fitted rotation parameters overflow FP16, the format the artifact stores them in: the fit "
+                         f"diverged at lr {opts.lr}; lower --harp-lr")
     if on_cuda:
         torch.cuda.synchronize(ws[0].device)
     secs = (time.perf_counter() - t0) / len(ws)
@@ -259,7 +268,8 @@ def _graphed(step, eager, record, opt, steps: int, device) -> bool:
         with torch.cuda.graph(g):
             static_loss = step(GRAPH_WARMUP)  # refresh == 1: every step takes a fresh target
     except RuntimeError as e:  # nothing ran during the capture: the parameters are those after warm-up
-        warnings.warn(f"HARP fit: CUDA graph capture failed ({str(e).splitlines()[0][:160]}); the steps run eager")
+        _CAPTURE_FAILED[0] = True
+        warnings.warn(f"HARP fit: CUDA graph capture failed ({str(e).splitlines()[0][:160]}); this and later fits run eager")
         torch.cuda.synchronize(device)
         eager(GRAPH_WARMUP)
         return False

@@ -105,7 +105,10 @@ def fit_block(items: list[tuple[str, torch.Tensor, torch.Tensor]], method: str, 
         groups.setdefault(tuple(item[1].shape), []).append(item)
     out = {}
     for group in groups.values():
-        fits = fit_harp_many([w for _, w, _ in group], [h for _, _, h in group], [ts[n] for n, _, _ in group], grid, fit_opts)
+        try:
+            fits = fit_harp_many([w for _, w, _ in group], [h for _, _, h in group], [ts[n] for n, _, _ in group], grid, fit_opts)
+        except ValueError as e:  # name the layers: nothing is written
+            raise ValueError(f"{', '.join(n for n, _, _ in group)}: {e}") from None
         out.update({n: (ts[n], f) for (n, _, _), f in zip(group, fits)})
     return out
 
