@@ -142,8 +142,9 @@ class TokenStream:
         """
         n = self.steps_per_epoch if max_batches is None else min(max_batches, self.steps_per_epoch)
         if self.steps_per_epoch == 0:
+            per = " (--batch-size x world size)" if self.world_size > 1 else " (--batch-size)"
             raise ValueError(f"the {self.split} split has {self.n_windows} windows of --seq-len + 1 = "
                              f"{self.seq_len + 1} tokens, fewer than one batch of {self.batch_size * self.world_size}"
-                             f" (--batch-size x world size); lower --batch-size or --seq-len, or prepare more data")
+                             f"{per}; lower --batch-size or --seq-len, or prepare more data")
         return (self._stack(list(range(first, first + self.batch_size)))
                 for first in ((k * self.world_size + self.rank) * self.batch_size for k in range(n)))

@@ -198,9 +198,9 @@ def run(args: argparse.Namespace) -> dict:
     try:
         with _named("the val split", f"--calib-data {shown}: the val split"):
             scored_batches(data, "val", seq_len=seq_len, batch_size=args.batch_size, max_batches=args.eval_batches)
-    except ValueError as e:  # the shared message speaks of training's options; say what ptq can change
-        msg = str(e).replace(" (--batch-size x world size)", " (--batch-size)").replace(" (or a larger --val-fraction)", "")
-        if shown != data:  # text prepared here: its val split is a fixed share of it
+    except ValueError as e:
+        msg = str(e)
+        if shown != data:  # text prepared here: its val split is a fixed share of it; say how to prepare a larger one
             msg += (f"; or prepare the text with a larger validation share, `adahop data prepare --source {args.calib_data} "
                     f"--tokenizer hf:{args.model} --val-fraction 0.2 --out DIR`, and pass --calib-data DIR")
         raise ValueError(msg) from None
