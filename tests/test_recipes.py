@@ -507,7 +507,9 @@ def test_msr_none_variant_and_bad_variants():
     assert both.wgrad.a.max_scale_range is None and both.fprop.strategy == "bf16"
     # a variant that would change nothing is refused: it ran as its base under the variant's name (new-user probe)
     for name, what in (("nvfp4@msr-none", "'msr-none' needs MXFP4 operands"), ("bf16@msr-none", "'msr-none' needs"),
-                       ("tseng@only-fprop@msr-none", "'msr-none' needs"), ("mxfp4@foid", "'foid' needs a recipe with Outlier"),
+                       ("tseng@only-fprop", "quantizes dgrad, wgrad: it would run as the bf16 recipe.*only-dgrad, only-wgrad"),
+                       ("bf16@only-wgrad", "quantizes no GEMM: it would run as the base"),
+                       ("mxfp4@foid", "'foid' needs a recipe with Outlier"),
                        ("mxfp4-had@bf16-calib@foid", "'foid' needs")):
         with pytest.raises(ValueError, match=what):
             get_recipe(name)

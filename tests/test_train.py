@@ -540,10 +540,15 @@ def test_a_loss_far_above_its_start_is_a_divergence(data_dir, tmp_path, single_t
     assert "the training loss rose to" in err and "above 12.5 (2 x the larger of ln(vocab 512) = 6.24" in err, err
     assert (out / "error.txt").read_text().startswith("adahop train: the training loss rose to")
     assert not (out / "model.safetensors").exists()  # no export of a diverged model
-    kept = sorted((out / "checkpoints").glob("step_*"))
-    assert len(kept) == 1 and int(kept[0].name[5:]) < 8
+    # --keep-ckpts 1: the one checkpoint holds the weights whose next loss passed the ceiling; it is set aside
+    # (kept as diverged_step_*), and the message says no good one is left and how to keep one next time
+    assert not sorted((out / "checkpoints").glob("step_*")) and "No good checkpoint is kept" in err and "--keep-ckpts 2" in err
+    aside = sorted((out / "checkpoints").glob("diverged_step_*"))
+    assert len(aside) == 1 and (aside[0] / "model.safetensors").exists()
     losses = [r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
-    assert losses[0] < 7 and all(v < 12.5 for v in losses[:int(kept[0].name[5:])])  # the kept step was below the ceiling
+    n = int(aside[0].name.rsplit("_", 1)[1])
+    assert losses[0] < 7 and all(v < 12.5 for v in losses[:n])
+    assert f"at or before step {n + 1}," in err  # the next step's loss, from its weights, passed the ceiling
 
 
 def test_second_ctrl_c_aborts_at_once_and_keeps_the_last_complete_checkpoint(data_dir, tmp_path, single_thread,
@@ -863,3 +868,39 @@ def test_a_device_that_names_nothing_is_a_clear_error():
     with pytest.raises(ValueError, match="--device 'tpu' is not a device; use auto, cpu, cuda or cuda:N"):
         resolve_device("tpu")
     assert resolve_device("cpu") == torch.device("cpu")
+
+
+def test_a_checkpoint_whose_weights_diverged_at_the_next_step_is_set_aside(data_dir, tmp_path, single_thread, monkeypatch):
+    """The loss of step N comes from the weights after step N-1: when N-1 was just checkpointed, that checkpoint
+    holds the diverged weights. It was kept as "the last good one", and --resume from it diverged at once
+    (new-user probe). It is moved aside, not deleted, and the one before it is named."""
+    import adahop.train.loop as loop
+
+    real = loop.F.cross_entropy
+    calls = {"n": 0}
+
+    def poisoned(*a, **k):  # the loss of training step 5 (from step 4's weights) is NaN
+        calls["n"] += 1
+        out = real(*a, **k)
+        return out * float("nan") if calls["n"] == 5 else out
+
+    monkeypatch.setattr(loop.F, "cross_entropy", poisoned)
+    with pytest.raises(Diverged, match=r"checkpoint of step 4 holds the weights whose next loss diverged.*last good checkpoint \(step 3\)"):
+        train(_cfg(data_dir, tmp_path / "r", steps=8, recipe="bf16", calib_steps=None, eval_every=0, ckpt_every=1, keep_ckpts=3))
+    ck = tmp_path / "r" / "checkpoints"
+    assert [p.name for p in sorted(ck.glob("step_*"))] == ["step_0000002", "step_0000003"]
+    assert (ck / "diverged_step_0000004" / "model.safetensors").exists()  # set aside, nothing deleted
+    from adahop.train.checkpoint import latest_checkpoint
+
+    assert latest_checkpoint(tmp_path / "r").name == "step_0000003"  # what --resume starts from
+
+
+def test_perplexity_of_a_diverged_model_is_inf_not_an_overflow(data_dir, monkeypatch):
+    """`adahop eval` of a model with a val loss past ~709.8 nats died in math.exp with an OverflowError."""
+    import adahop.eval.perplexity as pp
+    import adahop.train.loop as loop
+
+    monkeypatch.setattr(loop, "evaluate", lambda *a, **k: (800.0, 1154.2))
+    res = pp.perplexity(torch.nn.Linear(2, 2), data_dir, split="val", seq_len=32, batch_size=2, max_batches=1,
+                        device=torch.device("cpu"), bf16=False)
+    assert res["loss"] == 800.0 and res["perplexity"] == float("inf")

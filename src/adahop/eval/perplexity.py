@@ -165,5 +165,6 @@ def perplexity(model: torch.nn.Module, data_dir: str | Path, *, split: str = "va
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
     loss, bpb = evaluate(model, stream, device, autocast, n)
     model.eval()  # evaluate() leaves the model in training mode, as the training loop needs
-    return {"split": split, "loss": loss, "perplexity": math.exp(loss), "bpb": bpb, "tokens": n * batch_size * seq_len,
+    ppl = math.exp(loss) if loss < 709.0 else math.inf  # exp overflows a float past ~709.8 nats (a diverged model)
+    return {"split": split, "loss": loss, "perplexity": ppl, "bpb": bpb, "tokens": n * batch_size * seq_len,
             "batches": n, "seq_len": seq_len, "batch_size": batch_size}

@@ -51,7 +51,8 @@ def get_recipe(name: str) -> Recipe:
 
     Raises:
         ValueError: unknown preset (lists the known names) or variant, a variant given twice, a variant
-            that would change nothing (``foid`` without OE, ``msr-none`` without a limited MXFP4 operand), or
+            that would change nothing (``foid`` without OE, ``msr-none`` without a limited MXFP4 operand,
+            ``only-X`` where X is BF16 in the base or the only GEMM it quantizes), or
             ``bf16-calib`` on a recipe that calibrates already or has a GEMM neither IHT nor BF16 (or none IHT).
     """
     base, *variants = name.split("@")
@@ -72,6 +73,15 @@ def get_recipe(name: str) -> Recipe:
 def _variant(recipe: Recipe, variant: str) -> Recipe:
     if variant.startswith("only-") and variant[5:] in GEMMS:
         keep = variant[5:]
+        quantized = [g for g in GEMMS if recipe.gemm(g).strategy != "bf16"]
+        if not quantized:
+            raise ValueError(f"recipe variant {variant!r} on {recipe.name!r}, which quantizes no GEMM: it would run as "
+                             f"the base under another name; apply only-* to a recipe that quantizes, e.g. mxfp4@{variant}")
+        if quantized == [keep] or keep not in quantized:  # the base itself, or every GEMM BF16: a row that measures nothing
+            raise ValueError(f"recipe variant {variant!r} on {recipe.name!r}, which quantizes {', '.join(quantized)}: it "
+                             f"would run as {'the base' if quantized == [keep] else 'the bf16 recipe'} under another name; "
+                             + ("drop the variant" if quantized == [keep] else
+                                f"pick one of {', '.join('only-' + g for g in quantized)}"))
         bf16 = {g: GemmSpec(strategy="bf16") for g in GEMMS if g != keep}
         return replace(recipe, description=f"{recipe.description} [only {keep} quantized; the other GEMMs BF16]", **bf16)
     if variant == "msr-none":

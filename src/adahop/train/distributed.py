@@ -27,7 +27,7 @@ from .checkpoint import publish_checkpoint
 
 __all__ = ["DistInfo", "init_from_env", "shutdown", "local_device", "rank_seed", "wrap", "grad_sync",
            "mean_over_ranks", "any_rank", "main_first", "agree_on_plan", "merge_histories", "is_sharded",
-           "save_sharded", "load_sharded", "resume", "export"]
+           "save_sharded", "load_sharded", "resume", "export", "min_over_ranks"]
 
 
 # ---- process group ------------------------------------------------------------------------------
@@ -166,6 +166,15 @@ def any_rank(flag) -> bool:
     t = torch.tensor(float(bool(flag)), device=_comm_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
+
+
+def min_over_ranks(x: int) -> int:
+    """The smallest of an int over all ranks (a host sync); ``x`` itself for one process."""
+    if not _active():
+        return int(x)
+    t = torch.tensor(int(x), dtype=torch.int64, device=_comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
 
 
 def _comm_device() -> torch.device:
