@@ -27,7 +27,7 @@ import torch
 
 from .grids import Grid
 from .incoherence import TwoSided
-from .rotation import HARPRotation, cayley
+from .rotation import HARPRotation, cayley, stage
 
 __all__ = ["FitOptions", "fit_harp", "fit_harp_many", "proxy_loss", "offblock_energy"]
 
@@ -69,8 +69,6 @@ def offblock_energy(h: torch.Tensor, b: int) -> torch.Tensor:
 def _rtn(grid: Grid, wt: torch.Tensor) -> torch.Tensor:
     """``Q(wt)`` of each ``[m, n]`` matrix of ``wt`` ``[..., m, n]``: one call over all rows, since each
     row's groups are rounded on their own, unless the grid has a scale over the whole tensor (NVFP4)."""
-    if wt.dim() == 2:
-        return grid.fake_quantize(wt)
     if grid.tensor_scale:
         return torch.stack([grid.fake_quantize(x) for x in wt.reshape(-1, *wt.shape[-2:])]).reshape(wt.shape)
     return grid.fake_quantize(wt.reshape(-1, wt.shape[-1])).reshape(wt.shape)
@@ -109,10 +107,8 @@ class _Stacked:
 
     def apply(self, x: torch.Tensor, ks: list[torch.Tensor]) -> torch.Tensor:
         """``x_l·R_l`` for ``x`` ``[L, r, d]`` (HARPRotation.apply, layer by layer)."""
-        nl, r, d = x.shape
         for k, (b, st) in zip(ks, self.stages):
-            xv = x.reshape(nl, r, d // (b * st), b, st)  # (layer, row, hi, digit, lo)
-            x = torch.einsum("zrhal,zhlac->zrhcl", xv, k.reshape(nl, d // (b * st), st, b, b)).reshape(nl, r, d)
+            x = stage(x, k, b, st)
         return x
 
     @torch.no_grad()

@@ -24,7 +24,7 @@ from torch import nn
 from ..hadamard import hadamard_matrix
 from .names import MIXERS
 
-__all__ = ["HARPRotation", "radix_schedule", "mixer_matrix", "MIXERS", "cayley"]
+__all__ = ["HARPRotation", "radix_schedule", "mixer_matrix", "MIXERS", "cayley", "stage"]
 
 
 
@@ -91,6 +91,18 @@ def cayley(theta: torch.Tensor) -> torch.Tensor:
     return torch.linalg.solve_ex(eye + s, eye - s, check_errors=False)[0]
 
 
+def stage(x: torch.Tensor, k: torch.Tensor, b: int, stride: int, transpose: bool = False) -> torch.Tensor:
+    """One stage of L rotations at once: ``x_l·K_l`` (or ``x_l·K_lᵀ``) for ``x`` ``[L, r, d]`` float and
+    ``k`` ``[L, d/b, b, b]``, the stage's blocks (:meth:`HARPRotation.kernels`, stacked), radix ``b``
+    and ``stride`` (the product of the earlier radices). Returns ``[L, r, d]``.
+    `specs/related_methods.md` §2.2. A coordinate is ``i = hi·(b·stride) + digit·stride + lo``."""
+    nl, r, d = x.shape
+    xv = x.reshape(nl, r, d // (b * stride), b, stride)  # (layer, row, hi, digit, lo)
+    kv = k.reshape(nl, d // (b * stride), stride, b, b)  # (layer, hi, lo, a, c)
+    eq = "zrhal,zhlca->zrhcl" if transpose else "zrhal,zhlac->zrhcl"
+    return torch.einsum(eq, xv, kv).reshape(nl, r, d)
+
+
 class HARPRotation(nn.Module):
     """A learned orthogonal ``R`` of size ``d``: ``passes`` × the staged butterfly product.
 
@@ -133,11 +145,7 @@ class HARPRotation(nn.Module):
 
     @staticmethod
     def _stage(x: torch.Tensor, k: torch.Tensor, b: int, stride: int, transpose: bool) -> torch.Tensor:
-        d = x.shape[-1]
-        xv = x.reshape(*x.shape[:-1], d // (b * stride), b, stride)  # (..., hi, digit, lo)
-        kv = k.reshape(d // (b * stride), stride, b, b)  # (hi, lo, a, c)
-        eq = "...hal,hlca->...hcl" if transpose else "...hal,hlac->...hcl"
-        return torch.einsum(eq, xv, kv).reshape(x.shape)
+        return stage(x.reshape(1, -1, x.shape[-1]), k[None], b, stride, transpose).reshape(x.shape)
 
     def _check(self, x: torch.Tensor) -> None:
         if x.shape[-1] != self.d:

@@ -45,30 +45,31 @@ def _kept(run: Path, step: int, first_bad: torch.Tensor, is_main: bool, start: i
     ckpts = run / "checkpoints"
     note = ""
     first = dp.min_over_ranks(int(first_bad) or 2**62)  # the earliest bad step on any rank (0 on a rank: none)
-    if step and step != start and first == step + 1 and (ckpts / f"step_{step:07d}").exists():
-        aside, n = ckpts / f"diverged_step_{step:07d}", 1
+    bad = ckpts / f"step_{step:07d}"
+    if step and step != start and first == step + 1 and bad.exists():
+        aside, n = ckpts / f"diverged_{bad.name}", 1
         while aside.exists():  # a resume that diverged again at the same step
-            aside, n = ckpts / f"diverged_step_{step:07d}.{n}", n + 1
+            aside, n = ckpts / f"diverged_{bad.name}.{n}", n + 1
         if is_main:
-            (ckpts / f"step_{step:07d}").rename(aside)
+            bad.rename(aside)
         note = f"The checkpoint of step {step} holds the weights whose next loss diverged: moved aside to {aside}. "
-        older = sorted(p for p in ckpts.glob("step_*") if (p / "state.json").exists())
+        older = [p for p in complete_checkpoints(run) if p.name != bad.name]  # other ranks may still see it
         step = int(older[-1].name.removeprefix("step_")) if older else 0
     if step and ckpts.exists():
         return note + f"The last good checkpoint (step {step}) is kept in {ckpts}."
     return note + "No good checkpoint is kept (set --ckpt-every below the step it diverged at, and --keep-ckpts 2 or more)."
 
 
-def _check_ceiling(peak_loss: torch.Tensor, ceiling: float, vocab: int, done: int, run: Path, last_good: int, bar,
-                   first_bad: torch.Tensor, is_main: bool, start: int) -> None:
-    """Raise Diverged when a step's loss (on any rank) rose above the ceiling (a host sync)."""
+def _check_ceiling(peak_loss: torch.Tensor, ceiling: float, vocab: int, done: int, bar, kept) -> None:
+    """Raise Diverged when a step's loss (on any rank) rose above the ceiling (a host sync); ``kept()``
+    says what the run leaves behind (:func:`_kept`)."""
     if dp.any_rank(peak_loss > ceiling):
         peak = peak_loss.item()
         bar.close()
         raise Diverged(f"the training loss rose {f'to {peak:.4g} ' if peak > ceiling else ''}at or before step {done}, "
                        f"above {ceiling:.3g} "
                        f"(2 x the larger of ln(vocab {vocab}) = {math.log(vocab):.3g} and the first step's loss): the run "
-                       f"diverged; stopped. {_kept(run, last_good, first_bad, is_main, start)} Start again with a lower --lr in a new --out (--resume keeps the saved --lr), or use a safer recipe.")
+                       f"diverged; stopped. {kept()} Start again with a lower --lr in a new --out (--resume keeps the saved --lr), or use a safer recipe.")
 
 
 def _plan_frozen(model) -> bool | None:
@@ -270,6 +271,9 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
     # the first step whose loss was non-finite or passed the ceiling (0: none yet): it tells whether the last
     # checkpoint's weights are the ones that diverged
     first_bad = torch.zeros((), dtype=torch.int64, device=device)
+
+    def kept() -> str:  # read when a divergence is raised: last_good and first_bad as they are then
+        return _kept(run, last_good, first_bad, is_main, start)
     vocab = model.config.vocab_size
     # loss_ceiling, set from the run's first step and kept in its checkpoints: a resume after a divergence must
     # not take its own (already diverged) first loss as the reference, or the limit loosens and training goes on
@@ -349,9 +353,9 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
         if done % cfg.log_every == 0 or last or stop["now"]:
             if dp.any_rank(bad):
                 bar.close()
-                raise Diverged(f"loss or gradient norm became non-finite at or before step {done}; stopped. {_kept(run, last_good, first_bad, is_main, start)} "
+                raise Diverged(f"loss or gradient norm became non-finite at or before step {done}; stopped. {kept()} "
                                f"Start again with a lower --lr in a new --out (--resume keeps the saved --lr), or use a safer recipe.")
-            _check_ceiling(peak_loss, ceiling, vocab, done, run, last_good, bar, first_bad, is_main, start)
+            _check_ceiling(peak_loss, ceiling, vocab, done, bar, kept)
             tps = timed_tokens / clock if clock else None  # None (null): not measured yet, the first steps are warm-up
             loss_val = dp.mean_over_ranks(loss_sum).item()
             metrics.log(step=done, loss=loss_val, lr=lr, grad_norm=float(gnorm), tokens=done * tokens_per_step, tok_per_s=tps,
@@ -362,9 +366,9 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
             metrics.log(step=done, val_loss=vl, val_bpb=val_s.bits_per_byte(vl))
         if (cfg.ckpt_every and done % cfg.ckpt_every == 0) or last or stop["now"]:
             if dp.any_rank(bad):
-                raise Diverged(f"loss or gradient norm became non-finite before step {done}; stopped. {_kept(run, last_good, first_bad, is_main, start)} "
+                raise Diverged(f"loss or gradient norm became non-finite before step {done}; stopped. {kept()} "
                                f"Start again with a lower --lr in a new --out (--resume keeps the saved --lr), or use a safer recipe.")
-            _check_ceiling(peak_loss, ceiling, vocab, done, run, last_good, bar, first_bad, is_main, start)
+            _check_ceiling(peak_loss, ceiling, vocab, done, bar, kept)
             (save_checkpoint if cfg.parallel == "none" else dp.save_sharded)(run, done, model, opt, keep=cfg.keep_ckpts,
                                                                              extra={"schedule_steps": schedule, "loss_ceiling": ceiling})
             last_good = done
