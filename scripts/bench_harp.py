@@ -62,6 +62,39 @@ def time_fit(m: int, n: int, steps: int, grid, device, cuda_graph: bool = False,
             "cuda_graph": rs[0].cuda_graph}
 
 
+#: aten ops that only view their input (no kernel on a GPU): left out of --count-ops
+VIEW_OPS = frozenset({"view", "permute", "_unsafe_view", "expand", "transpose", "unsqueeze", "squeeze", "detach",
+                      "_reshape_alias", "alias", "select", "slice", "t", "as_strided", "reshape", "diagonal"})
+
+
+def count_ops(m: int, n: int, layers: int, grid) -> tuple[float, float]:
+    """(all, non-view) aten ops dispatched per Adam step of a fit of ``layers`` layers ``[m, n]`` on the CPU:
+    the launches a GPU step would make without a CUDA graph (a 4-step fit's count minus a 2-step one's, halved,
+    so the loss evaluations before and after the fit drop out)."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ops = Counter()
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(0)
+    ws = [torch.randn(m, n, generator=g) * 0.02 for _ in range(layers)]
+    hs = [torch.eye(n) + 0.01 for _ in range(layers)]
+    counts = []
+    for steps in (2, 4):
+        ts = [TwoSided.random_signs(HARPRotation(m), HARPRotation(n), generator=g) for _ in range(layers)]
+        ops.clear()
+        with Count():
+            fit_harp_many(ws, hs, ts, grid, FitOptions(steps=steps))
+        counts.append((sum(ops.values()), sum(v for o, v in ops.items() if o not in VIEW_OPS)))
+    return tuple((b - a) / 2 for a, b in zip(*counts))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="llama-125m", choices=sorted(PRESETS))
@@ -73,9 +106,17 @@ def main(argv=None) -> int:
     ap.add_argument("--graph-tol", type=float, default=1e-4,
                     help="largest relative gap of a short graphed fit's final loss to the eager one's (CUDA; default 1e-4)")
     ap.add_argument("--check-steps", type=int, default=8, help="steps of that check's fits (default 8: 3 eager, 5 replayed)")
+    ap.add_argument("--count-ops", action="store_true",
+                    help="instead of timing: aten ops dispatched per fit step at each shape (CPU, no GPU needed)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     device, grid = torch.device(args.device), make_grid(args.quantizer, args.bits)
+    if args.count_ops:
+        blocks = PRESETS[args.model]["num_hidden_layers"]
+        print(f"| shape (out × in) | layers fitted together | ops per step | non-view ops per step |\n|---|---|---|---|")
+        for (m, n), count in linear_shapes(args.model).items():
+            print(f"| {m} × {n} | {count // blocks} | " + " | ".join(f"{v:.0f}" for v in count_ops(m, n, count // blocks, grid)) + " |")
+        return 0
     cuda = device.type == "cuda"
     rows, total, bad = [], 0.0, []
     print(f"HARP fitting at {args.model}'s shapes, {args.quantizer} W{args.bits}, {args.device}, {args.steps} timed steps each\n")

@@ -160,3 +160,20 @@ def test_a_non_finite_quantized_weight_is_refused_not_written(gen):
     w[3, 5] = float("nan")
     with pytest.raises(ValueError, match="input weight itself holds NaN"):
         quantize_layer(w, torch.eye(64), "rtn", make_grid("int", 4, 32), generator=gen)
+
+
+def test_fit_block_draws_the_signs_quantize_layer_would(gen):
+    """HARP's block fit draws every layer's signs before any layer is quantized: they must be the ones the
+    layer-by-layer path draws from the same generator, in the block's order (reproducible artifacts)."""
+    from adahop.ptq.quantize import fit_block
+
+    grid, opts = make_grid("int", 2, 32), FitOptions(steps=1)
+    items = [(name, torch.randn(m, 64, generator=gen), torch.eye(64)) for name, m in (("q", 64), ("k", 32), ("o", 64))]
+    fitted = fit_block(items, "harp-gptq", grid, generator=torch.Generator().manual_seed(5), fit_opts=opts)
+    g = torch.Generator().manual_seed(5)
+    for name, w, h in items:
+        res = quantize_layer(w, h, "harp-gptq", grid, generator=g, fit_opts=opts)
+        t = fitted[name][0]
+        assert torch.equal(res.stored["signs_out"], pack_bits((t.s_out < 0).to(torch.uint8), 1)), name
+        assert torch.equal(res.stored["signs_in"], pack_bits((t.s_in < 0).to(torch.uint8), 1)), name
+    assert fit_block(items, "rht-gptq", grid, generator=torch.Generator()) == {}

@@ -90,11 +90,17 @@ def fit_block(items: list[tuple[str, torch.Tensor, torch.Tensor]], method: str, 
               rot_opts: RotationOptions = RotationOptions(), fit_opts: FitOptions = FitOptions(),
               seed: int = 0) -> dict[str, tuple[TwoSided, FitResult]]:
     """HARP's rotations of a block's layers, each shape's layers fitted together (:func:`fit_harp_many`:
-    q/k/v/o in one fit, gate/up in another), for :func:`quantize_layer`'s ``fitted``.
+    q and o in one fit, gate and up in another, for llama-350m), for :func:`quantize_layer`'s ``fitted``.
 
     ``items``: ``(name, weight [m, n], H [n, n])`` in the block's order; the signs are drawn from
     ``generator`` in that order, as :func:`quantize_layer` draws them layer by layer, so the result is the
     same transforms. Returns ``{}`` for a method without ``harp-``.
+
+    Raises:
+        ValueError: an unknown method, or a fit that fails (:func:`fit_harp_many`), the message prefixed
+            with the names of the layers fitted together.
+
+    Source: `specs/related_methods.md` §2.3 (one fit per layer); fitting a shape's layers together is ours.
     """
     rot, _ = parse_method(method)
     if rot != "harp":
