@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from adahop.ptq.fit import FitOptions, fit_harp, fit_harp_many, offblock_energy, proxy_loss
+from adahop.ptq.fit import FitOptions, fit_harp, fit_harp_groups, fit_harp_many, offblock_energy, proxy_loss
 from adahop.ptq.grids import make_grid
 from adahop.ptq.incoherence import RHTRotation, TwoSided
 from adahop.ptq.rotation import HARPRotation
@@ -80,6 +80,8 @@ def test_bench_harp_runs_and_projects_the_whole_model(repo_script, tmp_path):
     assert sum(r["layers"] for r in res["rows"]) == 7 * 2  # llama-tiny: two blocks
     assert res["total_s"] == pytest.approx(sum(r["s_per_layer"] * r["layers"] for r in res["rows"]))
     assert all(r["ms_per_step"] > 0 and r["loss_end"] < r["loss_start"] for r in res["rows"])  # each fit from the RHT start
+    block = bench.time_block("llama-tiny", 3, 3, bench.make_grid("int", 2), torch.device("cpu"))  # the GPU-only row, on the CPU
+    assert block["layers"] == 7 and block["ms_per_step"] > 0 and block["loss_gap_rel"] == 0 and not block["cuda_graph"]
 
 
 def test_cuda_graph_is_refused_where_it_cannot_run_and_off_by_default_on_the_cpu(gen):
@@ -133,3 +135,59 @@ def test_a_diverged_fit_is_refused_naming_the_learning_rate(gen):
     t = TwoSided.random_signs(HARPRotation(32), HARPRotation(64), generator=torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match="overflow FP16.*lower --harp-lr"):
         fit_harp(w, h, t, make_grid("int", 2, 32), FitOptions(steps=5, lr=1e9))
+
+
+def test_fits_on_cuda_switch_pytorch_to_cusolver_and_restore_its_backend_even_on_error(monkeypatch):
+    # MAGMA's batched LU (PyTorch's default for >16 blocks larger than 16x16) cannot be captured in a CUDA graph
+    from adahop.ptq import fit as fit_mod
+
+    state = {"backend": "default"}
+    calls = []
+
+    def fake(backend=None):
+        if backend is not None:
+            calls.append(backend)
+            state["backend"] = backend
+        return state["backend"]
+
+    monkeypatch.setattr(torch.backends.cuda, "preferred_linalg_library", fake)
+    with fit_mod._capturable_linalg(True):
+        assert state["backend"] == "cusolver"
+    assert state["backend"] == "default"
+    with pytest.raises(RuntimeError, match="boom"), fit_mod._capturable_linalg(True):
+        raise RuntimeError("boom")
+    assert state["backend"] == "default" and calls == ["cusolver", "default", "cusolver", "default"]
+    with fit_mod._capturable_linalg(False):  # CPU fits leave the setting alone (a CPU build cannot set cuSOLVER)
+        pass
+    assert len(calls) == 4
+
+
+def test_fitting_groups_side_by_side_equals_fitting_each_group_and_names_a_failing_group(gen):
+    """fit_harp_groups (a block's shapes at once; on a GPU their graphs replay on streams of their own) makes
+    each group's fit_harp_many: the same parameters and losses; an error names its group's label."""
+    grid = make_grid("int", 2, 32)
+    shapes = [(32, 64), (32, 64), (64, 32)]
+    layers = [_layer(gen, m, n) for m, n in shapes]
+
+    def rots():
+        g = torch.Generator().manual_seed(5)
+        return [TwoSided.random_signs(HARPRotation(m), HARPRotation(n), generator=g) for m, n in shapes]
+
+    opts = FitOptions(steps=6)
+    a, b = rots(), rots()
+    sep = [fit_harp_many([w for w, _ in layers[:2]], [h for _, h in layers[:2]], a[:2], grid, opts),
+           fit_harp_many([layers[2][0]], [layers[2][1]], a[2:], grid, opts)]
+    grouped = fit_harp_groups([([w for w, _ in layers[:2]], [h for _, h in layers[:2]], b[:2]),
+                               ([layers[2][0]], [layers[2][1]], b[2:])], grid, opts)
+    assert [len(r) for r in grouped] == [2, 1]
+    for ra, rb in zip(sum(sep, []), sum(grouped, [])):
+        assert (rb.loss_start, rb.loss_end, rb.history) == (ra.loss_start, ra.loss_end, ra.history)
+        assert not rb.cuda_graph and rb.graph_error == ""
+    for ta, tb in zip(a, b):
+        for pa, pb in zip([*ta.u.thetas, *ta.v.thetas], [*tb.u.thetas, *tb.v.thetas]):
+            assert torch.equal(pa, pb)
+    assert fit_harp_groups([], grid, opts) == []
+    w, h = layers[0]
+    with pytest.raises(ValueError, match="^layers.1.mlp.up_proj: fit_harp_many needs as many weights"):
+        fit_harp_groups([([w], [h], rots()[:1]), ([w, w], [h], rots()[:2])], grid, opts,
+                        labels=["layers.1.mlp.gate_proj", "layers.1.mlp.up_proj"])

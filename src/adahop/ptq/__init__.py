@@ -16,7 +16,7 @@ import importlib
 _WHERE = {
     "HARPRotation": "rotation", "radix_schedule": "rotation", "RHTRotation": "incoherence", "TwoSided": "incoherence",
     "rht_block": "incoherence", "IntGrid": "grids", "MXFP4Grid": "grids", "NVFP4Grid": "grids", "make_grid": "grids",
-    "gptq": "gptq", "proxy_error": "gptq", "FitOptions": "fit", "fit_harp": "fit", "fit_harp_many": "fit", "proxy_loss": "fit",
+    "gptq": "gptq", "proxy_error": "gptq", "FitOptions": "fit", "fit_harp": "fit", "fit_harp_many": "fit", "fit_harp_groups": "fit", "proxy_loss": "fit",
     "quantize_layer": "quantize", "dequantize_packed": "export",
 }
 __all__ = sorted(_WHERE)

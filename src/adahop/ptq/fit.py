@@ -19,6 +19,7 @@ on whatever device ``W`` is on; on CUDA each step replays a captured CUDA graph.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from .grids import Grid
 from .incoherence import TwoSided
 from .rotation import HARPRotation, cayley, stage
 
-__all__ = ["FitOptions", "fit_harp", "fit_harp_many", "proxy_loss", "offblock_energy"]
+__all__ = ["FitOptions", "fit_harp", "fit_harp_many", "fit_harp_groups", "proxy_loss", "offblock_energy"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -131,6 +132,8 @@ class FitResult:
     steps: int
     history: list[float] = field(default_factory=list)
     cuda_graph: bool = False
+    graph_error: str = ""
+    """Why the CUDA graph capture failed (its first line), empty if it did not or none was tried."""
 
 
 #: Set once a capture failed in this process: later fits run eager (a failed capture can leave PyTorch's
@@ -180,99 +183,184 @@ def fit_harp_many(ws: list[torch.Tensor], hs: list[torch.Tensor], transforms: li
     Source: `specs/related_methods.md` §2.3–§2.4 (the objective, Adam at lr 0.03 for 1200 steps); the
     stacking and the CUDA graph are ours and change no update.
     """
-    if not ws or not len(ws) == len(hs) == len(transforms) or len({tuple(x.shape) for x in ws}) != 1:
-        raise ValueError(f"fit_harp_many needs as many weights ({len(ws)}), Hessians ({len(hs)}) and transforms "
-                         f"({len(transforms)}), at least one, and weights of one shape ({sorted({tuple(x.shape) for x in ws})})")
-    on_cuda = ws[0].device.type == "cuda"
-    if cuda_graph and (not on_cuda or opts.refresh != 1):
-        raise ValueError(f"cuda_graph=True needs w on CUDA (it is on {ws[0].device}) and refresh=1 (it is {opts.refresh})")
-    graph = (on_cuda and opts.refresh == 1 and not grid.tensor_scale and not _CAPTURE_FAILED[0]) if cuda_graph is None else cuda_graph
-    hns = [h.float().to(ws[0].device) / torch.diagonal(h).float().mean().clamp(min=1e-30) for h in hs]
-    w, hn = torch.stack([x.float() for x in ws]), torch.stack(hns)
-    s_out = torch.stack([t.s_out for t in transforms]).float()
-    s_in = torch.stack([t.s_in for t in transforms]).float()
-    su, sv = _Stacked([t.u for t in transforms]), _Stacked([t.v for t in transforms])
-    # capturable on every CUDA fit: the step count on the GPU, and eager and graphed fits the same arithmetic
-    opt = torch.optim.Adam(su.thetas + sv.thetas, lr=opts.lr, capturable=on_cuda)
+    return fit_harp_groups([(ws, hs, transforms)], grid, opts, cuda_graph=cuda_graph)[0]
 
-    def losses():  # per layer, through each TwoSided (what the artifact's rotations give)
+
+def fit_harp_groups(groups: list[tuple[list[torch.Tensor], list[torch.Tensor], list[TwoSided]]], grid: Grid,
+                    opts: FitOptions = FitOptions(), *, cuda_graph: bool | None = None,
+                    labels: list[str] | None = None) -> list[list[FitResult]]:
+    """:func:`fit_harp_many` of several groups ``(ws, hs, transforms)`` (a block's shapes: q+o, k+v,
+    gate+up, down), each group's layers of one shape. Returns each group's results, in order.
+
+    On CUDA with graphs, every group's step is captured first, then the graphs are replayed step by step,
+    each on a stream of its own: a step's ~400 kernels are too small to fill the GPU, so the groups'
+    kernels overlap, where fitting one group after the other leaves the GPU mostly idle. The updates are
+    the same as separate fits (no group reads another's tensors). Elsewhere the groups run one after the
+    other. ``seconds`` of every result is the call's wall time divided by all its layers.
+
+    Raises:
+        ValueError: as :func:`fit_harp_many`, for any group, before any fit runs (shapes, options) or
+            after all ran (FP16 overflow); the message starts with the group's entry of ``labels``, if given.
+
+    Source: ours (`specs/related_methods.md` §2.3 fits one layer at a time; this changes no update).
+    """
+    def labelled(k: int, fn):  # the group's label in front of its error
+        try:
+            return fn()
+        except ValueError as e:
+            if labels is None:
+                raise
+            raise ValueError(f"{labels[k]}: {e}") from None
+
+    fits = [labelled(k, lambda g=g: _Fit(*g, grid, opts, cuda_graph)) for k, g in enumerate(groups)]
+    if not fits:
+        return []
+    device, on_cuda = fits[0].device, fits[0].on_cuda
+    if on_cuda:
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    with _capturable_linalg(on_cuda):  # eager fits too: eager and graphed steps run the same solver
+        replayed = [f for f in fits if f.capture()]  # a fit that is not captured runs all its steps eager here
+        if replayed:
+            streams = [torch.cuda.Stream(device) for _ in replayed]
+            for st in streams:
+                st.wait_stream(torch.cuda.current_stream(device))
+            for i in range(GRAPH_WARMUP, opts.steps):
+                for f, st in zip(replayed, streams):
+                    with torch.cuda.stream(st):
+                        f.replay(i)
+            for st in streams:
+                torch.cuda.current_stream(device).wait_stream(st)
+    for k, f in enumerate(fits):
+        labelled(k, f.write_back)
+    if on_cuda:
+        torch.cuda.synchronize(device)
+    secs = (time.perf_counter() - t0) / sum(len(f.ws) for f in fits)
+    return [f.results(secs) for f in fits]
+
+
+class _Fit:
+    """One group's fit: its layers' stacked weights, Hessians and rotations, their Adam, and one step."""
+
+    def __init__(self, ws: list[torch.Tensor], hs: list[torch.Tensor], transforms: list[TwoSided], grid: Grid,
+                 opts: FitOptions, cuda_graph: bool | None):
+        if not ws or not len(ws) == len(hs) == len(transforms) or len({tuple(x.shape) for x in ws}) != 1:
+            raise ValueError(f"fit_harp_many needs as many weights ({len(ws)}), Hessians ({len(hs)}) and transforms "
+                             f"({len(transforms)}), at least one, and weights of one shape ({sorted({tuple(x.shape) for x in ws})})")
+        self.device = ws[0].device
+        self.on_cuda = self.device.type == "cuda"
+        if cuda_graph and (not self.on_cuda or opts.refresh != 1):
+            raise ValueError(f"cuda_graph=True needs w on CUDA (it is on {self.device}) and refresh=1 (it is {opts.refresh})")
+        self.use_graph = ((self.on_cuda and opts.refresh == 1 and not grid.tensor_scale) if cuda_graph is None
+                          else cuda_graph) and opts.steps > GRAPH_WARMUP
+        self.ws, self.transforms, self.grid, self.opts = ws, transforms, grid, opts
+        self.hns = [h.float().to(self.device) / torch.diagonal(h).float().mean().clamp(min=1e-30) for h in hs]
+        self.w, self.hn = torch.stack([x.float() for x in ws]), torch.stack(self.hns)
+        self.s_out = torch.stack([t.s_out for t in transforms]).float()
+        self.s_in = torch.stack([t.s_in for t in transforms]).float()
+        self.su, self.sv = _Stacked([t.u for t in transforms]), _Stacked([t.v for t in transforms])
+        # capturable on every CUDA fit: the step count on the GPU, and eager and graphed fits the same arithmetic
+        self.opt = torch.optim.Adam(self.su.thetas + self.sv.thetas, lr=opts.lr, capturable=self.on_cuda)
+        self.target = None
+        self.hist: list[torch.Tensor] = []  # the losses every 50 steps, read to the host at the end (no sync per read)
+        self.graph, self.static_loss, self.error = None, None, ""
+        self.start = self.losses()
+
+    def losses(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, through each TwoSided (what the artifact's rotations give)."""
         with torch.no_grad():
-            return [proxy_loss(t.weight(x), t.hessian(hn_l), grid, opts) for t, x, hn_l in zip(transforms, ws, hns)]
+            return [proxy_loss(t.weight(x), t.hessian(hn_l), self.grid, self.opts)
+                    for t, x, hn_l in zip(self.transforms, self.ws, self.hns)]
 
-    target = None
-
-    def step(i: int) -> torch.Tensor:
+    def step(self, i: int) -> torch.Tensor:
         """One Adam step (gradients None on entry); each layer's loss before it, detached ``[L]``."""
-        nonlocal target
+        su, sv, s_in, s_out = self.su, self.sv, self.s_in, self.s_out
         ku, kv = su.kernels(), sv.kernels()  # once per step: W and both sides of H share V's solves
-        wt = su.apply((sv.apply(w * s_in[:, None, :], kv) * s_out[:, :, None]).transpose(1, 2), ku).transpose(1, 2)
-        ht = sv.apply(sv.apply(hn * s_in[:, :, None] * s_in[:, None, :], kv).transpose(1, 2), kv).transpose(1, 2)
-        if i % opts.refresh == 0:
+        wt = su.apply((sv.apply(self.w * s_in[:, None, :], kv) * s_out[:, :, None]).transpose(1, 2), ku).transpose(1, 2)
+        ht = sv.apply(sv.apply(self.hn * s_in[:, :, None] * s_in[:, None, :], kv).transpose(1, 2), kv).transpose(1, 2)
+        if i % self.opts.refresh == 0:
             with torch.no_grad():
-                target = _rtn(grid, wt.detach())
-        loss, _ = proxy_loss(wt, ht, grid, opts, target)
+                self.target = _rtn(self.grid, wt.detach())
+        loss, _ = proxy_loss(wt, ht, self.grid, self.opts, self.target)
         loss.sum().backward()
-        opt.step()
+        self.opt.step()
         return loss.detach()
 
-    hist: list[list[float]] = [[] for _ in ws]
-
-    def record(i: int, loss: torch.Tensor) -> None:
+    def record(self, i: int, loss: torch.Tensor) -> None:
         if i % 50 == 0:
-            for hl, v in zip(hist, loss.tolist()):
-                hl.append(v)
+            self.hist.append(loss.clone())  # a replayed graph overwrites its loss: keep a copy
 
-    def eager(first: int) -> None:
-        for i in range(first, opts.steps):
-            opt.zero_grad(set_to_none=True)
-            record(i, step(i))
+    def capture(self) -> bool:
+        """Capture one step's CUDA graph after :data:`GRAPH_WARMUP` eager steps (PyTorch's whole-network
+        recipe): True if it is to be replayed; else all the fit's steps ran eager here."""
+        if not self.use_graph or _CAPTURE_FAILED[0]:
+            self.eager_steps(0, self.opts.steps)
+            return False
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self.eager_steps(0, GRAPH_WARMUP)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        self.opt.zero_grad(set_to_none=True)  # backward inside the capture allocates the grads from the graph's pool
+        try:
+            with torch.cuda.graph(g):
+                self.static_loss = self.step(GRAPH_WARMUP)  # refresh == 1: every step takes a fresh target
+        except RuntimeError as e:  # nothing ran during the capture: the parameters are those after warm-up
+            _CAPTURE_FAILED[0] = True
+            self.error = (str(e).splitlines() or [type(e).__name__])[0][:200]
+            warnings.warn(f"HARP fit: CUDA graph capture failed ({self.error}); this and later fits run eager")
+            torch.cuda.synchronize(self.device)
+            self.eager_steps(GRAPH_WARMUP, self.opts.steps)
+            return False
+        self.graph = g
+        return True
 
-    start = losses()
-    if on_cuda:
-        torch.cuda.synchronize(ws[0].device)
-    t0 = time.perf_counter()
-    if graph and opts.steps > GRAPH_WARMUP:
-        graph = _graphed(step, eager, record, opt, opts.steps, ws[0].device)
-    else:
-        graph = False
-        eager(0)
-    su.write_back()
-    sv.write_back()
-    for t in transforms:
-        t.u.round_params_fp16()
-        t.v.round_params_fp16()
-    if not all(bool(torch.isfinite(th).all()) for t in transforms for th in [*t.u.thetas, *t.v.thetas]):
-        raise ValueError("HARP's fitted rotation parameters overflow FP16, the format the artifact stores them in: the fit "
-                         f"diverged at lr {opts.lr}; lower --harp-lr")
-    if on_cuda:
-        torch.cuda.synchronize(ws[0].device)
-    secs = (time.perf_counter() - t0) / len(ws)
-    return [FitResult(float(l0), float(l1), float(q0), float(q1), secs, opts.steps, hl, bool(graph))
-            for (l0, q0), (l1, q1), hl in zip(start, losses(), hist)]
+    def eager_steps(self, first: int, stop: int) -> None:
+        for i in range(first, stop):
+            self.opt.zero_grad(set_to_none=True)
+            self.record(i, self.step(i))
+
+    def replay(self, i: int) -> None:
+        self.graph.replay()
+        self.record(i, self.static_loss)
+
+    def write_back(self) -> None:
+        """The stacked parameters into each layer's rotations, rounded to FP16 (what the artifact stores).
+
+        Raises:
+            ValueError: a parameter that overflows FP16 (the fit diverged).
+        """
+        self.su.write_back()
+        self.sv.write_back()
+        for t in self.transforms:
+            t.u.round_params_fp16()
+            t.v.round_params_fp16()
+        if not all(bool(torch.isfinite(th).all()) for t in self.transforms for th in [*t.u.thetas, *t.v.thetas]):
+            raise ValueError("HARP's fitted rotation parameters overflow FP16, the format the artifact stores them in: the fit "
+                             f"diverged at lr {self.opts.lr}; lower --harp-lr")
+
+    def results(self, secs: float) -> list[FitResult]:
+        hist = torch.stack(self.hist).T.tolist() if self.hist else [[] for _ in self.ws]
+        return [FitResult(float(l0), float(l1), float(q0), float(q1), secs, self.opts.steps, hl, self.graph is not None,
+                          self.error)
+                for (l0, q0), (l1, q1), hl in zip(self.start, self.losses(), hist)]
 
 
-def _graphed(step, eager, record, opt, steps: int, device) -> bool:
-    """Run ``steps`` Adam steps: :data:`GRAPH_WARMUP` eager on a side stream, then one captured step
-    replayed (PyTorch's whole-network capture recipe). False if the capture failed and the rest ran eager."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for i in range(GRAPH_WARMUP):
-            opt.zero_grad(set_to_none=True)
-            record(i, step(i))
-    torch.cuda.current_stream(device).wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    opt.zero_grad(set_to_none=True)  # backward inside the capture allocates the grads from the graph's pool
+@contextlib.contextmanager
+def _capturable_linalg(on_cuda: bool):
+    """cuSOLVER/cuBLAS as PyTorch's CUDA linear-algebra backend while a fit runs, then the previous one back.
+
+    By default PyTorch factors a batch of more than 16 square matrices larger than 16×16 with MAGMA's batched
+    LU, which synchronizes with the host and so cannot be captured: the capture of the fits with a 43×43
+    Cayley stage (2752 = 8·8·43, llama-350m's MLP) failed on the H200 in round 22, and ran eager, 3–4× slower.
+    cuBLAS's batched LU (the path of the 8×8 stages, which captured) has no host synchronization."""
+    if not on_cuda:
+        yield
+        return
+    prev = torch.backends.cuda.preferred_linalg_library()
+    torch.backends.cuda.preferred_linalg_library("cusolver")
     try:
-        with torch.cuda.graph(g):
-            static_loss = step(GRAPH_WARMUP)  # refresh == 1: every step takes a fresh target
-    except RuntimeError as e:  # nothing ran during the capture: the parameters are those after warm-up
-        _CAPTURE_FAILED[0] = True
-        warnings.warn(f"HARP fit: CUDA graph capture failed ({str(e).splitlines()[0][:160]}); this and later fits run eager")
-        torch.cuda.synchronize(device)
-        eager(GRAPH_WARMUP)
-        return False
-    for i in range(GRAPH_WARMUP, steps):
-        g.replay()
-        record(i, static_loss)
-    return True
+        yield
+    finally:
+        torch.backends.cuda.preferred_linalg_library(prev)

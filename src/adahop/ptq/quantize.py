@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .fit import FitOptions, FitResult, fit_harp, fit_harp_many
+from .fit import FitOptions, FitResult, fit_harp, fit_harp_groups
 from .gptq import gptq, proxy_error
 from .grids import Grid
 from .incoherence import MIN_BLOCK, RHTRotation, TwoSided
@@ -89,15 +89,16 @@ def _transform(rot: str, m: int, n: int, rot_opts: RotationOptions, seed: int, g
 def fit_block(items: list[tuple[str, torch.Tensor, torch.Tensor]], method: str, grid: Grid, *, generator: torch.Generator,
               rot_opts: RotationOptions = RotationOptions(), fit_opts: FitOptions = FitOptions(),
               seed: int = 0) -> dict[str, tuple[TwoSided, FitResult]]:
-    """HARP's rotations of a block's layers, each shape's layers fitted together (:func:`fit_harp_many`:
-    q and o in one fit, gate and up in another, for llama-350m), for :func:`quantize_layer`'s ``fitted``.
+    """HARP's rotations of a block's layers, each shape's layers fitted together (q and o in one fit, gate
+    and up in another, for llama-350m) and the shapes' fits side by side on a GPU (:func:`fit_harp_groups`),
+    for :func:`quantize_layer`'s ``fitted``.
 
     ``items``: ``(name, weight [m, n], H [n, n])`` in the block's order; the signs are drawn from
     ``generator`` in that order, as :func:`quantize_layer` draws them layer by layer, so the result is the
     same transforms. Returns ``{}`` for a method without ``harp-``.
 
     Raises:
-        ValueError: an unknown method, or a fit that fails (:func:`fit_harp_many`), the message prefixed
+        ValueError: an unknown method, or a fit that fails (:func:`fit_harp_groups`), the message prefixed
             with the names of the layers fitted together.
 
     Source: `specs/related_methods.md` §2.3 (one fit per layer); fitting a shape's layers together is ours.
@@ -109,14 +110,9 @@ def fit_block(items: list[tuple[str, torch.Tensor, torch.Tensor]], method: str, 
     groups: dict[tuple, list] = {}
     for item in items:
         groups.setdefault(tuple(item[1].shape), []).append(item)
-    out = {}
-    for group in groups.values():
-        try:
-            fits = fit_harp_many([w for _, w, _ in group], [h for _, _, h in group], [ts[n] for n, _, _ in group], grid, fit_opts)
-        except ValueError as e:  # name the layers: nothing is written
-            raise ValueError(f"{', '.join(n for n, _, _ in group)}: {e}") from None
-        out.update({n: (ts[n], f) for (n, _, _), f in zip(group, fits)})
-    return out
+    fits = fit_harp_groups([([w for _, w, _ in g], [h for _, _, h in g], [ts[n] for n, _, _ in g]) for g in groups.values()],
+                           grid, fit_opts, labels=[", ".join(n for n, _, _ in g) for g in groups.values()])
+    return {n: (ts[n], f) for g, gf in zip(groups.values(), fits) for (n, _, _), f in zip(g, gf)}
 
 
 def quantize_layer(w: torch.Tensor, h: torch.Tensor, method: str, grid: Grid, *, generator: torch.Generator,
@@ -148,7 +144,7 @@ def quantize_layer(w: torch.Tensor, h: torch.Tensor, method: str, grid: Grid, *,
         if fit is not None:
             stats["harp"] = {"loss_start": fit.loss_start, "loss_end": fit.loss_end, "lq_start": fit.lq_start,
                              "lq_end": fit.lq_end, "seconds": fit.seconds, "steps": fit.steps,
-                             "cuda_graph": fit.cuda_graph}
+                             "cuda_graph": fit.cuda_graph, **({"graph_error": fit.graph_error} if fit.graph_error else {})}
         with torch.no_grad():
             wq_in, hq_in = t.weight(w), t.hessian(h)
         stored["signs_out"] = pack_bits((t.s_out < 0).to(torch.uint8), 1)
