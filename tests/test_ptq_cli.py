@@ -72,6 +72,29 @@ def test_harp_gptq_folder_loads_in_transformers_with_the_printed_perplexity(run_
     assert all(v["harp"]["steps"] == 3 for v in res["layers"].values())
 
 
+def test_int8_rotation_parameters_halve_harps_bits_and_still_rebuild_every_weight(run_dir, tmp_path):
+    import transformers
+
+    from adahop.ptq.export import dequantize_packed
+    from adahop.ptq.rotation import HARPRotation
+
+    out = tmp_path / "int8"
+    assert _ptq(run_dir, out, "--method", "harp-rtn", "--bits", "4", "--theta-format", "int8", "--skip-baseline") == 0
+    res = json.loads((out / "ptq.json").read_text())
+    assert res["rotation"]["theta_format"] == "int8"
+    sd = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+    for name, w in dequantize_packed(out / "ptq_packed.safetensors").items():
+        _same_to_bf16_rounding(w, sd[name + ".weight"])
+
+    def theta_bits(d: int, fmt: str) -> int:
+        return sum(8 * p.numel() * p.element_size() for p in HARPRotation(d, theta_format=fmt).packed_params().values())
+
+    for v in res["layers"].values():  # 4-bit codes, an FP16 scale per 128, a sign per row and column, Θ
+        m, n = v["shape"]
+        assert v["stored_bits"] == 4 * m * n + 16 * m * n // 128 + m + n + theta_bits(m, "int8") + theta_bits(n, "int8")
+        assert theta_bits(m, "int8") + theta_bits(n, "int8") < 0.6 * (theta_bits(m, "fp16") + theta_bits(n, "fp16"))
+
+
 @pytest.mark.parametrize("method,quantizer", [("rht-rtn", "mxfp4"), ("gptq", "nvfp4")])
 def test_fp4_grids_round_trip_through_the_artifact(run_dir, tmp_path, method, quantizer):
     import transformers
@@ -270,7 +293,7 @@ def test_an_out_holding_the_model_or_another_one_is_refused_not_overwritten(run_
     _check(argparse.Namespace(model=str(run_dir), out=str(left), calib_tokens=1, batch_size=1, seq_len=None,
                               eval_batches=None, eval_limit=None, eval_max_length=None, harp_steps=1, passes=1, damp=0.01,
                               hbd_block=8, radix=8, max_radix=8, harp_lr=0.03, hbd_lambda=0.1, mixer="had_or_qr",
-                              method="harp-gptq", eval_tasks=None, task_data=None))
+                              theta_format="fp16", method="harp-gptq", eval_tasks=None, task_data=None))
 
 
 def test_a_model_without_linear_blocks_is_refused_with_one_prefix(run_dir, tmp_path, capsys):

@@ -129,11 +129,40 @@ def test_a_dim_with_no_hadamard_block_names_the_fix():
         RHTRotation(100)  # 4·25: the largest power-of-two block, 4, is below 8
 
 
-def test_fp16_params_round_trip_exactly(gen):
-    r = _randomize(HARPRotation(96), gen)
-    r.round_params_fp16()
+@pytest.mark.parametrize("fmt", ["fp16", "int8"])
+def test_stored_params_round_trip_exactly(fmt, gen):
+    r = _randomize(HARPRotation(96, theta_format=fmt), gen)
+    before = r.dense()
+    r.round_params()
     q = r.dense()
-    r2 = HARPRotation(96)
+    r2 = HARPRotation(96, theta_format=fmt)
     r2.load_packed_params(r.packed_params())
-    assert torch.equal(r2.dense(), q)
-    assert sum(p.numel() for p in r.packed_params()) == r.n_params
+    assert torch.equal(r2.dense(), q)  # the artifact rebuilds exactly the rotation the weights were quantized with
+    r.round_params()
+    assert torch.equal(r.dense(), q)  # rounding is idempotent
+    packed = r.packed_params()
+    codes = [v for k, v in packed.items() if not k.endswith(".scale")]
+    assert sum(p.numel() for p in codes) == r.n_params
+    eye = torch.eye(96)
+    assert torch.linalg.matrix_norm(q @ q.T - eye) <= 1e-5  # still orthogonal: any Θ is
+    gap = float((q - before).abs().max().detach())
+    if fmt == "fp16":
+        assert all(p.dtype == torch.float16 for p in packed.values()) and gap < 1e-3
+    else:  # int8: one FP16 scale per block, amax/127; half the bits, a coarser rotation
+        # radix 8 and 6 as int8 with a scale a block; radix 2 (one parameter a block) stays FP16
+        assert [p.dtype for p in codes] == [torch.int8, torch.int8, torch.float16]
+        assert all(int(p.abs().max()) == 127 for p in codes[:2])
+        scales = [v for k, v in packed.items() if k.endswith(".scale")]
+        assert [s.numel() for s in scales] == [12, 16] and all(s.dtype == torch.float16 for s in scales)
+        bits = sum(8 * p.numel() * p.element_size() for p in packed.values())
+        assert bits < 0.6 * 16 * r.n_params and 1e-4 < gap < 0.05
+
+
+def test_stored_params_of_another_format_or_schedule_are_refused(gen):
+    r = _randomize(HARPRotation(96, theta_format="int8"), gen)
+    with pytest.raises(ValueError, match="do not match a fp16 rotation"):
+        HARPRotation(96).load_packed_params(r.packed_params())
+    with pytest.raises(ValueError, match="do not match a int8 rotation of 3 stages"):
+        HARPRotation(96, theta_format="int8").load_packed_params({"0": torch.zeros(12, 28, dtype=torch.int8)})
+    with pytest.raises(ValueError, match="theta_format='int4': must be one of fp16, int8"):
+        HARPRotation(96, theta_format="int4")

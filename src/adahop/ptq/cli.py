@@ -26,15 +26,15 @@ __all__ = ["add_arguments", "run"]
 # The options only some methods use, with their defaults: a value other than the default under a method
 # that ignores it is refused (it would change nothing, and ptq.json would not say so).
 _METHOD_DEFAULTS = {"damp": 0.01, "harp_steps": 1200, "harp_lr": 0.03, "hbd_lambda": 0.1, "hbd_block": 8, "radix": 8,
-                    "max_radix": 8, "passes": 1, "mixer": "had_or_qr"}
+                    "max_radix": 8, "passes": 1, "mixer": "had_or_qr", "theta_format": "fp16"}
 _GPTQ_ONLY = ("damp",)
-_HARP_ONLY = ("harp_steps", "harp_lr", "hbd_lambda", "hbd_block", "radix", "max_radix", "passes", "mixer")
+_HARP_ONLY = ("harp_steps", "harp_lr", "hbd_lambda", "hbd_block", "radix", "max_radix", "passes", "mixer", "theta_format")
 _EVAL_TASKS_ONLY = ("eval_limit", "eval_max_length", "task_data")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of `adahop ptq`."""
-    from .names import METHODS, MIXERS, QUANTIZERS
+    from .names import METHODS, MIXERS, QUANTIZERS, THETA_FORMATS
 
     p.add_argument("model", metavar="MODEL", help="a run folder of `adahop train`, or a transformers causal-LM folder")
     p.add_argument("--method", required=True, choices=METHODS, help="backend, optionally after RHT or HARP incoherence")
@@ -71,6 +71,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-radix", type=int, default=d["max_radix"], help="largest other radix (default 8)")
     g.add_argument("--passes", type=int, default=d["passes"], help="repeats of the staged product (default 1)")
     g.add_argument("--mixer", default=d["mixer"], choices=MIXERS, help="fixed block mixer M_b (default had_or_qr)")
+    g.add_argument("--theta-format", default=d["theta_format"], choices=THETA_FORMATS,
+                   help="how the packed artifact stores the rotation parameters: fp16 (default), or int8 with one FP16 "
+                        "scale per block (about half the rotation's bits; the fit is rounded to it before quantizing)")
     g.add_argument("--seed", type=int, default=0, help="random signs, calibration windows and QR mixers")
     g.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
 
@@ -170,7 +173,8 @@ def run(args: argparse.Namespace) -> dict:
     from .quantize import RotationOptions, fit_block, quantize_layer
 
     fit_opts = FitOptions(steps=args.harp_steps, lr=args.harp_lr, hbd_lambda=args.hbd_lambda, hbd_block=args.hbd_block)
-    rot_opts = RotationOptions(radix=args.radix, max_radix=args.max_radix, passes=args.passes, mixer=args.mixer)
+    rot_opts = RotationOptions(radix=args.radix, max_radix=args.max_radix, passes=args.passes, mixer=args.mixer,
+                               theta_format=args.theta_format)
     device = resolve_device(args.device)
     bf16 = device.type == "cuda"  # perplexity as `adahop train` validates: BF16 autocast on CUDA, FP32 on CPU
     t_start = time.perf_counter()

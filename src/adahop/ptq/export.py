@@ -78,9 +78,11 @@ def dequantize_packed(path: str | Path) -> dict[str, torch.Tensor]:
         if rot == "rht":
             u, v = RHTRotation(m, min_block=ro.min_block), RHTRotation(n, min_block=ro.min_block)
         else:
-            u, v = (HARPRotation(d, ro.radix, ro.max_radix, ro.passes, ro.mixer, seed=meta["seed"]) for d in (m, n))
+            u, v = (HARPRotation(d, ro.radix, ro.max_radix, ro.passes, ro.mixer, seed=meta["seed"],
+                                 theta_format=ro.theta_format) for d in (m, n))
             for side, r in (("out", u), ("in", v)):
-                r.load_packed_params([t[f"theta_{side}.{i}"] for i in range(len(r.stages))])
+                pre = f"theta_{side}."
+                r.load_packed_params({k[len(pre):]: x for k, x in t.items() if k.startswith(pre)})
         with torch.no_grad():
             out[name] = TwoSided(u, v, *signs).weight_inverse(q)
     return out

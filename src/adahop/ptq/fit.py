@@ -326,7 +326,7 @@ class _Fit:
         self.record(i, self.static_loss)
 
     def write_back(self) -> None:
-        """The stacked parameters into each layer's rotations, rounded to FP16 (what the artifact stores).
+        """The stacked parameters into each layer's rotations, rounded to what the artifact stores.
 
         Raises:
             ValueError: a parameter that overflows FP16 (the fit diverged).
@@ -334,8 +334,8 @@ class _Fit:
         self.su.write_back()
         self.sv.write_back()
         for t in self.transforms:
-            t.u.round_params_fp16()
-            t.v.round_params_fp16()
+            t.u.round_params()
+            t.v.round_params()
         if not all(bool(torch.isfinite(th).all()) for t in self.transforms for th in [*t.u.thetas, *t.v.thetas]):
             raise ValueError("HARP's fitted rotation parameters overflow FP16, the format the artifact stores them in: the fit "
                              f"diverged at lr {self.opts.lr}; lower --harp-lr")

@@ -8,3 +8,7 @@ QUANTIZERS = ("int", "mxfp4", "nvfp4")
 
 MIXERS = ("had_or_qr", "had_or_ident", "qr", "identity")
 """HARP's fixed block mixers ``M_b`` (`specs/related_methods.md` §2.2)."""
+
+THETA_FORMATS = ("fp16", "int8")
+"""How the artifact stores HARP's Cayley parameters: FP16, or int8 with one FP16 scale per block (about half the
+bits; `specs/related_methods.md` §2.6's optional export)."""

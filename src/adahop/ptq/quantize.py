@@ -43,6 +43,7 @@ class RotationOptions:
     passes: int = 1
     mixer: str = "had_or_qr"
     min_block: int = MIN_BLOCK
+    theta_format: str = "fp16"
 
 
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -78,7 +79,8 @@ class LayerResult:
 def _rotation(kind: str, d: int, opts: RotationOptions, seed: int, device):
     if kind == "rht":
         return RHTRotation(d, min_block=opts.min_block)
-    return HARPRotation(d, opts.radix, opts.max_radix, opts.passes, opts.mixer, seed=seed).to(device)
+    return HARPRotation(d, opts.radix, opts.max_radix, opts.passes, opts.mixer, seed=seed,
+                        theta_format=opts.theta_format).to(device)
 
 
 def _transform(rot: str, m: int, n: int, rot_opts: RotationOptions, seed: int, generator: torch.Generator, device) -> TwoSided:
@@ -151,8 +153,7 @@ def quantize_layer(w: torch.Tensor, h: torch.Tensor, method: str, grid: Grid, *,
         stored["signs_in"] = pack_bits((t.s_in < 0).to(torch.uint8), 1)
         if rot == "harp":
             for side, r in (("out", t.u), ("in", t.v)):
-                for i, p in enumerate(r.packed_params()):
-                    stored[f"theta_{side}.{i}"] = p
+                stored.update({f"theta_{side}.{k}": p for k, p in r.packed_params().items()})
     else:
         wq_in, hq_in = w, h
     with torch.no_grad():

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..hadamard import hadamard_matrix
-from .names import MIXERS
+from .names import MIXERS, THETA_FORMATS
 
 __all__ = ["HARPRotation", "radix_schedule", "mixer_matrix", "MIXERS", "cayley", "stage"]
 
@@ -112,6 +112,12 @@ class HARPRotation(nn.Module):
         passes: how many times the whole staged product repeats with fresh parameters (1).
         mixer: the fixed block mixer ``M_b``, one of :data:`MIXERS` (``had_or_qr``).
         seed: seeds the QR mixers (the stored artifact records it).
+        theta_format: how :meth:`packed_params` stores the parameters, one of :data:`THETA_FORMATS`: ``fp16``
+            (the default), or ``int8`` codes with one FP16 scale (``amax/127``) per ``b×b`` block, except in
+            stages of radix 2, whose one parameter a block stays FP16 (a scale would cost more than it saves).
+
+    Raises:
+        ValueError: ``d < 2``, a radix below 2, ``passes < 1``, or an unknown mixer or ``theta_format``.
 
     Parameters: ``thetas[p·T + t]`` of shape ``[d / b_t, b_t, b_t]`` (float32, zero at init), one
     ``Θ`` per block of stage ``t`` of pass ``p``. Blocks are indexed ``(hi, lo)`` flattened, where a
@@ -122,10 +128,13 @@ class HARPRotation(nn.Module):
     """
 
     def __init__(self, d: int, radix: int = 8, max_radix: int = 8, passes: int = 1, mixer: str = "had_or_qr",
-                 *, seed: int = 0):
+                 *, seed: int = 0, theta_format: str = "fp16"):
         super().__init__()
         if not isinstance(passes, int) or passes < 1:
             raise ValueError(f"passes={passes!r} must be an int >= 1")
+        if theta_format not in THETA_FORMATS:
+            raise ValueError(f"theta_format={theta_format!r}: must be one of {', '.join(THETA_FORMATS)}")
+        self.theta_format = theta_format
         self.d, self.radix, self.max_radix, self.passes, self.mixer, self.seed = d, radix, max_radix, passes, mixer, seed
         self.schedule = radix_schedule(d, radix, max_radix)
         strides = [math.prod(self.schedule[:t]) for t in range(len(self.schedule))]
@@ -176,32 +185,53 @@ class HARPRotation(nn.Module):
         """``R`` as a dense float32 ``[d, d]`` matrix (``apply`` of the identity)."""
         return self.apply(torch.eye(self.d, device=self.thetas[0].device))
 
-    @torch.no_grad()
-    def round_params_fp16(self) -> None:
-        """Replace each ``Θ`` by ``A − Aᵀ`` with ``A`` the FP16-rounded strict upper triangle of its
-        skew part: the rotation then equals the one rebuilt from the stored FP16 parameters."""
-        for th in self.thetas:
-            a = torch.triu(0.5 * (th - th.transpose(-1, -2)), 1).half().float()
-            th.copy_(a - a.transpose(-1, -2))
+    def _int8(self, b: int) -> bool:
+        """Whether a stage of radix ``b`` stores int8 codes and scales."""
+        return self.theta_format == "int8" and b > 2
 
-    def packed_params(self) -> list[torch.Tensor]:
-        """Per stage, the strict upper triangles of the skew parts, FP16 ``[d/b, b(b−1)/2]``."""
-        out = []
-        for th, (b, _) in zip(self.thetas, self.stages):
+    @torch.no_grad()
+    def round_params(self) -> None:
+        """Replace each ``Θ`` by the one rebuilt from :meth:`packed_params` (``A − Aᵀ``, ``A`` the stored
+        strict upper triangle of its skew part): the rotation then equals the artifact's exactly."""
+        self.load_packed_params(self.packed_params())
+
+    def packed_params(self) -> dict[str, torch.Tensor]:
+        """What the artifact stores, on the CPU: per stage ``i``, ``"{i}"`` the strict upper triangles of the
+        skew parts ``[d/b, b(b−1)/2]`` (FP16, or int8 codes), and with int8 codes also ``"{i}.scale"``
+        ``[d/b]`` FP16, each block's ``amax/127``."""
+        out = {}
+        for i, (th, (b, _)) in enumerate(zip(self.thetas, self.stages)):
             iu = torch.triu_indices(b, b, 1, device=th.device)
-            out.append((0.5 * (th - th.transpose(-1, -2)))[:, iu[0], iu[1]].detach().half().cpu())
+            tri = (0.5 * (th - th.transpose(-1, -2)))[:, iu[0], iu[1]].detach().float().cpu()
+            if not self._int8(b):
+                out[str(i)] = tri.half()
+                continue
+            scale = (tri.abs().amax(-1) / 127).half()  # the stored scale; codes are taken against it
+            sf = scale.float()[:, None]
+            codes = torch.where(sf > 0, torch.round(tri / torch.where(sf > 0, sf, 1.0)), 0.0).clamp(-127, 127)
+            out[str(i)], out[f"{i}.scale"] = codes.to(torch.int8), scale
         return out
 
     @torch.no_grad()
-    def load_packed_params(self, packed: list[torch.Tensor]) -> None:
-        """Inverse of :meth:`packed_params` (``Θ = A − Aᵀ`` from the stored triangles)."""
-        if len(packed) != len(self.stages):
-            raise ValueError(f"{len(packed)} stored stages for a rotation of {len(self.stages)}")
-        for th, (b, _), p in zip(self.thetas, self.stages, packed):
+    def load_packed_params(self, packed: dict[str, torch.Tensor]) -> None:
+        """Inverse of :meth:`packed_params` (``Θ = A − Aᵀ`` from the stored triangles).
+
+        Raises:
+            ValueError: a stage missing or extra (another schedule), or scales that do not match the format.
+        """
+        want = {str(i) for i in range(len(self.stages))} | {f"{i}.scale" for i, (b, _) in enumerate(self.stages) if self._int8(b)}
+        if set(packed) != want:
+            raise ValueError(f"stored rotation parameters {sorted(packed)} do not match a {self.theta_format} rotation of "
+                             f"{len(self.stages)} stages (expected {sorted(want)})")
+        for i, (th, (b, _)) in enumerate(zip(self.thetas, self.stages)):
             iu = torch.triu_indices(b, b, 1)
-            a = torch.zeros_like(th)
-            a[:, iu[0], iu[1]] = p.to(th.device, th.dtype)
-            th.copy_(a - a.transpose(-1, -2))
+            tri = packed[str(i)].float()
+            if self._int8(b):
+                tri = tri * packed[f"{i}.scale"].float()[:, None]
+            a = torch.zeros(th.shape, dtype=torch.float32)
+            a[:, iu[0], iu[1]] = tri
+            th.copy_((a - a.transpose(-1, -2)).to(th.device, th.dtype))
 
     def extra_repr(self) -> str:
-        return f"d={self.d}, schedule={self.schedule}, passes={self.passes}, mixer={self.mixer!r}, params={self.n_params}"
+        return (f"d={self.d}, schedule={self.schedule}, passes={self.passes}, mixer={self.mixer!r}, params={self.n_params}"
+                + (f", theta_format={self.theta_format!r}" if self.theta_format != "fp16" else ""))
