@@ -98,7 +98,8 @@
 #      from its checkpoint when interrupted), then at once its cells by scripts/run_ptq_experiment.py into
 #      runs/ptq_table/<model> (PTQ_CONC cells at once, default 3; cheap first, HARP last) until LIM; the 350m-bf16 pipeline
 #      also times one harp-gptq W2 cell end to end (HARP_E2E=1, runs/ptq_e2e). PTQ_SEEDS (default 1): --repeat-seeds of
-#      the table (W2 cells again with other signs and calibration windows, last; empty for none). PTQ_RESERVE (default 120): seconds of LIM
+#      the table (W2 cells again with other signs and calibration windows, last; empty for none). PTQ_HARP_STEPS (default
+#      1200, the paper's; round 22 used 300 to fit in a call). PTQ_RESERVE (default 120): seconds of LIM
 #      not given to training. $OUT/ptq.tgz: the per-model summaries, cells and training records; $OUT/logs.tgz. Merge the
 #      calls' tables on the dev machine (scripts/run_ptq_experiment.py --budget-s 0 over the merged folders)
 #   r19a, r19b (round 19, one GPU; issue 18's rows with the current code, none measured since round 6 but llama-125m):
@@ -310,7 +311,7 @@ if [ "$STAGE" = p13 ]; then  # issue 22: the models of our own, each quantized a
         --calib-data runs/issue19/main --calib-tokens 131072 --batch-size 8 --device auto --out runs/ptq_e2e/harp-gptq-w2-int > $OUT/harp_e2e_350m.log 2>&1 &
     fi
     timeout $(( ${LIM:-560} - $(el) )) python3 scripts/run_ptq_experiment.py --data runs/issue19/main --models $D \
-      --out runs/ptq_table/${D#runs/ptq/} --concurrent $C --repeat-seeds ${PTQ_SEEDS-1} --budget-s $(( ${LIM:-560} - 45 - $(el) )) > $OUT/ptq_${D#runs/ptq/}.log 2>&1
+      --out runs/ptq_table/${D#runs/ptq/} --concurrent $C --repeat-seeds ${PTQ_SEEDS-1} --harp-steps ${PTQ_HARP_STEPS:-1200} --budget-s $(( ${LIM:-560} - 45 - $(el) )) > $OUT/ptq_${D#runs/ptq/}.log 2>&1
     echo "ptq $D: exit $? at $(el) s"; grep -E "^- W|ppl|^\| (rtn|gptq|rht|harp)" $OUT/ptq_${D#runs/ptq/}.log | head -20
     wait
   }
