@@ -638,7 +638,24 @@ def check_optim_multi(name, alg, w_dtype, s_dtype, rounding, dev, gen, small):
     record(name, ok, **detail)
 
 
-SECTIONS = ("quantize", "outputs", "sweep", "fold", "sr", "gemm", "nvfp4", "rivals", "compile", "baselines", "optim")
+SECTIONS = ("quantize", "outputs", "sweep", "fold", "sr", "gemm", "nvfp4", "rivals", "compile", "baselines", "optim", "matvec")
+
+
+def check_int_matvec(name, m, n, bits, g, rows, dev, gen):
+    """adahop.ptq.decode.int_matvec (Triton on CUDA) against its reference: FP32 sums in another order."""
+    from adahop.ptq.decode import int_matvec, int_matvec_reference
+    from adahop.ptq.grids import make_grid
+    from adahop.ptq.quantize import pack_bits
+
+    grid = make_grid("int", bits, g)
+    w = torch.randn(m, n, device=dev, generator=gen)
+    codes, scales, _ = grid.quantize(w)
+    packed, st = pack_bits(codes, bits).to(dev), grid.stored_scales(scales)["scales"].to(dev)
+    x = torch.randn(rows, n, device=dev, generator=gen).bfloat16()
+    y = int_matvec(x, packed, st, m, n, bits, g, backend="triton" if dev == "cuda" else "auto")
+    ref = int_matvec_reference(x, packed, st, m, n, bits, g)
+    rel = float((y - ref).norm() / ref.norm().clamp(min=1e-30))
+    record(name, bool(rel < 1e-5), rel_err=rel)
 
 
 def main() -> int:
@@ -801,6 +818,13 @@ def main() -> int:
             for wdt, sdt, rnd in ((bf, bf, "nearest"), (bf, bf, "stochastic"), (f32, f32, "nearest")):
                 check_optim_multi(f"optim multi-tensor {alg} w={str(wdt)[6:]} states={str(sdt)[6:]} {rnd}", alg, wdt,
                                   sdt, rnd, dev, gen, not s)
+    if "matvec" in only:
+        # --- the decode matvec on packed int codes (adahop.ptq.decode, issue 22's inference path) -----------
+        for m, n, bits, g, rows in ((4096, 4096, 2, 128, 1), (14336, 4096, 4, 128, 1), (1024, 2752, 2, 128, 4),
+                                    (2752, 1024, 4, 64, 2), (1000, 200, 2, 64, 3)):
+            if not s:
+                m, n = min(m, 256), min(n, 264)
+            check_int_matvec(f"int_matvec {m}x{n} W{bits} g{g} rows={rows}", m, n, bits, g, rows, dev, gen)
     n_fail = sum(not r["ok"] for r in RESULTS)
     print(f"\n{len(RESULTS) - n_fail}/{len(RESULTS)} checks passed in {time.time() - t0:.0f} s")
     if args.log:

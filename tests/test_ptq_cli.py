@@ -95,6 +95,30 @@ def test_int8_rotation_parameters_halve_harps_bits_and_still_rebuild_every_weigh
         assert theta_bits(m, "int8") + theta_bits(n, "int8") < 0.6 * (theta_bits(m, "fp16") + theta_bits(n, "fp16"))
 
 
+def test_the_folder_decodes_from_its_codes_with_packed_linears(run_dir, tmp_path, repo_script):
+    """load_packed_model: every quantized linear a PackedLinear on the artifact; the logits those give equal the
+    BF16 export's up to its weight rounding, and a folder without the artifact is refused."""
+    import transformers
+
+    from adahop.ptq.decode import PackedLinear, load_packed_model
+
+    out = tmp_path / "dec"
+    assert _ptq(run_dir, out, "--method", "harp-rtn", "--bits", "2", "--group-size", "64", "--skip-baseline") == 0
+    packed = load_packed_model(out, dtype=torch.float32)
+    assert sum(isinstance(m, PackedLinear) for m in packed.modules()) == 14
+    plain = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = torch.randint(0, plain.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = packed(ids).logits, plain(ids).logits
+    assert float((a - b).norm() / b.norm()) < 4e-3  # 7.7e-4 seen: the export's BF16 weights, ~2^-9 relative each
+    with pytest.raises(FileNotFoundError, match="no ptq_packed.safetensors"):
+        load_packed_model(run_dir)
+    bench = repo_script("scripts/bench_decode.py")  # its end-to-end mode, as a user times a folder
+    assert bench.main(["--folder", str(out), "--tokens", "3", "--device", "cpu", "--json", str(tmp_path / "d.json")]) == 0
+    res = json.loads((tmp_path / "d.json").read_text())
+    assert res["bf16 export"] > 0 and res["packed"] > 0 and res["ratio"] == pytest.approx(res["packed"] / res["bf16 export"])
+
+
 @pytest.mark.parametrize("method,quantizer", [("rht-rtn", "mxfp4"), ("gptq", "nvfp4")])
 def test_fp4_grids_round_trip_through_the_artifact(run_dir, tmp_path, method, quantizer):
     import transformers

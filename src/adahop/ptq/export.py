@@ -22,7 +22,7 @@ from .incoherence import RHTRotation, TwoSided
 from .quantize import RotationOptions, parse_method, unpack_bits
 from .rotation import HARPRotation
 
-__all__ = ["PACKED_FILE", "RESULTS_FILE", "save_quantized", "dequantize_packed"]
+__all__ = ["PACKED_FILE", "RESULTS_FILE", "save_quantized", "load_packed", "dequantize_packed"]
 
 PACKED_FILE = "ptq_packed.safetensors"
 RESULTS_FILE = "ptq.json"
@@ -51,8 +51,10 @@ def save_quantized(model, tokenizer, out: Path, layers: dict, meta: dict) -> Non
     save_file(tensors, out / PACKED_FILE, metadata={"adahop_ptq": json.dumps({**meta, "layers": shapes})})
 
 
-def dequantize_packed(path: str | Path) -> dict[str, torch.Tensor]:
-    """Each layer's float32 weight ``[m, n]`` rebuilt from ``ptq_packed.safetensors`` alone.
+def load_packed(path: str | Path) -> dict[str, tuple]:
+    """Each layer of ``ptq_packed.safetensors``: ``{name: (grid, stored, transform, (m, n))}``, with ``stored``
+    the layer's tensors (``codes``, scales, ...) and ``transform`` its :class:`TwoSided` (signs and the RHT or
+    HARP rotations, on the CPU) or None without incoherence processing.
 
     Raises:
         ValueError: a file without the ``adahop_ptq`` metadata.
@@ -69,20 +71,31 @@ def dequantize_packed(path: str | Path) -> dict[str, torch.Tensor]:
     for name, (m, n) in meta["layers"].items():
         t = {k[len(name) + 1:]: v for k, v in tensors.items() if k.startswith(name + ".")}
         grid = make_grid(meta["quantizer"], meta["bits"], meta["group_size"])
-        codes = unpack_bits(t["codes"], grid.bits, m * n).reshape(m, n)
-        q = grid.decode(codes, t)
-        if rot is None:
-            out[name] = q
-            continue
-        signs = [1.0 - 2.0 * unpack_bits(t[f"signs_{s}"], 1, d).float() for s, d in (("out", m), ("in", n))]
-        if rot == "rht":
-            u, v = RHTRotation(m, min_block=ro.min_block), RHTRotation(n, min_block=ro.min_block)
-        else:
-            u, v = (HARPRotation(d, ro.radix, ro.max_radix, ro.passes, ro.mixer, seed=meta["seed"],
-                                 theta_format=ro.theta_format) for d in (m, n))
-            for side, r in (("out", u), ("in", v)):
-                pre = f"theta_{side}."
-                r.load_packed_params({k[len(pre):]: x for k, x in t.items() if k.startswith(pre)})
+        transform = None
+        if rot is not None:
+            signs = [1.0 - 2.0 * unpack_bits(t[f"signs_{s}"], 1, d).float() for s, d in (("out", m), ("in", n))]
+            if rot == "rht":
+                u, v = RHTRotation(m, min_block=ro.min_block), RHTRotation(n, min_block=ro.min_block)
+            else:
+                u, v = (HARPRotation(d, ro.radix, ro.max_radix, ro.passes, ro.mixer, seed=meta["seed"],
+                                     theta_format=ro.theta_format) for d in (m, n))
+                for side, r in (("out", u), ("in", v)):
+                    pre = f"theta_{side}."
+                    r.load_packed_params({k[len(pre):]: x for k, x in t.items() if k.startswith(pre)})
+            transform = TwoSided(u, v, *signs)
+        out[name] = (grid, t, transform, (m, n))
+    return out
+
+
+def dequantize_packed(path: str | Path) -> dict[str, torch.Tensor]:
+    """Each layer's float32 weight ``[m, n]`` rebuilt from ``ptq_packed.safetensors`` alone.
+
+    Raises:
+        ValueError: a file without the ``adahop_ptq`` metadata.
+    """
+    out = {}
+    for name, (grid, t, transform, (m, n)) in load_packed(path).items():
+        q = grid.decode(unpack_bits(t["codes"], grid.bits, m * n).reshape(m, n), t)
         with torch.no_grad():
-            out[name] = TwoSided(u, v, *signs).weight_inverse(q)
+            out[name] = q if transform is None else transform.weight_inverse(q)
     return out

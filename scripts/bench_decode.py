@@ -1,0 +1,174 @@
+"""Decode-time speed of `adahop ptq`'s packed layers against BF16 (issue 22, the inference path).
+
+    python scripts/bench_decode.py --model llama3.1-8b [--bits 2,4] [--rows 1] [--json OUT]
+    python scripts/bench_decode.py --folder runs/m125-harp-w2 [--tokens 64]     # a model of our own, end to end
+
+Per layer: for each distinct decoder linear shape of ``--model``, one call of ``x·Wᵀ`` for ``--rows`` rows (1: one
+token) in BF16 (``nn.Linear``), and as :class:`adahop.ptq.decode.PackedLinear` on int codes of each ``--bits`` (groups
+of 128): without rotation (the matvec kernel alone), with the RHT, and with HARP (random Θ: the speed does not depend
+on the values). Each is captured in a CUDA graph of 20 calls and replayed, so the time is the GPU's, not the host's;
+the table gives µs per call, the ratio to BF16, and the decoder's linears per token (all blocks) as tokens/s.
+
+``--folder``: the end-to-end decode of a folder `adahop ptq` wrote, greedy, one token at a time with the KV cache,
+eager: the BF16 export (``transformers``) against :func:`adahop.ptq.decode.load_packed_model`; tokens/s of each.
+At our model sizes the host's launches bound both, so this is the honest number for them, not the kernel's.
+CUDA only for the per-layer table (the CPU has no graphs); ``--folder`` runs anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import time
+
+import torch
+
+from adahop.models import PRESETS
+from adahop.ptq.decode import PackedLinear, load_packed_model
+from adahop.ptq.grids import make_grid
+from adahop.ptq.incoherence import RHTRotation, TwoSided, rht_block
+from adahop.ptq.quantize import pack_bits
+from adahop.ptq.rotation import HARPRotation
+
+
+def shapes(model: str) -> dict[tuple[int, int], int]:
+    """``{(out, in): layers per block}`` of a preset's decoder linears."""
+    c = PRESETS[model]
+    d, f = c["hidden_size"], c["intermediate_size"]
+    hd = c.get("head_dim") or d // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+    out: dict[tuple[int, int], int] = {}
+    for s in [(q, d), (kv, d), (kv, d), (d, q), (f, d), (f, d), (d, f)]:
+        out[s] = out.get(s, 0) + 1
+    return out
+
+
+def packed_layer(m: int, n: int, bits: int, rot: str, device) -> PackedLinear:
+    g = torch.Generator().manual_seed(0)
+    grid = make_grid("int", bits, 128)
+    codes, scales, _ = grid.quantize(torch.randn(m, n, generator=g))
+    t = None
+    if rot == "rht":
+        t = TwoSided.random_signs(RHTRotation(m), RHTRotation(n), generator=g)
+    elif rot == "harp":
+        u, v = HARPRotation(m), HARPRotation(n)
+        with torch.no_grad():
+            for th in [*u.thetas, *v.thetas]:
+                th.copy_(torch.randn(th.shape, generator=g) * 0.1)
+        t = TwoSided.random_signs(u, v, generator=g)
+    return PackedLinear(grid, {"codes": pack_bits(codes, bits), **grid.stored_scales(scales)}, t, (m, n)).to(device)
+
+
+def graphed_us(fn, x, calls: int = 20, replays: int = 50) -> float:
+    """µs per call of ``fn(x)``, ``calls`` captured in one CUDA graph and replayed ``replays`` times."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn(x)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn(x)
+    g.replay()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(replays):
+        g.replay()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) * 1e3 / (replays * calls)
+
+
+def per_layer(args) -> dict:
+    dev = torch.device("cuda")
+    blocks = PRESETS[args.model]["num_hidden_layers"]
+    rows, totals = [], {}
+    print(f"{args.model}: one call of x·Wᵀ, {args.rows} row(s), µs (ratio to BF16)\n")
+    kinds = [(b, r) for b in args.bits for r in ("none", "rht", "harp")]
+    print("| shape (out × in) | per block | bf16 | " + " | ".join(f"W{b} {r}" for b, r in kinds) + " |")
+    print("|---|---|---|" + "---|" * len(kinds))
+    for (m, n), k in shapes(args.model).items():
+        x = torch.randn(args.rows, n, device=dev, dtype=torch.bfloat16)
+        lin = torch.nn.Linear(n, m, bias=False, device=dev, dtype=torch.bfloat16)
+        base = graphed_us(lin, x)
+        row = {"shape": [m, n], "per_block": k, "bf16_us": base}
+        cells = []
+        for b, r in kinds:
+            if r == "rht":
+                try:
+                    rht_block(m), rht_block(n)
+                except ValueError:
+                    cells.append("-")
+                    continue
+            us = graphed_us(packed_layer(m, n, b, r, dev), x)
+            row[f"w{b}_{r}_us"] = us
+            cells.append(f"{us:.1f} ({base / us:.2f}×)")
+            totals[f"w{b}_{r}"] = totals.get(f"w{b}_{r}", 0.0) + us * k
+        totals["bf16"] = totals.get("bf16", 0.0) + base * k
+        rows.append(row)
+        print(f"| {m} × {n} | {k} | {base:.1f} | " + " | ".join(cells) + " |")
+    tps = {key: 1e6 / (v * blocks) for key, v in totals.items()}
+    print(f"\nthe decoder's linears alone, per token ({blocks} blocks): " +
+          ", ".join(f"{key} {v:,.0f} tok/s ({v / tps['bf16']:.2f}×)" for key, v in tps.items()))
+    return {"model": args.model, "rows_per_call": args.rows, "layers": rows, "linears_tok_per_s": tps,
+            "device": torch.cuda.get_device_name()}
+
+
+def end_to_end(args) -> dict:
+    import transformers
+
+    dev = torch.device(args.device)
+    res = {"folder": args.folder, "tokens": args.tokens, "device": str(dev)}
+    for label, load in (("bf16 export", lambda: transformers.AutoModelForCausalLM.from_pretrained(args.folder, dtype=torch.bfloat16).to(dev).eval()),
+                        ("packed", lambda: load_packed_model(args.folder, dtype=torch.bfloat16, device=dev))):
+        model = load()
+        ids = torch.zeros(1, 1, dtype=torch.long, device=dev)
+        # transformers renamed past_key_values to cache (5.2x); the image's 5.17 has only the old name
+        kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        with torch.no_grad():
+            for rep in range(2):  # the first pass warms up (kernels compile, caches fill)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+                t0, cache, tok = time.perf_counter(), None, ids
+                for _ in range(args.tokens):
+                    out = model(tok, **{kw: cache}, use_cache=True)
+                    cache, tok = getattr(out, kw), out.logits[:, -1:].argmax(-1)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+        res[label] = args.tokens / (time.perf_counter() - t0)
+        print(f"{label}: {res[label]:.1f} tok/s (greedy, {args.tokens} tokens, batch 1, eager)")
+        del model
+    res["ratio"] = res["packed"] / res["bf16 export"]
+    print(f"packed / bf16: {res['ratio']:.2f}×")
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="llama3.1-8b", choices=sorted(PRESETS))
+    ap.add_argument("--bits", default="2,4", help="code widths of the packed layers (default 2,4)")
+    ap.add_argument("--rows", type=int, default=1, help="rows of x per call (default 1: one token)")
+    ap.add_argument("--folder", default=None, help="instead: decode a folder `adahop ptq` wrote, end to end")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    args.bits = [int(b) for b in args.bits.split(",")]
+    if args.folder:
+        res = end_to_end(args)
+    else:
+        if not torch.cuda.is_available():
+            ap.error("the per-layer table needs CUDA (CUDA graphs); on the CPU pass --folder")
+        res = per_layer(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,187 @@
+"""Decoding with a packed `adahop ptq` artifact: each quantized linear computed from its codes, with the
+incoherence rotations applied to the activations instead of to the weight (`specs/related_methods.md` §2.6).
+
+``W = S_m U Q Vᵀ S_n`` (:class:`~adahop.ptq.incoherence.TwoSided`), so for a row ``x``:
+``y = x Wᵀ = ((((x ⊙ s_n)·V)·Qᵀ)·Uᵀ) ⊙ s_m``: two signed rotations of vectors of size ``n`` and ``m`` (a few
+butterfly stages each) around a matvec with the low-bit ``Q``, which reads ``bits/16`` of the bytes of a BF16
+weight. :func:`int_matvec` is that matvec on the int grid's packed codes: a Triton kernel on CUDA (bits 2 and 4),
+:func:`int_matvec_reference` elsewhere, with the same signature. :class:`PackedLinear` is the layer and
+:func:`load_packed_model` puts it into a transformers model saved by `adahop ptq`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .export import PACKED_FILE, load_packed
+from .grids import IntGrid
+from .quantize import unpack_bits
+
+__all__ = ["int_matvec", "int_matvec_reference", "PackedLinear", "load_packed_model"]
+
+KERNEL_BITS = (2, 4)
+"""Code widths the Triton kernel reads (a code never straddles a byte); others take the reference."""
+
+
+def _check(x, codes, scales, m, n, bits, group_size) -> None:
+    if x.dim() != 2 or x.shape[1] != n:
+        raise ValueError(f"int_matvec: x must be [rows, {n}], got {tuple(x.shape)}")
+    if codes.dtype != torch.uint8 or codes.numel() != -(-m * n * bits // 8):
+        raise ValueError(f"int_matvec: codes must be the uint8 stream of {m}×{n} {bits}-bit codes "
+                         f"({-(-m * n * bits // 8)} bytes), got {codes.numel()} {codes.dtype}")
+    if tuple(scales.shape) != (m, -(-n // group_size)):
+        raise ValueError(f"int_matvec: scales must be [{m}, {-(-n // group_size)}] (one per row of each group of "
+                         f"{group_size}), got {tuple(scales.shape)}")
+
+
+def int_matvec_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, m: int, n: int, bits: int,
+                         group_size: int) -> torch.Tensor:
+    """``x·Wᵀ`` for ``W`` ``[m, n]`` stored as the int grid stores it (:class:`~adahop.ptq.grids.IntGrid`).
+
+    Args:
+        x: ``[rows, n]``, any float dtype. codes: uint8, the packed ``bits``-bit codes of ``W`` row after row
+            (:func:`~adahop.ptq.quantize.pack_bits`). scales: ``[m, ceil(n / group_size)]`` FP16.
+        m, n, bits, group_size: ``W``'s shape, code width and group size.
+
+    Returns:
+        ``[rows, m]`` float32.
+
+    Raises:
+        ValueError: shapes, dtypes or sizes that do not fit together.
+    """
+    _check(x, codes, scales, m, n, bits, group_size)
+    c = unpack_bits(codes.cpu(), bits, m * n).reshape(m, n).to(x.device)
+    w = (c.float() - (2 ** (bits - 1) - 0.5)) * scales.float().repeat_interleave(group_size, 1)[:, :n]
+    return x.float() @ w.T
+
+
+def int_matvec(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, m: int, n: int, bits: int,
+               group_size: int, *, backend: str = "auto") -> torch.Tensor:
+    """:func:`int_matvec_reference` with the codes read in place by a Triton kernel.
+
+    ``backend``: ``auto`` (Triton on CUDA, or under ``TRITON_INTERPRET=1``, for bits 2 and 4; else the
+    reference), ``triton`` or ``reference``. Same arguments, result and errors as the reference (FP32 sums in
+    another order: equal to float rounding).
+
+    Raises:
+        ValueError: as the reference; ``backend="triton"`` for a width the kernel does not read.
+    """
+    _check(x, codes, scales, m, n, bits, group_size)
+    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    if backend not in ("auto", "triton", "reference"):
+        raise ValueError(f"int_matvec: backend {backend!r}; use auto, triton or reference")
+    if backend == "triton" and bits not in KERNEL_BITS:
+        raise ValueError(f"int_matvec: the Triton kernel reads {KERNEL_BITS}-bit codes, not {bits}; use backend='reference'")
+    if backend == "reference" or (backend == "auto" and (bits not in KERNEL_BITS or not (x.is_cuda or interp))):
+        return int_matvec_reference(x, codes, scales, m, n, bits, group_size)
+    import triton
+
+    from ._triton_matvec import int_matvec_kernel
+
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], m, dtype=torch.float32, device=x.device)
+    block_m, block_k = 32, 128
+    int_matvec_kernel[(triton.cdiv(m, block_m), x.shape[0])](
+        x, codes.contiguous(), scales.contiguous(), y, m, n, scales.shape[1],
+        BITS=bits, GROUP=group_size, BLOCK_M=block_m, BLOCK_K=block_k)
+    return y
+
+
+class PackedLinear(nn.Module):
+    """A linear layer computed from `adahop ptq`'s packed artifact, the weight never rebuilt: ``y = x Wᵀ``
+    with ``W = S_m U Q Vᵀ S_n`` (module docstring).
+
+    Args:
+        grid: the layer's quantizer grid. stored: its tensors from the artifact (``codes``, scales).
+        transform: its signs and rotations, or None (no incoherence processing).
+        shape: ``(m, n)``, out × in. bias: ``[m]`` or None.
+
+    The int grid's codes are read by :func:`int_matvec`; MXFP4 and NVFP4 layers decode their weight once,
+    on first use (FP32; no kernel of ours reads those codes yet). Input ``[..., n]`` of any float dtype;
+    output ``[..., m]`` in the input's dtype.
+
+    Raises:
+        ValueError: an input whose last dim is not ``n``.
+    """
+
+    def __init__(self, grid, stored: dict[str, torch.Tensor], transform, shape: tuple[int, int], bias=None):
+        super().__init__()
+        self.grid, self.transform, (self.m, self.n) = grid, transform, shape
+        self.register_buffer("codes", stored["codes"])
+        self.stored = {k: v for k, v in stored.items() if k != "codes" and not k.startswith(("signs_", "theta_"))}
+        for k, v in self.stored.items():
+            self.register_buffer(f"q_{k}", v)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self._cache: dict = {}  # per device: the rotations' stage kernels, the signs, a decoded FP4 weight
+
+    def _consts(self, device):
+        if device not in self._cache:
+            c = {}
+            t = self.transform
+            if t is not None:
+                for side, r in (("u", t.u), ("v", t.v)):
+                    if hasattr(r, "kernels"):  # HARP: the Cayley solves once, not per token
+                        r.to(device)
+                        c[f"k{side}"] = [k.detach() for k in r.kernels()]
+                c["s_out"], c["s_in"] = t.s_out.to(device), t.s_in.to(device)
+            if not isinstance(self.grid, IntGrid):
+                codes = unpack_bits(self.codes.cpu(), self.grid.bits, self.m * self.n).reshape(self.m, self.n)
+                c["w"] = self.grid.decode(codes, {k: v.cpu() for k, v in self.stored.items()}).to(device)
+            self._cache[device] = c
+        return self._cache[device]
+
+    @staticmethod
+    def _rot(r, x, ks, inverse: bool):
+        f = r.apply_inverse if inverse else r.apply
+        return f(x) if ks is None else f(x, ks)
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.n:
+            raise ValueError(f"PackedLinear({self.m}×{self.n}) applied to a tensor whose last dim is {x.shape[-1]}")
+        c = self._consts(x.device)
+        h = x.reshape(-1, self.n).float()
+        t = self.transform
+        if t is not None:
+            h = self._rot(t.v, h * c["s_in"], c.get("kv"), inverse=False)  # (x ⊙ s_n)·V
+        if "w" in c:
+            y = h @ c["w"].T
+        else:
+            y = int_matvec(h, self.codes, self.q_scales, self.m, self.n, self.grid.bits, self.grid.group_size)
+        if t is not None:
+            y = self._rot(t.u, y, c.get("ku"), inverse=True) * c["s_out"]  # ·Uᵀ, ⊙ s_m
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.m)
+
+    def extra_repr(self) -> str:
+        rot = "none" if self.transform is None else type(self.transform.u).__name__
+        return f"{self.m}×{self.n}, {self.grid.name} {self.grid.bits}-bit, rotation {rot}"
+
+
+def load_packed_model(folder: str | Path, *, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"):
+    """The transformers model `adahop ptq` saved in ``folder``, each quantized linear replaced by a
+    :class:`PackedLinear` read from ``folder/ptq_packed.safetensors`` (the BF16 weights of those layers dropped).
+
+    Raises:
+        FileNotFoundError: no packed artifact in ``folder`` (not an `adahop ptq` output).
+        ValueError: a layer of the artifact that the model does not hold as an ``nn.Linear`` of its shape.
+    """
+    import transformers
+
+    folder = Path(folder)
+    if not (folder / PACKED_FILE).exists():
+        raise FileNotFoundError(f"{folder}: no {PACKED_FILE}; pass a folder written by `adahop ptq`")
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    for name, (grid, stored, transform, shape) in load_packed(folder / PACKED_FILE).items():
+        parent, _, leaf = name.rpartition(".")
+        mod = model.get_submodule(parent) if parent else model
+        old = getattr(mod, leaf, None)
+        if not isinstance(old, nn.Linear) or tuple(old.weight.shape) != tuple(shape):
+            raise ValueError(f"{folder}: the artifact's layer {name} {tuple(shape)} is not an nn.Linear of that shape in the model")
+        setattr(mod, leaf, PackedLinear(grid, stored, transform, shape, old.bias))
+    return model.to(device).eval()

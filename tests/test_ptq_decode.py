@@ -1,0 +1,113 @@
+"""Decoding from the packed artifact (`adahop.ptq.decode`): the int matvec against the decoded weight, the
+Triton kernel against its reference in Triton's CPU interpreter, and PackedLinear against the rebuilt weight."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from adahop.ptq.decode import PackedLinear, int_matvec, int_matvec_reference
+from adahop.ptq.fit import FitOptions
+from adahop.ptq.grids import make_grid
+from adahop.ptq.incoherence import RHTRotation, TwoSided
+from adahop.ptq.quantize import pack_bits
+from adahop.ptq.rotation import HARPRotation
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _packed(m: int, n: int, bits: int, g: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    grid = make_grid("int", bits, g)
+    w = torch.randn(m, n, generator=gen) * torch.exp2(torch.randint(-6, 6, (m, 1), generator=gen).float())
+    codes, scales, _ = grid.quantize(w)
+    st = grid.stored_scales(scales)
+    return grid, codes, st, pack_bits(codes, bits)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_reference_matvec_is_the_decoded_weights_product(bits, gen):
+    grid, codes, st, packed = _packed(40, 200, bits, 64)  # 200 = 3·64 + 8: a shorter last group
+    x = torch.randn(3, 200, generator=gen)
+    y = int_matvec_reference(x, packed, st["scales"], 40, 200, bits, 64)
+    torch.testing.assert_close(y, x @ grid.decode(codes, st).T, rtol=0, atol=0)
+    assert y.dtype == torch.float32 and y.shape == (3, 40)
+    assert torch.equal(int_matvec(x, packed, st["scales"], 40, 200, bits, 64), y)  # CPU, no interpreter: the reference
+
+
+def test_bad_matvec_input_is_refused_naming_what_fits(gen):
+    _, _, st, packed = _packed(40, 200, 2, 64)
+    x = torch.randn(3, 200, generator=gen)
+    with pytest.raises(ValueError, match=r"x must be \[rows, 200\]"):
+        int_matvec(x[:, :100], packed, st["scales"], 40, 200, 2, 64)
+    with pytest.raises(ValueError, match="2000 bytes"):
+        int_matvec(x, packed[:-1], st["scales"], 40, 200, 2, 64)
+    with pytest.raises(ValueError, match=r"scales must be \[40, 4\]"):
+        int_matvec(x, packed, st["scales"][:, :3], 40, 200, 2, 64)
+    with pytest.raises(ValueError, match="reads \\(2, 4\\)-bit codes, not 3"):
+        int_matvec(x, pack_bits(torch.zeros(40, 200, dtype=torch.uint8), 3), st["scales"], 40, 200, 3, 64, backend="triton")
+
+
+@pytest.mark.parametrize("rot", ["rht", "harp"])
+def test_packed_linear_equals_the_rebuilt_weight(rot, gen):
+    """y = ((x ⊙ s_n)·V·Qᵀ)·Uᵀ ⊙ s_m equals x·Wᵀ with W = S U Q Vᵀ S (TwoSided.weight_inverse)."""
+    m, n = 64, 96  # 96 = 8·6·2: HARP's mixed radix; the RHT's block 32
+    grid, codes, st, packed = _packed(m, n, 2, 32)
+    if rot == "rht":
+        u, v = RHTRotation(m), RHTRotation(n)
+    else:
+        u, v = HARPRotation(m), HARPRotation(n)
+        with torch.no_grad():
+            for th in [*u.thetas, *v.thetas]:
+                th.copy_(torch.randn(th.shape, generator=gen) * 0.3)
+    t = TwoSided.random_signs(u, v, generator=gen)
+    layer = PackedLinear(grid, {"codes": packed, **st}, t, (m, n))
+    with torch.no_grad():
+        w = t.weight_inverse(grid.decode(codes, st))
+    x = torch.randn(2, 5, n, generator=gen, dtype=torch.float64).float()
+    y = layer(x)
+    assert y.shape == (2, 5, m) and y.dtype == torch.float32
+    ref = x.double() @ w.double().T  # the rows' scales span 2^±6: compare to the whole output's size
+    assert float((y.double() - ref).norm() / ref.norm()) < 1e-6
+    assert layer(x.bfloat16()).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="last dim is 95"):
+        layer(x[..., :95])
+
+
+def test_packed_linear_decodes_fp4_grids_once(gen):
+    grid = make_grid("mxfp4", 4, None)
+    w = torch.randn(32, 64, generator=gen)
+    codes, scales, q = grid.quantize(w)
+    st = grid.stored_scales(scales)
+    layer = PackedLinear(grid, {"codes": pack_bits(codes, 4), **st}, None, (32, 64))
+    x = torch.randn(4, 64, generator=gen)
+    torch.testing.assert_close(layer(x), x @ grid.decode(codes, st).T, rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------- the kernel, interpreted
+
+interp = pytest.mark.skipif(not (HAS_TRITON and INTERPRET),
+                            reason="run by test_matvec_kernel_in_interpreter in a TRITON_INTERPRET=1 child")
+
+
+@pytest.mark.skipif(not HAS_TRITON or INTERPRET, reason="needs triton; runs the interp_ tests in a child process")
+def test_matvec_kernel_in_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "pytest", __file__, "-o", "addopts=", "-q", "-k", "interp_", "-p", "no:cacheprovider", "-W", "ignore"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-6000:] + r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("m,n,bits,g,rows", [(40, 200, 2, 64, 3), (33, 130, 4, 128, 1), (64, 256, 2, 128, 2)])
+@interp
+def test_interp_matvec_kernel_matches_its_reference(m, n, bits, g, rows):
+    _, _, st, packed = _packed(m, n, bits, g, seed=m)
+    x = torch.randn(rows, n, generator=torch.Generator().manual_seed(n)).bfloat16()
+    y = int_matvec(x, packed, st["scales"], m, n, bits, g, backend="triton")
+    torch.testing.assert_close(y, int_matvec_reference(x, packed, st["scales"], m, n, bits, g), rtol=1e-5, atol=1e-4)
