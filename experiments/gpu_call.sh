@@ -102,6 +102,9 @@
 #      1200, the paper's; round 22 used 300 to fit in a call). PTQ_RESERVE (default 120): seconds of LIM
 #      not given to training. $OUT/ptq.tgz: the per-model summaries, cells and training records; $OUT/logs.tgz. Merge the
 #      calls' tables on the dev machine (scripts/run_ptq_experiment.py --budget-s 0 over the merged folders)
+#   p14 (issue 22, round 23): validate_kernels --only matvec (the decode kernel), bench_harp at llama-350m (does 2752
+#      capture with cuSOLVER now; the side-by-side block row), bench_decode per layer at llama3.1-8b and llama-350m
+#      ($OUT/bench_decode_*.json), then p13 with the time left (set LIM as for p13)
 #   r19a, r19b (round 19, one GPU; issue 18's rows with the current code, none measured since round 6 but llama-125m):
 #      r19a: bench model llama-350m 1024 x 16 (bf16, mxfp4, adahop-lv2, torchao float8 rowwise; mode auto), then
 #      bench linear at the 8B shapes, 8192 tokens, eager and CUDA-graph replay; r19b: bench model Llama-3.2-1B 4096 x 4
@@ -285,6 +288,18 @@ if [ "$STAGE" = r10a ]; then
   timeout $(( 570 - $(el) )) python3 scripts/check_compiled_grads.py --model llama-20m --recipes adahop-lv2,tseng 2>&1 \
     | tee $OUT/compiled_grads.log | grep -E "loss eager|Error"
   echo "stage $STAGE done at $(el) s"; exit 0
+fi
+if [ "$STAGE" = p14 ]; then  # issue 22, round 23: the decode kernel and HARP's capture fix checked first, then p13
+  export CUDA_VISIBLE_DEVICES=0
+  timeout 60 python3 scripts/validate_kernels.py --only matvec --log $OUT/validate_matvec.json > $OUT/validate_matvec.log 2>&1
+  tail -1 $OUT/validate_matvec.log; grep -E "^FAIL" $OUT/validate_matvec.log
+  mkdir -p runs/ptq
+  timeout 200 python3 scripts/bench_harp.py --model llama-350m --steps 50 --json runs/ptq/bench_harp_350m.json 2>&1 \
+    | grep -v -i warn | tail -12; echo "bench_harp done at $(el) s"
+  for M in llama3.1-8b llama-350m; do timeout 90 python3 scripts/bench_decode.py --model $M --json $OUT/bench_decode_$M.json 2>&1 \
+    | grep -v -i warn | tail -9; done; echo "bench_decode done at $(el) s"
+  cp runs/ptq/bench_harp_350m.json $OUT/ 2>/dev/null
+  STAGE=p13
 fi
 if [ "$STAGE" = p13 ]; then  # issue 22: the models of our own, each quantized as soon as it is trained; resumable while warm
   export CUDA_VISIBLE_DEVICES=0 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
