@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import lzma
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -100,4 +103,19 @@ def fwd_bwd():
         y = fn(x)
         y.backward(dy)
         return y.detach(), x.grad, layer.weight.grad.clone()
+    return run
+
+
+@pytest.fixture(scope="session")
+def interp_child():
+    """``run(test_file)``: the file's ``interp_*`` tests in a child pytest started with ``TRITON_INTERPRET=1``
+    (Triton's interpreter must be chosen before triton is first imported, and torch may import it); fails
+    with the child's output unless they pass."""
+
+    def run(test_file: str) -> None:
+        env = {**os.environ, "TRITON_INTERPRET": "1"}
+        cmd = [sys.executable, "-m", "pytest", test_file, "-o", "addopts=", "-q", "-k", "interp_", "-p", "no:cacheprovider", "-W", "ignore"]
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-6000:] + r.stderr[-3000:]
+
     return run

@@ -10,8 +10,6 @@ import dataclasses
 import importlib
 import importlib.util
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -341,11 +339,8 @@ interp = pytest.mark.skipif(not (HAS_TRITON and INTERPRET),
 
 
 @pytest.mark.skipif(not HAS_TRITON or INTERPRET, reason="needs triton; runs the interp_* tests in a child process")
-def test_triton_kernels_in_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", __file__, "-o", "addopts=", "-q", "-k", "interp_", "-p", "no:cacheprovider", "-W", "ignore"]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-6000:] + r.stderr[-3000:]
+def test_triton_kernels_in_interpreter(interp_child):
+    interp_child(__file__)
 
 
 CASES = [  # (shape, axis, hadamard_block, dtype, scale_rule, max_scale_range, signs)

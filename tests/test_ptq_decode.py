@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -97,11 +95,8 @@ interp = pytest.mark.skipif(not (HAS_TRITON and INTERPRET),
 
 
 @pytest.mark.skipif(not HAS_TRITON or INTERPRET, reason="needs triton; runs the interp_ tests in a child process")
-def test_matvec_kernel_in_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", __file__, "-o", "addopts=", "-q", "-k", "interp_", "-p", "no:cacheprovider", "-W", "ignore"]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-6000:] + r.stderr[-3000:]
+def test_matvec_kernel_in_interpreter(interp_child):
+    interp_child(__file__)
 
 
 @pytest.mark.parametrize("m,n,bits,g,rows", [(40, 200, 2, 64, 3), (33, 130, 4, 128, 1), (64, 256, 2, 128, 2)])
