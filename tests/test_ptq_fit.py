@@ -191,3 +191,5 @@ def test_fitting_groups_side_by_side_equals_fitting_each_group_and_names_a_faili
     with pytest.raises(ValueError, match="^layers.1.mlp.up_proj: fit_harp_many needs as many weights"):
         fit_harp_groups([([w], [h], rots()[:1]), ([w, w], [h], rots()[:2])], grid, opts,
                         labels=["layers.1.mlp.gate_proj", "layers.1.mlp.up_proj"])
+    with pytest.raises(ValueError, match="1 labels for 2 groups"):
+        fit_harp_groups([([w], [h], rots()[:1]), ([w], [h], rots()[:1])], grid, opts, labels=["a"])

@@ -59,6 +59,12 @@ def int_matvec_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Ten
     return x.float() @ w.T
 
 
+def _kernel_runs(bits: int, device: torch.device) -> bool:
+    """Whether ``backend="auto"`` reads the codes with the Triton kernel: bits it reads, on CUDA or in Triton's
+    interpreter."""
+    return bits in KERNEL_BITS and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+
+
 def int_matvec(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, m: int, n: int, bits: int,
                group_size: int, *, backend: str = "auto") -> torch.Tensor:
     """:func:`int_matvec_reference` with the codes read in place by a Triton kernel.
@@ -71,12 +77,11 @@ def int_matvec(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, m: in
         ValueError: as the reference; ``backend="triton"`` for a width the kernel does not read.
     """
     _check(x, codes, scales, m, n, bits, group_size)
-    interp = os.environ.get("TRITON_INTERPRET") == "1"
     if backend not in ("auto", "triton", "reference"):
         raise ValueError(f"int_matvec: backend {backend!r}; use auto, triton or reference")
     if backend == "triton" and bits not in KERNEL_BITS:
         raise ValueError(f"int_matvec: the Triton kernel reads {KERNEL_BITS}-bit codes, not {bits}; use backend='reference'")
-    if backend == "reference" or (backend == "auto" and (bits not in KERNEL_BITS or not (x.is_cuda or interp))):
+    if backend == "reference" or (backend == "auto" and not _kernel_runs(bits, x.device)):
         return int_matvec_reference(x, codes, scales, m, n, bits, group_size)
     import triton
 
@@ -100,9 +105,10 @@ class PackedLinear(nn.Module):
         transform: its signs and rotations, or None (no incoherence processing).
         shape: ``(m, n)``, out × in. bias: ``[m]`` or None.
 
-    The int grid's codes are read by :func:`int_matvec`; MXFP4 and NVFP4 layers decode their weight once,
-    on first use (FP32; no kernel of ours reads those codes yet). Input ``[..., n]`` of any float dtype;
-    output ``[..., m]`` in the input's dtype.
+    Where :func:`int_matvec`'s Triton kernel runs (int codes of 2 or 4 bits, on CUDA) it reads the codes at
+    every call; otherwise (other widths, the CPU, MXFP4 and NVFP4, which no kernel of ours reads yet) the weight
+    is decoded once per device, on first use (FP32). Input ``[..., n]`` of any float dtype; output ``[..., m]``
+    in the input's dtype.
 
     Raises:
         ValueError: an input whose last dim is not ``n``.
@@ -112,11 +118,11 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.grid, self.transform, (self.m, self.n) = grid, transform, shape
         self.register_buffer("codes", stored["codes"])
-        self.stored = {k: v for k, v in stored.items() if k != "codes" and not k.startswith(("signs_", "theta_"))}
-        for k, v in self.stored.items():
-            self.register_buffer(f"q_{k}", v)
+        self.scale_keys = [k for k in stored if k != "codes" and not k.startswith(("signs_", "theta_"))]
+        for k in self.scale_keys:  # the grid's scales (and NVFP4's tensor scale), as buffers that move with the module
+            self.register_buffer(f"q_{k}", stored[k])
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
-        self._cache: dict = {}  # per device: the rotations' stage kernels, the signs, a decoded FP4 weight
+        self._cache: dict = {}  # per device: the rotations' stage kernels, the signs, a weight decoded once
 
     def _consts(self, device):
         if device not in self._cache:
@@ -128,9 +134,10 @@ class PackedLinear(nn.Module):
                         r.to(device)
                         c[f"k{side}"] = [k.detach() for k in r.kernels()]
                 c["s_out"], c["s_in"] = t.s_out.to(device), t.s_in.to(device)
-            if not isinstance(self.grid, IntGrid):
+            if not (isinstance(self.grid, IntGrid) and _kernel_runs(self.grid.bits, device)):
                 codes = unpack_bits(self.codes.cpu(), self.grid.bits, self.m * self.n).reshape(self.m, self.n)
-                c["w"] = self.grid.decode(codes, {k: v.cpu() for k, v in self.stored.items()}).to(device)
+                scales = {k: getattr(self, f"q_{k}").cpu() for k in self.scale_keys}
+                c["w"] = self.grid.decode(codes, scales).to(device)
             self._cache[device] = c
         return self._cache[device]
 

@@ -200,10 +200,14 @@ def fit_harp_groups(groups: list[tuple[list[torch.Tensor], list[torch.Tensor], l
 
     Raises:
         ValueError: as :func:`fit_harp_many`, for any group, before any fit runs (shapes, options) or
-            after all ran (FP16 overflow); the message starts with the group's entry of ``labels``, if given.
+            after all ran (FP16 overflow); the message starts with the group's entry of ``labels``, if given;
+            ``labels`` of another length than ``groups``.
 
     Source: ours (`specs/related_methods.md` §2.3 fits one layer at a time; this changes no update).
     """
+    if labels is not None and len(labels) != len(groups):
+        raise ValueError(f"fit_harp_groups: {len(labels)} labels for {len(groups)} groups; give one label a group")
+
     def labelled(k: int, fn):  # the group's label in front of its error
         try:
             return fn()
@@ -351,10 +355,11 @@ class _Fit:
 def _capturable_linalg(on_cuda: bool):
     """cuSOLVER/cuBLAS as PyTorch's CUDA linear-algebra backend while a fit runs, then the previous one back.
 
-    By default PyTorch factors a batch of more than 16 square matrices larger than 16×16 with MAGMA's batched
-    LU, which synchronizes with the host and so cannot be captured: the capture of the fits with a 43×43
-    Cayley stage (2752 = 8·8·43, llama-350m's MLP) failed on the H200 in round 22, and ran eager, 3–4× slower.
-    cuBLAS's batched LU (the path of the 8×8 stages, which captured) has no host synchronization."""
+    The capture of the fits with a 43×43 Cayley stage (2752 = 8·8·43, llama-350m's MLP) failed on the H200 in
+    round 22 and they ran eager, 3–4× slower, while the 8×8 stages captured. Our reading of PyTorch's LU
+    dispatch (not confirmed on the GPU: the error line was not kept): by default it factors a batch of more
+    than 16 square matrices larger than 16×16 with MAGMA's batched LU, which synchronizes with the host;
+    with cuSOLVER preferred, square batches under 512×512 take cuBLAS's batched LU, as the 8×8 stages do."""
     if not on_cuda:
         yield
         return
