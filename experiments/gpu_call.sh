@@ -102,6 +102,8 @@
 #      1200, the paper's; round 22 used 300 to fit in a call). PTQ_RESERVE (default 120): seconds of LIM
 #      not given to training. $OUT/ptq.tgz: the per-model summaries, cells and training records; $OUT/logs.tgz. Merge the
 #      calls' tables on the dev machine (scripts/run_ptq_experiment.py --budget-s 0 over the merged folders)
+#   p13 env: PTQ_MODELS (llama-125m), PTQ_STEPS (1200), PTQ_BITS (2,3,4), PTQ_METHODS (all four), PTQ_NO_MX=1, PTQ_SEEDS (1),
+#      PTQ_HARP_STEPS (1200), PTQ_COMPILE_LV2, PTQ_CONC (3), HARP_E2E (1); bench_decode --folder on PTQ_DECODE_FOLDERS (2) int cells
 #   p14 (issue 22, round 23): validate_kernels --only matvec (the decode kernel), bench_harp at llama-350m (does 2752
 #      capture with cuSOLVER now; the side-by-side block row), bench_decode per layer at llama3.1-8b and llama-350m
 #      ($OUT/bench_decode_*.json), then p13 with the time left (set LIM as for p13)
@@ -326,12 +328,16 @@ if [ "$STAGE" = p13 ]; then  # issue 22: the models of our own, each quantized a
         --calib-data runs/issue19/main --calib-tokens 131072 --batch-size 8 --device auto --out runs/ptq_e2e/harp-gptq-w2-int > $OUT/harp_e2e_350m.log 2>&1 &
     fi
     timeout $(( ${LIM:-560} - $(el) )) python3 scripts/run_ptq_experiment.py --data runs/issue19/main --models $D \
-      --out runs/ptq_table/${D#runs/ptq/} --concurrent $C --repeat-seeds ${PTQ_SEEDS-1} --harp-steps ${PTQ_HARP_STEPS:-1200} --budget-s $(( ${LIM:-560} - 45 - $(el) )) > $OUT/ptq_${D#runs/ptq/}.log 2>&1
+      --out runs/ptq_table/${D#runs/ptq/} --concurrent $C --repeat-seeds ${PTQ_SEEDS-1} --harp-steps ${PTQ_HARP_STEPS:-1200} \
+      --bits ${PTQ_BITS:-2,3,4} --methods ${PTQ_METHODS:-rtn,gptq,rht-gptq,harp-gptq} $([ "${PTQ_NO_MX:-0}" = 1 ] && echo --no-mx) --budget-s $(( ${LIM:-560} - 45 - $(el) )) > $OUT/ptq_${D#runs/ptq/}.log 2>&1
     echo "ptq $D: exit $? at $(el) s"; grep -E "^- W|ppl|^\| (rtn|gptq|rht|harp)" $OUT/ptq_${D#runs/ptq/}.log | head -20
     wait
   }
   for M in ${PTQ_MODELS:-llama-125m}; do for R in bf16 adahop-lv2; do pipeline $M $R & done; done
   wait; echo "pipelines done at $(el) s"
+  for F in $(ls -d runs/ptq_table/*/*-int 2>/dev/null | head -${PTQ_DECODE_FOLDERS:-2}); do  # the inference path end to end, eager
+    [ $(( ${LIM:-560} - $(el) )) -ge 40 ] && timeout 35 python3 scripts/bench_decode.py --folder $F --tokens 64 \
+      --json $OUT/decode_$(basename $(dirname $F))_$(basename $F).json 2>&1 | grep -v -i warn | tail -3; done
   for f in runs/ptq/*/summary.json; do python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print(sys.argv[1], d.get('steps'), d.get('final_val_loss'), d.get('interrupted'), round(d.get('tok_per_s') or 0))" $f; done
   [ -f $OUT/harp_e2e_350m.log ] && grep -E "^block|seconds|\| harp" $OUT/harp_e2e_350m.log | tail -4 | cut -c1-200
   (cd runs && tar czf $OUT/ptq.tgz --exclude='*.safetensors' --exclude=checkpoints --exclude='tokenizer*' ptq_table ptq ptq_e2e 2>/dev/null)
