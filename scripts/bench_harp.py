@@ -136,7 +136,13 @@ def main(argv=None) -> int:
                     help="instead of timing: aten ops dispatched per fit step at each shape (CPU, no GPU needed)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    device, grid = torch.device(args.device), make_grid(args.quantizer, args.bits)
+    for flag in ("steps", "full_steps", "check_steps"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be >= 1")
+    try:
+        device, grid = torch.device(args.device), make_grid(args.quantizer, args.bits)
+    except (RuntimeError, ValueError) as e:  # a device string torch does not know, a grid that does not exist
+        ap.error(str(e))
     if args.count_ops:
         blocks = PRESETS[args.model]["num_hidden_layers"]
         print(f"| shape (out × in) | layers fitted together | ops per step | non-view ops per step |\n|---|---|---|---|")

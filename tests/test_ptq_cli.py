@@ -48,6 +48,7 @@ def test_harp_gptq_folder_loads_in_transformers_with_the_printed_perplexity(run_
     assert _ptq(run_dir, out, "--method", "harp-gptq", "--bits", "2", "--group-size", "64") == 0
     printed = capsys.readouterr().out
     res = json.loads((out / "ptq.json").read_text())
+    assert res["method_options"] == {"damp": 0.01, "harp_steps": 3, "harp_lr": 0.03, "hbd_lambda": 0.1, "hbd_block": 8}
     ppl = res["perplexity"]["perplexity"]
     assert f"| harp-gptq | 2 | int | {res['bits_per_weight']:.3f} | {ppl:.4f} |" in printed
     assert "| unquantized | 16 |" in printed
@@ -83,8 +84,12 @@ def test_int8_rotation_parameters_halve_harps_bits_and_still_rebuild_every_weigh
     res = json.loads((out / "ptq.json").read_text())
     assert res["rotation"]["theta_format"] == "int8"
     sd = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+    rebuilt = dequantize_packed(out)  # the folder names its artifact
     for name, w in dequantize_packed(out / "ptq_packed.safetensors").items():
         _same_to_bf16_rounding(w, sd[name + ".weight"])
+        assert torch.equal(rebuilt[name], w)
+    with pytest.raises(ValueError, match="no such file; pass the ptq_packed.safetensors"):
+        dequantize_packed(tmp_path)
 
     def theta_bits(d: int, fmt: str) -> int:
         return sum(8 * p.numel() * p.element_size() for p in HARPRotation(d, theta_format=fmt).packed_params().values())
@@ -129,6 +134,7 @@ def test_fp4_grids_round_trip_through_the_artifact(run_dir, tmp_path, method, qu
     assert _ptq(run_dir, out, "--method", method, "--bits", "4", "--quantizer", quantizer, "--skip-baseline") == 0
     res = json.loads((out / "ptq.json").read_text())
     assert res["baseline"] is None
+    assert res["method_options"] == ({"damp": 0.01} if method == "gptq" else {})
     sd = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
     for name, w in dequantize_packed(out / "ptq_packed.safetensors").items():
         _same_to_bf16_rounding(w, sd[name + ".weight"])

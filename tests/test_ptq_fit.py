@@ -51,6 +51,10 @@ def test_bad_fit_options_are_refused():
         FitOptions(steps=0)
     with pytest.raises(ValueError, match="lr"):
         FitOptions(lr=0.0)
+    for kw, msg in [({"steps": 2.5}, "steps=2.5 must be an integer"), ({"hbd_block": "8"}, "hbd_block='8' must be an integer"),
+                    ({"lr": "0.03"}, "lr='0.03' must be a number"), ({"refresh": True}, "refresh=True must be an integer")]:
+        with pytest.raises(ValueError, match=msg):
+            FitOptions(**kw)
 
 
 def test_shared_stage_kernels_give_the_same_rotated_weight_and_hessian(gen):
@@ -127,6 +131,30 @@ def test_fit_harp_many_refuses_mixed_shapes(gen):
     t = TwoSided.random_signs(HARPRotation(32), HARPRotation(64), generator=g)
     with pytest.raises(ValueError, match="weights of one shape"):
         fit_harp_many([w, w[:16]], [h, h], [t, t], grid, FitOptions(steps=2))
+
+
+def test_a_weight_hessian_or_transform_of_the_wrong_size_is_refused_before_fitting(gen):
+    """A transposed weight or a Hessian of the other side once broadcast into a fit of the wrong layer."""
+    grid = make_grid("int", 2, 32)
+    (w, h), g = _layer(gen), torch.Generator().manual_seed(0)
+    t = TwoSided.random_signs(HARPRotation(32), HARPRotation(64), generator=g)
+    t_in = TwoSided.random_signs(HARPRotation(64), HARPRotation(64), generator=g)
+    for args, msg in [((w.T.contiguous(), torch.eye(32), t), r"sizes 32 \(output\) and 64 \(input\), the weight is \[64, 32\]"),
+                      ((w, torch.eye(32), t), r"Hessian must be \[64, 64\]"),
+                      ((w, h, t_in), r"sizes 64 \(output\) and 64 \(input\), the weight is \[32, 64\]"),
+                      ((w[0], h, t), "must be 2-D")]:
+        with pytest.raises(ValueError, match=msg):
+            fit_harp(*args, grid, FitOptions(steps=2))
+
+
+@pytest.mark.parametrize("which", ["weight", "Hessian"])
+def test_nan_in_the_weight_or_hessian_is_named_not_blamed_on_the_learning_rate(which, gen):
+    w, h = _layer(gen)
+    (w if which == "weight" else h)[1, 2] = float("nan")
+    t = TwoSided.random_signs(HARPRotation(32), HARPRotation(64), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=f"layer 0: the {which} holds 1 NaN or inf values") as e:
+        fit_harp(w, h, t, make_grid("int", 2, 32), FitOptions(steps=2))
+    assert "harp-lr" not in str(e.value)
 
 
 def test_a_diverged_fit_is_refused_naming_the_learning_rate(gen):

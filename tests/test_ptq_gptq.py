@@ -8,7 +8,7 @@ import torch
 
 from adahop.formats import fake_quantize
 from adahop.ptq.fit import FitOptions
-from adahop.ptq.gptq import gptq, proxy_error
+from adahop.ptq.ldlq import gptq, proxy_error
 from adahop.ptq.grids import make_grid
 from adahop.ptq.quantize import pack_bits, quantize_layer, unpack_bits
 
@@ -155,11 +155,17 @@ def test_zero_groups_and_dead_inputs_quantize_to_finite_weights(q, gen):
     torch.testing.assert_close(deq[32:], make_grid(q, 4, 32 if q == "int" else None).quantize(w[32:])[2])
 
 
-def test_a_non_finite_quantized_weight_is_refused_not_written(gen):
-    w = torch.randn(32, 64, generator=gen)
-    w[3, 5] = float("nan")
-    with pytest.raises(ValueError, match="input weight itself holds NaN"):
-        quantize_layer(w, torch.eye(64), "rtn", make_grid("int", 4, 32), generator=gen)
+@pytest.mark.parametrize("method", ["rtn", "gptq", "rht-gptq"])
+@pytest.mark.parametrize("which", ["weight", "Hessian"])
+def test_a_non_finite_weight_or_hessian_is_refused_naming_it_not_the_damping(method, which, gen):
+    """NaN in H once failed GPTQ's Cholesky and told the user to raise --damp."""
+    w, h = torch.randn(32, 64, generator=gen), torch.eye(64)
+    (w if which == "weight" else h)[3, 5] = float("inf")
+    with pytest.raises(ValueError, match=f"{method}: the {which} holds 1 NaN or inf values of") as e:
+        quantize_layer(w, h, method, make_grid("int", 4, 32), generator=gen)
+    assert "--damp" not in str(e.value)
+    with pytest.raises(ValueError, match=f"gptq: the {which} holds"):
+        gptq(w, h, make_grid("int", 4, 32))
 
 
 def test_fit_block_draws_the_signs_quantize_layer_would(gen):
@@ -177,3 +183,16 @@ def test_fit_block_draws_the_signs_quantize_layer_would(gen):
         assert torch.equal(res.stored["signs_out"], pack_bits((t.s_out < 0).to(torch.uint8), 1)), name
         assert torch.equal(res.stored["signs_in"], pack_bits((t.s_in < 0).to(torch.uint8), 1)), name
     assert fit_block(items, "rht-gptq", grid, generator=torch.Generator()) == {}
+
+
+def test_every_lazy_name_of_adahop_ptq_is_its_modules_object_after_the_submodules_load():
+    """Importing a submodule binds its name on the package: a module named like one of the package's functions
+    (``gptq`` once was) would shadow that function for every later ``adahop.ptq.<name>``."""
+    import importlib
+
+    import adahop.ptq as ptq
+
+    mods = {m: importlib.import_module(f"adahop.ptq.{m}") for m in set(ptq._WHERE.values())}
+    for name, m in ptq._WHERE.items():
+        assert getattr(ptq, name) is getattr(mods[m], name), name
+    assert callable(ptq.gptq)

@@ -38,6 +38,12 @@ def test_schedules_are_the_specs_greedy_mixed_radix():
     assert HARPRotation(11008).n_params == 11008 * (7 + 7 + 3 + 42) // 2 == 324736
     with pytest.raises(ValueError, match="d >= 2"):
         radix_schedule(1)
+    # a dimension read from numpy or torch is an integer too; a float is named as one
+    import numpy as np
+
+    assert HARPRotation(np.int64(2752)).d == 2752 and type(HARPRotation(torch.tensor(64)).d) is int
+    with pytest.raises(ValueError, match=r"integer dimension d >= 2, got 64.0 \(float\)"):
+        HARPRotation(64.0)
 
 
 @pytest.mark.parametrize("d", [64, 96, 384])

@@ -3,13 +3,14 @@ QuIP-style RHT incoherence or HARP's learned rotations (`specs/related_methods.m
 
 Modules, one idea each: :mod:`~adahop.ptq.rotation` (HARPRotation), :mod:`~adahop.ptq.incoherence`
 (signs + RHT, the two-sided transform), :mod:`~adahop.ptq.grids` (quantizer grids),
-:mod:`~adahop.ptq.gptq`, :mod:`~adahop.ptq.fit` (HARP's proxy objective), :mod:`~adahop.ptq.quantize`
+:mod:`~adahop.ptq.ldlq` (GPTQ/LDLQ), :mod:`~adahop.ptq.fit` (HARP's proxy objective), :mod:`~adahop.ptq.quantize`
 (one layer under a method), :mod:`~adahop.ptq.calibrate` (Hessians, block by block),
 :mod:`~adahop.ptq.export` (transformers folder + packed artifact), :mod:`~adahop.ptq.decode` (layers that
 compute from the packed codes, for decoding), :mod:`~adahop.ptq.cli`.
 
 The names below load on first use, so that the CLI parser (which imports :mod:`~adahop.ptq.names`)
-never imports torch.
+never imports torch. No module shares a name with one of them: importing a submodule binds its name on
+this package, so a module ``gptq`` would shadow the function ``gptq`` once anything had imported it.
 """
 
 import importlib
@@ -17,7 +18,7 @@ import importlib
 _WHERE = {
     "HARPRotation": "rotation", "radix_schedule": "rotation", "RHTRotation": "incoherence", "TwoSided": "incoherence",
     "rht_block": "incoherence", "IntGrid": "grids", "MXFP4Grid": "grids", "NVFP4Grid": "grids", "make_grid": "grids",
-    "gptq": "gptq", "proxy_error": "gptq", "FitOptions": "fit", "fit_harp": "fit", "fit_harp_many": "fit", "fit_harp_groups": "fit", "proxy_loss": "fit",
+    "gptq": "ldlq", "proxy_error": "ldlq", "FitOptions": "fit", "fit_harp": "fit", "fit_harp_many": "fit", "fit_harp_groups": "fit", "proxy_loss": "fit",
     "quantize_layer": "quantize", "dequantize_packed": "export", "load_packed": "export",
     "PackedLinear": "decode", "int_matvec": "decode", "load_packed_model": "decode",
 }

@@ -32,6 +32,11 @@ _HARP_ONLY = ("harp_steps", "harp_lr", "hbd_lambda", "hbd_block", "radix", "max_
 _EVAL_TASKS_ONLY = ("eval_limit", "eval_max_length", "task_data")
 
 
+def _method_options(method: str) -> tuple[str, ...]:
+    """The options of :data:`_METHOD_DEFAULTS` that ``method`` uses."""
+    return (_GPTQ_ONLY if "gptq" in method else ()) + (_HARP_ONLY if method.startswith("harp-") else ())
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of `adahop ptq`."""
     from .names import METHODS, MIXERS, QUANTIZERS, THETA_FORMATS
@@ -93,13 +98,12 @@ def _check(args) -> None:
         raise ValueError(f"--hbd-lambda {args.hbd_lambda}: must be >= 0")
     if not args.damp > 0:
         raise ValueError(f"--damp {args.damp}: must be > 0 (GPTQ needs H + damp·I positive definite)")
-    for flags, used_by, methods in ((_GPTQ_ONLY, "gptq", "gptq, rht-gptq or harp-gptq"),
-                                    (_HARP_ONLY, "harp-", "harp-rtn or harp-gptq")):
-        if used_by not in args.method:
-            for flag in flags:
-                if getattr(args, flag) != _METHOD_DEFAULTS[flag]:
-                    raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} is unused by --method "
-                                     f"{args.method}; drop it, or pass --method {methods}")
+    used = _method_options(args.method)
+    for flags, methods in ((_GPTQ_ONLY, "gptq, rht-gptq or harp-gptq"), (_HARP_ONLY, "harp-rtn or harp-gptq")):
+        for flag in flags:
+            if flag not in used and getattr(args, flag) != _METHOD_DEFAULTS[flag]:
+                raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} is unused by --method "
+                                 f"{args.method}; drop it, or pass --method {methods}")
     from ..utils import check_out_path, refuse_unused
 
     if args.eval_tasks is None or args.eval_tasks.strip().lower() == "none":
@@ -245,6 +249,8 @@ def run(args: argparse.Namespace) -> dict:
     bpw = sum(r.stored_bits for r in layers.values()) / n_weights
     meta = {"method": args.method, "bits": args.bits, "quantizer": args.quantizer, "group_size": grid0.group_size,
             "seed": args.seed, "rotation": {k: getattr(rot_opts, k) for k in rot_opts.__slots__},
+            # the method's own settings (rotation's are above), so that a folder says how it was made
+            "method_options": {k: getattr(args, k) for k in _method_options(args.method) if k not in rot_opts.__slots__},
             "source_model": str(args.model), "calib_data": str(data), "calib_tokens": len(batches) * args.batch_size * seq_len,
             "seq_len": seq_len}  # the window it is scored at: `adahop eval` of the folder takes it by default
     out = Path(args.out)

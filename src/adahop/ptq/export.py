@@ -56,9 +56,16 @@ def load_packed(path: str | Path) -> dict[str, tuple]:
     the layer's tensors (``codes``, scales, ...) and ``transform`` its :class:`TwoSided` (signs and the RHT or
     HARP rotations, on the CPU) or None without incoherence processing.
 
+    ``path``: the file, or the folder `adahop ptq` wrote it into.
+
     Raises:
-        ValueError: a file without the ``adahop_ptq`` metadata.
+        ValueError: no such file, or a file without the ``adahop_ptq`` metadata.
     """
+    path = Path(path)
+    if path.is_dir():
+        path = path / PACKED_FILE
+    if not path.is_file():
+        raise ValueError(f"{path}: no such file; pass the {PACKED_FILE} of an `adahop ptq` output folder, or the folder")
     with safe_open(str(path), framework="pt") as f:
         md = f.metadata() or {}
         if "adahop_ptq" not in md:
@@ -88,10 +95,11 @@ def load_packed(path: str | Path) -> dict[str, tuple]:
 
 
 def dequantize_packed(path: str | Path) -> dict[str, torch.Tensor]:
-    """Each layer's float32 weight ``[m, n]`` rebuilt from ``ptq_packed.safetensors`` alone.
+    """Each layer's float32 weight ``[m, n]`` rebuilt from ``ptq_packed.safetensors`` alone (``path``: the
+    file or its folder).
 
     Raises:
-        ValueError: a file without the ``adahop_ptq`` metadata.
+        ValueError: as :func:`load_packed`.
     """
     out = {}
     for name, (grid, t, transform, (m, n)) in load_packed(path).items():

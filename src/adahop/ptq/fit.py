@@ -20,6 +20,7 @@ on whatever device ``W`` is on; on CUDA each step replays a captured CUDA graph.
 from __future__ import annotations
 
 import contextlib
+import numbers
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ import torch
 
 from .grids import Grid
 from .incoherence import TwoSided
+from .ldlq import require_finite
 from .rotation import HARPRotation, cayley, stage
 
 __all__ = ["FitOptions", "fit_harp", "fit_harp_many", "fit_harp_groups", "proxy_loss", "offblock_energy"]
@@ -51,9 +53,13 @@ class FitOptions:
     """Recompute the stop-gradient target every this many steps."""
 
     def __post_init__(self):
-        for name in ("steps", "hbd_block", "refresh"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"HARP {name}={getattr(self, name)} must be >= 1")
+        for name in ("steps", "hbd_block", "hbd_max_n", "refresh"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+                raise ValueError(f"HARP {name}={v!r} must be an integer >= 1")
+        for name in ("lr", "hbd_lambda"):
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), numbers.Real):
+                raise ValueError(f"HARP {name}={getattr(self, name)!r} must be a number")
         if not self.lr > 0 or not self.hbd_lambda >= 0:
             raise ValueError(f"HARP lr ({self.lr}) must be > 0 and hbd_lambda ({self.hbd_lambda}) >= 0")
 
@@ -177,7 +183,8 @@ def fit_harp_many(ws: list[torch.Tensor], hs: list[torch.Tensor], transforms: li
         ``history`` the layer's loss every 50 steps.
 
     Raises:
-        ValueError: lists of different lengths or shapes, ``cuda_graph=True`` off CUDA or with
+        ValueError: lists of different lengths or shapes, a weight, Hessian and transform of sizes that do not
+            fit each other, a weight or Hessian with NaN or inf, ``cuda_graph=True`` off CUDA or with
             ``opts.refresh > 1``, or fitted parameters that overflow FP16 (a diverged fit: lower the lr).
 
     Source: `specs/related_methods.md` §2.3–§2.4 (the objective, Adam at lr 0.03 for 1200 steps); the
@@ -251,6 +258,8 @@ class _Fit:
         if not ws or not len(ws) == len(hs) == len(transforms) or len({tuple(x.shape) for x in ws}) != 1:
             raise ValueError(f"fit_harp_many needs as many weights ({len(ws)}), Hessians ({len(hs)}) and transforms "
                              f"({len(transforms)}), at least one, and weights of one shape ({sorted({tuple(x.shape) for x in ws})})")
+        for l, (w, h, t) in enumerate(zip(ws, hs, transforms)):
+            _check_layer(l, w, h, t)
         self.device = ws[0].device
         self.on_cuda = self.device.type == "cuda"
         if cuda_graph and (not self.on_cuda or opts.refresh != 1):
@@ -349,6 +358,21 @@ class _Fit:
         return [FitResult(float(l0), float(l1), float(q0), float(q1), secs, self.opts.steps, hl, self.graph is not None,
                           self.error)
                 for (l0, q0), (l1, q1), hl in zip(self.start, self.losses(), hist)]
+
+
+def _check_layer(l: int, w: torch.Tensor, h: torch.Tensor, t: TwoSided) -> None:
+    """Layer ``l``'s weight, Hessian and transform fit each other and hold only finite numbers, so that no
+    broadcast fits a wrong shape and no NaN reads as a diverged fit later."""
+    if w.dim() != 2:
+        raise ValueError(f"layer {l}: the weight must be 2-D [out, in]; it has shape {tuple(w.shape)}")
+    m, n = w.shape
+    if (t.u.d, t.v.d) != (m, n):
+        raise ValueError(f"layer {l}: the transform's rotations are of sizes {t.u.d} (output) and {t.v.d} (input), the "
+                         f"weight is [{m}, {n}]: build the TwoSided for this layer's shape")
+    if tuple(h.shape) != (n, n):
+        raise ValueError(f"layer {l}: the Hessian must be [{n}, {n}] (E[x xᵀ] of the layer's {n} inputs); it has shape "
+                         f"{tuple(h.shape)}")
+    require_finite(f"HARP fit, layer {l}", weight=w, Hessian=h)
 
 
 @contextlib.contextmanager

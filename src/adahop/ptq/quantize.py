@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .fit import FitOptions, FitResult, fit_harp, fit_harp_groups
-from .gptq import gptq, proxy_error
+from .ldlq import gptq, proxy_error, require_finite
 from .grids import Grid
 from .incoherence import MIN_BLOCK, RHTRotation, TwoSided
 from .names import METHODS
@@ -127,13 +127,14 @@ def quantize_layer(w: torch.Tensor, h: torch.Tensor, method: str, grid: Grid, *,
     and fit already made (:func:`fit_block`); no signs are drawn then.
 
     Raises:
-        ValueError: an unknown method, an RHT dimension with no Hadamard block that fits, or a
-            quantized weight that is not finite (never written).
+        ValueError: an unknown method, NaN or inf in ``w`` or ``h``, an RHT dimension with no Hadamard block
+            that fits, or a quantized weight that is not finite (never written).
     """
     rot, backend = parse_method(method)
     w = w.float()
     h = h.float().to(w.device)
     m, n = w.shape
+    require_finite(method, weight=w, Hessian=h)
     stats: dict = {}
     stored: dict[str, torch.Tensor] = {}
     t = None
@@ -164,11 +165,9 @@ def quantize_layer(w: torch.Tensor, h: torch.Tensor, method: str, grid: Grid, *,
             codes, scales, q = grid.quantize(wq_in)
         weight = t.weight_inverse(q) if t is not None else q
         bad = int((~torch.isfinite(weight)).sum())
-        if bad:  # never write a model that decodes to NaN or inf
-            finite_in = bool(torch.isfinite(w).all())
-            raise ValueError(f"{method} with the {grid.name} grid produced {bad} non-finite weights of {m * n} ("
-                             + ("the input weight is finite: a bug, please report it with the command)" if finite_in
-                                else "the input weight itself holds NaN or inf: fix or re-export the model)"))
+        if bad:  # never write a model that decodes to NaN or inf (the inputs were finite: a bug of ours)
+            raise ValueError(f"{method} with the {grid.name} grid produced {bad} non-finite weights of {m * n} from a "
+                             "finite weight and Hessian: a bug, please report it with the command")
     stored["codes"] = pack_bits(codes, grid.bits)
     stored.update(grid.stored_scales(scales.cpu()))
     stats["proxy_error"] = proxy_error(w, weight, h)

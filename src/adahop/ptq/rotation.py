@@ -17,6 +17,7 @@ tests allow for), so HARP starts exactly at the randomized Hadamard transform.
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 from torch import nn
@@ -26,6 +27,17 @@ from .names import MIXERS, THETA_FORMATS
 
 __all__ = ["HARPRotation", "radix_schedule", "mixer_matrix", "MIXERS", "cayley", "stage"]
 
+
+
+def _dim(d) -> int:
+    """``d`` as a Python int >= 2 (numpy and torch integers too), else a ValueError naming it."""
+    try:
+        d = operator.index(d)
+    except TypeError:
+        raise ValueError(f"HARPRotation needs an integer dimension d >= 2, got {d!r} ({type(d).__name__})") from None
+    if d < 2:
+        raise ValueError(f"HARPRotation needs a dimension d >= 2, got {d}")
+    return d
 
 
 def radix_schedule(d: int, radix: int = 8, max_radix: int = 8) -> list[int]:
@@ -39,8 +51,7 @@ def radix_schedule(d: int, radix: int = 8, max_radix: int = 8) -> list[int]:
     Raises:
         ValueError: ``d < 2`` or a radix below 2.
     """
-    if not isinstance(d, int) or d < 2:
-        raise ValueError(f"HARPRotation needs a dimension d >= 2, got {d!r}")
+    d = _dim(d)
     if radix < 2 or max_radix < 2:
         raise ValueError(f"radix ({radix}) and max_radix ({max_radix}) must be >= 2")
     out, rest = [], d
@@ -135,6 +146,7 @@ class HARPRotation(nn.Module):
         if theta_format not in THETA_FORMATS:
             raise ValueError(f"theta_format={theta_format!r}: must be one of {', '.join(THETA_FORMATS)}")
         self.theta_format = theta_format
+        d = _dim(d)
         self.d, self.radix, self.max_radix, self.passes, self.mixer, self.seed = d, radix, max_radix, passes, mixer, seed
         self.schedule = radix_schedule(d, radix, max_radix)
         strides = [math.prod(self.schedule[:t]) for t in range(len(self.schedule))]
@@ -161,7 +173,8 @@ class HARPRotation(nn.Module):
             raise ValueError(f"HARPRotation(d={self.d}) applied to a tensor whose last dim is {x.shape[-1]}")
 
     def apply(self, x: torch.Tensor, kernels: list[torch.Tensor] | None = None) -> torch.Tensor:
-        """``x·R`` along the last axis (``x``: ``[..., d]`` float; same shape and dtype back).
+        """``x·R`` along the last axis (``x``: ``[..., d]`` float; same shape and dtype back, computed in float32,
+        the precision the kernels are built in, whatever ``x``'s dtype).
 
         ``kernels``: precomputed :meth:`kernels` (saves the solves when applying several times).
         """

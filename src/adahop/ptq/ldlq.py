@@ -15,7 +15,18 @@ import torch
 
 from .grids import Grid
 
-__all__ = ["gptq", "proxy_error"]
+__all__ = ["gptq", "proxy_error", "require_finite"]
+
+
+def require_finite(where: str, **tensors: torch.Tensor) -> None:
+    """Raise a ValueError naming ``where`` and the first of ``tensors`` that holds NaN or inf: such a
+    weight or Hessian comes from a broken model or calibration run, and would otherwise surface later
+    as a failed Cholesky ("raise --damp") or a diverged fit ("lower --harp-lr"), pointing at the wrong fix."""
+    for name, x in tensors.items():
+        if not bool(torch.isfinite(x).all()):
+            raise ValueError(f"{where}: the {name} holds {int((~torch.isfinite(x)).sum())} NaN or inf values of {x.numel()}: "
+                             "the model or its calibration data is broken, no setting of the quantizer fixes it; "
+                             "check the checkpoint and the calibration tokens")
 
 
 def proxy_error(w: torch.Tensor, q: torch.Tensor, h: torch.Tensor) -> float:
@@ -40,11 +51,13 @@ def gptq(w: torch.Tensor, h: torch.Tensor, grid: Grid, *, damp: float = 0.01, bl
         With ``h = I`` this is exactly :meth:`Grid.quantize` (RTN): no error reaches other columns.
 
     Raises:
-        ValueError: shapes that do not match, or a non-positive ``damp`` with a singular ``h``.
+        ValueError: shapes that do not match, NaN or inf in ``w`` or ``h``, or a non-positive ``damp``
+            with a singular ``h``.
     """
     m, n = w.shape
     if h.shape != (n, n):
         raise ValueError(f"gptq: H is {tuple(h.shape)}, the weight has {n} input columns; H must be [{n}, {n}]")
+    require_finite("gptq", weight=w, Hessian=h)
     w = w.float().clone()
     h = h.float().clone()
     grid.prepare(w)
