@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     cmp = sub.add_parser("compare", help="train several recipes on the same data; table and plots")
     cmp.add_argument("--recipes", default="bf16,adahop-lv2", help="comma-separated recipe names")
-    add_config_flags(cmp, TrainConfig, skip=("recipe", "resume", "reschedule"), defaults={"out": "runs/compare"})
+    add_config_flags(cmp, TrainConfig, skip=("recipe", "resume", "reschedule", "parallel"), defaults={"out": "runs/compare"})
     cmp.add_argument("--eval-tasks", default=None, help="after training, `adahop eval` each recipe on these tasks "
                      "(e.g. piqa,hellaswag,arc_easy,lambada_openai) and add their columns")
     cmp.add_argument("--eval-limit", type=int, default=None, help="`adahop eval --limit` of --eval-tasks")
