@@ -412,6 +412,8 @@ def test_fig3_x50_cr_is_bad_for_every_strategy():
 def test_strategy_table_names_are_the_ones_calib_spec_accepts():
     """CalibSpec checks the name against recipes.spec.STRATEGY_TABLE_NAMES (it cannot import patterns)."""
     from adahop.patterns import STRATEGY_TABLES
-    from adahop.recipes.spec import STRATEGY_TABLE_NAMES
+    from adahop.recipes.spec import OE_STRATEGY_TABLES, STRATEGY_TABLE_NAMES
 
     assert sorted(STRATEGY_TABLES) == sorted(STRATEGY_TABLE_NAMES)
+    # the 'foid' variant's check: the tables where some pattern pair extracts outliers
+    assert sorted(OE_STRATEGY_TABLES) == sorted(t for t, tab in STRATEGY_TABLES.items() if any("oe" in s for s in tab.values()))

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .rivals import RIVALS
-from .spec import GEMMS, CalibSpec, GemmSpec, OperandSpec, Recipe
+from .spec import GEMMS, OE_STRATEGY_TABLES, CalibSpec, GemmSpec, OperandSpec, Recipe
 
 __all__ = ["PRESETS", "VARIANTS", "register", "get_recipe", "list_recipes"]
 
@@ -97,7 +97,7 @@ def _variant(recipe: Recipe, variant: str) -> Recipe:
         return replace(recipe, description=f"{recipe.description} [MXFP4 without the exponent-range limit]", **specs)
     if variant == "foid":
         table = recipe.calibration.table if recipe.calibration is not None else None
-        if not any("oe" in recipe.gemm(g).strategy or (recipe.gemm(g).strategy == "calibrated" and table in ("lv1", "lv2"))
+        if not any("oe" in recipe.gemm(g).strategy or (recipe.gemm(g).strategy == "calibrated" and table in OE_STRATEGY_TABLES)
                    for g in GEMMS):
             raise ValueError(f"recipe variant 'foid' needs a recipe with Outlier Extraction (adahop-lv1, adahop-lv2); "
                              f"{recipe.name!r} has none: FOID would select nothing and it would run as the base under another name")

@@ -34,6 +34,8 @@ DETECTOR_RULES = ("ratio", "significance")
 #: Names of the strategy tables (`adahop.patterns.STRATEGY_TABLES` holds them; named here, below
 #: `patterns`, so that `CalibSpec` can check a name without importing it).
 STRATEGY_TABLE_NAMES = ("lv1", "lv2", "iht")
+#: Those of them that give some pattern pair Outlier Extraction (a test checks it against the tables).
+OE_STRATEGY_TABLES = ("lv1", "lv2")
 #: How the FP8 fast path sums an MXFP4 GEMM (`adahop.kernels.mx_matmul`): ``"fp8-mma"`` on the FP8
 #: tensor cores (fast; each instruction's 32 products are added below FP32, ‖Δ‖/‖|A||B|‖ ≈ 1e-5 on
 #: the H200), ``"fp32"`` the same FP8-exact operands on the BF16 tensor cores (exact products, FP32
