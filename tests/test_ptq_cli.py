@@ -516,3 +516,25 @@ def test_eval_of_a_ptq_folder_scores_at_the_window_ptq_printed(run_dir, tmp_path
     got = json.loads((tmp_path / "e.json").read_text())
     ppl = got["perplexity"]["perplexity"] if isinstance(got.get("perplexity"), dict) else got["perplexity"]
     assert ppl == res["perplexity"]["perplexity"]  # the same window (16, not the model's 32), the same number
+
+
+def test_a_model_with_nan_weights_is_refused_before_the_calibration(run_dir, tmp_path, capsys, monkeypatch):
+    """A diverged checkpoint's NaN reached GPTQ's Cholesky and was reported as "raise --damp"."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    import adahop.ptq.calibrate as calibrate
+
+    run = tmp_path / "nan-run"
+    shutil.copytree(run_dir, run, ignore=shutil.ignore_patterns("checkpoints"))
+    sd = load_file(run / "model.safetensors")
+    key = next(k for k in sorted(sd) if k.endswith("mlp.down_proj.weight"))
+    sd[key][0, :3] = float("nan")
+    save_file(sd, run / "model.safetensors", metadata={"format": "pt"})
+    called = []
+    monkeypatch.setattr(calibrate, "block_hessians", lambda *a, **k: called.append("calibration"))
+    assert _ptq(run, tmp_path / "q", "--method", "gptq", "--bits", "4", "--skip-baseline") == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert f"{key} holds 3 NaN or inf values of" in err and "quantize an earlier, finite checkpoint" in err
+    assert "--damp" not in err and called == []
