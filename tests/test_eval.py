@@ -719,3 +719,29 @@ def test_perplexity_window_defaults_to_the_run_then_to_at_most_2048():
     assert default_window(None, 131072) == 2048
     assert default_window({}, 1024) == 1024
     assert default_window(None, None) == 2048
+
+
+def test_a_folder_whose_weights_lack_tensors_is_refused_not_scored_with_random_ones(run_dir, tmp_path):
+    """The base model's save_pretrained (no lm_head) loaded through from_pretrained with a random head, and
+    eval and ptq printed a chance-level perplexity with no error."""
+    import shutil
+
+    import transformers
+
+    from adahop.eval.model import load_model
+
+    full = load_model(run_dir, device=torch.device("cpu")).model
+    base = tmp_path / "base"
+    full.model.save_pretrained(base)  # the LlamaModel inside: no lm_head
+    cfg = transformers.AutoConfig.from_pretrained(run_dir)
+    tied = bool(getattr(cfg, "tie_word_embeddings", False))
+    for f in run_dir.glob("tokenizer*"):
+        shutil.copy(f, base)
+    if tied:  # a tied head is the embedding: nothing is missing, and the folder loads as the same model
+        pytest.skip("llama-tiny ties its head; the missing lm_head cannot be shown")
+    with pytest.raises(ValueError, match=r"its weights lack 1 tensors of LlamaForCausalLM \(lm_head.weight\)"):
+        load_model(base, device=torch.device("cpu"))
+    full.save_pretrained(tmp_path / "whole")  # the same model saved whole loads
+    for f in run_dir.glob("tokenizer*"):
+        shutil.copy(f, tmp_path / "whole")
+    assert load_model(tmp_path / "whole", device=torch.device("cpu")).model.lm_head.weight.equal(full.lm_head.weight)

@@ -151,10 +151,15 @@ def test_bad_input_is_refused_with_the_fix(run_dir, tmp_path, capsys):
     assert _ptq(run_dir, tmp_path / "b", "--method", "rtn", "--bits", "4", "--calib-tokens", "0") == 2
     assert "--calib-tokens 0: must be >= 1" in capsys.readouterr().err
     # HARP's options are named by their flags (the rotation's and the fit's own messages name arguments)
-    for flags, msg in ((("--radix", "1"), "--radix 1: must be >= 2"), (("--harp-lr", "-1"), "--harp-lr -1.0: must be > 0"),
-                       (("--hbd-lambda", "-0.5"), "--hbd-lambda -0.5: must be >= 0")):
+    for flags, msg in ((("--radix", "1"), "--radix 1: must be >= 2"),
+                       (("--harp-lr", "-1"), "--harp-lr -1.0: must be finite and > 0"),
+                       (("--hbd-lambda", "-0.5"), "--hbd-lambda -0.5: must be finite and >= 0"),
+                       (("--harp-lr", "inf"), "--harp-lr inf: must be finite"),  # it failed after a whole fit
+                       (("--hbd-lambda", "inf"), "--hbd-lambda inf: must be finite")):  # blamed on --harp-lr
         assert _ptq(run_dir, tmp_path / "c", "--method", "harp-rtn", "--bits", "4", *flags) == 2
         assert msg in capsys.readouterr().err
+    assert _ptq(run_dir, tmp_path / "d", "--method", "gptq", "--bits", "4", "--damp", "inf") == 2
+    assert "--damp inf: must be finite and > 0" in capsys.readouterr().err  # "raise --damp" before
 
 
 def test_eval_tasks_add_the_zero_shot_average(run_dir, tmp_path, capsys):

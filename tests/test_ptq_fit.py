@@ -52,7 +52,8 @@ def test_bad_fit_options_are_refused():
     with pytest.raises(ValueError, match="lr"):
         FitOptions(lr=0.0)
     for kw, msg in [({"steps": 2.5}, "steps=2.5 must be an integer"), ({"hbd_block": "8"}, "hbd_block='8' must be an integer"),
-                    ({"lr": "0.03"}, "lr='0.03' must be a number"), ({"refresh": True}, "refresh=True must be an integer")]:
+                    ({"lr": "0.03"}, "lr='0.03' must be a number"), ({"refresh": True}, "refresh=True must be an integer"),
+                    ({"lr": float("inf")}, r"lr \(inf\) must be finite"), ({"hbd_lambda": float("nan")}, r"hbd_lambda \(nan\) finite")]:
         with pytest.raises(ValueError, match=msg):
             FitOptions(**kw)
 

@@ -85,7 +85,8 @@ def load_model(path: str | Path, *, device: torch.device, recipe: str | None = N
         ValueError: no config.json (a folder of runs, e.g. of ``adahop compare``, lists them), no
             tokenizer, an unknown recipe, a recipe none of whose GEMMs fits a layer of the model, an
             AdaHOP recipe without a plan or with a plan of another model (an entry missing, or one
-            for a layer the model lacks), or a checkpoint that does not fit; each message names the fix.
+            for a layer the model lacks), a checkpoint that does not fit, or a transformers folder whose weights
+            lack tensors of its causal-LM class (they would load random); each message names the fix.
     """
     import transformers
 
@@ -115,7 +116,14 @@ def load_model(path: str | Path, *, device: torch.device, recipe: str | None = N
         if not any(p.glob("*.safetensors")) and not any(p.glob("*.bin")):
             raise ValueError(f"MODEL {p}: no weights (model.safetensors or a checkpoint); "
                              f"{'let the run finish or resume it' if section else 'pass a folder holding a model'}")
-        model = transformers.AutoModelForCausalLM.from_pretrained(p, **_dtype_kwarg(torch.float32))
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(p, output_loading_info=True,
+                                                                        **_dtype_kwarg(torch.float32))
+        if info.get("missing_keys"):  # transformers fills them with random values and only warns: a made-up score
+            miss = sorted(info["missing_keys"])
+            raise ValueError(f"MODEL {p}: its weights lack {len(miss)} tensors of {type(model).__name__} "
+                             f"({', '.join(miss[:4])}{', ...' if len(miss) > 4 else ''}), which would be random; pass a "
+                             f"causal-LM folder saved whole (e.g. by `save_pretrained` of the *ForCausalLM model, not "
+                             f"of its base model)")
         weights = f"{p} ({'the BF16 export' if section else 'from_pretrained'})"
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(p)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import time
 from pathlib import Path
 
@@ -92,12 +93,11 @@ def _check(args) -> None:
     for flag in ("radix", "max_radix"):  # named here: HARPRotation's own message names its arguments, not the flags
         if getattr(args, flag) < 2:
             raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be >= 2 (a stage mixes blocks of that size)")
-    if not args.harp_lr > 0:
-        raise ValueError(f"--harp-lr {args.harp_lr}: must be > 0")
-    if not args.hbd_lambda >= 0:
-        raise ValueError(f"--hbd-lambda {args.hbd_lambda}: must be >= 0")
-    if not args.damp > 0:
-        raise ValueError(f"--damp {args.damp}: must be > 0 (GPTQ needs H + damp·I positive definite)")
+    for flag, low, why in (("harp_lr", "> 0", ""), ("hbd_lambda", ">= 0", ""),
+                           ("damp", "> 0", " (GPTQ needs H + damp·I positive definite)")):
+        v = getattr(args, flag)
+        if not math.isfinite(v) or not (v > 0 if low == "> 0" else v >= 0):
+            raise ValueError(f"--{flag.replace('_', '-')} {v}: must be finite and {low}{why}")
     used = _method_options(args.method)
     for flags, methods in ((_GPTQ_ONLY, "gptq, rht-gptq or harp-gptq"), (_HARP_ONLY, "harp-rtn or harp-gptq")):
         for flag in flags:

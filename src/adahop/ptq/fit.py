@@ -20,6 +20,7 @@ on whatever device ``W`` is on; on CUDA each step replays a captured CUDA graph.
 from __future__ import annotations
 
 import contextlib
+import math
 import numbers
 import time
 import warnings
@@ -60,8 +61,8 @@ class FitOptions:
         for name in ("lr", "hbd_lambda"):
             if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), numbers.Real):
                 raise ValueError(f"HARP {name}={getattr(self, name)!r} must be a number")
-        if not self.lr > 0 or not self.hbd_lambda >= 0:
-            raise ValueError(f"HARP lr ({self.lr}) must be > 0 and hbd_lambda ({self.hbd_lambda}) >= 0")
+        if not (math.isfinite(self.lr) and self.lr > 0) or not (math.isfinite(self.hbd_lambda) and self.hbd_lambda >= 0):
+            raise ValueError(f"HARP lr ({self.lr}) must be finite and > 0, and hbd_lambda ({self.hbd_lambda}) finite and >= 0")
 
 
 def offblock_energy(h: torch.Tensor, b: int) -> torch.Tensor:
