@@ -123,6 +123,7 @@ def end_to_end(args) -> dict:
 
     dev = torch.device(args.device)
     res = {"folder": args.folder, "tokens": args.tokens, "device": str(dev)}
+    generated = {}
     for label, load in (("bf16 export", lambda: transformers.AutoModelForCausalLM.from_pretrained(args.folder, dtype=torch.bfloat16).to(dev).eval()),
                         ("packed", lambda: load_packed_model(args.folder, dtype=torch.bfloat16, device=dev))):
         model = load()
@@ -133,17 +134,22 @@ def end_to_end(args) -> dict:
             for rep in range(2):  # the first pass warms up (kernels compile, caches fill)
                 if dev.type == "cuda":
                     torch.cuda.synchronize()
-                t0, cache, tok = time.perf_counter(), None, ids
+                t0, cache, tok, seq = time.perf_counter(), None, ids, []
                 for _ in range(args.tokens):
                     out = model(tok, **{kw: cache}, use_cache=True)
                     cache, tok = getattr(out, kw), out.logits[:, -1:].argmax(-1)
+                    seq.append(tok)
                 if dev.type == "cuda":
                     torch.cuda.synchronize()
         res[label] = args.tokens / (time.perf_counter() - t0)
+        generated[label] = torch.cat(seq, 1).flatten().tolist()
         print(f"{label}: {res[label]:.1f} tok/s (greedy, {args.tokens} tokens, batch 1, eager)")
         del model
     res["ratio"] = res["packed"] / res["bf16 export"]
-    print(f"packed / bf16: {res['ratio']:.2f}×")
+    # the same weights in another order of sums: greedy tokens may part where two logits nearly tie
+    a, b = generated["bf16 export"], generated["packed"]
+    res["same_tokens"] = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+    print(f"packed / bf16: {res['ratio']:.2f}×; the first {res['same_tokens']} of {len(a)} greedy tokens agree")
     return res
 
 
@@ -157,8 +163,19 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    args.bits = [int(b) for b in args.bits.split(",")]
+    try:
+        args.bits = [int(b) for b in args.bits.split(",")]
+    except ValueError:
+        ap.error(f"--bits {args.bits!r}: give comma-separated integers, e.g. 2,4")
+    if args.tokens < 1 or args.rows < 1:
+        ap.error(f"--tokens ({args.tokens}) and --rows ({args.rows}) must be >= 1")
     if args.folder:
+        from pathlib import Path
+
+        from adahop.ptq.export import PACKED_FILE
+
+        if not (Path(args.folder) / PACKED_FILE).is_file():
+            ap.error(f"--folder {args.folder}: no {PACKED_FILE} there; pass a folder written by `adahop ptq`")
         res = end_to_end(args)
     else:
         if not torch.cuda.is_available():

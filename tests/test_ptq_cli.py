@@ -100,7 +100,7 @@ def test_int8_rotation_parameters_halve_harps_bits_and_still_rebuild_every_weigh
         assert theta_bits(m, "int8") + theta_bits(n, "int8") < 0.6 * (theta_bits(m, "fp16") + theta_bits(n, "fp16"))
 
 
-def test_the_folder_decodes_from_its_codes_with_packed_linears(run_dir, tmp_path, repo_script):
+def test_the_folder_decodes_from_its_codes_with_packed_linears(run_dir, tmp_path, repo_script, capsys):
     """load_packed_model: every quantized linear a PackedLinear on the artifact; the logits those give equal the
     BF16 export's up to its weight rounding, and a folder without the artifact is refused."""
     import transformers
@@ -116,12 +116,18 @@ def test_the_folder_decodes_from_its_codes_with_packed_linears(run_dir, tmp_path
     with torch.no_grad():
         a, b = packed(ids).logits, plain(ids).logits
     assert float((a - b).norm() / b.norm()) < 4e-3  # 7.7e-4 seen: the export's BF16 weights, ~2^-9 relative each
-    with pytest.raises(FileNotFoundError, match="no ptq_packed.safetensors"):
+    with pytest.raises(ValueError, match="no ptq_packed.safetensors"):
         load_packed_model(run_dir)
     bench = repo_script("scripts/bench_decode.py")  # its end-to-end mode, as a user times a folder
     assert bench.main(["--folder", str(out), "--tokens", "3", "--device", "cpu", "--json", str(tmp_path / "d.json")]) == 0
     res = json.loads((tmp_path / "d.json").read_text())
     assert res["bf16 export"] > 0 and res["packed"] > 0 and res["ratio"] == pytest.approx(res["packed"] / res["bf16 export"])
+    assert 0 <= res["same_tokens"] <= 3
+    for bad, msg in ((["--folder", str(run_dir)], "no ptq_packed.safetensors there"), (["--folder", str(out), "--tokens", "0"],
+                                                                                        "--tokens (0) and --rows (1) must be >= 1")):
+        with pytest.raises(SystemExit):  # a usage error, not a traceback after timing the BF16 model
+            bench.main(bad)
+        assert msg in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("method,quantizer", [("rht-rtn", "mxfp4"), ("gptq", "nvfp4")])

@@ -77,8 +77,12 @@ def test_packed_linear_equals_the_rebuilt_weight(rot, gen):
     ref = x.double() @ w.double().T  # the rows' scales span 2^±6: compare to the whole output's size
     assert float((y.double() - ref).norm() / ref.norm()) < 1e-6
     assert layer(x.bfloat16()).dtype == torch.bfloat16
-    with pytest.raises(ValueError, match="last dim is 95"):
+    with pytest.raises(ValueError, match=r"takes a float tensor \[..., 96\], got torch.float32 \(2, 5, 95\)"):
         layer(x[..., :95])
+    with pytest.raises(ValueError, match="takes a float tensor .* got torch.int64"):  # it returned truncated integers
+        layer(torch.ones(3, n, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"stored lacks \['scales'\]"):
+        PackedLinear(grid, {"codes": packed}, t, (m, n))
 
 
 def test_packed_linear_decodes_fp4_grids_once(gen):

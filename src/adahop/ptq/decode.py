@@ -28,6 +28,11 @@ KERNEL_BITS = (2, 4)
 
 
 def _check(x, codes, scales, m, n, bits, group_size) -> None:
+    for name, v in (("m", m), ("n", n), ("bits", bits), ("group_size", group_size)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"int_matvec: {name}={v!r} must be an int >= 1")
+    if not x.is_floating_point():
+        raise ValueError(f"int_matvec: x must be floating point, got {x.dtype}")
     if x.dim() != 2 or x.shape[1] != n:
         raise ValueError(f"int_matvec: x must be [rows, {n}], got {tuple(x.shape)}")
     if codes.dtype != torch.uint8 or codes.numel() != -(-m * n * bits // 8):
@@ -81,6 +86,9 @@ def int_matvec(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, m: in
         raise ValueError(f"int_matvec: backend {backend!r}; use auto, triton or reference")
     if backend == "triton" and bits not in KERNEL_BITS:
         raise ValueError(f"int_matvec: the Triton kernel reads {KERNEL_BITS}-bit codes, not {bits}; use backend='reference'")
+    if backend == "triton" and not _kernel_runs(bits, x.device):
+        raise ValueError(f"int_matvec: backend='triton' runs on CUDA tensors (x is on {x.device}), or on the CPU under "
+                         "TRITON_INTERPRET=1; use backend='auto' or 'reference'")
     if backend == "reference" or (backend == "auto" and not _kernel_runs(bits, x.device)):
         return int_matvec_reference(x, codes, scales, m, n, bits, group_size)
     import triton
@@ -111,11 +119,16 @@ class PackedLinear(nn.Module):
     in the input's dtype.
 
     Raises:
-        ValueError: an input whose last dim is not ``n``.
+        ValueError: ``stored`` without the grid's tensors; an input whose last dim is not ``n`` or that is not
+            floating point.
     """
 
     def __init__(self, grid, stored: dict[str, torch.Tensor], transform, shape: tuple[int, int], bias=None):
         super().__init__()
+        need = {"codes", *grid.stored_scales(torch.ones(1, 1))}  # what the grid's artifact entry holds
+        if not need <= set(stored):
+            raise ValueError(f"PackedLinear: stored lacks {sorted(need - set(stored))} (a {grid.name} layer stores "
+                             f"{sorted(need)}); pass the layer's tensors from load_packed")
         self.grid, self.transform, (self.m, self.n) = grid, transform, shape
         self.register_buffer("codes", stored["codes"])
         self.scale_keys = [k for k in stored if k != "codes" and not k.startswith(("signs_", "theta_"))]
@@ -148,8 +161,9 @@ class PackedLinear(nn.Module):
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.n:
-            raise ValueError(f"PackedLinear({self.m}×{self.n}) applied to a tensor whose last dim is {x.shape[-1]}")
+        if x.shape[-1] != self.n or not x.is_floating_point():
+            raise ValueError(f"PackedLinear({self.m}×{self.n}) takes a float tensor [..., {self.n}], got {x.dtype} "
+                             f"{tuple(x.shape)}")
         c = self._consts(x.device)
         h = x.reshape(-1, self.n).float()
         t = self.transform
@@ -175,14 +189,14 @@ def load_packed_model(folder: str | Path, *, dtype: torch.dtype = torch.bfloat16
     :class:`PackedLinear` read from ``folder/ptq_packed.safetensors`` (the BF16 weights of those layers dropped).
 
     Raises:
-        FileNotFoundError: no packed artifact in ``folder`` (not an `adahop ptq` output).
-        ValueError: a layer of the artifact that the model does not hold as an ``nn.Linear`` of its shape.
+        ValueError: no packed artifact in ``folder`` (not an `adahop ptq` output), or a layer of the artifact
+            that the model does not hold as an ``nn.Linear`` of its shape.
     """
     import transformers
 
     folder = Path(folder)
-    if not (folder / PACKED_FILE).exists():
-        raise FileNotFoundError(f"{folder}: no {PACKED_FILE}; pass a folder written by `adahop ptq`")
+    if not (folder / PACKED_FILE).is_file():
+        raise ValueError(f"{folder}: no {PACKED_FILE}; pass a folder written by `adahop ptq`")
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
     for name, (grid, stored, transform, shape) in load_packed(folder / PACKED_FILE).items():
         parent, _, leaf = name.rpartition(".")

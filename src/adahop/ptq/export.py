@@ -66,7 +66,11 @@ def load_packed(path: str | Path) -> dict[str, tuple]:
         path = path / PACKED_FILE
     if not path.is_file():
         raise ValueError(f"{path}: no such file; pass the {PACKED_FILE} of an `adahop ptq` output folder, or the folder")
-    with safe_open(str(path), framework="pt") as f:
+    try:
+        f = safe_open(str(path), framework="pt")
+    except Exception as e:  # safetensors raises its own error class for a file that is not one
+        raise ValueError(f"{path}: not a safetensors file ({e}); pass the {PACKED_FILE} of an `adahop ptq` output folder") from None
+    with f:
         md = f.metadata() or {}
         if "adahop_ptq" not in md:
             raise ValueError(f"{path}: no adahop_ptq metadata; pass a {PACKED_FILE} written by `adahop ptq`")

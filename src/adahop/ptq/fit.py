@@ -30,7 +30,7 @@ import torch
 
 from .grids import Grid
 from .incoherence import TwoSided
-from .ldlq import require_finite
+from .ldlq import require_finite, require_hessian
 from .rotation import HARPRotation, cayley, stage
 
 __all__ = ["FitOptions", "fit_harp", "fit_harp_many", "fit_harp_groups", "proxy_loss", "offblock_energy"]
@@ -364,6 +364,9 @@ class _Fit:
 def _check_layer(l: int, w: torch.Tensor, h: torch.Tensor, t: TwoSided) -> None:
     """Layer ``l``'s weight, Hessian and transform fit each other and hold only finite numbers, so that no
     broadcast fits a wrong shape and no NaN reads as a diverged fit later."""
+    if not (isinstance(t.u, HARPRotation) and isinstance(t.v, HARPRotation)):
+        raise ValueError(f"layer {l}: HARP fits HARPRotation s, the transform holds {type(t.u).__name__} and "
+                         f"{type(t.v).__name__}; build it with TwoSided.random_signs(HARPRotation(m), HARPRotation(n), ...)")
     if w.dim() != 2:
         raise ValueError(f"layer {l}: the weight must be 2-D [out, in]; it has shape {tuple(w.shape)}")
     m, n = w.shape
@@ -374,6 +377,7 @@ def _check_layer(l: int, w: torch.Tensor, h: torch.Tensor, t: TwoSided) -> None:
         raise ValueError(f"layer {l}: the Hessian must be [{n}, {n}] (E[x xᵀ] of the layer's {n} inputs); it has shape "
                          f"{tuple(h.shape)}")
     require_finite(f"HARP fit, layer {l}", weight=w, Hessian=h)
+    require_hessian(f"HARP fit, layer {l}", h)
 
 
 @contextlib.contextmanager

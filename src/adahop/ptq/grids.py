@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -97,6 +98,9 @@ class Grid:
 #: The smallest positive FP16 value (a subnormal), the floor of an int grid's scale: a group whose
 #: values are all 0 (or below it) is stored as ±½ of it, 3e-8, not as NaN.
 FP16_MIN_SCALE = 2.0**-24
+#: The largest finite FP16 value, the ceiling of an int grid's scale: a group max above ``FP16_MAX·(2^(b−1) − ½)``
+#: cannot be stored (quantize_layer names it).
+FP16_MAX = 65504.0
 
 
 @dataclass
@@ -214,6 +218,16 @@ class NVFP4Grid(Grid):
         return q.dequantize()
 
 
+def _integer(flag: str, v) -> int:
+    """``v`` as a Python int (numpy and torch integers too; not a bool, a float or a string)."""
+    try:
+        if isinstance(v, bool):
+            raise TypeError
+        return operator.index(v)
+    except TypeError:
+        raise ValueError(f"{flag} {v!r}: must be an integer, not {type(v).__name__}") from None
+
+
 def make_grid(quantizer: str, bits: int, group_size: int | None = None) -> Grid:
     """The grid of ``--quantizer`` at ``--bits`` with ``--group-size``.
 
@@ -221,13 +235,15 @@ def make_grid(quantizer: str, bits: int, group_size: int | None = None) -> Grid:
     (32 / 16) as the group.
 
     Raises:
-        ValueError: an unknown quantizer, bits outside what it supports, or a group size the
-            format fixes otherwise; each message names the option and the fix.
+        ValueError: an unknown quantizer, bits or a group size that are not integers, bits outside what
+            it supports, or a group size the format fixes otherwise; each message names the option and the fix.
     """
     if quantizer not in QUANTIZERS:
         raise ValueError(f"--quantizer {quantizer!r} is not known; use one of {', '.join(QUANTIZERS)}")
+    bits = _integer("--bits", bits)
+    group_size = None if group_size is None else _integer("--group-size", group_size)
     if quantizer == "int":
-        if not isinstance(bits, int) or not 2 <= bits <= 8:
+        if not 2 <= bits <= 8:
             raise ValueError(f"--bits {bits}: the int quantizer takes 2 to 8 bits")
         g = 128 if group_size is None else group_size
         if g < 1:

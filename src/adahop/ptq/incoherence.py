@@ -13,6 +13,8 @@ with ``S`` diagonal ±1 and ``U`` (``[m, m]``), ``V`` (``[n, n]``) orthogonal. T
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from ..hadamard import SUPPORTED_SIZES, block_hadamard, hadamard_matrix, random_signs
@@ -29,8 +31,12 @@ def rht_block(d: int, *, min_block: int = MIN_BLOCK) -> int:
     of two dividing ``d`` (a block Hadamard ``I ⊗ H_b``: ``d = 1344 = 21·64`` takes 64).
 
     Raises:
-        ValueError: that block is below ``min_block``; the message names the dimension and the fix.
+        ValueError: ``d`` not a positive integer, or that block is below ``min_block``; the message names the
+            dimension and the fix.
     """
+    if isinstance(d, bool) or not isinstance(d, numbers.Integral) or d < 1:
+        raise ValueError(f"the RHT needs a positive integer dimension, got {d!r}")
+    d = int(d)
     b = d & -d  # the largest power of two dividing d
     b = min(b, SUPPORTED_SIZES[-1])
     if b < min_block:
@@ -68,12 +74,28 @@ class TwoSided:
     Args:
         u: rotation of the output side (size ``m``); v: of the input side (size ``n``).
         signs_out, signs_in: float ±1 vectors ``[m]`` and ``[n]``.
+
+    Raises:
+        ValueError: signs of other shapes or values; later, a weight or Hessian of another shape than
+            ``[m, n]`` / ``[n, n]`` or not floating point.
     """
 
     def __init__(self, u, v, signs_out: torch.Tensor, signs_in: torch.Tensor):
-        if signs_out.numel() != u.d or signs_in.numel() != v.d:
-            raise ValueError(f"signs of length {signs_out.numel()}/{signs_in.numel()} for rotations of size {u.d}/{v.d}")
+        if signs_out.shape != (u.d,) or signs_in.shape != (v.d,):
+            raise ValueError(f"signs of shapes {tuple(signs_out.shape)}/{tuple(signs_in.shape)} for rotations of size "
+                             f"{u.d}/{v.d}: pass 1-D vectors of those lengths")
+        for s in (signs_out, signs_in):  # another scale here would make the transform inexact, silently
+            if not s.is_floating_point() or not bool(((s == 1) | (s == -1)).all()):
+                raise ValueError(f"the signs must be float vectors of ±1 (random_signs makes them); got {s.dtype} "
+                                 f"values {sorted(set(s.flatten().tolist()))[:4]}")
         self.u, self.v, self.s_out, self.s_in = u, v, signs_out, signs_in
+
+    def _check(self, x: torch.Tensor, shape: tuple[int, int], what: str) -> None:
+        if tuple(x.shape) != shape:
+            raise ValueError(f"TwoSided of sizes {self.u.d} (output) × {self.v.d} (input) given a {what} of shape "
+                             f"{tuple(x.shape)}; it takes [{shape[0]}, {shape[1]}]")
+        if not x.is_floating_point():
+            raise ValueError(f"TwoSided given a {x.dtype} {what}; pass a floating-point one")
 
     @classmethod
     def random_signs(cls, u, v, *, generator: torch.Generator, device=None) -> "TwoSided":
@@ -91,17 +113,20 @@ class TwoSided:
 
     def weight(self, w: torch.Tensor, kernels: tuple | None = None) -> torch.Tensor:
         """``W̃ = Uᵀ (S_m W S_n) V`` for ``w`` ``[m, n]`` (float32 result); ``kernels``: from :meth:`kernels`."""
+        self._check(w, (self.u.d, self.v.d), "weight")
         ku, kv = kernels or (None, None)
         a = self._apply(self.v, w.float() * self.s_in, kv)  # (S_m W S_n) V, signs commute with the row scaling
         return self._apply(self.u, (a * self.s_out[:, None]).T, ku).T  # Uᵀ A = (Aᵀ U)ᵀ
 
     def weight_inverse(self, wt: torch.Tensor) -> torch.Tensor:
         """``W = S_m U W̃ Vᵀ S_n`` (float32)."""
+        self._check(wt, (self.u.d, self.v.d), "rotated weight")
         b = self.v.apply_inverse(wt.float())  # W̃ Vᵀ
         return self.u.apply_inverse(b.T).T * self.s_out[:, None] * self.s_in  # U B = (Bᵀ Uᵀ)ᵀ
 
     def hessian(self, h: torch.Tensor, kernels: tuple | None = None) -> torch.Tensor:
         """``H̃ = Vᵀ (S_n H S_n) V`` for ``h`` ``[n, n]`` (float32); ``kernels``: from :meth:`kernels`."""
+        self._check(h, (self.v.d, self.v.d), "Hessian")
         kv = (kernels or (None, None))[1]
         a = self._apply(self.v, h.float() * self.s_in[:, None] * self.s_in, kv)
         return self._apply(self.v, a.T, kv).T

@@ -11,11 +11,28 @@ the updated weights (as the reference implementation's ``static_groups=False``).
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
 from .grids import Grid
 
-__all__ = ["gptq", "proxy_error", "require_finite"]
+__all__ = ["gptq", "proxy_error", "require_finite", "require_hessian"]
+
+
+def require_hessian(where: str, h: torch.Tensor) -> None:
+    """Raise a ValueError naming ``where`` unless ``h`` can be ``E[x xᵀ]``: symmetric (to float rounding) with
+    a non-negative diagonal. (Positive semi-definiteness in full costs an eigendecomposition; these two catch a
+    transposed or negated matrix, whose failure would otherwise read as "raise --damp" or "lower --harp-lr".)"""
+    d = torch.diagonal(h)
+    if bool((d < 0).any()):
+        raise ValueError(f"{where}: the Hessian has {int((d < 0).sum())} negative diagonal entries; E[x xᵀ] has none "
+                         "(a sign flipped, or not a second moment of the inputs)")
+    tol = 1e-4 * float(d.abs().max().clamp(min=1e-30))
+    if float((h - h.T).abs().max()) > tol:
+        raise ValueError(f"{where}: the Hessian is not symmetric (max |H − Hᵀ| = {float((h - h.T).abs().max()):.3g}); "
+                         "pass E[x xᵀ] of the layer's inputs")
 
 
 def require_finite(where: str, **tensors: torch.Tensor) -> None:
@@ -51,13 +68,21 @@ def gptq(w: torch.Tensor, h: torch.Tensor, grid: Grid, *, damp: float = 0.01, bl
         With ``h = I`` this is exactly :meth:`Grid.quantize` (RTN): no error reaches other columns.
 
     Raises:
-        ValueError: shapes that do not match, NaN or inf in ``w`` or ``h``, or a non-positive ``damp``
-            with a singular ``h``.
+        ValueError: shapes that do not match, NaN or inf in ``w`` or ``h``, an ``h`` that is not symmetric or
+            has a negative diagonal, ``block < 1``, ``damp`` not finite and > 0, or an ``h + damp`` that is still
+            not positive definite.
     """
+    if w.dim() != 2:
+        raise ValueError(f"gptq: the weight must be 2-D [out, in]; it has shape {tuple(w.shape)}")
     m, n = w.shape
     if h.shape != (n, n):
         raise ValueError(f"gptq: H is {tuple(h.shape)}, the weight has {n} input columns; H must be [{n}, {n}]")
+    if isinstance(block, bool) or not isinstance(block, numbers.Integral) or block < 1:
+        raise ValueError(f"gptq: block={block!r} must be an integer >= 1 (columns per lazy batch)")
+    if isinstance(damp, bool) or not (isinstance(damp, numbers.Real) and math.isfinite(damp) and damp > 0):
+        raise ValueError(f"gptq: damp={damp!r} must be a finite number > 0 (--damp)")
     require_finite("gptq", weight=w, Hessian=h)
+    require_hessian("gptq", h)
     w = w.float().clone()
     h = h.float().clone()
     grid.prepare(w)

@@ -14,7 +14,7 @@ import torch
 
 from .fit import FitOptions, FitResult, fit_harp, fit_harp_groups
 from .ldlq import gptq, proxy_error, require_finite
-from .grids import Grid
+from .grids import FP16_MAX, Grid, IntGrid
 from .incoherence import MIN_BLOCK, RHTRotation, TwoSided
 from .names import METHODS
 from .rotation import HARPRotation
@@ -127,12 +127,16 @@ def quantize_layer(w: torch.Tensor, h: torch.Tensor, method: str, grid: Grid, *,
     and fit already made (:func:`fit_block`); no signs are drawn then.
 
     Raises:
-        ValueError: an unknown method, NaN or inf in ``w`` or ``h``, an RHT dimension with no Hadamard block
+        ValueError: an unknown method, shapes that do not fit, NaN or inf in ``w`` or ``h``, a weight too large
+            for the int grid's FP16 scales, an RHT dimension with no Hadamard block
             that fits, or a quantized weight that is not finite (never written).
     """
     rot, backend = parse_method(method)
     w = w.float()
     h = h.float().to(w.device)
+    if w.dim() != 2 or tuple(h.shape) != (w.shape[-1], w.shape[-1]):
+        raise ValueError(f"{method}: the weight must be 2-D [out, in] and the Hessian [in, in]; got {tuple(w.shape)} and "
+                         f"{tuple(h.shape)}")
     m, n = w.shape
     require_finite(method, weight=w, Hessian=h)
     stats: dict = {}
@@ -165,6 +169,11 @@ def quantize_layer(w: torch.Tensor, h: torch.Tensor, method: str, grid: Grid, *,
             codes, scales, q = grid.quantize(wq_in)
         weight = t.weight_inverse(q) if t is not None else q
         bad = int((~torch.isfinite(weight)).sum())
+        half = 2 ** (grid.bits - 1) - 0.5
+        if bad and isinstance(grid, IntGrid) and float(wq_in.abs().max()) / half > FP16_MAX:
+            raise ValueError(f"{method}: the int grid's FP16 group scales hold at most {FP16_MAX:g}, and this layer's "
+                             f"largest (rotated) weight {float(wq_in.abs().max()):.4g} needs {float(wq_in.abs().max()) / half:.4g} "
+                             f"at {grid.bits} bits; rescale the model's weights, or use --quantizer mxfp4 (E8M0 scales reach 2^127)")
         if bad:  # never write a model that decodes to NaN or inf (the inputs were finite: a bug of ours)
             raise ValueError(f"{method} with the {grid.name} grid produced {bad} non-finite weights of {m * n} from a "
                              "finite weight and Hessian: a bug, please report it with the command")

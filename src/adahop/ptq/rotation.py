@@ -29,15 +29,21 @@ __all__ = ["HARPRotation", "radix_schedule", "mixer_matrix", "MIXERS", "cayley",
 
 
 
-def _dim(d) -> int:
-    """``d`` as a Python int >= 2 (numpy and torch integers too), else a ValueError naming it."""
+def _int_at_least(name: str, v, low: int) -> int:
+    """``v`` as a Python int >= ``low`` (numpy and torch integers too, not a bool), else a ValueError naming it."""
     try:
-        d = operator.index(d)
+        if isinstance(v, bool):
+            raise TypeError
+        v = operator.index(v)
     except TypeError:
-        raise ValueError(f"HARPRotation needs an integer dimension d >= 2, got {d!r} ({type(d).__name__})") from None
-    if d < 2:
-        raise ValueError(f"HARPRotation needs a dimension d >= 2, got {d}")
-    return d
+        raise ValueError(f"HARPRotation needs an integer {name} >= {low}, got {v!r} ({type(v).__name__})") from None
+    if v < low:
+        raise ValueError(f"HARPRotation needs {name} >= {low}, got {v}")
+    return v
+
+
+def _dim(d) -> int:
+    return _int_at_least("dimension d", d, 2)
 
 
 def radix_schedule(d: int, radix: int = 8, max_radix: int = 8) -> list[int]:
@@ -49,11 +55,10 @@ def radix_schedule(d: int, radix: int = 8, max_radix: int = 8) -> list[int]:
     Examples: 2048 → [8, 8, 8, 4]; 5120 → [8, 8, 8, 5, 2]; 11008 → [8, 8, 4, 43]; 1344 → [8, 8, 7, 3].
 
     Raises:
-        ValueError: ``d < 2`` or a radix below 2.
+        ValueError: ``d < 2``, a radix below 2, or any of them not an integer.
     """
     d = _dim(d)
-    if radix < 2 or max_radix < 2:
-        raise ValueError(f"radix ({radix}) and max_radix ({max_radix}) must be >= 2")
+    radix, max_radix = _int_at_least("radix", radix, 2), _int_at_least("max_radix", max_radix, 2)
     out, rest = [], d
     while rest % radix == 0 and rest > 1:
         out.append(radix)
@@ -128,7 +133,8 @@ class HARPRotation(nn.Module):
             stages of radix 2, whose one parameter a block stays FP16 (a scale would cost more than it saves).
 
     Raises:
-        ValueError: ``d < 2``, a radix below 2, ``passes < 1``, or an unknown mixer or ``theta_format``.
+        ValueError: ``d < 2``, a radix below 2, ``passes < 1``, a negative ``seed``, any of them not an integer,
+            or an unknown mixer or ``theta_format``.
 
     Parameters: ``thetas[p·T + t]`` of shape ``[d / b_t, b_t, b_t]`` (float32, zero at init), one
     ``Θ`` per block of stage ``t`` of pass ``p``. Blocks are indexed ``(hi, lo)`` flattened, where a
@@ -141,12 +147,12 @@ class HARPRotation(nn.Module):
     def __init__(self, d: int, radix: int = 8, max_radix: int = 8, passes: int = 1, mixer: str = "had_or_qr",
                  *, seed: int = 0, theta_format: str = "fp16"):
         super().__init__()
-        if not isinstance(passes, int) or passes < 1:
-            raise ValueError(f"passes={passes!r} must be an int >= 1")
+        passes = _int_at_least("passes", passes, 1)
+        seed = _int_at_least("seed", seed, 0)
         if theta_format not in THETA_FORMATS:
             raise ValueError(f"theta_format={theta_format!r}: must be one of {', '.join(THETA_FORMATS)}")
         self.theta_format = theta_format
-        d = _dim(d)
+        d, radix, max_radix = _dim(d), _int_at_least("radix", radix, 2), _int_at_least("max_radix", max_radix, 2)
         self.d, self.radix, self.max_radix, self.passes, self.mixer, self.seed = d, radix, max_radix, passes, mixer, seed
         self.schedule = radix_schedule(d, radix, max_radix)
         strides = [math.prod(self.schedule[:t]) for t in range(len(self.schedule))]
@@ -169,6 +175,9 @@ class HARPRotation(nn.Module):
         return stage(x.reshape(1, -1, x.shape[-1]), k[None], b, stride, transpose).reshape(x.shape)
 
     def _check(self, x: torch.Tensor) -> None:
+        if not x.is_floating_point():
+            raise ValueError(f"HARPRotation(d={self.d}) applied to a {x.dtype} tensor; pass a floating-point one (an "
+                             "integer result would be truncated)")
         if x.shape[-1] != self.d:
             raise ValueError(f"HARPRotation(d={self.d}) applied to a tensor whose last dim is {x.shape[-1]}")
 
