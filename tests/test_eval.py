@@ -505,9 +505,9 @@ def test_a_recipe_that_fits_no_layer_is_refused_not_scored_as_bf16(run_dir, tmp_
         shutil.copy(f, folder)
     with pytest.warns(UserWarning, match="cannot quantize these layers"), pytest.raises(ValueError) as e:
         load_model(folder, device=torch.device("cpu"), recipe="mxfp4")
-    assert str(e.value).startswith("--recipe mxfp4: none of the model's 7 linear layers can run it "
+    assert str(e.value).startswith("recipe mxfp4: none of the model's 7 linear layers can run it "
                                    "(model.layers.0.self_attn.q_proj: shape 40->40; ")
-    assert "drop --recipe, or use a recipe whose block size divides the layers' dims" in str(e.value)
+    assert "Use a model whose layer dims are multiples of the recipe's block size (32, or 16 for NVFP4)" in str(e.value)
     assert load_model(folder, device=torch.device("cpu"), recipe="bf16").info["recipe"] == "bf16"  # nothing to fit
 
 

@@ -415,11 +415,21 @@ def test_halo2_token_count_not_power_of_two():
 def test_halo1_layer_whose_in_features_is_not_a_power_of_two_stays_bf16():
     # HALO rotates X and W over all of in_features; convert_model leaves such a layer in BF16 with
     # a warning instead of failing in the middle of a backward pass
+    # (beside a layer that runs HALO: a model where no layer can is refused, it would pass for a HALO one)
     x, w, dy = data()
-    with pytest.warns(UserWarning, match="power of two"):
-        got = run_layer(get_recipe("halo-1"), x[:, :96], w[:, :96], dy)
+    model = nn.Sequential(nn.Linear(96, w.shape[0], bias=False), nn.Linear(w.shape[0], w.shape[0], bias=False))
+    with pytest.warns(UserWarning, match=r"power of two.*: 0 \(96->"):
+        convert_model(model, get_recipe("halo-1"))
+    assert model[0].force_bf16 and not model[1].force_bf16
+    with torch.no_grad():
+        model[0].weight.copy_(w[:, :96])
+    xg = x[:, :96].clone().requires_grad_(True)
+    model[0](xg).backward(dy)
     ref = run_layer(get_recipe("bf16"), x[:, :96], w[:, :96], dy)
-    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    assert torch.equal(model[0](x[:, :96]).detach(), ref[0]) and torch.equal(xg.grad, ref[1])
+    assert torch.equal(model[0].weight.grad, ref[2])
+    with pytest.warns(UserWarning, match="power of two"), pytest.raises(ValueError, match="none of the model's 1 linear"):
+        run_layer(get_recipe("halo-1"), x[:, :96], w[:, :96], dy)
 
 
 def test_engine_names_the_fix_when_an_outer_hadamard_does_not_fit():

@@ -750,7 +750,7 @@ def test_a_recipe_that_converts_no_layer_is_refused_and_a_partial_one_lists_the_
     """A Llama whose dims fit no MXFP4 block trained all in BF16 with only a warning (GPT-2 was refused)."""
     odd = _llama_json(tmp_path / "odd.json", 48, 80)  # no dim a multiple of 32
     with pytest.warns(UserWarning, match="cannot quantize"), \
-            pytest.raises(ValueError, match=r"--recipe mxfp4: none of the model's 14 linear layers can run it "
+            pytest.raises(ValueError, match=r"recipe mxfp4: none of the model's 14 linear layers can run it "
                                             r"\(model.layers.0.self_attn.q_proj: shape 48->48;"):
         train(_cfg(data_dir, tmp_path / "a", recipe="mxfp4", model_config=odd, steps=1, eval_every=0))
     part = _llama_json(tmp_path / "part.json", 64, 80)  # attention (64 wide) quantizes, the MLP (80) cannot

@@ -170,15 +170,6 @@ def _convert(model, recipe_name: str, plan_path: str | None, folder: Path, secti
             raise ValueError(f"--plan {plan_path} has entries for {len(foreign)} layer(s) this model does not have "
                              f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}): it was made for another "
                              f"model; pass the plan.json of the run MODEL is")
-    from ..train.setup import converted_layers
-
-    quantized, bf16_layers = converted_layers(model)
-    if not recipe.is_bf16 and not quantized:  # as `adahop train` refuses it: the score would be the unquantized model's
-        raise ValueError(f"--recipe {recipe_name}: none of the model's {len(bf16_layers)} linear layers can run it "
-                         f"({'; '.join(f'{n}: {why}' for n, why in list(bf16_layers.items())[:2])}"
-                         f"{'; ...' if len(bf16_layers) > 2 else ''}): every GEMM would be BF16's and the score would "
-                         f"pass for a {recipe_name} one; drop --recipe, or use a recipe whose block size divides the "
-                         f"layers' dims (32, or 16 for NVFP4)")
     return plan_path
 
 

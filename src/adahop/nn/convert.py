@@ -72,8 +72,8 @@ def convert_model(model: nn.Module, recipe: str | Recipe, *, exclude=("lm_head",
     Raises:
         ValueError: unknown recipe name (lists the known ones) or backend, a model already converted, a
             bare ``nn.Linear`` (wrap it in ``nn.Sequential``), a model with no ``nn.Linear`` left to
-            convert (e.g. GPT-2's ``Conv1D`` layers) under a quantizing recipe, or a ``plan`` without
-            an entry for a converted layer.
+            convert (e.g. GPT-2's ``Conv1D`` layers) or none whose shape it can quantize under a quantizing
+            recipe, or a ``plan`` without an entry for a converted layer.
         TypeError: ``module_filter_fn`` is not callable or returns something other than a bool.
     """
     if isinstance(recipe, str):
@@ -106,7 +106,8 @@ def convert_layers(model: nn.Module, recipe: Recipe, names: list[str], *, layer_
     same BF16 edge layers, shape check and warning as :func:`convert_model`. Returns ``model``.
 
     Raises:
-        ValueError: a ``plan`` without an entry for a converted layer, or ``ADAHOP_GEMM_ACCUMULATION``
+        ValueError: a quantizing recipe that none of the layers can run (their shapes, or all in the recipe's
+            BF16 blocks), a ``plan`` without an entry for a converted layer, or ``ADAHOP_GEMM_ACCUMULATION``
             set (the recipe holds the accumulation now)."""
     if "ADAHOP_GEMM_ACCUMULATION" in os.environ:  # once read at import: the numbers must not follow the environment
         raise ValueError("ADAHOP_GEMM_ACCUMULATION is no longer read: the FP8 fast path's accumulation is part of the "
@@ -115,7 +116,8 @@ def convert_layers(model: nn.Module, recipe: Recipe, names: list[str], *, layer_
     blocks = sorted({int(m.group(1)) for n in names if (m := _BLOCK_RE.search(n))})
     n_blocks = (max(blocks) + 1) if blocks else 0
     unsupported: dict[str, str] = {}  # name -> in->out, of layers the recipe cannot quantize
-    for layer_id, name in enumerate(names):
+    todo = []  # (name, owner, child, linear, edge, fits), decided before any layer is swapped
+    for name in names:
         parent, _, child = name.rpartition(".")
         owner = model.get_submodule(parent) if parent else model
         lin = getattr(owner, child)
@@ -125,16 +127,25 @@ def convert_layers(model: nn.Module, recipe: Recipe, names: list[str], *, layer_
         fits = supports_shape(recipe, lin.in_features, lin.out_features)
         if not fits and not recipe.is_bf16:
             unsupported[name] = f"{lin.in_features}->{lin.out_features}"
+        todo.append((name, owner, child, lin, edge, fits))
+    if unsupported:
+        warnings.warn(f"adahop: recipe {recipe.name!r} cannot quantize these layers (dimensions not multiples of the "
+                      f"block size, or not a power of two where the recipe rotates a whole dimension); they run BF16 "
+                      f"GEMMs: {', '.join(f'{n} ({io})' for n, io in unsupported.items())}", stacklevel=3)
+    if todo and not recipe.is_bf16 and all(edge or not fits for *_, edge, fits in todo):
+        why = [f"{n}: " + (f"shape {unsupported[n]}" if n in unsupported else "in a BF16 block of the recipe") for n, *_ in todo]
+        raise ValueError(f"recipe {recipe.name}: none of the model's {len(todo)} linear layers can run it "
+                         f"({'; '.join(why[:4])}{'; ...' if len(why) > 4 else ''}): every GEMM would be BF16's, and the "
+                         f"model would pass for a {recipe.name} one. Use a model whose layer dims are multiples of the "
+                         f"recipe's block size (32, or 16 for NVFP4) with more blocks than the recipe keeps in BF16, or "
+                         f"the bf16 recipe")
+    for layer_id, (name, owner, child, lin, edge, fits) in enumerate(todo):
         try:
             new = layer_cls.from_linear(lin, recipe, name=name, layer_id=layer_id, controller=controller,
                                                  backend=_layer_backend(backend, lin.weight.device), force_bf16=edge or not fits)
         except KeyError:  # a plan made for another model: say so before anything runs
             raise plan_for_another_model(name, controller.plan) from None
         setattr(owner, child, new)
-    if unsupported:
-        warnings.warn(f"adahop: recipe {recipe.name!r} cannot quantize these layers (dimensions not multiples of the "
-                      f"block size, or not a power of two where the recipe rotates a whole dimension); they run BF16 "
-                      f"GEMMs: {', '.join(f'{n} ({io})' for n, io in unsupported.items())}", stacklevel=3)
     controller.unquantizable = list(unsupported)  # reported by the run summary
     model._adahop_controller = controller
     return model

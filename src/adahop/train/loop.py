@@ -216,13 +216,7 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
               f"Pass --steps above {recipe.calibration.steps}, a smaller --calib-steps, or a --plan", file=sys.stderr)
     model = make_model(cfg, train_s.manifest, device)
     convert_model(model, recipe, seed=dp.rank_seed(cfg.seed, rank, world), plan=plan, backend=cfg.backend)
-    quantized, bf16_layers = converted_layers(model)
-    if not recipe.is_bf16 and not quantized:  # the same rule as convert_model's for a model without nn.Linear
-        raise ValueError(f"--recipe {recipe.name}: none of the model's {len(bf16_layers)} linear layers can run it "
-                         f"({'; '.join(f'{n}: {why}' for n, why in list(bf16_layers.items())[:4])}"
-                         f"{'; ...' if len(bf16_layers) > 4 else ''}): every GEMM would be BF16's, and the run would pass "
-                         f"for a {recipe.name} result. Use a model whose layer dims are multiples of the recipe's block "
-                         f"size (32, or 16 for NVFP4) with more blocks than the recipe keeps in BF16, or --recipe bf16")
+    bf16_layers = converted_layers(model)[1]
     dp.agree_on_plan(model)
     convert_master_weights(model, cfg.master_weights)  # --master-weights: the Parameters hold the master as stored
     # --compile: the final mode once the plan is frozen (CUDA graphs on one GPU). While the plan calibrates, one
