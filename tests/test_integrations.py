@@ -176,6 +176,8 @@ def test_trainer_40_steps_then_resume_keeps_the_plan(tmp_path, monkeypatch):
     # the strategy counts went through trainer.log: every report_to logger got them at step 30
     logged = next(r for r in trainer.state.log_history if "adahop/fprop/iht" in r or "adahop/fprop/bf16" in r)
     assert logged["step"] == 30
+    # the step's own loss is logged too (the callback's trainer.log cleared should_log, and the Trainer dropped it)
+    assert [r["step"] for r in trainer.state.log_history if "loss" in r] == [10, 20, 30, 40]
     counts = {k[len("adahop/"):]: v for k, v in logged.items() if k.startswith("adahop/")}
     assert counts == {k: float(v) for k, v in adahop.nn.convert.strategy_counts(ctrl.plan).items()}
     assert sum(v for k, v in counts.items() if k.startswith("fprop/")) == 14
@@ -250,6 +252,35 @@ def test_accelerate_counts_optimizer_steps_not_micro_steps_and_save_state_keeps_
     assert c2.plan.to_json() == ctrl.plan.to_json()
 
 
+def test_arguments_an_already_converted_model_would_ignore_and_a_second_step_hook_are_refused(tmp_path):
+    """prepare_adahop twice counted every optimizer step twice; plan= and calib_steps= were dropped silently
+    for a model converted beforehand (30 BF16 steps ran where a plan was meant to skip them)."""
+    from adahop.integrations.accelerate import prepare_adahop
+    from adahop.integrations.transformers import AdaHOPCallback
+
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    prepare_adahop(model, opt, "adahop-lv2", exclude=None, calib_steps=3)
+    with pytest.raises(ValueError, match="already has a step hook.*count every optimizer step twice"):
+        prepare_adahop(model, opt, "adahop-lv2", exclude=None, calib_steps=3)
+    adahop.get_controller(model).step_hook.remove()  # removed, another may be attached
+    prepare_adahop(model, opt, "adahop-lv2", exclude=None, calib_steps=3)
+    with pytest.raises(ValueError, match="already converted with 3 calibration steps, and calib_steps=5 would not be applied"):
+        prepare_adahop(model, opt, "adahop-lv2", exclude=None, calib_steps=5)
+    plan = tmp_path / "plan.json"
+    frozen = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
+    adahop.convert_model(frozen, "adahop-lv2", exclude=None)
+    for _ in range(30):
+        frozen(torch.randn(8, 64)).sum().backward()
+        adahop.on_step(frozen, adahop.get_controller(frozen).step + 1)
+    adahop.get_controller(frozen).plan.save(plan)
+    other = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
+    adahop.convert_model(other, "adahop-lv2", exclude=None)
+    cb = AdaHOPCallback("adahop-lv2", plan=str(plan))
+    with pytest.raises(ValueError, match=r"already converted without plan, and plan= would not be applied"):
+        cb.on_train_begin(None, None, None, model=other)
+
+
 def test_the_readme_accelerate_example_runs_verbatim(tmp_path, monkeypatch):
     out = _run_readme_block("accelerate", tmp_path, monkeypatch)
     assert "plan frozen" in out and "model.layers.1.mlp.down_proj" in out and (tmp_path / "ckpt").is_dir()
@@ -275,3 +306,27 @@ def test_adahop_imports_and_converts_under_the_meta_device():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split()[-2:] == ["meta", "LowPrecisionLinear"]
+
+
+def test_convert_model_takes_a_plan_path_and_names_arguments_it_would_misuse(tmp_path):
+    """convert_model(plan="plan.json") ended in AttributeError, recipe None in another, a plan under mxfp4 was
+    accepted (and describe said "plan frozen"), and an integer input named an internal quantizer."""
+    def mlp():
+        return nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
+
+    src = mlp()
+    adahop.convert_model(src, "adahop-lv2", exclude=None)
+    for _ in range(30):
+        src(torch.randn(8, 64)).sum().backward()
+        adahop.on_step(src, adahop.get_controller(src).step + 1)
+    adahop.get_controller(src).plan.save(tmp_path / "plan.json")
+    m = adahop.convert_model(mlp(), "adahop-lv2", exclude=None, plan=str(tmp_path / "plan.json"))
+    assert adahop.get_controller(m).plan.to_json() == adahop.get_controller(src).plan.to_json()
+    with pytest.raises(ValueError, match="plan= is for AdaHOP recipes; recipe 'mxfp4' has fixed strategies"):
+        adahop.convert_model(mlp(), "mxfp4", exclude=None, plan=str(tmp_path / "plan.json"))
+    with pytest.raises(TypeError, match="recipe must be a preset name"):
+        adahop.convert_model(mlp(), None)
+    with pytest.raises(TypeError, match="seed must be an int, got 1.5"):
+        adahop.convert_model(mlp(), "mxfp4", seed=1.5)
+    with pytest.raises(ValueError, match=r"^0: input of dtype torch.int64; the layer takes a floating-point tensor"):
+        m(torch.ones(2, 64, dtype=torch.long))

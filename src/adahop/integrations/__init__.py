@@ -16,7 +16,7 @@ import dataclasses
 from ..patterns import Plan
 from ..recipes import Recipe, get_recipe
 
-__all__ = ["resolve_recipe", "resolve_plan", "missing_extra"]
+__all__ = ["resolve_recipe", "resolve_plan", "check_converted", "missing_extra"]
 
 
 def resolve_recipe(recipe: str | Recipe, calib_steps: int | None = None) -> Recipe:
@@ -46,6 +46,26 @@ def resolve_plan(plan) -> Plan | None:
     if not Path(plan).exists():
         raise ValueError(f"plan {plan}: no such file; pass a plan.json written by adahop (a run, a checkpoint, analyze)")
     return Plan.load(plan)
+
+
+def check_converted(model, recipe: Recipe, plan: Plan | None, calib_steps: int | None, who: str) -> None:
+    """Raise a ValueError when ``model`` is already converted and ``recipe``, ``plan`` or ``calib_steps``
+    asks for something its conversion did not do: they would be ignored, silently (a plan meant to skip
+    calibration, and 30 BF16 steps ran instead)."""
+    from ..nn.convert import get_controller
+
+    ctrl = get_controller(model)
+    fix = "pass them to adahop.convert_model, or give an unconverted model"
+    if ctrl.recipe.name != recipe.name:
+        raise ValueError(f"{who}: the model is already converted with recipe {ctrl.recipe.name!r}, not {recipe.name!r}; "
+                         f"pass that recipe, or give an unconverted model")
+    if plan is not None and (ctrl.plan is None or ctrl.plan.to_json() != plan.to_json()):
+        raise ValueError(f"{who}: the model is already converted {'without' if ctrl.plan is None else 'with another'} "
+                         f"plan, and plan= would not be applied; {fix}")
+    have = ctrl.recipe.calibration.steps if ctrl.recipe.calibration is not None else None
+    if calib_steps is not None and have is not None and have != calib_steps:
+        raise ValueError(f"{who}: the model is already converted with {have} calibration steps, and calib_steps="
+                         f"{calib_steps} would not be applied; {fix}")
 
 
 def missing_extra(package: str, extra: str, what: str) -> ImportError:

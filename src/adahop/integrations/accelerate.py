@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import missing_extra, resolve_plan, resolve_recipe
+from . import check_converted, missing_extra, resolve_plan, resolve_recipe
 from ..nn.convert import (controller_state, convert_model, get_controller, load_controller_state, register_step_hook,
                           strategy_counts)
 
@@ -53,7 +53,9 @@ def prepare_adahop(model, optimizer, recipe="adahop-lv2", *, accelerator=None, e
 
     Raises:
         ImportError: accelerate is not installed (install ``adahop[hf]``).
-        ValueError: as :func:`adahop.convert_model`, or a model converted with another recipe.
+        ValueError: as :func:`adahop.convert_model`; a model converted with another recipe or without the
+            ``plan``/``calib_steps`` given here; a model already given a step hook (a second call counted every
+            step twice).
     """
     try:
         import accelerate  # noqa: F401
@@ -63,9 +65,8 @@ def prepare_adahop(model, optimizer, recipe="adahop-lv2", *, accelerator=None, e
     if getattr(model, "_adahop_controller", None) is None:
         convert_model(model, recipe, exclude=exclude, module_filter_fn=module_filter_fn, seed=seed,
                       plan=resolve_plan(plan), backend=backend)
-    elif get_controller(model).recipe.name != recipe.name:
-        raise ValueError(f"prepare_adahop({recipe.name!r}): the model is already converted with recipe "
-                         f"{get_controller(model).recipe.name!r}")
+    else:
+        check_converted(model, recipe, resolve_plan(plan), calib_steps, f"prepare_adahop({recipe.name!r})")
     from ..train.distributed import agree_on_plan
 
     agree_on_plan(model)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from . import missing_extra, resolve_plan, resolve_recipe
+from . import check_converted, missing_extra, resolve_plan, resolve_recipe
 
 try:
     from transformers import TrainerCallback
@@ -52,8 +52,9 @@ class AdaHOPCallback(TrainerCallback, ExportableState):
         trainer: the ``Trainer``, to log the plan through its loggers.
 
     Raises:
-        ValueError: (at train begin) the model is already converted with another recipe; a saved
-            plan made for another model; bad arguments as :func:`adahop.convert_model` raises them.
+        ValueError: (at train begin) the model is already converted with another recipe, or without the
+            ``plan`` or ``calib_steps`` given here (they would be ignored); a saved plan made for another
+            model; bad arguments as :func:`adahop.convert_model` raises them.
     """
 
     def __init__(self, recipe="adahop-lv2", *, exclude=("lm_head",), module_filter_fn=None, seed: int = 0, plan=None,
@@ -76,9 +77,8 @@ class AdaHOPCallback(TrainerCallback, ExportableState):
         if getattr(model, "_adahop_controller", None) is None:
             convert_model(model, self.recipe, exclude=self.exclude, module_filter_fn=self.module_filter_fn, seed=self.seed,
                           plan=self.plan, backend=self.backend)
-        elif get_controller(model).recipe.name != self.recipe.name:
-            raise ValueError(f"AdaHOPCallback({self.recipe.name!r}): the model is already converted with recipe "
-                             f"{get_controller(model).recipe.name!r}; pass that recipe, or give the callback an unconverted model")
+        else:
+            check_converted(model, self.recipe, self.plan, self.calib_steps, f"AdaHOPCallback({self.recipe.name!r})")
         self.model = model
         from ..train.distributed import agree_on_plan
 
@@ -93,7 +93,11 @@ class AdaHOPCallback(TrainerCallback, ExportableState):
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         if on_step(self.model, state.global_step):
+            # trainer.log (in _report) ends with the Trainer's on_log, which clears should_log: the step's own
+            # loss, which the Trainer logs after this event, would then be dropped and averaged into the next
+            keep = control.should_log
             self._report(args, state)
+            control.should_log = keep
 
     def on_save(self, args, state, control, **kwargs):
         plan = get_controller(self.model).plan if self.model is not None else None

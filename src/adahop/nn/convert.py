@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import numbers
 import os
 import re
 import warnings
@@ -59,7 +60,8 @@ def convert_model(model: nn.Module, recipe: str | Recipe, *, exclude=("lm_head",
             that ``exclude`` keeps: a layer converts only when it returns True (so a filter written
             for ``torchao.float8.convert_to_float8_training`` works unchanged). None converts all.
         seed: run seed for stochastic rounding and random signs.
-        plan: a frozen AdaHOP plan (from ``plan.json`` or a checkpoint): calibration is skipped.
+        plan: a frozen AdaHOP plan, or the path of its ``plan.json`` (from a run, a checkpoint or
+            ``adahop analyze``): calibration is skipped. AdaHOP recipes only.
         backend: ``"auto"`` (the fast path on CUDA, the reference elsewhere, decided per call from
             the input's device, so converting before or after ``.to("cuda")`` is the same),
             ``"triton"`` or ``"reference"``. It never changes the recipe's numerics.
@@ -70,14 +72,27 @@ def convert_model(model: nn.Module, recipe: str | Recipe, *, exclude=("lm_head",
         the last ``recipe.bf16_last_layers`` / first ``bf16_first_layers`` transformer blocks.
 
     Raises:
-        ValueError: unknown recipe name (lists the known ones) or backend, a model already converted, a
+        ValueError: unknown recipe name (lists the known ones) or backend, a ``plan`` under a recipe without
+            calibration or a plan path that does not exist, a model already converted, a
             bare ``nn.Linear`` (wrap it in ``nn.Sequential``), a model with no ``nn.Linear`` left to
             convert (e.g. GPT-2's ``Conv1D`` layers) or none whose shape it can quantize under a quantizing
             recipe, or a ``plan`` without an entry for a converted layer.
-        TypeError: ``module_filter_fn`` is not callable or returns something other than a bool.
+        TypeError: ``recipe`` is neither a name nor a Recipe, ``seed`` is not an int, or ``module_filter_fn``
+            is not callable or returns something other than a bool.
     """
     if isinstance(recipe, str):
         recipe = get_recipe(recipe)
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe must be a preset name (adahop.list_recipes()) or an adahop.Recipe, got {type(recipe).__name__}")
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"seed must be an int, got {seed!r}")
+    if isinstance(plan, (str, os.PathLike)):  # a plan.json path, as the integrations take it
+        if not os.path.isfile(plan):
+            raise ValueError(f"plan {plan}: no such file; pass a plan.json written by adahop (a run, a checkpoint, analyze)")
+        plan = Plan.load(plan)
+    if plan is not None and recipe.calibration is None:
+        raise ValueError(f"plan= is for AdaHOP recipes; recipe {recipe.name!r} has fixed strategies and would ignore it: "
+                         "drop plan=, or use an adahop-* recipe")
     if module_filter_fn is not None and not callable(module_filter_fn):
         raise TypeError(f"module_filter_fn must be a callable (module, fqn) -> bool, got {type(module_filter_fn).__name__}")
     if getattr(model, "_adahop_controller", None) is not None:
@@ -228,14 +243,20 @@ def register_step_hook(model: nn.Module, optimizer: torch.optim.Optimizer, on_fr
     Returns the hook's handle (``.remove()`` detaches it).
 
     Raises:
-        ValueError: ``model`` is not converted."""
+        ValueError: ``model`` is not converted, or already has a step hook that is still attached."""
     ctrl = get_controller(model)
+    prev = getattr(ctrl, "step_hook", None)  # absent from a controller pickled before it existed
+    if prev is not None and prev.id in (prev.hooks_dict_ref() or {}):  # still attached to its optimizer
+        raise ValueError("the model already has a step hook (prepare_adahop or register_step_hook was called on it "
+                         "before): a second one would count every optimizer step twice and end calibration early; call it "
+                         "once, or .remove() the first one's handle")
 
     def hook(_opt, _args, _kwargs):
         if ctrl.on_step(ctrl.step + 1) and on_freeze is not None:
             on_freeze(model)
 
-    return optimizer.register_step_post_hook(hook)
+    ctrl.step_hook = optimizer.register_step_post_hook(hook)
+    return ctrl.step_hook
 
 
 def seed_compiled_rng(model: nn.Module, step: int, micro: int = 0) -> None:

@@ -57,6 +57,7 @@ class Controller:
         # called with the Calibrator right before the plan freezes; data parallelism sets it to
         # merge every rank's observations, so that all ranks freeze the same plan
         self.agree = None
+        self.step_hook = None  # the handle of register_step_hook's optimizer hook, so that a second one is refused
         # under torch.compile, per-call random signs are hashed from this seed and the layer (a graph
         # input changed only between calls, in place, by on_step and seed_compiled_rng): the compiled
         # backward may recompute forward values, and a traced RNG op or a counter mutated in the graph
@@ -82,7 +83,7 @@ class Controller:
         # copied (each copied layer registers with the copied controller as it is restored, see
         # LowPrecisionLinear.__setstate__), nor is the data-parallel hook, which belongs to one run
         state = self.__dict__.copy()
-        state["_layers"], state["agree"] = [], None
+        state["_layers"], state["agree"], state["step_hook"] = [], None, None
         return state
 
     @property
@@ -365,6 +366,9 @@ class LowPrecisionLinear(nn.Linear):
         if x.shape[-1] != self.in_features:
             raise ValueError(f"{self.name}: input has {x.shape[-1]} features in its last dim, the layer takes "
                              f"in_features={self.in_features} (input shape {tuple(x.shape)})")
+        if not x.is_floating_point():
+            raise ValueError(f"{self.name}: input of dtype {x.dtype}; the layer takes a floating-point tensor (token ids "
+                             "go through the embedding first)")
         x2 = x.reshape(-1, self.in_features).to(dtype)
         with torch.autocast(device_type=x.device.type, enabled=False):
             if x2.shape[0] == 0:  # no tokens (an MoE expert that got none): nothing to quantize, exact and empty
