@@ -221,15 +221,42 @@ def test_calibrator_majority_tie_and_missing():
     cal.observe("b", "x", noise)  # "b" never shows w or dy: they count as N
     assert cal.history["a"]["w"] == ["R", "C", "C", "R"]
     assert cal.vote() == {"a": {"x": "C", "w": "R", "dy": "N"}, "b": {"x": "N", "w": "N", "dy": "N"}}
-    plan = cal.freeze(["a", "b", "never_seen"])
+    with pytest.warns(UserWarning, match=r"froze with 3 of 3 layers observed on fewer than half of its 30 calibration "
+                                         r"steps \(e.g. a: x 3, w 4, dy 0\)"):
+        plan = cal.freeze(["a", "b", "never_seen"])
     # a: x=C, w=R, dy=N -> fprop (C, flip R)=CC, dgrad (N, R)=NR, wgrad (flip N, C)=NC
     assert {g: plan.layers["a"][f"{g}_pair"] for g in ("fprop", "dgrad", "wgrad")} == \
         {"fprop": "CC", "dgrad": "NR", "wgrad": "NC"}
     assert [plan.strategy("a", g) for g in ("fprop", "dgrad", "wgrad")] == ["bf16", "iht", "iht+oe_right"]
     assert plan.layers["never_seen"]["x"] == "N" and plan.strategy("never_seen", "fprop") == "iht"
-    assert Calibrator(table="lv1").freeze(["a"]).table == "lv1"
+    with pytest.warns(UserWarning, match="1 of 1 layers"):
+        assert Calibrator(table="lv1").freeze(["a"]).table == "lv1"
     with pytest.raises(ValueError, match="unknown strategy table"):
         Calibrator(table="lv9")
+
+
+def test_a_calibration_whose_loop_never_calls_on_step_is_warned_about_once():
+    """Without on_step an AdaHOP model calibrates forever in BF16; nothing said so."""
+    import warnings
+
+    cal, t = Calibrator(steps=2), torch.randn(64, 64)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        for _ in range(Calibrator.REPEATS_WARN + 50):
+            for layer in ("a", "b"):
+                cal.observe(layer, "x", t, step=0)
+    msgs = [str(w.message) for w in got]
+    assert len(msgs) == 1 and msgs[0].startswith(f"adahop: layer a has run {Calibrator.REPEATS_WARN} forwards at optimizer step 0")
+    quiet = Calibrator(steps=2)  # steps that advance: no warning, and both steps' observations count
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step in (0, 1):
+            for _ in range(Calibrator.REPEATS_WARN - 1):
+                quiet.observe("a", "x", t, step=step)
+        for k in ("w", "dy"):
+            quiet.observe("a", k, t, step=0), quiet.observe("a", k, t, step=1)
+        quiet.freeze(["a"])
+    assert len(quiet.history["a"]["x"]) == 2
 
 
 def test_calibrator_one_observation_per_step():

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import json
 import math
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -353,6 +354,8 @@ class Calibrator:
         self.table, self.steps, self.threshold = table, steps, threshold
         self.history: dict[str, dict[str, list[str]]] = {}
         self._last_step: dict[tuple[str, str], int] = {}  # (layer, tensor) -> the step it was observed at
+        self._repeats = 0  # calls at one step in a row, of the first (layer, tensor) seen: a loop without on_step
+        self._warned = False
 
     @classmethod
     def from_spec(cls, spec: CalibSpec) -> "Calibrator":
@@ -376,11 +379,28 @@ class Calibrator:
             return None
         if step is not None:
             if self._last_step.get((layer, tensor)) == step:
+                self._count_repeat(layer, tensor, step)
                 return None
             self._last_step[(layer, tensor)] = step
+            if (layer, tensor) == next(iter(self._last_step)):
+                self._repeats = 0
         p = self.detect(t)
         self.history.setdefault(layer, {}).setdefault(tensor, []).append(str(p))
         return p
+
+    #: Calls of one layer at one optimizer step after which a calibration is taken for one whose loop never
+    #: calls on_step (gradient accumulation of that many micro-batches is not expected).
+    REPEATS_WARN = 256
+
+    def _count_repeat(self, layer: str, tensor: str, step: int) -> None:
+        if (layer, tensor) != next(iter(self._last_step)):
+            return
+        self._repeats += 1
+        if self._repeats >= self.REPEATS_WARN and not self._warned:
+            self._warned = True
+            warnings.warn(f"adahop: layer {layer} has run {self._repeats} forwards at optimizer step {step} while calibrating; "
+                          "is adahop.on_step(model, step) called after each optimizer.step()? Until it is, the AdaHOP "
+                          "recipe runs BF16 GEMMs and its plan never freezes", stacklevel=4)
 
     def vote(self) -> dict[str, dict[str, str]]:
         """Majority pattern per (layer, tensor)."""
@@ -401,4 +421,12 @@ class Calibrator:
         votes = self.vote()
         for name in layers or []:
             votes.setdefault(name, {"x": "N", "w": "N", "dy": "N"})
+        short = {name: {k: len(self.history.get(name, {}).get(k, [])) for k in ("x", "w", "dy")} for name in votes}
+        short = {n: c for n, c in short.items() if min(c.values()) < max(1, self.steps // 2)}
+        if short:  # a vote on no observation is "None": such a plan looks calibrated and is not
+            n0, c0 = next(iter(short.items()))
+            warnings.warn(f"adahop: the plan froze with {len(short)} of {len(votes)} layers observed on fewer than half of "
+                          f"its {self.steps} calibration steps (e.g. {n0}: x {c0['x']}, w {c0['w']}, dy {c0['dy']}); an unseen "
+                          "tensor votes None. Run training steps (forward and backward) during calibration, and call "
+                          "adahop.on_step(model, step) once per optimizer step", stacklevel=3)
         return Plan.from_patterns(votes, self.table, calibration=self.window())
