@@ -330,3 +330,13 @@ def test_convert_model_takes_a_plan_path_and_names_arguments_it_would_misuse(tmp
         adahop.convert_model(mlp(), "mxfp4", seed=1.5)
     with pytest.raises(ValueError, match=r"^0: input of dtype torch.int64; the layer takes a floating-point tensor"):
         m(torch.ones(2, 64, dtype=torch.long))
+
+
+def test_an_exclude_pattern_matching_nothing_is_warned_about_and_a_converted_part_is_named():
+    """exclude=("lm-head",) kept nothing out, silently; a submodule of a converted model read as "no nn.Linear"."""
+    model = _tiny_llama()
+    with pytest.warns(UserWarning, match="exclude pattern 'lm-head' matches no module"):
+        adahop.convert_model(model, "mxfp4", exclude=("lm-head",))
+    assert type(model.lm_head).__name__ == "LowPrecisionLinear"  # what the typo did: the head converted
+    with pytest.raises(ValueError, match="already holds converted layers"):
+        adahop.convert_model(model.model.layers[0], "mxfp4")

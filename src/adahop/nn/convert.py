@@ -102,6 +102,14 @@ def convert_model(model: nn.Module, recipe: str | Recipe, *, exclude=("lm_head",
                          "it is given; wrap a bare layer first: convert_model(nn.Sequential(linear), ...)")
     if exclude is None:
         exclude = ()
+    if any(isinstance(m, LowPrecisionLinear) for m in model.modules()):
+        raise ValueError("this module already holds converted layers (a part of a converted model?); convert the "
+                         "whole model once, from a fresh copy")
+    all_names = [n for n, _ in model.named_modules()]
+    for p in (exclude,) if isinstance(exclude, str) else exclude:
+        if p != "lm_head" and not any(_excluded(n, (p,)) for n in all_names):  # a typo would convert what it meant to keep
+            warnings.warn(f"adahop: exclude pattern {p!r} matches no module of the model, so it keeps nothing out of the "
+                          f"conversion; patterns match qualified names (e.g. 'lm_head', 'model.layers.0.*')", stacklevel=2)
     names = [n for n, m in model.named_modules() if type(m) is nn.Linear and not _excluded(n, exclude)
              and _kept_by(module_filter_fn, m, n)]
     if not names and not recipe.is_bf16:  # nothing would run the recipe: the "MXFP4" run would be BF16
