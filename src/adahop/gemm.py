@@ -374,7 +374,10 @@ def lowp_matmul(
         fmt: ``"mxfp4"`` or ``"nvfp4"``. oe_rank: rows/columns extracted by OE (64).
         oe_select: ``"exact"`` (top-k of the full norm along K) or ``"foid"`` (of the first 64
             elements along K; `adahop.recipes.spec.OE_SELECTS`).
-        rounding, scale_rule, max_scale_range: quantizer settings for both operands.
+        rounding, scale_rule, max_scale_range: quantizer settings for both operands. The defaults are plain
+            OCP MXFP4 (floor rule, no exponent-range limit), not a recipe's: the recipes use
+            ``max_scale_range=8`` and the AdaHOP ones ``scale_rule="adahop"`` (``adahop.recipes.presets``);
+            :func:`gemm` with a recipe's ``GemmSpec`` runs exactly its GEMM.
         generator: stochastic-rounding bits.
         quantize: False runs every strategy with the quantizer switched off (the transforms and
             OE still run), which must equal ``a @ b`` to FP32 rounding.
