@@ -340,3 +340,24 @@ def test_an_exclude_pattern_matching_nothing_is_warned_about_and_a_converted_par
     assert type(model.lm_head).__name__ == "LowPrecisionLinear"  # what the typo did: the head converted
     with pytest.raises(ValueError, match="already holds converted layers"):
         adahop.convert_model(model.model.layers[0], "mxfp4")
+
+
+def test_a_plan_records_its_layer_shapes_and_refuses_a_model_of_other_widths(tmp_path):
+    """A plan from a 128-wide model, applied to a 64-wide one with the same layer names, ran silently."""
+    def mlp(d):
+        return nn.Sequential(nn.Linear(d, d), nn.GELU(), nn.Linear(d, d))
+
+    src = adahop.convert_model(mlp(128), "adahop-lv2", exclude=None)
+    for _ in range(30):
+        src(torch.randn(8, 128)).sum().backward()
+        adahop.on_step(src, adahop.get_controller(src).step + 1)
+    plan = adahop.get_controller(src).plan
+    assert plan.shapes == {"0": [128, 128], "2": [128, 128]}
+    plan.save(tmp_path / "plan.json")
+    assert adahop.Plan.load(tmp_path / "plan.json").shapes == plan.shapes
+    with pytest.raises(ValueError, match=r"frozen on another model: layer '0' is 64->64 here and 128->128 in the plan"):
+        adahop.convert_model(mlp(64), "adahop-lv2", exclude=None, plan=str(tmp_path / "plan.json"))
+    small = adahop.convert_model(mlp(64), "adahop-lv2", exclude=None)
+    with pytest.raises(ValueError, match="frozen on another model"):
+        adahop.get_controller(small).set_plan(plan)
+    assert adahop.get_controller(small).calibrating  # left as it was

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import math
@@ -243,6 +244,9 @@ class Plan:
     calibration: dict | None = None
     """What the patterns were voted over (:meth:`Calibrator.window`, or the census's window):
     ``{"steps": [first, last], "observation": ..., "rule": ..., ...}``; None when unknown."""
+    shapes: dict[str, list[int]] | None = None
+    """``{layer_fqn: [in_features, out_features]}`` of the model it was frozen on (a converted model checks
+    its layers against it); None for plans written before it was recorded, or by the census."""
 
     def strategy(self, layer: str, gemm: str) -> str:
         """Strategy of ``gemm`` (fprop/dgrad/wgrad) for ``layer`` (its qualified name).
@@ -260,6 +264,8 @@ class Plan:
         d = {"table": self.table, "layers": self.layers}
         if self.calibration is not None:
             d["calibration"] = self.calibration
+        if self.shapes is not None:
+            d["shapes"] = self.shapes
         return json.dumps(d, indent=1, sort_keys=True)
 
     @classmethod
@@ -277,7 +283,7 @@ class Plan:
             for g in GEMMS:
                 if entry.get(g) not in STRATEGIES:
                     raise ValueError(f"plan layer {name!r}: {g}={entry.get(g)!r} is not one of {STRATEGIES}")
-        return cls(table=d["table"], layers=d["layers"], calibration=d.get("calibration"))
+        return cls(table=d["table"], layers=d["layers"], calibration=d.get("calibration"), shapes=d.get("shapes"))
 
     def save(self, path: str | Path) -> None:
         """Write the plan to ``path`` atomically (a ``plan.json`` for ``adahop train --plan``)."""
@@ -303,8 +309,8 @@ class Plan:
         if missing:
             raise ValueError(f"the plan was frozen with table {self.table!r} and its layer {missing[0]!r} has no patterns "
                              f"(x, w, dy) to re-map through table {table!r}; use a plan made with table {table!r}")
-        return Plan.from_patterns({n: {k: e[k] for k in ("x", "w", "dy")} for n, e in self.layers.items()}, table,
-                                  calibration=self.calibration)
+        return dataclasses.replace(Plan.from_patterns({n: {k: e[k] for k in ("x", "w", "dy")} for n, e in self.layers.items()},
+                                                      table, calibration=self.calibration), shapes=self.shapes)
 
     @classmethod
     def from_patterns(cls, patterns: dict[str, dict[str, str]], table: str = "lv2",

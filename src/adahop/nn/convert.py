@@ -15,7 +15,7 @@ from torch import nn
 from ..patterns import Plan
 from ..recipes import GEMMS, Recipe, get_recipe
 from ..utils import mix_seed
-from .linear import Controller, LowPrecisionLinear, plan_for_another_model
+from .linear import Controller, LowPrecisionLinear, check_plan_shapes, plan_for_another_model
 
 __all__ = ["convert_model", "convert_layers", "on_step", "get_controller", "describe", "saved_bytes", "seed_compiled_rng",
            "supports_shape", "controller_state", "load_controller_state", "register_step_hook", "plan_rows", "strategy_counts",
@@ -162,6 +162,9 @@ def convert_layers(model: nn.Module, recipe: Recipe, names: list[str], *, layer_
                          f"model would pass for a {recipe.name} one. Use a model whose layer dims are multiples of the "
                          f"recipe's block size (32, or 16 for NVFP4) with more blocks than the recipe keeps in BF16, or "
                          f"the bf16 recipe")
+    if controller.plan is not None and recipe.calibration is not None:
+        check_plan_shapes(controller.plan, [(n, lin.in_features, lin.out_features) for n, _, _, lin, edge, fits in todo
+                                            if fits and not edge])
     for layer_id, (name, owner, child, lin, edge, fits) in enumerate(todo):
         try:
             new = layer_cls.from_linear(lin, recipe, name=name, layer_id=layer_id, controller=controller,

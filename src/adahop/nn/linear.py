@@ -27,6 +27,18 @@ def plan_for_another_model(name: str, plan: Plan, missing: int = 1) -> ValueErro
                       "model instead, or pass its own plan")
 
 
+def check_plan_shapes(plan: Plan, layers: list[tuple[str, int, int]]) -> None:
+    """Raise a ValueError when ``plan`` records another ``[in, out]`` for one of ``layers`` ``(name, in, out)``:
+    the same names, other widths, so patterns voted on another model. Plans without shapes pass."""
+    other = [(n, [i, o], plan.shapes[n]) for n, i, o in layers
+             if plan.shapes and n in plan.shapes and plan.shapes[n] != [i, o]]
+    if other:
+        n, here, there = other[0]
+        raise ValueError(f"the plan was frozen on another model: layer {n!r} is {here[0]}->{here[1]} here and "
+                         f"{there[0]}->{there[1]} in the plan ({len(other)} such layers). Calibrate this model instead, "
+                         "or pass its own plan")
+
+
 def _runs_again() -> bool:
     """True when a layer's forward (not yet inside its own autograd function) is one that backward
     will run again with grad on: a no-grad call inside an autograd.Function's forward (torch runs
@@ -133,7 +145,9 @@ class Controller:
         if self.calibrating and step >= self.recipe.calibration.steps:
             if self.agree is not None:
                 self.agree(self.calibrator)
-            self.set_plan(self.calibrator.freeze([l.name for l in self.layers if not l.force_bf16]))
+            plan = self.calibrator.freeze([l.name for l in self.layers if not l.force_bf16])
+            plan.shapes = {l.name: [l.in_features, l.out_features] for l in self.layers if not l.force_bf16}
+            self.set_plan(plan)
             return True
         return False
 
@@ -141,13 +155,14 @@ class Controller:
         """Adopt ``plan`` (frozen by calibration, loaded from a checkpoint or ``plan.json``).
 
         Raises:
-            ValueError: ``plan`` has no entry for a converted layer (made for another model); the
-                controller is left as it was (still calibrating, or with its old plan)."""
+            ValueError: ``plan`` has no entry for a converted layer, or records another shape for one (made
+                for another model); the controller is left as it was (still calibrating, or with its old plan)."""
         plan = self._for_recipe(self.recipe, plan)
         if self.recipe.calibration is not None:
             missing = [l.name for l in self.layers if not l.force_bf16 and l.name not in plan.layers]
             if missing:
                 raise plan_for_another_model(missing[0], plan, len(missing))
+            check_plan_shapes(plan, [(l.name, l.in_features, l.out_features) for l in self.layers if not l.force_bf16])
         self.plan = plan
         self.calibrator = None
         for layer in self.layers:
