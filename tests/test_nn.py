@@ -421,8 +421,8 @@ def test_tiny_llama_adahop_lv2_trains_on_real_text():
     text = adahop.describe(model)
     lines = text.splitlines()
     assert lines[0].startswith(f"recipe adahop-lv2, step {steps}, plan frozen")
-    layers = lines[3:]
-    assert len(layers) == 14
+    layers = lines[3:lines.index("")]  # the layer table, then a blank line and the recipe's GEMM table
+    assert len(layers) == 14 and "each quantized GEMM of recipe adahop-lv2" in text
     for line in layers:
         cols = line.split()
         assert all(p in ("R", "C", "N") for p in cols[2:5]), line

@@ -321,7 +321,8 @@ def describe(model: nn.Module) -> str:
     what a plain ``nn.Linear`` saves, X and the cast W). The first line gives the recipe, the step,
     the calibration state and the fast path's accumulation (``Recipe.accumulations``: fp32 for NVFP4
     GEMMs, which always sum in FP32); a GEMM that ``recipe.bf16_small_gemms`` runs in BF16 shows as
-    ``bf16 (small)``, and the last line counts them."""
+    ``bf16 (small)``, and a line counts them. Last, the recipe's own table (:func:`adahop.recipes.table.gemm_table`):
+    each GEMM's operand formats, rounding, scales, transforms and mean split, which the per-layer columns do not show."""
     ctrl = get_controller(model)
     acc = ctrl.recipe.accumulations
     acc_text = acc["fprop"] if len(set(acc.values())) == 1 else ", ".join(f"{g} {a}" for g, a in acc.items())
@@ -339,6 +340,11 @@ def describe(model: nn.Module) -> str:
         rule = ctrl.recipe.bf16_small_gemms
         lines.append(f"{small_gemm_count(model)} of {len(GEMMS) * len(ctrl.layers)} GEMMs run BF16 as too small for the "
                      f"fast path (bf16_small_gemms: K·N < {rule.min_kn}, or outer dim < {rule.min_outer})")
+    from ..recipes.table import gemm_table
+
+    # the strategy columns above are only the per-layer part; formats, outer transforms and mean splits are the recipe's
+    lines += ["", f"each quantized GEMM of recipe {ctrl.recipe.name} (a layer's strategy above picks its row's inner "
+                  "transform):", gemm_table(ctrl.recipe)]
     return "\n".join(lines)
 
 
