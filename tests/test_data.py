@@ -269,6 +269,14 @@ def test_cli_prepare_refuses_to_replace_prepared_data_and_says_which_vocab_it_us
                  "--vocab-size", "300"]) == 2
     assert ("--vocab-size 300 is for --tokenizer bpe; --tokenizer gpt2 brings its own vocabulary: drop --vocab-size"
             in capsys.readouterr().err) and not (tmp_path / "g").exists()
+    # a run's folder as --out: its tokenizer.json was replaced by one trained on the new text, silently
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text("{}")
+    (run / "tokenizer.json").write_text("{}")
+    assert main(["data", "prepare", "--source", str(src), "--out", str(run)]) == 2
+    assert "holds other files (config.json): a run or model folder would lose its tokenizer" in capsys.readouterr().err
+    assert (run / "tokenizer.json").read_text() == "{}"
 
 
 def test_blocks_and_val_rule():

@@ -167,12 +167,32 @@ def file_lock(path: Path, what: str):
         yield  # closing the file releases the lock
 
 
+#: A shard file's name (or its temporary file's, while it is written).
+_SHARD_NAME = re.compile(r"(train|val)_\d{3,}\.bin(\.tmp)?")
+
+
 def _remove_stale(out_dir: Path, keep: set[str]) -> None:
     """Delete shard files of an earlier prepare in ``out_dir`` that the new manifest does not list."""
-    pattern = re.compile(r"(train|val)_\d{3,}\.bin(\.tmp)?")
     for p in out_dir.iterdir():
-        if pattern.fullmatch(p.name) and p.name not in keep:
+        if _SHARD_NAME.fullmatch(p.name) and p.name not in keep:
             p.unlink()
+
+
+#: What a prepared data folder holds besides its shards (``train_NNN.bin``, ``val_NNN.bin``).
+_DATA_FILES = {"manifest.json", ".prepare.lock", "tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt"}
+
+
+def _check_data_folder(out_dir: Path) -> None:
+    """Raise ValueError when ``out_dir`` holds files of something else (a run, a model, other data): preparing
+    rewrites its tokenizer.json and deletes shard files, so a run folder would lose its tokenizer silently."""
+    if not out_dir.is_dir():
+        return
+    other = sorted(p.name for p in out_dir.iterdir()
+                   if p.name not in _DATA_FILES and not _SHARD_NAME.fullmatch(p.name))
+    if other:
+        raise ValueError(f"--out {out_dir} holds other files ({', '.join(other[:4])}{', ...' if len(other) > 4 else ''}): "
+                         "a run or model folder would lose its tokenizer to the new one; pass a new or empty folder, or "
+                         "one that `adahop data prepare` wrote")
 
 
 def prepare(sources: str | Path | Sequence[str | Path], out_dir: str | Path, *, tokenizer: str = "bpe", vocab_size: int = 8192,
@@ -200,7 +220,8 @@ def prepare(sources: str | Path | Sequence[str | Path], out_dir: str | Path, *, 
 
     Raises:
         ValueError: a bad option (named, with its allowed range), an unreadable or empty source
-            (named), or a corpus too small for two blocks.
+            (named), a corpus too small for two blocks, or an ``out_dir`` holding files of something else
+            (a run or model folder).
         RuntimeError: ``default`` could not be fetched.
     """
     if not 0 < val_fraction <= 0.5:
@@ -224,6 +245,7 @@ def prepare(sources: str | Path | Sequence[str | Path], out_dir: str | Path, *, 
     log.info("%d characters in %d sources; %d blocks of ~%d characters, %d to val",
              total_chars, len(srcs), n_blocks, block_chars, is_val.m)
 
+    _check_data_folder(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     with file_lock(out_dir / ".prepare.lock", str(out_dir)):  # one writer at a time
         (out_dir / "manifest.json").unlink(missing_ok=True)
