@@ -73,6 +73,30 @@ def test_ctrl_c_then_resume_is_bit_exact(data_dir, tmp_path, single_thread, monk
         train(dataclasses.replace(split, resume=True))
 
 
+def test_a_resume_that_runs_no_step_validates_at_its_last_step(data_dir, tmp_path, single_thread, monkeypatch):
+    """Interrupted at step 3, resumed with --steps 3: no step ran, and the summary's final val loss was step 2's."""
+    import os
+    import signal
+
+    import adahop.train.loop as loop
+
+    cfg = _cfg(data_dir, tmp_path / "r", recipe="bf16", steps=6, ckpt_every=0, eval_every=2)
+    real, calls = loop.F.cross_entropy, {"n": 0}
+
+    def ctrl_c_in_step_3(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(*a, **k)
+
+    monkeypatch.setattr(loop.F, "cross_entropy", ctrl_c_in_step_3)
+    assert train(cfg)["interrupted"]
+    monkeypatch.setattr(loop.F, "cross_entropy", real)
+    s = train(dataclasses.replace(cfg, resume=True, steps=3))
+    vals = {r["step"]: r["val_loss"] for r in read_metrics(tmp_path / "r" / "metrics.jsonl") if "val_loss" in r}
+    assert sorted(vals) == [2, 3] and s["final_val_loss"] == vals[3] and s["steps"] == 3
+
+
 def test_loss_falls_and_run_folder_is_complete(data_dir, tmp_path, single_thread):
     s = train(_cfg(data_dir, tmp_path / "r", steps=30, eval_every=30, ckpt_every=0, lr=1e-2))
     recs = read_metrics(tmp_path / "r" / "metrics.jsonl")

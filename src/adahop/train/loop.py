@@ -372,6 +372,12 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
                 print(f"interrupted: checkpoint of step {done} written to {run / 'checkpoints'}; resume with --resume")
             break
     bar.close()
+    val_at = next((r["step"] for r in reversed(metrics.records) if "val_loss" in r), None)
+    if cfg.eval_every and not stop["now"] and val_at != done:
+        # a resume with --steps at the checkpoint's step ran no step: the last val loss on record is an earlier
+        # step's, and the summary would give it as the final one
+        vl = dp.mean_over_ranks(evaluate(model, val_s, device, autocast, cfg.eval_batches)[0])
+        metrics.log(step=done, val_loss=vl, val_bpb=val_s.bits_per_byte(vl))
     # ---- summary -------------------------------------------------------------------------------
     ours, bf16 = saved_bytes(model)
     peak = peak_memory(device)
