@@ -745,3 +745,27 @@ def test_a_folder_whose_weights_lack_tensors_is_refused_not_scored_with_random_o
     for f in run_dir.glob("tokenizer*"):
         shutil.copy(f, tmp_path / "whole")
     assert load_model(tmp_path / "whole", device=torch.device("cpu")).model.lm_head.weight.equal(full.lm_head.weight)
+
+
+def test_weights_that_are_damaged_or_hold_nan_are_refused_naming_the_file_or_tensor(tmp_path):
+    """A truncated model.safetensors gave safetensors' traceback; NaN weights scored 'perplexity inf' (or, in a
+    few embedding rows, a plausible number) with exit 0."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    from adahop.eval.model import load_model
+
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=2)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    f = tmp_path / "model.safetensors"
+    good = f.read_bytes()
+    f.write_bytes(good[: len(good) // 2])
+    with pytest.raises(ValueError, match=r"cannot be read \(SafetensorError: .*\); the file is damaged or incomplete"):
+        load_model(tmp_path, device=torch.device("cpu"))
+    f.write_bytes(good)
+    sd = load_file(f)
+    sd["model.embed_tokens.weight"][7, :2] = float("nan")
+    save_file(sd, f, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model.embed_tokens.weight holds 2 NaN or inf values of 8192 .*use an earlier, finite"):
+        load_model(tmp_path, device=torch.device("cpu"))

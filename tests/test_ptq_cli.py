@@ -547,5 +547,5 @@ def test_a_model_with_nan_weights_is_refused_before_the_calibration(run_dir, tmp
     monkeypatch.setattr(calibrate, "block_hessians", lambda *a, **k: called.append("calibration"))
     assert _ptq(run, tmp_path / "q", "--method", "gptq", "--bits", "4", "--skip-baseline") == 2
     err = capsys.readouterr().err.splitlines()[-1]
-    assert f"{key} holds 3 NaN or inf values of" in err and "quantize an earlier, finite checkpoint" in err
+    assert f"{key} holds 3 NaN or inf values of" in err and "use an earlier, finite checkpoint" in err
     assert "--damp" not in err and called == []

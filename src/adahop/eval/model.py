@@ -3,6 +3,7 @@ optionally converted to a recipe's forward numerics."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,19 @@ class LoadedModel:
     """The ``adahop train`` config of a run folder (config.json's "adahop" section), else None."""
     data_dir: str | None = None
     """The prepared data folder a run trained on, else None."""
+
+
+@contextlib.contextmanager
+def _unreadable_weights(where: Path):
+    """A weights file that safetensors or torch cannot read (truncated, empty, a bad header) as a ValueError naming
+    it, not the reader's traceback."""
+    try:
+        yield
+    except Exception as e:  # safetensors raises its own error class (SafetensorError), torch.load an UnpicklingError
+        if not any(k in type(e).__name__.lower() for k in ("safetensor", "pickl")):
+            raise
+        raise ValueError(f"MODEL weights in {where} cannot be read ({type(e).__name__}: {str(e)[:160]}); the file is "
+                         "damaged or incomplete: copy it again, or use an earlier checkpoint") from None
 
 
 def _load_weights(model: torch.nn.Module, path: Path) -> str:
@@ -85,8 +99,9 @@ def load_model(path: str | Path, *, device: torch.device, recipe: str | None = N
         ValueError: no config.json (a folder of runs, e.g. of ``adahop compare``, lists them), no
             tokenizer, an unknown recipe, a recipe none of whose GEMMs fits a layer of the model, an
             AdaHOP recipe without a plan or with a plan of another model (an entry missing, or one
-            for a layer the model lacks), a checkpoint that does not fit, or a transformers folder whose weights
-            lack tensors of its causal-LM class (they would load random); each message names the fix.
+            for a layer the model lacks), a checkpoint that does not fit or cannot be read, weights holding NaN or
+            inf, or a transformers folder whose weights lack tensors of its causal-LM class (they would load
+            random); each message names the fix.
     """
     import transformers
 
@@ -109,15 +124,17 @@ def load_model(path: str | Path, *, device: torch.device, recipe: str | None = N
     if ck_weights is not None:
         model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(p),
                                                              **_dtype_kwarg(torch.float32))
-        fmt = _load_weights(model, ck_weights)
+        with _unreadable_weights(ck_weights):
+            fmt = _load_weights(model, ck_weights)
         weights = f"{ck_weights} ({fmt.upper()} master weights{'' if fmt == 'fp32' else ', as FP32'})"
         _warn_if_unfinished(p, ck, section)
     else:
         if not any(p.glob("*.safetensors")) and not any(p.glob("*.bin")):
             raise ValueError(f"MODEL {p}: no weights (model.safetensors or a checkpoint); "
                              f"{'let the run finish or resume it' if section else 'pass a folder holding a model'}")
-        model, info = transformers.AutoModelForCausalLM.from_pretrained(p, output_loading_info=True,
-                                                                        **_dtype_kwarg(torch.float32))
+        with _unreadable_weights(p):
+            model, info = transformers.AutoModelForCausalLM.from_pretrained(p, output_loading_info=True,
+                                                                            **_dtype_kwarg(torch.float32))
         if info.get("missing_keys"):  # transformers fills them with random values and only warns: a made-up score
             miss = sorted(info["missing_keys"])
             raise ValueError(f"MODEL {p}: its weights lack {len(miss)} tensors of {type(model).__name__} "
@@ -125,6 +142,10 @@ def load_model(path: str | Path, *, device: torch.device, recipe: str | None = N
                              f"causal-LM folder saved whole (e.g. by `save_pretrained` of the *ForCausalLM model, not "
                              f"of its base model)")
         weights = f"{p} ({'the BF16 export' if section else 'from_pretrained'})"
+    for name, t in model.state_dict().items():  # a diverged run's weights scored "perplexity inf", or a plausible number
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"MODEL {p}: {name} holds {int((~torch.isfinite(t)).sum())} NaN or inf values of {t.numel()} "
+                             f"({weights}); the weights are broken (a run that diverged?): use an earlier, finite checkpoint")
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(p)
     except (OSError, ValueError) as e:

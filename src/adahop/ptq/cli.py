@@ -187,7 +187,6 @@ def run(args: argparse.Namespace) -> dict:
     from .calibrate import decoder_blocks
 
     decoder_blocks(model)  # an architecture it cannot quantize is refused before any check of the windows or data
-    _check_finite_weights(model, args.model)
     with _named("--data", "--calib-data"):
         data = _data(args, rc)
         check_same_tokenizer(data, Path(args.model), model.config.vocab_size, flag="--calib-data")
@@ -306,18 +305,6 @@ def _check_rht_dims(model, method: str) -> None:
                 rht_block(d)
             except ValueError as e:
                 raise ValueError(f"--method {method}: layer {name} ({lin.in_features}->{lin.out_features}): {e}") from None
-
-
-def _check_finite_weights(model, source) -> None:
-    """Raise ValueError naming the first linear of the decoder blocks whose weight holds NaN or inf: a broken
-    checkpoint, refused before the calibration rather than at its layer's turn."""
-    import torch
-
-    for name, lin in _quantized_linears(model):
-        bad = int((~torch.isfinite(lin.weight)).sum())
-        if bad:
-            raise ValueError(f"MODEL {source}: {name}.weight holds {bad} NaN or inf values of {lin.weight.numel()}; the "
-                             "checkpoint is broken (a run that diverged?): quantize an earlier, finite checkpoint")
 
 
 def _check_hbd_block(model, b: int) -> None:
