@@ -475,7 +475,14 @@ def test_resume_repairs_what_an_interruption_left(data_dir, tmp_path, single_thr
     with pytest.raises(ValueError, match=r"--lr 0.003 → 0.01"):
         train(dataclasses.replace(cfg, resume=True, steps=6, lr=1e-2))
     newest = run / "checkpoints" / "step_0000004" / "model.safetensors"
-    newest.write_bytes(newest.read_bytes()[:100])
+    from safetensors.torch import load_file, save_file
+
+    good, sd = newest.read_bytes(), load_file(newest)  # NaN in a checkpoint read as a divergence: "lower --lr"
+    sd[next(iter(sorted(sd)))].view(-1)[0] = float("nan")
+    save_file(sd, newest, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"step_0000004 holds NaN or inf in .*damaged after it was written.*resume from step_0000002"):
+        train(dataclasses.replace(cfg, resume=True, steps=6))
+    newest.write_bytes(good[:100])
     with pytest.raises(ValueError, match=r"step_0000004 cannot be read .*resume from step_0000002"):
         train(dataclasses.replace(cfg, resume=True, steps=6))
 

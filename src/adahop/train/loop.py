@@ -239,6 +239,13 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
             raise ValueError(f"--resume: the newest checkpoint {ck} cannot be read ({type(e).__name__}: {str(e)[:200]}); "
                              f"if it is damaged, delete that folder to resume from "
                              f"{older[-1].name if older else 'the start (no older checkpoint is left)'}") from e
+        bad = None if cfg.parallel == "fsdp" else next(  # (FSDP's shards are DTensors: their check is a collective)
+            (n for n, t in model.state_dict().items() if t.is_floating_point() and not bool(torch.isfinite(t).all())), None)
+        if bad is not None:  # only a good step is checkpointed, so this file was damaged after: not a matter of --lr
+            older = complete_checkpoints(run)[:-1]
+            raise ValueError(f"--resume: the newest checkpoint {ck} holds NaN or inf in {bad}; a run checkpoints only finite "
+                             f"weights, so the file was damaged after it was written. Delete that folder to resume from "
+                             f"{older[-1].name if older else 'the start (no older checkpoint is left)'}")
     if mode != final_mode and cfg.parallel == "none" and _plan_frozen(model) is not False:  # resumed after the freeze
         mode, fwd = final_mode, dp.wrap(model, cfg.parallel, device, compile=True, mode=final_mode)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
