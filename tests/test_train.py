@@ -74,7 +74,8 @@ def test_ctrl_c_then_resume_is_bit_exact(data_dir, tmp_path, single_thread, monk
 
 
 def test_a_resume_that_runs_no_step_validates_at_its_last_step(data_dir, tmp_path, single_thread, monkeypatch):
-    """Interrupted at step 3, resumed with --steps 3: no step ran, and the summary's final val loss was step 2's."""
+    """Stopped by SIGTERM at step 3 (a checkpoint, as Ctrl-C gives), resumed with --steps 3: no step ran, and the
+    summary's final val loss was step 2's."""
     import os
     import signal
 
@@ -83,14 +84,16 @@ def test_a_resume_that_runs_no_step_validates_at_its_last_step(data_dir, tmp_pat
     cfg = _cfg(data_dir, tmp_path / "r", recipe="bf16", steps=6, ckpt_every=0, eval_every=2)
     real, calls = loop.F.cross_entropy, {"n": 0}
 
-    def ctrl_c_in_step_3(*a, **k):
+    def term_in_step_3(*a, **k):  # SIGTERM (timeout, SLURM, docker stop) lost the steps since the last checkpoint
         calls["n"] += 1
-        if calls["n"] == 3:
-            os.kill(os.getpid(), signal.SIGINT)
+        if calls["n"] == 5:  # steps 1 and 2, step 2's two validation batches, then step 3
+            os.kill(os.getpid(), signal.SIGTERM)
         return real(*a, **k)
 
-    monkeypatch.setattr(loop.F, "cross_entropy", ctrl_c_in_step_3)
+    monkeypatch.setattr(loop.F, "cross_entropy", term_in_step_3)
     assert train(cfg)["interrupted"]
+    assert [p.name for p in (tmp_path / "r" / "checkpoints").iterdir()] == ["step_0000003"]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # given back
     monkeypatch.setattr(loop.F, "cross_entropy", real)
     s = train(dataclasses.replace(cfg, resume=True, steps=3))
     vals = {r["step"]: r["val_loss"] for r in read_metrics(tmp_path / "r" / "metrics.jsonl") if "val_loss" in r}

@@ -110,8 +110,9 @@ def train(cfg: TrainConfig, *, rank: int = 0, world: int = 1) -> dict:
     this function; rank 0 alone writes files and shows progress, and holds a lock on ``--out`` for
     the run's duration (``<out>/.lock``), so that a second run into the same folder is refused.
 
-    Ctrl-C (SIGINT) stops the run at the end of the step, with a checkpoint (``summary["interrupted"]``);
-    a second one aborts at once (KeyboardInterrupt), keeping the last complete checkpoint.
+    Ctrl-C (SIGINT) or SIGTERM (``timeout``, SLURM's preemption, ``docker stop``) stops the run at the end of
+    the step, with a checkpoint (``summary["interrupted"]``); a second one aborts at once (KeyboardInterrupt),
+    keeping the last complete checkpoint.
 
     Raises:
         ValueError: a bad option, data too small for the run, a recipe that converts no layer of the
@@ -120,23 +121,25 @@ def train(cfg: TrainConfig, *, rank: int = 0, world: int = 1) -> dict:
         CheckpointWriteError: a checkpoint could not be written (disk full, I/O error).
     """
     lock = _lock_run_dir(Path(cfg.out)) if rank == 0 else None
-    sigint = signal.getsignal(signal.SIGINT)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         return _train(cfg, rank, world)
     finally:
-        signal.signal(signal.SIGINT, sigint)
+        for sig, h in handlers.items():
+            signal.signal(sig, h)
         if lock is not None:
             lock.close()  # releases the lock (also when the run fails)
 
 
 def _on_sigint(stop: dict):
-    """SIGINT handler: the first stops the run after the step (with a checkpoint), the second aborts."""
+    """SIGINT and SIGTERM handler: the first stops the run after the step (with a checkpoint), the second aborts."""
     def handler(signum, frame):
         if stop["now"]:  # waiting for a long step to end is what the user refuses now
             raise KeyboardInterrupt
         stop["now"] = True
-        os.write(2, b"\nCtrl-C: stopping after this step and writing a checkpoint; Ctrl-C again aborts at once "
-                    b"(the last complete checkpoint stays)\n")  # os.write: print is not safe inside a handler
+        name = b"Ctrl-C" if signum == signal.SIGINT else b"SIGTERM"
+        os.write(2, b"\n" + name + b": stopping after this step and writing a checkpoint; Ctrl-C again aborts at "
+                    b"once (the last complete checkpoint stays)\n")  # os.write: print is not safe inside a handler
     return handler
 
 
@@ -266,7 +269,8 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
     micro = cfg.batch_size // world // cfg.grad_accum
     tokens_per_step = cfg.batch_size * cfg.seq_len
     stop = {"now": False}
-    signal.signal(signal.SIGINT, _on_sigint(stop))
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _on_sigint(stop))
     bad = torch.zeros((), dtype=torch.bool, device=device)  # non-finite loss or gradient norm (on the device)
     peak_loss = torch.full((), -math.inf, device=device)  # the highest step loss, against the ceiling
     # the first step whose loss was non-finite or passed the ceiling (0: none yet): it tells whether the last
