@@ -73,7 +73,7 @@ def test_ctrl_c_then_resume_is_bit_exact(data_dir, tmp_path, single_thread, monk
         train(dataclasses.replace(split, resume=True))
 
 
-def test_a_resume_that_runs_no_step_validates_at_its_last_step(data_dir, tmp_path, single_thread, monkeypatch):
+def test_a_resume_that_runs_no_step_validates_at_its_last_step(data_dir, tmp_path, single_thread, monkeypatch, capsys):
     """Stopped by SIGTERM at step 3 (a checkpoint, as Ctrl-C gives), resumed with --steps 3: no step ran, and the
     summary's final val loss was step 2's."""
     import os
@@ -98,6 +98,14 @@ def test_a_resume_that_runs_no_step_validates_at_its_last_step(data_dir, tmp_pat
     s = train(dataclasses.replace(cfg, resume=True, steps=3))
     vals = {r["step"]: r["val_loss"] for r in read_metrics(tmp_path / "r" / "metrics.jsonl") if "val_loss" in r}
     assert sorted(vals) == [2, 3] and s["final_val_loss"] == vals[3] and s["steps"] == 3
+    assert "--resume with" not in capsys.readouterr().err
+    # a resume that turns --compile on is allowed, and says that the run is then not the uninterrupted one to the bit
+    from adahop.train.setup import check_run_dir
+
+    (tmp_path / "r" / "model.safetensors").unlink()
+    assert check_run_dir(dataclasses.replace(cfg, resume=True, steps=3, compile=True), tmp_path / "r") == 3
+    assert "warning: --resume with --compile False → True: compiled and eager steps agree to float rounding" in \
+        capsys.readouterr().err
 
 
 def test_loss_falls_and_run_folder_is_complete(data_dir, tmp_path, single_thread):

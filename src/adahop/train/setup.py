@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -172,6 +173,11 @@ def check_run_dir(cfg: TrainConfig, run: Path) -> int | None:
                          f"To fix: {fix}; or start a new run with a new --out")
     if cfg.steps < step or (cfg.steps == step and (run / "model.safetensors").exists()):
         raise ValueError(f"--resume: the run in {run} is already at step {step}; pass --steps above {step} to train further")
+    toggled = settings_diff(cfg, run, ("compile",))
+    if toggled:  # allowed (an eager run may finish compiled), but then it is not the uninterrupted run to the bit
+        print(f"warning: --resume with {toggled[0]}: compiled and eager steps agree to float rounding, not bit for bit "
+              "(Inductor fuses reductions, and a quantizer's rounding can flip on such a difference), so the resumed "
+              "run will not equal an uninterrupted one exactly", file=sys.stderr)
     return step  # == --steps: the run ended before its export was written; resuming writes it
 
 
