@@ -861,6 +861,9 @@ def test_startup_summary_warns_when_the_warmup_outlasts_the_run():
     note = _short_run_note(TrainConfig(steps=4, warmup_steps=30, lr=3e-3), 4)
     assert "--warmup-steps 30 >= the schedule's 4 steps: the lr peaks at 0.0004, never --lr 0.003" in note
     assert _short_run_note(TrainConfig(steps=100, warmup_steps=30), 100) == ""
+    # warm-up as long as the run: --lr is reached at the last step ("never --lr 0.003" was said while it was)
+    assert "the lr reaches --lr 0.003 only at the last step and never decays" in \
+        _short_run_note(TrainConfig(steps=30, warmup_steps=30, lr=3e-3), 30)
 
 
 def test_startup_notes_name_a_given_plan_and_packed_masters_under_round_to_nearest():

@@ -332,8 +332,10 @@ def _short_run_note(cfg: TrainConfig, schedule_steps: int) -> str:
     if cfg.warmup_steps < schedule_steps:
         return ""
     peak = lr_at(cfg, schedule_steps - 1, schedule_steps)
-    return (f"\n  warning         --warmup-steps {cfg.warmup_steps} >= the schedule's {schedule_steps} steps: the lr peaks at "
-            f"{peak:g}, never --lr {cfg.lr:g}; pass a --warmup-steps below {schedule_steps} (e.g. {schedule_steps // 10})")
+    what = (f"the lr reaches --lr {cfg.lr:g} only at the last step and never decays" if peak >= cfg.lr else
+            f"the lr peaks at {peak:g}, never --lr {cfg.lr:g}")
+    return (f"\n  warning         --warmup-steps {cfg.warmup_steps} >= the schedule's {schedule_steps} steps: {what}; pass a "
+            f"--warmup-steps below {schedule_steps} (e.g. {schedule_steps // 10})")
 
 
 def startup_summary(cfg: TrainConfig, model: torch.nn.Module, recipe, train: TokenStream, val: TokenStream,
