@@ -124,3 +124,14 @@ def test_malformed_json_names_the_file(tmp_path):
     bad.write_text('{"hidden_size": 64,}')
     with pytest.raises(ValueError, match=r"--model-config .*cfg.json is not valid JSON"):
         build_model(config_path=bad, vocab_size=256, max_seq_len=16)
+
+
+def test_a_config_transformers_refuses_is_a_value_error_naming_the_file(tmp_path):
+    """hidden 100 with 4 heads (head_dim 25, odd for RoPE) ended in a 25-line transformers traceback."""
+    import json
+
+    cfg = tmp_path / "odd.json"
+    cfg.write_text(json.dumps({"model_type": "llama", "hidden_size": 100, "intermediate_size": 256, "num_hidden_layers": 1,
+                               "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 256}))
+    with pytest.raises(ValueError, match=r"--model-config .*odd.json: transformers refuses it \(.*head_dim.*\); fix the config"):
+        build_model(config_path=cfg, vocab_size=256, max_seq_len=16)

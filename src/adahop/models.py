@@ -72,15 +72,21 @@ def list_models() -> list[str]:
 
 def _config_from_path(config_path: str | Path) -> transformers.PretrainedConfig:
     path = Path(config_path)
-    if path.is_dir():
-        return transformers.AutoConfig.from_pretrained(str(path))
-    if not path.is_file():
+    if not path.is_dir() and not path.is_file():
         raise ValueError(f"--model-config {path} is neither a config JSON file nor a folder with config.json")
-    raw = read_json(path, "--model-config")
-    model_type = raw.pop("model_type", None)
-    if model_type is None:
+    raw = None if path.is_dir() else read_json(path, "--model-config")
+    model_type = None if raw is None else raw.pop("model_type", None)
+    if raw is not None and model_type is None:
         raise ValueError(f"--model-config {path} has no \"model_type\" (e.g. \"llama\"); add it to the JSON")
-    return transformers.AutoConfig.for_model(model_type, **raw)
+    try:
+        if raw is None:
+            return transformers.AutoConfig.from_pretrained(str(path))
+        return transformers.AutoConfig.for_model(model_type, **raw)
+    except ValueError:
+        raise
+    except Exception as e:  # transformers' own validation errors (e.g. a hidden size its heads do not divide)
+        msg = (str(e).strip().splitlines() or [type(e).__name__])[-1].strip()[:300]
+        raise ValueError(f"--model-config {path}: transformers refuses it ({type(e).__name__}: {msg}); fix the config") from None
 
 
 def model_config(name: str | None = None, *, config_path: str | Path | None = None, vocab_size: int | None = None,
