@@ -69,7 +69,7 @@ def _check_ceiling(peak_loss: torch.Tensor, ceiling: float, vocab: int, done: in
         raise Diverged(f"the training loss rose {f'to {peak:.4g} ' if peak > ceiling else ''}at or before step {done}, "
                        f"above {ceiling:.3g} "
                        f"(2 x the larger of ln(vocab {vocab}) = {math.log(vocab):.3g} and the first step's loss): the run "
-                       f"diverged; stopped. {kept()} Start again with a lower --lr in a new --out (--resume keeps the saved --lr), or use a safer recipe.")
+                       f"diverged; stopped. {kept()} Start again with a lower --lr in a new --out (resuming keeps the run's saved --lr), or use a safer recipe.")
 
 
 def _plan_frozen(model) -> bool | None:
@@ -359,7 +359,7 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
             if dp.any_rank(bad):
                 bar.close()
                 raise Diverged(f"loss or gradient norm became non-finite at or before step {done}; stopped. {kept()} "
-                               f"Start again with a lower --lr in a new --out (--resume keeps the saved --lr), or use a safer recipe.")
+                               f"Start again with a lower --lr in a new --out (resuming keeps the run's saved --lr), or use a safer recipe.")
             _check_ceiling(peak_loss, ceiling, vocab, done, bar, kept)
             tps = timed_tokens / clock if clock else None  # None (null): not measured yet, the first steps are warm-up
             loss_val = dp.mean_over_ranks(loss_sum).item()
@@ -372,7 +372,7 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
         if (cfg.ckpt_every and done % cfg.ckpt_every == 0) or last or stop["now"]:
             if dp.any_rank(bad):
                 raise Diverged(f"loss or gradient norm became non-finite before step {done}; stopped. {kept()} "
-                               f"Start again with a lower --lr in a new --out (--resume keeps the saved --lr), or use a safer recipe.")
+                               f"Start again with a lower --lr in a new --out (resuming keeps the run's saved --lr), or use a safer recipe.")
             _check_ceiling(peak_loss, ceiling, vocab, done, bar, kept)
             (save_checkpoint if cfg.parallel == "none" else dp.save_sharded)(run, done, model, opt, keep=cfg.keep_ckpts,
                                                                              extra={"schedule_steps": schedule, "loss_ceiling": ceiling})
