@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -585,6 +586,10 @@ def test_a_loss_far_above_its_start_is_a_divergence(data_dir, tmp_path, single_t
     # --keep-ckpts 1: the one checkpoint holds the weights whose next loss passed the ceiling; it is set aside
     # (kept as diverged_step_*), and the message says no good one is left and how to keep one next time
     assert not sorted((out / "checkpoints").glob("step_*")) and "No good checkpoint is kept" in err and "--keep-ckpts 2" in err
+    # the advice follows from the first bad step (it said "--ckpt-every below the step it diverged at" to a run
+    # that already checkpointed below it)
+    m = re.search(r"the first bad loss was step (\d+)'s, so only a checkpoint of step (\d+) or earlier is good", err)
+    assert m and int(m[2]) == int(m[1]) - 2 and int(m[1]) > max(r["step"] for r in read_metrics(out / "metrics.jsonl"))
     aside = sorted((out / "checkpoints").glob("diverged_step_*"))
     assert len(aside) == 1 and (aside[0] / "model.safetensors").exists()
     losses = [r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -197,17 +198,15 @@ def _convert(model, recipe_name: str, plan_path: str | None, folder: Path, secti
 def _warn_if_unfinished(run: Path, ck: Path, section: dict) -> None:
     """Warn when the newest checkpoint is short of the run's --steps (an interrupted or running run),
     so that its score is not taken for the finished model's."""
-    import warnings
-
     try:
         step = json.loads((ck / "state.json").read_text())["step"]
     except (OSError, ValueError, KeyError):
         return
     steps = section.get("config", {}).get("steps")
     if steps is not None and step < steps:
-        warnings.warn(f"MODEL {run} is unfinished: scoring its checkpoint of step {step} of --steps {steps}; "
-                      f"let the run finish, or continue it with `adahop train --out {run} --resume` and its settings",
-                      stacklevel=3)
+        print(f"warning: MODEL {run} is unfinished: scoring its checkpoint of step {step} of --steps {steps}; "
+              f"let the run finish, or continue it with `adahop train --out {run} --resume` and its settings",
+              file=sys.stderr)  # a print: a warning would show this module's source line to the user
 
 
 def _tokenizer_of_data(section: dict | None):

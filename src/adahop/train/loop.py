@@ -57,6 +57,9 @@ def _kept(run: Path, step: int, first_bad: torch.Tensor, is_main: bool, start: i
         step = int(older[-1].name.removeprefix("step_")) if older else 0
     if step and ckpts.exists():
         return note + f"The last good checkpoint (step {step}) is kept in {ckpts}."
+    if first < 2**62:  # a checkpoint is good when its next step (s + 1) is before the first bad one
+        return note + (f"No good checkpoint is kept: the first bad loss was step {first}'s, so only a checkpoint of step "
+                       f"{first - 2} or earlier is good; set --ckpt-every below {max(first - 1, 2)} and --keep-ckpts 2 or more.")
     return note + "No good checkpoint is kept (set --ckpt-every below the step it diverged at, and --keep-ckpts 2 or more)."
 
 
