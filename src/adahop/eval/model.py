@@ -152,7 +152,9 @@ def load_model(path: str | Path, *, device: torch.device, recipe: str | None = N
     except (OSError, ValueError) as e:
         tokenizer = _tokenizer_of_data(section)  # a run exported before its tokenizer was written as transformers files
         if tokenizer is None:
-            raise ValueError(f"MODEL {p}: no tokenizer could be loaded ({str(e)[:200]}); put the tokenizer files "
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            why = why if len(why) <= 240 else why[:240].rsplit(" ", 1)[0] + " ..."  # whole words, marked as cut
+            raise ValueError(f"MODEL {p}: no tokenizer could be loaded ({why}); put the tokenizer files "
                              f"(tokenizer.json, tokenizer_config.json) in that folder") from None
     info = {"path": str(p), "weights": weights, "recipe": recipe, "plan": None}
     if recipe is not None:
