@@ -231,6 +231,11 @@ def test_an_out_holding_data_a_model_or_a_finished_run_is_refused_not_overwritte
     with pytest.raises(ValueError, match="is a prepared data folder"):
         check_run_dir(cfg, data)
     assert (data / "manifest.json").read_bytes() == before
+    from adahop.cli import main
+
+    # through the CLI: refused, and no error.txt left in the data folder (data prepare would then refuse it)
+    assert main(["train", *TINY_ARGS, "--data", str(data), "--out", str(data), "--steps", "1"]) == 2
+    assert not (data / "error.txt").exists()
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"model_type": "llama"}))

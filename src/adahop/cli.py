@@ -93,8 +93,11 @@ def _leave_error(args, message: str) -> None:
         return
     from .train.config import ERROR_FILE
 
+    out = Path(args.out)
+    if (out / "manifest.json").exists() or (out / "ptq.json").exists():  # refused as --out: data, a PTQ folder, not a run's
+        return
     try:
-        (Path(args.out) / ERROR_FILE).write_text(message + "\n")
+        (out / ERROR_FILE).write_text(message + "\n")
     except OSError:  # no folder there (or not writable, or the disk is full): stderr already has it
         pass
 
