@@ -289,7 +289,7 @@ TINY = ("--model", "llama-tiny", "--seq-len", "32", "--batch-size", "4", "--warm
 
 
 def test_a_compare_folder_as_run_lists_its_runs(compare_folder):
-    with pytest.raises(ValueError, match=rf"--run {compare_folder} holds 2 runs \(an `adahop compare` folder: one per "
+    with pytest.raises(ValueError, match=rf"--run {compare_folder} holds 2 runs \(a folder of runs, such as `adahop compare`'s: one per "
                                          rf"recipe\), not one run; pass one of them: {compare_folder / 'bf16'}, "):
         run(_args("--run", str(compare_folder), "--steps", "2", "--out", str(compare_folder / "an")))
 

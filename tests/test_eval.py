@@ -367,7 +367,7 @@ def test_a_compare_folder_as_model_lists_its_runs(compare_folder, capsys):
 
     assert main(["eval", str(compare_folder), "--tasks", "none", "--data", "x"]) == 2
     assert capsys.readouterr().err.splitlines() == [
-        f"adahop eval: error: MODEL {compare_folder} holds 2 runs (an `adahop compare` folder: one per recipe), not one "
+        f"adahop eval: error: MODEL {compare_folder} holds 2 runs (a folder of runs, such as `adahop compare`'s: one per recipe), not one "
         f"model; pass one of them: {compare_folder / 'bf16'}, {compare_folder / 'mxfp4'}"]
 
 

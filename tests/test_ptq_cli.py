@@ -225,7 +225,7 @@ def test_a_compare_folder_as_model_lists_its_runs(compare_folder, tmp_path, caps
     assert main(["ptq", str(compare_folder), "--method", "rtn", "--bits", "4", "--calib-data", "x",
                  "--out", str(tmp_path / "q")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"adahop ptq: error: MODEL {compare_folder} holds 2 runs (an `adahop compare` folder") and \
+    assert err.startswith(f"adahop ptq: error: MODEL {compare_folder} holds 2 runs (a folder of runs, such as `adahop compare`'s") and \
         err.rstrip().endswith(f"pass one of them: {compare_folder / 'bf16'}, {compare_folder / 'mxfp4'}")
 
 

@@ -172,7 +172,7 @@ def _load_run(args) -> tuple[TrainConfig, Path, Path]:
                          "(of the training flags only --device and --steps, the analysis's own steps, apply with --run)")
     cfg_path = run_dir / "config.json"
     if not cfg_path.exists() and (runs := runs_inside(run_dir)):
-        raise ValueError(f"--run {run_dir} holds {len(runs)} runs (an `adahop compare` folder: one per recipe), not one "
+        raise ValueError(f"--run {run_dir} holds {len(runs)} runs (a folder of runs, such as `adahop compare`'s: one per recipe), not one "
                          f"run; pass one of them: {', '.join(str(r) for r in runs)}")
     if not cfg_path.exists():
         raise ValueError(f"--run {run_dir}: no config.json (is it a run folder of `adahop train`?)")

@@ -114,7 +114,7 @@ def load_model(path: str | Path, *, device: torch.device, recipe: str | None = N
     if not p.exists():
         raise ValueError(f"MODEL {p} does not exist; pass a run folder of `adahop train` or a transformers model folder")
     if not (p / "config.json").is_file() and (runs := runs_inside(p)):
-        raise ValueError(f"MODEL {p} holds {len(runs)} runs (an `adahop compare` folder: one per recipe), not one "
+        raise ValueError(f"MODEL {p} holds {len(runs)} runs (a folder of runs, such as `adahop compare`'s: one per recipe), not one "
                          f"model; pass one of them: {', '.join(str(r) for r in runs)}")
     if not (p / "config.json").is_file():
         raise ValueError(f"MODEL {p}: no config.json; pass a run folder of `adahop train` or a transformers "
