@@ -771,3 +771,17 @@ def test_weights_that_are_damaged_or_hold_nan_are_refused_naming_the_file_or_ten
     save_file(sd, f, metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"model.embed_tokens.weight holds 2 NaN or inf values of 8192 .*use an earlier, finite"):
         load_model(tmp_path, device=torch.device("cpu"))
+
+
+def test_a_window_beyond_the_trained_length_is_scored_with_a_note(run_dir, capsys):
+    """`eval --seq-len 512` of a model trained at a shorter length said nothing of the positions it never saw."""
+    from adahop.cli import main
+
+    cfg = json.loads((run_dir / "config.json").read_text())["adahop"]
+    trained = cfg["config"]["seq_len"]
+    assert main(["eval", str(run_dir), "--tasks", "none", "--data", cfg["data_dir"], "--seq-len", str(2 * trained),
+                 "--eval-batches", "1", "--batch-size", "1"]) == 0
+    assert f"warning: --seq-len {2 * trained} scores positions beyond the {trained} tokens the run trained at" in \
+        capsys.readouterr().err
+    assert main(["eval", str(run_dir), "--tasks", "none", "--data", cfg["data_dir"], "--eval-batches", "1"]) == 0
+    assert "beyond the" not in capsys.readouterr().err

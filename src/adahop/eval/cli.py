@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 __all__ = ["add_arguments", "run", "settings", "ALL_TASKS"]
@@ -99,6 +100,12 @@ def run(args: argparse.Namespace) -> dict:
 
     check_window(loaded.model, args.seq_len if args.data is not None else None, "--seq-len")
     check_window(loaded.model, args.max_length if specs else None, "--max-length")
+    trained = (loaded.run_config or {}).get("seq_len")
+    for flag, tokens in (("--seq-len", args.seq_len if args.data is not None else None),
+                         ("--max-length", args.max_length if specs else None)):
+        if trained and tokens and tokens > trained:  # RoPE runs past its training length, usually worse
+            print(f"warning: {flag} {tokens} scores positions beyond the {trained} tokens the run trained at; a RoPE model "
+                  f"is usually worse there, so this is not the trained window's score", file=sys.stderr)
     from .. import __version__
 
     res = {"model": loaded.info, "dtype": "bf16" if bf16 else "fp32", "device": str(device),
