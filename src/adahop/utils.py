@@ -1,4 +1,4 @@
-"""Small shared helpers: atomic file writes, seed mixing, JSON reading and command-line checks."""
+"""Small shared helpers: atomic file writes, seed mixing, JSON reading, command-line checks and a finiteness scan."""
 
 from __future__ import annotations
 
@@ -76,3 +76,12 @@ def refuse_unused(args, flags, reason: str, fix: str) -> None:
     for flag, default in unset.items():
         if getattr(args, flag) != default:
             raise ValueError(f"--{flag.replace('_', '-')} is for {reason} (it would be unused); {fix}")
+
+
+def first_nonfinite(tensors) -> tuple[str, int, int] | None:
+    """``(name, NaN-or-inf count, numel)`` of the first floating-point tensor of ``tensors`` (a mapping, e.g. a
+    ``state_dict()``) that holds NaN or inf, or None when all are finite. Tensor methods only: no torch import here."""
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(t.isfinite().all()):
+            return name, int((~t.isfinite()).sum()), t.numel()
+    return None

@@ -109,6 +109,7 @@ def load_model(path: str | Path, *, device: torch.device, recipe: str | None = N
     from ..models import _dtype_kwarg
     from ..train.checkpoint import latest_checkpoint
     from ..train.export import read_run_section, runs_inside
+    from ..utils import first_nonfinite
 
     p = Path(path)
     if not p.exists():
@@ -143,10 +144,9 @@ def load_model(path: str | Path, *, device: torch.device, recipe: str | None = N
                              f"causal-LM folder saved whole (e.g. by `save_pretrained` of the *ForCausalLM model, not "
                              f"of its base model)")
         weights = f"{p} ({'the BF16 export' if section else 'from_pretrained'})"
-    for name, t in model.state_dict().items():  # a diverged run's weights scored "perplexity inf", or a plausible number
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise ValueError(f"MODEL {p}: {name} holds {int((~torch.isfinite(t)).sum())} NaN or inf values of {t.numel()} "
-                             f"({weights}); the weights are broken (a run that diverged?): use an earlier, finite checkpoint")
+    if (hit := first_nonfinite(model.state_dict())) is not None:  # scored "perplexity inf", or a plausible number
+        raise ValueError(f"MODEL {p}: {hit[0]} holds {hit[1]} NaN or inf values of {hit[2]} ({weights}); the weights "
+                         "are broken (a run that diverged?): use an earlier, finite checkpoint")
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(p)
     except (OSError, ValueError) as e:

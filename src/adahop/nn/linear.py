@@ -145,8 +145,9 @@ class Controller:
         if self.calibrating and step >= self.recipe.calibration.steps:
             if self.agree is not None:
                 self.agree(self.calibrator)
-            plan = self.calibrator.freeze([l.name for l in self.layers if not l.force_bf16])
-            plan.shapes = {l.name: [l.in_features, l.out_features] for l in self.layers if not l.force_bf16}
+            live = [l for l in self.layers if not l.force_bf16]
+            plan = self.calibrator.freeze([l.name for l in live])
+            plan.shapes = {l.name: [l.in_features, l.out_features] for l in live}
             self.set_plan(plan)
             return True
         return False

@@ -16,6 +16,7 @@ import numbers
 
 import torch
 
+from ..utils import first_nonfinite
 from .grids import Grid
 
 __all__ = ["gptq", "proxy_error", "require_finite", "require_hessian"]
@@ -45,11 +46,10 @@ def require_finite(where: str, **tensors: torch.Tensor) -> None:
     """Raise a ValueError naming ``where`` and the first of ``tensors`` that holds NaN or inf: such a
     weight or Hessian comes from a broken model or calibration run, and would otherwise surface later
     as a failed Cholesky ("raise --damp") or a diverged fit ("lower --harp-lr"), pointing at the wrong fix."""
-    for name, x in tensors.items():
-        if not bool(torch.isfinite(x).all()):
-            raise ValueError(f"{where}: the {name} holds {int((~torch.isfinite(x)).sum())} NaN or inf values of {x.numel()}: "
-                             "the model or its calibration data is broken, no setting of the quantizer fixes it; "
-                             "check the checkpoint and the calibration tokens")
+    hit = first_nonfinite(tensors)
+    if hit is not None:
+        raise ValueError(f"{where}: the {hit[0]} holds {hit[1]} NaN or inf values of {hit[2]}: the model or its calibration "
+                         "data is broken, no setting of the quantizer fixes it; check the checkpoint and the calibration tokens")
 
 
 def proxy_error(w: torch.Tensor, q: torch.Tensor, h: torch.Tensor) -> float:

@@ -169,11 +169,12 @@ def quantize_layer(w: torch.Tensor, h: torch.Tensor, method: str, grid: Grid, *,
             codes, scales, q = grid.quantize(wq_in)
         weight = t.weight_inverse(q) if t is not None else q
         bad = int((~torch.isfinite(weight)).sum())
-        half = 2 ** (grid.bits - 1) - 0.5
-        if bad and isinstance(grid, IntGrid) and float(wq_in.abs().max()) / half > FP16_MAX:
+        top = float(wq_in.abs().max()) if bad and isinstance(grid, IntGrid) else 0.0
+        need = top / grid._half() if top else 0.0  # the scale its largest group needs (the int grid's own rule)
+        if need > FP16_MAX:
             raise ValueError(f"{method}: the int grid's FP16 group scales hold at most {FP16_MAX:g}, and this layer's "
-                             f"largest (rotated) weight {float(wq_in.abs().max()):.4g} needs {float(wq_in.abs().max()) / half:.4g} "
-                             f"at {grid.bits} bits; rescale the model's weights, or use --quantizer mxfp4 (E8M0 scales reach 2^127)")
+                             f"largest (rotated) weight {top:.4g} needs {need:.4g} at {grid.bits} bits; "
+                             "rescale the model's weights, or use --quantizer mxfp4 (E8M0 scales reach 2^127)")
         if bad:  # never write a model that decodes to NaN or inf (the inputs were finite: a bug of ours)
             raise ValueError(f"{method} with the {grid.name} grid produced {bad} non-finite weights of {m * n} from a "
                              "finite weight and Hessian: a bug, please report it with the command")

@@ -20,6 +20,7 @@ from ..kernels import resolve_backend
 from ..compile_modes import CALIBRATION_MODE, dynamo_counts, frozen_mode, mark_step
 from ..nn import convert_model, get_controller, on_step, saved_bytes, seed_compiled_rng
 from ..optim import convert_master_weights, memory_bytes
+from ..utils import first_nonfinite
 from . import distributed as dp
 from .checkpoint import complete_checkpoints, latest_checkpoint, save_checkpoint
 from .config import TrainConfig
@@ -146,6 +147,12 @@ def _on_sigint(stop: dict):
     return handler
 
 
+def _fall_back(run: Path) -> str:
+    """How to resume from the checkpoint before the newest one (which is damaged)."""
+    older = complete_checkpoints(run)[:-1]
+    return f"delete that folder to resume from {older[-1].name if older else 'the start (no older checkpoint is left)'}"
+
+
 def _saved_steps(run: Path) -> int | None:
     """--steps of the run saved in ``run/config.json`` (None without one)."""
     from .export import read_run_section
@@ -241,17 +248,12 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
         except Exception as e:  # a damaged file: say which checkpoint, and how to fall back to the one before
             if type(e) is ValueError:  # ours: the checkpoint does not fit this model or --parallel (already explained)
                 raise
-            older = complete_checkpoints(run)[:-1]
             raise ValueError(f"--resume: the newest checkpoint {ck} cannot be read ({type(e).__name__}: {str(e)[:200]}); "
-                             f"if it is damaged, delete that folder to resume from "
-                             f"{older[-1].name if older else 'the start (no older checkpoint is left)'}") from e
-        bad = None if cfg.parallel == "fsdp" else next(  # (FSDP's shards are DTensors: their check is a collective)
-            (n for n, t in model.state_dict().items() if t.is_floating_point() and not bool(torch.isfinite(t).all())), None)
+                             f"if it is damaged, {_fall_back(run)}") from e
+        bad = None if cfg.parallel == "fsdp" else first_nonfinite(model.state_dict())  # FSDP's DTensors: a collective
         if bad is not None:  # only a good step is checkpointed, so this file was damaged after: not a matter of --lr
-            older = complete_checkpoints(run)[:-1]
-            raise ValueError(f"--resume: the newest checkpoint {ck} holds NaN or inf in {bad}; a run checkpoints only finite "
-                             f"weights, so the file was damaged after it was written. Delete that folder to resume from "
-                             f"{older[-1].name if older else 'the start (no older checkpoint is left)'}")
+            raise ValueError(f"--resume: the newest checkpoint {ck} holds NaN or inf in {bad[0]}; a run checkpoints only "
+                             f"finite weights, so the file was damaged after it was written: {_fall_back(run)}")
     if mode != final_mode and cfg.parallel == "none" and _plan_frozen(model) is not False:  # resumed after the freeze
         mode, fwd = final_mode, dp.wrap(model, cfg.parallel, device, compile=True, mode=final_mode)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
@@ -272,6 +274,11 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
     micro = cfg.batch_size // world // cfg.grad_accum
     tokens_per_step = cfg.batch_size * cfg.seq_len
     stop = {"now": False}
+
+    def validate(step: int) -> None:  # the val loss of the weights after ``step`` steps, into the metrics
+        vl = dp.mean_over_ranks(evaluate(model, val_s, device, autocast, cfg.eval_batches)[0])
+        metrics.log(step=step, val_loss=vl, val_bpb=val_s.bits_per_byte(vl))
+
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _on_sigint(stop))
     bad = torch.zeros((), dtype=torch.bool, device=device)  # non-finite loss or gradient norm (on the device)
@@ -370,8 +377,7 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
                         step_s=step_s, memory_mb=peak_memory(device) / 2**20)
             bar.set_postfix(loss=f"{loss_val:.3f}", **({"tok_s": f"{tps:,.0f}"} if tps is not None else {}))
         if cfg.eval_every and (done % cfg.eval_every == 0 or last):
-            vl = dp.mean_over_ranks(evaluate(model, val_s, device, autocast, cfg.eval_batches)[0])
-            metrics.log(step=done, val_loss=vl, val_bpb=val_s.bits_per_byte(vl))
+            validate(done)
         if (cfg.ckpt_every and done % cfg.ckpt_every == 0) or last or stop["now"]:
             if dp.any_rank(bad):
                 raise Diverged(f"loss or gradient norm became non-finite before step {done}; stopped. {kept()} "
@@ -390,8 +396,7 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
     if cfg.eval_every and not stop["now"] and val_at != done:
         # a resume with --steps at the checkpoint's step ran no step: the last val loss on record is an earlier
         # step's, and the summary would give it as the final one
-        vl = dp.mean_over_ranks(evaluate(model, val_s, device, autocast, cfg.eval_batches)[0])
-        metrics.log(step=done, val_loss=vl, val_bpb=val_s.bits_per_byte(vl))
+        validate(done)
     # ---- summary -------------------------------------------------------------------------------
     ours, bf16 = saved_bytes(model)
     peak = peak_memory(device)
