@@ -107,10 +107,11 @@
 #   p14 (issue 22, round 23): validate_kernels --only matvec (the decode kernel), bench_harp at llama-350m (does 2752
 #      capture with cuSOLVER now; the side-by-side block row), bench_decode per layer at llama3.1-8b and llama-350m
 #      ($OUT/bench_decode_*.json), then p13 with the time left (set LIM as for p13)
-#   p15 (issue 22, round 23): the 350m end-to-end harp-gptq W2 int time alone on the GPU (the 10-minute target; the
-#      weights' values do not change the work, so a 350m bf16 model of E2E_TRAIN_STEPS (60) steps stands in; its
-#      perplexity is not a result), with validate_kernels --only matvec first; then bench_decode per layer (llama3.1-8b,
-#      llama-350m) and bench_harp at llama-350m in the time left. E2E_LIM (470): seconds by which the ptq run must end
+#   p15 (issue 22, round 23): llama-350m bf16 trained as p13 trains it (runs/ptq/350m-bf16, PTQ_STEPS, compiled), then
+#      the end-to-end harp-gptq W2 int cell alone on the GPU (the issue's 10-minute target, runs/ptq_e2e, which p13 then
+#      skips), validate_kernels --only matvec first; bench_decode per layer (llama3.1-8b, llama-350m) and bench_harp at
+#      llama-350m in the time left. Call p13 with PTQ_MODELS=llama-350m next, while the machine is warm. E2E_LIM (470):
+#      seconds by which the ptq run must end
 #   r19a, r19b (round 19, one GPU; issue 18's rows with the current code, none measured since round 6 but llama-125m):
 #      r19a: bench model llama-350m 1024 x 16 (bf16, mxfp4, adahop-lv2, torchao float8 rowwise; mode auto), then
 #      bench linear at the 8B shapes, 8192 tokens, eager and CUDA-graph replay; r19b: bench model Llama-3.2-1B 4096 x 4
@@ -299,15 +300,17 @@ if [ "$STAGE" = p15 ]; then  # issue 22, round 23: the 350m end to end alone, th
   export CUDA_VISIBLE_DEVICES=0 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   timeout 60 python3 scripts/validate_kernels.py --only matvec --log $OUT/validate_matvec.json > $OUT/validate_matvec.log 2>&1
   tail -1 $OUT/validate_matvec.log; grep -E "^FAIL" $OUT/validate_matvec.log
-  timeout 120 python3 -m adahop train --model llama-350m --recipe bf16 --data runs/issue19/main --steps ${E2E_TRAIN_STEPS:-60} \
-    --seq-len 1024 --batch-size 16 --lr 1e-3 --warmup-steps 20 --eval-every 0 --ckpt-every 0 --log-every 20 \
-    --out runs/ptq/350m-short > $OUT/train_350m_short.log 2>&1; echo "350m stand-in trained: exit $? at $(el) s"
+  D=runs/ptq/350m-bf16; mkdir -p runs/ptq
+  [ -f $D/summary.json ] || timeout 300 python3 -m adahop train --model llama-350m --recipe bf16 --data runs/issue19/main \
+    --steps ${PTQ_STEPS:-1200} --seq-len 1024 --batch-size 16 --lr ${PTQ_LR:-1e-3} --warmup-steps 60 --eval-every 100 --ckpt-every 100 \
+    --log-every 20 --compile --out $D > $OUT/train_350m-bf16.log 2>&1; echo "350m-bf16 trained: exit $? at $(el) s"
+  grep -E "final|tok/s" $OUT/train_350m-bf16.log | tail -2 | cut -c1-200
   mkdir -p runs/ptq_e2e
-  timeout $(( ${E2E_LIM:-470} - $(el) )) python3 -m adahop ptq runs/ptq/350m-short --method harp-gptq --bits 2 --quantizer int \
+  timeout $(( ${E2E_LIM:-470} - $(el) )) python3 -m adahop ptq $D --method harp-gptq --bits 2 --quantizer int \
     --calib-data runs/issue19/main --calib-tokens 131072 --batch-size 8 --device auto --out runs/ptq_e2e/harp-gptq-w2-int \
     > $OUT/harp_e2e_350m.log 2>&1; echo "e2e harp-gptq W2 350m: exit $? at $(el) s"
   grep -v -i warn $OUT/harp_e2e_350m.log | tail -8 | cut -c1-250
-  cp runs/ptq_e2e/harp-gptq-w2-int/ptq.json $OUT/e2e_ptq.json 2>/dev/null
+  cp runs/ptq_e2e/harp-gptq-w2-int/ptq.json $OUT/e2e_ptq.json 2>/dev/null; cp $D/summary.json $OUT/summary_350m-bf16.json 2>/dev/null
   for M in llama3.1-8b llama-350m; do [ $(( ${LIM:-570} - $(el) )) -ge 50 ] && timeout $(( ${LIM:-570} - $(el) - 5 < 90 ? ${LIM:-570} - $(el) - 5 : 90 )) \
     python3 scripts/bench_decode.py --model $M --json $OUT/bench_decode_$M.json 2>&1 | grep -v -i warn | tail -9; done
   [ $(( ${LIM:-570} - $(el) )) -ge 60 ] && timeout $(( ${LIM:-570} - $(el) - 5 )) python3 scripts/bench_harp.py --model llama-350m \
