@@ -136,7 +136,7 @@ export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 ADAHOP_CACHE=/tmp/adahop
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())"
-if [ "${STAGE#i19}" != "$STAGE" ] || [ "$STAGE" = r8a ] || [ "$STAGE" = r12a ] || [ "$STAGE" = r13a ] || [ "$STAGE" = r14a ] || [ "$STAGE" = r16a ] || [ "$STAGE" = p13 ] || [ "$STAGE" = p15 ]; then  # issue 19: data and compile caches in an ignored folder that outlives the call
+if [ "${STAGE#i19}" != "$STAGE" ] || [ "$STAGE" = r8a ] || [ "$STAGE" = r12a ] || [ "$STAGE" = r13a ] || [ "$STAGE" = r14a ] || [ "$STAGE" = r16a ] || [ "$STAGE" = p13 ] || [ "$STAGE" = p14 ] || [ "$STAGE" = p15 ]; then  # issue 19: data and compile caches in an ignored folder that outlives the call
   mkdir -p runs/issue19
   export TORCHINDUCTOR_CACHE_DIR=$PWD/runs/issue19/inductor TRITON_CACHE_DIR=$PWD/runs/issue19/triton ADAHOP_CACHE=$PWD/runs/issue19/adahop
   [ -f runs/issue19/main/manifest.json ] || python3 -m adahop data prepare --source .carry/corpus_main.txt.xz \
