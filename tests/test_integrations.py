@@ -145,7 +145,7 @@ class _Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.x[i], "labels": self.x[i]}
 
 
-def _trainer(out: Path, steps: int, callback_kw: dict | None = None, report_to=("tensorboard",)):
+def _trainer(out: Path, steps: int, callback_kw: dict | None = None, report_to=("tensorboard",), recipe="adahop-lv2"):
     from transformers import Trainer, TrainingArguments
 
     from adahop.integrations.transformers import AdaHOPCallback
@@ -154,7 +154,7 @@ def _trainer(out: Path, steps: int, callback_kw: dict | None = None, report_to=(
                              save_steps=20, logging_steps=10, report_to=list(report_to), use_cpu=True, seed=0,
                              disable_tqdm=True, dataloader_num_workers=0)
     trainer = Trainer(model=_tiny_llama(), args=args, train_dataset=_Tokens())
-    cb = AdaHOPCallback("adahop-lv2", trainer=trainer, **(callback_kw or {}))
+    cb = AdaHOPCallback(recipe, trainer=trainer, **(callback_kw or {}))
     trainer.add_callback(cb)
     return trainer, cb
 
@@ -212,6 +212,27 @@ def test_trainer_40_steps_then_resume_keeps_the_plan(tmp_path, monkeypatch):
     shutil.copytree(tmp_path / "run" / "checkpoint-20", tmp_path / "mid" / "checkpoint-20")
     mid.train(resume_from_checkpoint=str(tmp_path / "mid" / "checkpoint-20"))
     assert json.loads(adahop.get_controller(mid.model).plan.to_json()) == plan
+
+    # a checkpoint of one recipe resumed under another is refused, before a step runs
+    other, _ = _trainer(tmp_path / "run", 45, recipe="mxfp4")
+    with pytest.raises(ValueError, match="saved AdaHOP state is of recipe 'adahop-lv2'.*converted with 'mxfp4'"):
+        other.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-40"))
+
+    # checkpoints without AdaHOP state: past the window refused, inside it the vote covers what is left, and
+    # plan.json says so (the entry is kept empty: the Trainer itself fails to save one whose entry is missing)
+    for step in (20, 40):
+        shutil.copytree(tmp_path / "run" / f"checkpoint-{step}", tmp_path / "bare" / f"checkpoint-{step}")
+        f = tmp_path / "bare" / f"checkpoint-{step}" / "trainer_state.json"
+        ts = json.loads(f.read_text())
+        ts["stateful_callbacks"]["AdaHOPCallback"]["attributes"] = {"adahop_state": None}
+        f.write_text(json.dumps(ts))
+    late, _ = _trainer(tmp_path / "bare", 45)
+    with pytest.raises(ValueError, match="past the calibration window"):
+        late.train(resume_from_checkpoint=str(tmp_path / "bare" / "checkpoint-40"))
+    part, _ = _trainer(tmp_path / "bare", 30)
+    with pytest.warns(UserWarning, match="fewer than half"):  # 10 of 30 steps observed
+        part.train(resume_from_checkpoint=str(tmp_path / "bare" / "checkpoint-20"))
+    assert json.loads((tmp_path / "bare" / "plan.json").read_text())["calibration"]["steps"] == [21, 30]
 
 
 # ---- accelerate ---------------------------------------------------------------------------------------

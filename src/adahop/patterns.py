@@ -359,6 +359,7 @@ class Calibrator:
         self.spec.validate("Calibrator")
         self.table, self.steps, self.threshold = table, steps, threshold
         self.history: dict[str, dict[str, list[str]]] = {}
+        self.first_step: int | None = None  # the `step` of the first observation: the window starts after it
         self._last_step: dict[tuple[str, str], int] = {}  # (layer, tensor) -> the step it was observed at
         self._repeats = 0  # calls at one step in a row, of the first (layer, tensor) seen: a loop without on_step
         self._warned = False
@@ -388,6 +389,8 @@ class Calibrator:
                 self._count_repeat(layer, tensor, step)
                 return None
             self._last_step[(layer, tensor)] = step
+            if self.first_step is None:
+                self.first_step = step
             if (layer, tensor) == next(iter(self._last_step)):
                 self._repeats = 0
         p = self.detect(t)
@@ -416,10 +419,12 @@ class Calibrator:
         return out
 
     def window(self) -> dict:
-        """What the vote covers, as stored in the plan: ``{"steps": [1, steps], "observation": ...,
-        "rule": ..., "threshold": ..., "floor": ..., "min_peak": ...}``."""
+        """What the vote covers, as stored in the plan: ``{"steps": [first, steps], "observation": ...,
+        "rule": ..., "threshold": ..., "floor": ..., "min_peak": ...}``; ``first`` is 1 unless the first
+        observation came later (a run resumed mid-calibration without the votes before it)."""
         c = self.spec
-        return {"steps": [1, c.steps], "observation": "first call of each optimizer step", "rule": c.rule,
+        first = 1 if self.first_step is None else self.first_step + 1  # observed at `step` steps done: optimizer step step+1
+        return {"steps": [first, c.steps], "observation": "first call of each optimizer step", "rule": c.rule,
                 "threshold": c.threshold, "floor": c.floor, "min_peak": c.min_peak}
 
     def freeze(self, layers: list[str] | None = None) -> Plan:

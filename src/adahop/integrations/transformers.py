@@ -53,8 +53,9 @@ class AdaHOPCallback(TrainerCallback, ExportableState):
 
     Raises:
         ValueError: (at train begin) the model is already converted with another recipe, or without the
-            ``plan`` or ``calib_steps`` given here (they would be ignored); a saved plan made for another
-            model; bad arguments as :func:`adahop.convert_model` raises them.
+            ``plan`` or ``calib_steps`` given here (they would be ignored); a resumed checkpoint saved under
+            another recipe, or one without AdaHOP state past the calibration window; a saved plan made for
+            another model; bad arguments as :func:`adahop.convert_model` raises them.
     """
 
     def __init__(self, recipe="adahop-lv2", *, exclude=("lm_head",), module_filter_fn=None, seed: int = 0, plan=None,
@@ -85,11 +86,11 @@ class AdaHOPCallback(TrainerCallback, ExportableState):
         agree_on_plan(model)  # under torchrun: every rank votes on everyone's observations
         if state.global_step > 0:  # a resume: the Trainer has just loaded trainer_state.json
             saved = self.adahop_state or _saved_state(state, type(self).__name__)
-            if saved is None:
-                log.warning("adahop: resumed at step %d from a checkpoint without AdaHOP state; calibration starts over",
-                            state.global_step)
-            else:
-                load_controller_state(model, saved)
+            if saved is None:  # the step counter (stochastic-rounding streams, the vote's steps) at least goes on
+                saved = {"step": state.global_step}
+                if get_controller(model).calibrating:
+                    _resume_without_votes(state.global_step, get_controller(model).recipe.calibration.steps)
+            load_controller_state(model, saved)
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         if on_step(self.model, state.global_step):
@@ -123,6 +124,17 @@ class AdaHOPCallback(TrainerCallback, ExportableState):
                 cb.tb_writer.add_text("adahop/plan", _markdown(rows), state.global_step)
             elif name == "WandbCallback" and getattr(cb, "_initialized", False):
                 cb._wandb.log({"adahop/plan": cb._wandb.Table(columns=list(PLAN_COLUMNS), data=rows)})
+
+
+def _resume_without_votes(step: int, calib_steps: int) -> None:
+    """A resume from a checkpoint that holds no AdaHOP state (written without this callback): calibration
+    votes over optimizer steps 1 … calib_steps, so only what is left of that window can be observed."""
+    if step >= calib_steps:
+        raise ValueError(f"AdaHOPCallback: resumed at step {step} from a checkpoint without AdaHOP state, past the "
+                         f"calibration window (steps 1-{calib_steps}), so no plan can be calibrated; pass plan= (a "
+                         "plan.json of a run or of `adahop analyze`), or train from step 0 with the callback")
+    log.warning("adahop: resumed at step %d from a checkpoint without AdaHOP state; the plan is voted over steps %d-%d "
+                "only (plan.json records that window)", step, step + 1, calib_steps)
 
 
 def _saved_state(state, name: str):

@@ -219,14 +219,16 @@ def on_step(model: nn.Module, step: int) -> bool:
 
 def controller_state(model: nn.Module) -> dict:
     """What a checkpoint must keep of a converted model beyond its weights, as plain JSON data:
-    ``{"step": optimizer steps done, "plan": the frozen plan as a dict or None, "calibration_history":
-    the patterns seen so far while calibrating, or None}``. :func:`load_controller_state` restores it.
+    ``{"recipe": its name, "step": optimizer steps done, "plan": the frozen plan as a dict or None,
+    "calibration_history": the patterns seen so far while calibrating, or None, "calibration_from": the
+    steps done at the first of them, or None}``. :func:`load_controller_state` restores it.
 
     Raises:
         ValueError: ``model`` is not converted."""
     ctrl = get_controller(model)
-    return {"step": ctrl.step, "plan": json.loads(ctrl.plan.to_json()) if ctrl.plan else None,
-            "calibration_history": ctrl.calibrator.history if ctrl.calibrator else None}
+    cal = ctrl.calibrator
+    return {"recipe": ctrl.recipe.name, "step": ctrl.step, "plan": json.loads(ctrl.plan.to_json()) if ctrl.plan else None,
+            "calibration_history": cal.history if cal else None, "calibration_from": cal.first_step if cal else None}
 
 
 def load_controller_state(model: nn.Module, state: dict) -> None:
@@ -236,12 +238,19 @@ def load_controller_state(model: nn.Module, state: dict) -> None:
     from the saved step.
 
     Raises:
-        ValueError: ``model`` is not converted, or the plan was made for another model."""
+        ValueError: ``model`` is not converted, the state was saved under another recipe (states saved
+            before the recipe was recorded are not checked), or the plan was made for another model."""
     ctrl = get_controller(model)
+    saved = state.get("recipe")
+    if saved is not None and saved != ctrl.recipe.name:
+        raise ValueError(f"the saved AdaHOP state is of recipe {saved!r}, but the model is converted with "
+                         f"{ctrl.recipe.name!r}: resuming would mix the two in one run; resume with {saved!r}, "
+                         f"or start a new run (another output folder) for {ctrl.recipe.name!r}")
     if state.get("plan"):
         ctrl.set_plan(Plan.from_dict(state["plan"]))
     elif state.get("calibration_history") is not None and ctrl.calibrator is not None:
         ctrl.calibrator.history = state["calibration_history"]
+        ctrl.calibrator.first_step = state.get("calibration_from", 0)
     ctrl.step = int(state["step"])
     ctrl.seed_signs(ctrl.step)
 

@@ -91,7 +91,7 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, opt: torch
         save_file(tensors, tmp / "optimizer.safetensors")
         cs = controller_state(model)
         meta.update(step=step, controller_step=cs["step"], rng=torch.get_rng_state().tolist(), plan=cs["plan"],
-                    calibration_history=cs["calibration_history"], **(extra or {}))
+                    calibration_history=cs["calibration_history"], calibration_from=cs["calibration_from"], **(extra or {}))
         (tmp / "state.json").write_text(json.dumps(meta))
         return publish_checkpoint(tmp, final, keep)
     except BaseException as e:  # disk full, I/O error, a second Ctrl-C: no partial folder stays behind
@@ -165,5 +165,6 @@ def load_checkpoint(path: Path, model: torch.nn.Module, opt: torch.optim.Optimiz
         opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
     torch.set_rng_state(torch.tensor(meta["rng"], dtype=torch.uint8))
     load_controller_state(model, {"step": meta["controller_step"], "plan": meta.get("plan"),
-                                  "calibration_history": meta.get("calibration_history")})
+                                  "calibration_history": meta.get("calibration_history"),
+                                  "calibration_from": meta.get("calibration_from", 0)})
     return meta

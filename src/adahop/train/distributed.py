@@ -314,7 +314,8 @@ def _save_sharded(root: Path, tmp: Path, step: int, model: nn.Module, opt: torch
                     world_size=dist.get_world_size() if _active() else 1,
                     plan=json.loads(ctrl.plan.to_json()) if ctrl.plan else None,
                     calibration_history=merge_histories(histories) if histories is not None else None,
-                    calibration_histories=histories, **(extra or {}))
+                    calibration_histories=histories, calibration_from=ctrl.calibrator.first_step if ctrl.calibrator else None,
+                    **(extra or {}))
         (tmp / "state.json").write_text(json.dumps(meta))
         publish_checkpoint(tmp, final, keep)
     if _active():
@@ -350,6 +351,7 @@ def load_sharded(path: Path, model: nn.Module, opt: torch.optim.Optimizer | None
         rank, world = (dist.get_rank(), dist.get_world_size()) if _active() else (0, 1)
         hs = meta["calibration_histories"]
         ctrl.calibrator.history = hs[rank] if len(hs) == world else (meta["calibration_history"] if rank == 0 else {})
+        ctrl.calibrator.first_step = meta.get("calibration_from", 0)  # the vote's window, as the plan records it
     ctrl.step = meta["controller_step"]
     return meta
 
