@@ -399,6 +399,9 @@ def test_compare_table_fields():
                            saved_bytes=2**18, saved_bytes_bf16=2**20),
         "broken": {"error": "exit code 1"},
         "halo-2": dict(final_val_loss=4.1, unquantizable_layers=2),
+        "nvfp4": dict(final_val_loss=4.05, bf16_layers={"a": "shape 100->64", "b": "in a BF16 block of the recipe",
+                                                        "c": "in a BF16 block of the recipe"}),
+        "adahop-lv1": dict(final_val_loss=4.0, plan_frozen=False),
     }
     rows = format_table(summaries)
     assert len(COLUMNS) == 8 and all(len(r) == 8 for r in rows)
@@ -407,6 +410,8 @@ def test_compare_table_fields():
     assert rows[1][2] == "+0.50" and rows[1][6] == "0.25 (1.00)"
     assert rows[3][0] == "halo-2 (2 layers BF16: shape)" and rows[3][2] == "+2.50"
     assert rows[2][1] == "failed: exit code 1" and set(rows[2][2:]) == {"-"}  # the reason in no other column
+    assert rows[4][0] == "nvfp4 (1 layers BF16: shape; 2 layers BF16: the recipe's BF16 blocks)"
+    assert rows[5][0] == "adahop-lv1 (plan never froze: all BF16)" and rows[5][2] == "+0.00"
 
 
 def test_compiled_run_reports_no_graph_break_after_the_plan_freeze(data_dir, tmp_path, single_thread, monkeypatch):

@@ -64,12 +64,27 @@ def format_table(summaries: dict[str, dict], baseline: str = "bf16") -> list[lis
         tps = s.get("tok_per_s")
         mem = s.get("peak_memory_bytes")
         saved = f"{s['saved_bytes'] / 2**20:.2f} ({s['saved_bytes_bf16'] / 2**20:.2f})" if s.get("saved_bytes_bf16") else "-"
-        if s.get("unquantizable_layers"):  # those layers ran BF16 GEMMs: the row is partly BF16's result
-            name = f"{name} ({s['unquantizable_layers']} layers BF16: shape)"
+        note = _bf16_note(s)
+        if note:  # GEMMs that ran BF16: the row is partly (or wholly) BF16's result
+            name = f"{name} ({note})"
         rows.append([name, f"{vl:.4f}" if vl is not None else "-", gap, f"{s['final_val_bpb']:.4f}" if s.get("final_val_bpb") else "-",
                      f"{tps:,.0f}" if tps else "-", f"{mem / 2**20:,.0f}" if mem else "-", saved,
                      f"{s['bytes_per_param']:.2f}" if s.get("bytes_per_param") else "-"])
     return rows
+
+
+def _bf16_note(s: dict) -> str:
+    """What of a run's low-precision GEMMs ran BF16 instead, from its summary.json: a plan that never froze
+    (an AdaHOP run shorter than its calibration), layers of a shape the recipe cannot quantize, layers of
+    the blocks the recipe keeps BF16 (NVFP4's last ones)."""
+    parts = ["plan never froze: all BF16"] if s.get("plan_frozen") is False else []
+    layers = s.get("bf16_layers") or {}
+    shape = sum(str(why).startswith("shape") for why in layers.values()) if layers else s.get("unquantizable_layers") or 0
+    if shape:
+        parts.append(f"{shape} layers BF16: shape")
+    if len(layers) > shape:
+        parts.append(f"{len(layers) - shape} layers BF16: the recipe's BF16 blocks")
+    return "; ".join(parts)
 
 
 def write_csv(path: Path, rows: list[list[str]], header=COLUMNS) -> None:
