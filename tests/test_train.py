@@ -334,6 +334,9 @@ def test_compare_refuses_earlier_runs_made_with_other_settings(data_dir, tmp_pat
     same_data = dataclasses.replace(cfg, data=str(data_dir) + "/./")
     assert settings_diff(same_data, out / "bf16", RESUME_KEYS) == []
     assert settings_diff(dataclasses.replace(cfg, seed=1), out / "bf16", RESUME_KEYS) == ["--seed 0 → 1"]
+    # a resume may not change the val windows either: its curve would mix two val sets
+    assert settings_diff(dataclasses.replace(cfg, eval_batches=cfg.eval_batches + 1), out / "bf16", RESUME_KEYS) == [
+        f"--eval-batches {cfg.eval_batches} → {cfg.eval_batches + 1}"]
     with pytest.raises(ValueError, match=r"other settings \(--lr 0.003 → 0.001\)"):
         compare(["bf16"], dataclasses.replace(cfg, lr=1e-3, out=str(out)), out)
     with pytest.raises(ValueError, match="no recipes"):

@@ -24,12 +24,14 @@ __all__ = ["resolve_device", "resolve_data", "prepared_path", "settings_diff", "
 
 
 #: Settings a resumed run must share with the run that wrote the checkpoint (the model, the
-#: numerics and the data order); others (--steps, --eval-every, --out...) may change.
+#: numerics, the data order and the val set); others (--steps, --eval-every, --out...) may change.
 RESUME_KEYS = ("recipe", "model", "model_config", "seq_len", "batch_size", "grad_accum", "seed", "data_seed", "data", "vocab_size",
                "tokenizer", "calib_steps", "plan", "backend",
                # the optimizer and its schedule: a resumed run continues the same one (--steps may grow)
                "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "grad_clip", "beta1", "beta2",
-               "optimizer", "master_weights", "optimizer_states", "madam_form", "madam_mul_lr", "master_rounding")
+               "optimizer", "master_weights", "optimizer_states", "madam_form", "madam_mul_lr", "master_rounding",
+               # the val windows: one run's val curve and final val loss are measured on one set
+               "eval_batches")
 
 #: Settings that do not change a finished run's results (`adahop compare` reuses a run whose other
 #: settings all equal the new ones).
