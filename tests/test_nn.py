@@ -208,6 +208,18 @@ def test_checkpointed_blocks_hold_only_their_inputs(recipe, reentrant):
     assert plain - held >= adahop.saved_bytes(blocks)[0] > 0, (plain, held)
 
 
+def test_the_plain_linear_figure_counts_the_cast_weight_only_under_autocast():
+    """saved_bytes' second figure is what a plain nn.Linear saves: X alone in FP32 (W is the parameter
+    itself, no copy), X and the BF16 copy of W under autocast."""
+    model = adahop.convert_model(nn.Sequential(nn.Linear(64, 32)), "mxfp4", exclude=None)
+    x = torch.randn(8, 64)
+    model(x).sum().backward()
+    assert adahop.saved_bytes(model)[1] == 8 * 64 * 4
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(x).float().sum().backward()
+    assert adahop.saved_bytes(model)[1] == (8 * 64 + 64 * 32) * 2
+
+
 # ---- reproducibility ------------------------------------------------------------------------
 
 _SR = OperandSpec(fmt="mxfp4", rounding="stochastic", scale_rule="ceil")

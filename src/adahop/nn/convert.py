@@ -311,7 +311,7 @@ def seed_compiled_rng(model: nn.Module, step: int, micro: int = 0) -> None:
 
 def saved_bytes(model: nn.Module) -> tuple[int, int]:
     """(bytes the converted linears saved for backward at the last forward, the bytes a plain
-    ``nn.Linear`` in the same compute dtype saves: its input X and its cast weight)."""
+    ``nn.Linear`` in the same compute dtype saves: its input X, and under autocast its cast weight)."""
     ours = bf16 = 0
     for m in model.modules():
         if isinstance(m, LowPrecisionLinear):
@@ -327,7 +327,7 @@ def _kib(ours: int, plain: int) -> str:
 def describe(model: nn.Module) -> str:
     """A text table: each converted layer, its shape, the pattern of X, W, ∇Y, the strategy of
     fprop, dgrad and wgrad, and the KiB it saved for backward at its last forward (in brackets:
-    what a plain ``nn.Linear`` saves, X and the cast W). The first line gives the recipe, the step,
+    what a plain ``nn.Linear`` saves: X, and the cast W under autocast). The first line gives the recipe, the step,
     the calibration state and the fast path's accumulation (``Recipe.accumulations``: fp32 for NVFP4
     GEMMs, which always sum in FP32); a GEMM that ``recipe.bf16_small_gemms`` runs in BF16 shows as
     ``bf16 (small)``, and a line counts them. Last, the recipe's own table (:func:`adahop.recipes.table.gemm_table`):

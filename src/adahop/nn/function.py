@@ -144,8 +144,10 @@ def forward_body(ctx, x, weight, bias, layer, dtype, seed=None) -> torch.Tensor:
     w = weight.to(dtype)
     ctx.layer, ctx.dtype = layer, dtype
     ctx.has_bias = bias is not None
-    # what a BF16 nn.Linear saves for backward: X and the compute-dtype copy of W
-    layer.hp_saved_bytes = (x.numel() + weight.numel()) * x.element_size()
+    # what a plain nn.Linear in this compute dtype saves for backward: X, and under autocast the cast copy of W
+    # (without a cast it keeps a reference to the parameter itself, which costs nothing extra)
+    size = torch.empty((), dtype=dtype).element_size()
+    layer.hp_saved_bytes = (x.numel() + (weight.numel() if weight.dtype != dtype else 0)) * size
     specs = layer.current_specs()
     if specs is None:  # calibration or a BF16 layer: exact GEMMs, patterns observed
         layer.observe("x", x)
