@@ -596,19 +596,34 @@ def test_a_loss_far_above_its_start_is_a_divergence(data_dir, tmp_path, single_t
     assert "the training loss rose to" in err and "above 12.5 (2 x the larger of ln(vocab 512) = 6.24" in err, err
     assert (out / "error.txt").read_text().startswith("adahop train: the training loss rose to")
     assert not (out / "model.safetensors").exists()  # no export of a diverged model
-    # --keep-ckpts 1: the one checkpoint holds the weights whose next loss passed the ceiling; it is set aside
-    # (kept as diverged_step_*), and the message says no good one is left and how to keep one next time
-    assert not sorted((out / "checkpoints").glob("step_*")) and "No good checkpoint is kept" in err and "--keep-ckpts 2" in err
-    # the advice follows from the first bad step (it said "--ckpt-every below the step it diverged at" to a run
-    # that already checkpointed below it)
-    m = re.search(r"the first bad loss was step (\d+)'s, so only a checkpoint of step (\d+) or earlier is good", err)
-    assert m and int(m[2]) == int(m[1]) - 2 and int(m[1]) > max(r["step"] for r in read_metrics(out / "metrics.jsonl"))
+    # the one checkpoint (step 1) holds the weights whose next loss passed the ceiling; it is set aside (kept as
+    # diverged_step_*), and the message says that no checkpoint could have been good: the bad loss is step 2's
+    assert not sorted((out / "checkpoints").glob("step_*")) and "No good checkpoint can exist" in err
+    m = re.search(r"the first bad loss was step (\d+)'s, so only the initial weights are good", err)
+    assert m and int(m[1]) == 2 and int(m[1]) > max(r["step"] for r in read_metrics(out / "metrics.jsonl"))
     aside = sorted((out / "checkpoints").glob("diverged_step_*"))
     assert len(aside) == 1 and (aside[0] / "model.safetensors").exists()
     losses = [r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
     n = int(aside[0].name.rsplit("_", 1)[1])
     assert losses[0] < 7 and all(v < 12.5 for v in losses[:n])
     assert f"at or before step {n + 1}," in err  # the next step's loss, from its weights, passed the ceiling
+
+
+def test_a_divergence_at_step_2_advises_a_lower_lr_not_checkpoints(tmp_path):
+    """Step 2's loss comes from step 1's weights: no checkpoint can be good, so the advice is the learning
+    rate (it said "set --ckpt-every below 2" to a run that checkpointed every step)."""
+    from adahop.train.loop import _kept
+
+    (tmp_path / "checkpoints" / "step_0000001").mkdir(parents=True)
+    msg = _kept(tmp_path, 1, torch.tensor(2), True, 0)
+    assert (tmp_path / "checkpoints" / "diverged_step_0000001").is_dir()
+    assert "only the initial weights are good" in msg and "lower --lr" in msg and "--ckpt-every below" not in msg
+    # later, with --keep-ckpts 1: the advice follows from the first bad step (it once said "--ckpt-every below the
+    # step it diverged at" to a run that already checkpointed below it)
+    (tmp_path / "checkpoints" / "step_0000005").mkdir()
+    msg = _kept(tmp_path, 5, torch.tensor(6), True, 0)
+    assert "No good checkpoint is kept: the first bad loss was step 6's, so only a checkpoint of step 4 or earlier" in msg
+    assert "set --ckpt-every below 5 and --keep-ckpts 2 or more" in msg
 
 
 def test_second_ctrl_c_aborts_at_once_and_keeps_the_last_complete_checkpoint(data_dir, tmp_path, single_thread,

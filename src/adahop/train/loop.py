@@ -58,6 +58,9 @@ def _kept(run: Path, step: int, first_bad: torch.Tensor, is_main: bool, start: i
         step = int(older[-1].name.removeprefix("step_")) if older else 0
     if step and ckpts.exists():
         return note + f"The last good checkpoint (step {step}) is kept in {ckpts}."
+    if first <= 2:  # step 1's checkpoint is followed by the bad step 2: no checkpoint can be good
+        return note + (f"No good checkpoint can exist: the first bad loss was step {first}'s, so only the initial "
+                       "weights are good; no --ckpt-every helps, a lower --lr (or longer --warmup-steps) does.")
     if first < 2**62:  # a checkpoint is good when its next step (s + 1) is before the first bad one
         return note + (f"No good checkpoint is kept: the first bad loss was step {first}'s, so only a checkpoint of step "
                        f"{first - 2} or earlier is good; set --ckpt-every below {max(first - 1, 2)} and --keep-ckpts 2 or more.")
