@@ -394,6 +394,18 @@ def test_machine_and_folder_errors_name_the_option_and_are_left_in_the_run_folde
     assert not (out / "error.txt").exists() and (out / "summary.json").exists()
 
 
+def test_compare_plots_draw_only_runs_that_logged_a_loss(tmp_path):
+    """A recipe that failed before logging a loss gets no line; with none, no empty figure is written (it was,
+    with matplotlib's "No artists with labels" warning), and an earlier comparison's plots are removed."""
+    from adahop.plots import plot_compare
+
+    (tmp_path / "loss_diff.png").write_bytes(b"old")
+    paths = plot_compare({"bf16": [{"step": 1, "loss": 5.0}, {"step": 2, "loss": 4.0}], "mxfp4": [{"step": 1}]}, tmp_path)
+    assert [p.name for p in paths] == ["loss_curves.png"] and not (tmp_path / "loss_diff.png").exists()
+    assert plot_compare({"bf16": [], "mxfp4": [{"step": 1, "val_loss": None}]}, tmp_path) == []
+    assert not (tmp_path / "loss_curves.png").exists()
+
+
 def test_compare_table_fields():
     summaries = {
         "bf16": dict(final_val_loss=4.0, final_val_bpb=1.5, tok_per_s=1000.0, peak_memory_bytes=2**30,

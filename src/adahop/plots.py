@@ -35,13 +35,17 @@ def plot_run(records: list[dict], path: Path, *, title: str) -> None:
 
 def plot_compare(runs: dict[str, list[dict]], out_dir: Path, *, baseline: str | dict[str, str] = "bf16",
                  title: str = "") -> list[Path]:
-    """Write ``loss_curves.png`` (train loss of every recipe) and, when the baseline is present,
-    ``loss_diff.png`` (each run's train loss minus its baseline's at the same steps).
+    """Write ``loss_curves.png`` (train loss of every recipe that logged one; none when no run did) and, when
+    the baseline is present, ``loss_diff.png`` (each run's train loss minus its baseline's at the same steps).
 
     ``baseline`` is one run name for all, or a mapping from run name to the name of its own
     baseline (e.g. the BF16 run of the same seed); runs without one are left out of the diff."""
     out_dir = Path(out_dir)
-    curves = {name: _series(recs, "loss") for name, recs in runs.items()}
+    curves = {name: c for name, recs in runs.items() if (c := _series(recs, "loss"))[0]}  # a run that logged no loss: no line
+    for stale in ("loss_curves.png", "loss_diff.png"):  # never leave an earlier comparison's plot beside this one
+        (out_dir / stale).unlink(missing_ok=True)
+    if not curves:
+        return []
     paths = [_line_plot(curves, out_dir / "loss_curves.png", ylabel="training loss (nats/token)",
                         title=title or "loss curves")]
     pairs = baseline if isinstance(baseline, dict) else {n: baseline for n in curves}
@@ -54,7 +58,6 @@ def plot_compare(runs: dict[str, list[dict]], out_dir: Path, *, baseline: str | 
         pts = [(st, val - base[st]) for st, val in zip(s, v) if st in base]
         label = name if isinstance(baseline, str) else f"{name} − {ref}"
         diffs[label] = ([p[0] for p in pts], [p[1] for p in pts])
-    (out_dir / "loss_diff.png").unlink(missing_ok=True)  # never leave an earlier comparison's plot beside this one
     if diffs:
         what = baseline if isinstance(baseline, str) else "BF16 (same seed)"
         paths.append(_line_plot(diffs, out_dir / "loss_diff.png", ylabel=f"training loss − {what} loss",
