@@ -12,6 +12,7 @@ to quantization noise.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -53,6 +54,7 @@ def _worker(rank: int, world: int, port: int, jobs: list[dict]) -> None:
     from adahop.train import distributed as dp
 
     seen: dict = {}
+    seen_model: list = []
     real_on_step, real_wrap = loop.on_step, dp.wrap
 
     def on_step(model, step):
@@ -63,6 +65,7 @@ def _worker(rank: int, world: int, port: int, jobs: list[dict]) -> None:
 
     def wrap(model, *a, **k):
         fwd = real_wrap(model, *a, **k)
+        seen_model[:] = [model]
         lin = next(m for m in model.modules() if isinstance(m, LowPrecisionLinear))
         lin.register_forward_pre_hook(lambda m, _: seen.update(weight=[type(m.weight).__name__, list(m.weight.shape)]))
         return fwd
@@ -73,6 +76,10 @@ def _worker(rank: int, world: int, port: int, jobs: list[dict]) -> None:
         for job in jobs:
             seen.clear()
             train(TrainConfig.from_dict(job), rank=d.rank, world=d.world)
+            with torch.no_grad():  # this rank's weights at the end, to compare replicas (DDP) bit for bit
+                seen["weights_sha"] = hashlib.sha256(b"".join(
+                    p.detach().float().contiguous().numpy().tobytes() for p in seen_model[0].parameters()
+                    if not hasattr(p, "_local_tensor"))).hexdigest()
             Path(job["out"], f"rank{rank}.json").write_text(json.dumps(seen))
     finally:
         dp.shutdown()
@@ -315,7 +322,7 @@ def test_bf16_masters_and_madam_states_shard_like_params(data_dir, tmp_path, sin
     # states are half of a single process's on each of 2 ranks, DDP's whole; the losses follow the
     # single-process run (gradients are averaged in BF16 across ranks: BF16-level differences)
     kw = dict(recipe="bf16", optimizer="m+adam", master_weights="bf16", optimizer_states="bf16", eval_every=0,
-              ckpt_every=STEPS, steps=3)
+              ckpt_every=STEPS, steps=3, master_rounding="stochastic")
     train(_cfg(data_dir, tmp_path / "single", **kw))
     _spawn([_cfg(data_dir, tmp_path / "fsdp", parallel="fsdp", **kw), _cfg(data_dir, tmp_path / "ddp", parallel="ddp", **kw)])
     single = _losses(tmp_path / "single")
@@ -325,6 +332,10 @@ def test_bf16_masters_and_madam_states_shard_like_params(data_dir, tmp_path, sin
         assert sorted(multi) == sorted(single) == [1, 2, 3]
         assert _rel(multi[1], single[1]) < 1e-3, (par, multi, single)  # the same initial weights
         assert all(_rel(multi[s], single[s]) < 2e-2 for s in single), (par, multi, single)
+    # DDP's two replicas stay one model under stochastic rounding: one rounding seed for both ranks (per-rank
+    # seeds rounded each replica's update its own way, and they drifted apart in every tensor)
+    ranks = [json.loads((tmp_path / "ddp" / f"rank{r}.json").read_text())["weights_sha"] for r in (0, 1)]
+    assert ranks[0] == ranks[1]
     assert sums["ddp"]["state_bytes"] == sums["single"]["state_bytes"]
     assert 0.4 < sums["fsdp"]["state_bytes"] / sums["single"]["state_bytes"] < 0.6
     assert sums["single"]["bytes_per_param"] == 8.0

@@ -37,8 +37,8 @@ class MasterOptimizer(torch.optim.Optimizer):
         lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (decoupled weight decay).
         state_dtype: ``torch.float32`` or ``torch.bfloat16`` for every state buffer.
         seed: run seed of the stochastic rounding; each step's Philox key mixes it with the step,
-            and each parameter draws from its own stream (its index); pass a per-rank seed under
-            data parallelism.
+            and each parameter draws from its own stream (its index). Under FSDP2 pass a per-rank seed
+            (each rank rounds its own shard); under DDP one seed for all ranks, or their replicas drift.
         backend: ``auto`` (fused Triton kernel on CUDA), ``triton`` or ``reference``.
         rounding: ``nearest`` or ``stochastic`` rounding of the master write.
         **extra: per-group hyper-parameters of the rule (``mul_lr_scale``, ``tau``, ``cap``, ``w_max``).

@@ -242,7 +242,7 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
     calibrating = _plan_frozen(model) is False
     mode = final_mode if not calibrating else CALIBRATION_MODE if cfg.compile and cfg.parallel != "none" else None
     fwd = dp.wrap(model, cfg.parallel, device, compile=cfg.compile and mode is not None, mode=mode or "default")
-    opt = build_optimizer(cfg, model, seed=dp.rank_seed(cfg.seed, rank, world))
+    opt = build_optimizer(cfg, model, seed=dp.optimizer_seed(cfg.seed, rank, world, cfg.parallel))
     start, meta = 0, None
     if cfg.resume and (ck := latest_checkpoint(run)) is not None:
         try:
