@@ -586,3 +586,71 @@ def test_multi_kernel_full_blocks_move_16_bytes_per_access(alg, bf16, tensors):
         pytest.skip(f"no sm_90 compile here: {e}")
     assert ptx.count("ld.global.v4") >= tensors  # w, g and each state, in the full-block branch
     assert ptx.count("st.global.v4") >= tensors - 1  # w and each state
+
+
+# ---- what the optimizers refuse -----------------------------------------------------------------
+def test_options_the_rule_does_not_read_and_bad_values_are_refused_at_construction():
+    """torch.optim.AdamW's maximize/amsgrad/foreach/fused or a typo were kept in the groups and never read
+    (AdamW(maximize=True) minimized); betas of one number, eps <= 0, a negative weight decay and lr=inf
+    were taken (lr=inf turned the weights non-finite)."""
+    from adahop.optim import AdamW, KahanAdamW, MAdam, SRAdamW
+
+    ps = [torch.nn.Parameter(torch.ones(4))]
+    for cls in (AdamW, SRAdamW, KahanAdamW, MAdam):
+        for bad in ({"maximize": True}, {"amsgrad": True}, {"foreach": True}, {"weight_decy": 0.1}):
+            with pytest.raises(TypeError, match=f"unsupported option.*{next(iter(bad))}"):
+                cls(ps, **bad)
+    with pytest.raises(TypeError, match="mul_lr_scale"):
+        AdamW(ps, mul_lr_scale=10.0)  # an M+Adam option
+    MAdam(ps, mul_lr_scale=10.0, tau=1e-6, cap=None, w_max=None)  # its own are taken
+    for kw, what in (({"betas": (0.9,)}, "betas"), ({"eps": 0.0}, "eps"), ({"weight_decay": -1.0}, "weight_decay"),
+                     ({"lr": float("inf")}, "lr"), ({"eps": float("nan")}, "eps")):
+        with pytest.raises(ValueError, match=what):
+            AdamW(ps, **kw)
+
+
+def test_an_optimizer_built_before_the_masters_were_packed_refuses_to_step():
+    """convert_master_weights(fp8/fp4) replaces the matrices' Parameters: an optimizer built before it updated
+    the old ones, and the model's weights never trained (only the biases did)."""
+    from adahop.optim import SRAdamW, convert_master_weights
+
+    m = torch.nn.Linear(64, 32)
+    opt = SRAdamW(m.parameters())
+    convert_master_weights(m, "fp8")
+    m(torch.randn(4, 64, dtype=torch.bfloat16)).float().square().sum().backward()
+    with pytest.raises(ValueError, match="replaced by convert_master_weights.*'fp8'.*build the optimizer after"):
+        opt.step()
+    ok = SRAdamW(m.parameters())  # built after: steps
+    before = m.weight.dequantize().clone()
+    ok.step()
+    assert not torch.equal(m.weight.dequantize(), before)
+
+
+def test_load_state_dict_refuses_another_rules_or_dtypes_states():
+    """AdamW's states into Kahan's or M+Adam's failed at the next step on a bare KeyError; one M+Adam form's
+    into another's loaded silently; FP32 states into an optimizer built for BF16 ones stayed FP32."""
+    from adahop.optim import AdamW, KahanAdamW, MAdam
+
+    def stepped(opt_fn):
+        p = torch.nn.Parameter(torch.randn(8))
+        opt = opt_fn([p])
+        p.grad = torch.randn(8)
+        opt.step()
+        return opt.state_dict()
+
+    adamw = stepped(lambda ps: AdamW(ps))
+    for other, what in ((lambda ps: KahanAdamW(ps), "'adamw' update rule, this optimizer runs 'kahan'"),
+                        (lambda ps: MAdam(ps), "update rule"),
+                        (lambda ps: AdamW(ps, state_dtype=torch.bfloat16), "state_dtype as saved")):
+        with pytest.raises(ValueError, match=what):
+            other([torch.nn.Parameter(torch.randn(8))]).load_state_dict(adamw)
+    older = {"state": adamw["state"], "param_groups": [{k: v for k, v in g.items() if k != "algorithm"}
+                                                       for g in adamw["param_groups"]]}  # saved before groups named the rule
+    with pytest.raises(ValueError, match=r"saved states \['exp_avg', 'exp_avg_sq'\] are not this optimizer's"):
+        KahanAdamW([torch.nn.Parameter(torch.randn(8))]).load_state_dict(older)
+    arxiv = stepped(lambda ps: MAdam(ps, form="arxiv"))
+    with pytest.raises(ValueError, match="'madam-arxiv' update rule"):
+        MAdam([torch.nn.Parameter(torch.randn(8))], form="arxiv-relative").load_state_dict(arxiv)
+    same = AdamW([torch.nn.Parameter(torch.randn(8))])
+    same.load_state_dict(adamw)  # its own kind loads, states as saved
+    assert same.state[same.param_groups[0]["params"][0]]["exp_avg"].dtype == torch.float32

@@ -48,25 +48,36 @@ class MasterOptimizer(torch.optim.Optimizer):
     """
 
     algorithm = "adamw"  # a key of adahop.kernels.optim_step.STATE_NAMES
+    rule_options: tuple[str, ...] = ()  # the per-group hyper-parameters of the rule (``**extra``)
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0, *,
                  state_dtype: torch.dtype = torch.float32, seed: int = 0, backend: str = "auto",
                  rounding: str = "nearest", **extra):
-        if not lr > 0:
-            raise ValueError(f"lr={lr} must be > 0")
-        if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
-            raise ValueError(f"betas={betas} must be in [0, 1)")
+        name = type(self).__name__
+        unknown = sorted(set(extra) - set(self.rule_options))
+        if unknown:  # torch.optim.AdamW's maximize/amsgrad/foreach/fused, or a typo: kept in the groups, never read
+            raise TypeError(f"{name}: unsupported option(s) {', '.join(unknown)}; it takes lr, betas, eps, weight_decay, "
+                            f"state_dtype, seed, backend, rounding{''.join(', ' + o for o in self.rule_options)}")
+        if not (math.isfinite(lr) and lr > 0):
+            raise ValueError(f"{name}: lr={lr} must be a finite number > 0")
+        if len(tuple(betas)) != 2 or not all(0 <= b < 1 for b in betas):
+            raise ValueError(f"{name}: betas={betas} must be two numbers in [0, 1)")
+        if not (math.isfinite(eps) and eps > 0):
+            raise ValueError(f"{name}: eps={eps} must be a finite number > 0")
+        if not (math.isfinite(weight_decay) and weight_decay >= 0):
+            raise ValueError(f"{name}: weight_decay={weight_decay} must be a finite number >= 0")
         if state_dtype not in STATE_DTYPES.values():
             raise ValueError(f"state_dtype={state_dtype}; use torch.float32 or torch.bfloat16")
         if rounding not in ("nearest", "stochastic"):
             raise ValueError(f"rounding={rounding!r}; use 'nearest' or 'stochastic'")
         if backend not in ("auto", "triton", "reference"):
             raise ValueError(f"backend={backend!r}; use auto, triton or reference")
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **extra))
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                                      algorithm=self.algorithm, **extra))
         self.state_dtype, self.seed, self.backend, self.rounding = state_dtype, seed, backend, rounding
         self._stash = None
         self._plans: dict[int, _Plan] = {}  # group index → its kept buckets (step)
-        self.register_load_state_dict_pre_hook(lambda opt, sd: setattr(opt, "_stash", sd["state"]))
+        self.register_load_state_dict_pre_hook(lambda opt, sd: opt._check_loaded(sd))
         self.register_load_state_dict_post_hook(lambda opt: opt._restore_state_dtypes())
 
     # -- state ------------------------------------------------------------------------------
@@ -78,6 +89,27 @@ class MasterOptimizer(torch.optim.Optimizer):
                 st[name] = torch.zeros(p.shape, dtype=self.state_dtype, device=p.device) if isinstance(p, PackedMaster) \
                     else torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.contiguous_format)
         return st
+
+    def _check_loaded(self, sd: dict) -> None:
+        """Before ``load_state_dict``: refuse states of another rule (AdamW's into Kahan's or M+Adam's, one
+        M+Adam form's into another's: the step then failed on a missing buffer, or ran on the wrong one) or of
+        another state dtype (FP32 states kept in an optimizer built for BF16 ones); then keep them for
+        :meth:`_restore_state_dtypes`."""
+        name, want = type(self).__name__, set(STATE_NAMES[self.algorithm])
+        saved_rule = {g.get("algorithm") for g in sd["param_groups"]} - {None}
+        if saved_rule and saved_rule != {self.algorithm}:
+            raise ValueError(f"{name}.load_state_dict: the states are of the {sorted(saved_rule)[0]!r} update rule, this "
+                             f"optimizer runs {self.algorithm!r}; load them into the optimizer (and M+Adam form) that saved them")
+        for saved in sd["state"].values():
+            have = {k for k, v in saved.items() if torch.is_tensor(v) and k != "step"}
+            if have != want:
+                raise ValueError(f"{name}.load_state_dict: the saved states {sorted(have)} are not this optimizer's "
+                                 f"{sorted(want)}; load them into the optimizer that saved them")
+            dtypes = {saved[k].dtype for k in have}
+            if dtypes != {self.state_dtype}:
+                raise ValueError(f"{name}.load_state_dict: the saved states are {', '.join(map(str, sorted(dtypes, key=str)))}, "
+                                 f"this optimizer keeps {self.state_dtype}; build it with state_dtype as saved to resume exactly")
+        self._stash = sd["state"]
 
     def _restore_state_dtypes(self) -> None:
         """After ``load_state_dict``: the states as saved (their own dtype), not cast to the parameter's."""
@@ -128,6 +160,10 @@ class MasterOptimizer(torch.optim.Optimizer):
         names = STATE_NAMES[self.algorithm]
         buckets: dict = {}
         for index, p in enumerate(group["params"], base):
+            if getattr(p, "_adahop_replaced", None):
+                raise ValueError(f"{type(self).__name__}: parameter {index} was replaced by convert_master_weights(..., "
+                                 f"{p._adahop_replaced!r}) after this optimizer was built, so the model's packed weight "
+                                 "would never train; build the optimizer after convert_master_weights")
             if p.grad is None:
                 continue
             st = self._init_state(p)

@@ -46,5 +46,6 @@ class MAdam(MasterOptimizer):
             raise ValueError(f"mul_lr_scale={mul_lr_scale} must be >= 0")
         self.algorithm = MADAM_FORMS[form]
         self.form = form
+        self.rule_options = ("mul_lr_scale", "tau", "cap", "w_max")
         super().__init__(params, lr, betas, eps, weight_decay, mul_lr_scale=mul_lr_scale, tau=tau, cap=cap,
                          w_max=w_max, **kw)

@@ -265,6 +265,7 @@ def convert_master_weights(model: nn.Module, fmt: str) -> nn.Module:
                 if fmt != "bf16" and p.ndim == 2:
                     done[id(p)] = nn.Parameter(PackedMaster(pack(p.detach().float(), fmt), fmt, p.shape),
                                                requires_grad=p.requires_grad)
+                    p._adahop_replaced = fmt  # an adahop optimizer built before this call refuses to step it
                 else:
                     p.data = p.data.to(torch.bfloat16)
                     done[id(p)] = p
