@@ -143,14 +143,21 @@ def test_plain_sequential_trains_and_repr_shows_recipe(gen):
 
 def test_saved_bytes_mxfp4_had_bf16():
     T, K, N = 1024, 512, 512
-    model = adahop.convert_model(nn.Sequential(nn.Linear(K, N, bias=False)), "mxfp4-had").to(torch.bfloat16)
-    x = torch.randn(T, K, dtype=torch.bfloat16, requires_grad=True)
-    model(x).sum().backward()
+    # mixed precision (FP32 masters, BF16 autocast): nn.Linear saves BF16 copies of X and of W
+    model = adahop.convert_model(nn.Sequential(nn.Linear(K, N, bias=False)), "mxfp4-had")
+    x = torch.randn(T, K, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(x).float().sum().backward()
     ours, bf16_xw = adahop.saved_bytes(model)
-    assert bf16_xw == (T * K + N * K) * 2  # what nn.Linear saves in BF16: X and W
+    assert bf16_xw == (T * K + N * K) * 2
     # X packed along T and W packed along N: 4.25 bits per element each
     assert ours == (T * K + N * K) * 17 // 32, ours
     assert ours < bf16_xw / 3.5, f"saved {ours} B vs BF16 X+W {bf16_xw} B: only {bf16_xw / ours:.2f}x smaller"
+    # a BF16 model without autocast: nn.Linear saves X and keeps W itself (no copy), so only X counts
+    model.to(torch.bfloat16)
+    model(x.detach().bfloat16()).sum().backward()
+    ours, plain = adahop.saved_bytes(model)
+    assert plain == T * K * 2 and ours == (T * K + N * K) * 17 // 32
 
 
 def _held_bytes(fn):
