@@ -654,3 +654,14 @@ def test_load_state_dict_refuses_another_rules_or_dtypes_states():
     same = AdamW([torch.nn.Parameter(torch.randn(8))])
     same.load_state_dict(adamw)  # its own kind loads, states as saved
     assert same.state[same.param_groups[0]["params"][0]]["exp_avg"].dtype == torch.float32
+
+
+def test_build_optimizer_refuses_low_precision_masters_declared_over_fp32_parameters():
+    """master="bf16" over FP32 parameters (convert_master_weights not called): stochastic rounding had nothing to
+    round, silently; groups given as generators still reach the optimizer whole."""
+    m = torch.nn.Linear(8, 4)
+    with pytest.raises(ValueError, match=r"master='bf16', but 2 of the 2 parameters are FP32: call convert_master_weights"):
+        build_optimizer("sr-adamw", m.parameters(), lr=1e-3, master="bf16")
+    convert_master_weights(m, "bf16")
+    opt = build_optimizer("sr-adamw", [{"params": (p for p in m.parameters())}], lr=1e-3, master="bf16")
+    assert len(opt.param_groups[0]["params"]) == 2

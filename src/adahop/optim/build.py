@@ -9,7 +9,7 @@ from .adamw import AdamW
 from .base import STATE_DTYPES
 from .kahan_adamw import KahanAdamW
 from .madam import MAdam
-from .master import weight_bytes
+from .master import master_format, weight_bytes
 from .names import MADAM_FORMS, MASTER_FORMATS, MASTER_ROUNDINGS, OPTIMIZERS, resolved_rounding
 from .sr_adamw import SRAdamW
 
@@ -33,7 +33,7 @@ def build_optimizer(name: str, params, *, lr: float, betas=(0.9, 0.999), eps: fl
     Raises:
         ValueError: unknown name, state dtype, M+Adam form or rounding, naming the choices;
             ``rounding="nearest"`` with ``sr-adamw``; ``rounding="stochastic"`` with FP32 masters
-            (it would be silently unused).
+            (it would be silently unused); a low-precision ``master`` over FP32 parameters (not converted).
     """
     if name not in _CLASSES:
         raise ValueError(f"--optimizer {name!r}: use one of {OPTIMIZERS}")
@@ -48,6 +48,15 @@ def build_optimizer(name: str, params, *, lr: float, betas=(0.9, 0.999), eps: fl
     if rounding == "stochastic" and master == "fp32":  # as TrainConfig refuses it: FP32 writes round nothing
         raise ValueError("--master-rounding stochastic: FP32 masters are not rounded; pass --master-weights "
                          "bf16|fp8|fp4|nvfp4 (after convert_master_weights), or rounding='auto'")
+    # generators are read twice (the storage check, then the optimizer): lists of them
+    params = [dict(g, params=[g["params"]] if torch.is_tensor(g["params"]) else list(g["params"])) if isinstance(g, dict)
+              else g for g in ([params] if torch.is_tensor(params) else params)]
+    if master != "fp32":  # the declared masters must be the parameters' storage, or the rounding has nothing to round
+        tensors = [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
+        fp32 = sum(master_format(p) == "fp32" for p in tensors)
+        if fp32:
+            raise ValueError(f"master={master!r}, but {fp32} of the {len(tensors)} parameters are FP32: call "
+                             f"convert_master_weights(model, {master!r}) before building the optimizer")
     if name == "adamw" and master == "fp32" and states == "fp32":
         return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     kw = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, state_dtype=STATE_DTYPES[states], seed=seed,
