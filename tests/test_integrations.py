@@ -238,6 +238,18 @@ def test_trainer_40_steps_then_resume_keeps_the_plan(tmp_path, monkeypatch):
 # ---- accelerate ---------------------------------------------------------------------------------------
 
 
+def test_prepare_adahop_warns_that_accelerate_cannot_checkpoint_packed_masters(tmp_path):
+    """accelerator.save_state failed deep inside accelerate ("invalid python storage") on FP8/FP4 masters."""
+    from accelerate import Accelerator
+
+    from adahop.integrations.accelerate import prepare_adahop
+    from adahop.optim import SRAdamW, convert_master_weights
+
+    model = convert_master_weights(nn.Sequential(nn.Linear(64, 64)), "fp8")
+    with pytest.warns(UserWarning, match="packed fp8 master weights, which accelerator.save_state cannot store"):
+        prepare_adahop(model, SRAdamW(model.parameters()), "mxfp4", accelerator=Accelerator(cpu=True), exclude=None)
+
+
 def test_accelerate_counts_optimizer_steps_not_micro_steps_and_save_state_keeps_the_plan(tmp_path):
     from accelerate import Accelerator
 

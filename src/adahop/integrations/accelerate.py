@@ -7,9 +7,11 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 from . import check_converted, missing_extra, resolve_plan, resolve_recipe
+from ..optim.master import PackedMaster
 from ..nn.convert import (controller_state, convert_model, get_controller, load_controller_state, register_step_hook,
                           strategy_counts)
 
@@ -81,6 +83,11 @@ def prepare_adahop(model, optimizer, recipe="adahop-lv2", *, accelerator=None, e
             p.save(Path(accelerator.project_dir) / "plan.json")
 
     register_step_hook(model, getattr(optimizer, "optimizer", optimizer), on_freeze=on_freeze)
+    packed = sorted({p.fmt for p in model.parameters() if isinstance(p, PackedMaster)})
+    if accelerator is not None and packed:  # accelerate's savers fail on the subclass, deep inside, with no hint
+        warnings.warn(f"prepare_adahop: the model holds packed {'/'.join(packed)} master weights, which "
+                      "accelerator.save_state cannot store (nor save_pretrained or torch.load read back); use BF16 "
+                      "masters (convert_master_weights(model, 'bf16')) where the loop checkpoints", stacklevel=2)
     state = AdaHOPState(model)
     if accelerator is not None:
         accelerator.register_for_checkpointing(state)
