@@ -484,6 +484,21 @@ def test_text_calib_data_is_tokenized_with_the_models_tokenizer(run_dir, tmp_pat
     assert json.loads((tmp_path / "q" / "ptq.json").read_text())["calib_data"] == str(data)
 
 
+def test_the_runs_own_corpus_given_as_text_reuses_its_prepared_folder(run_dir, tmp_path, monkeypatch):
+    """A run trained on a prepared folder (as `adahop compare`'s children are), evaluated with the text that
+    folder was made from: the same tokens, so the run's folder is used, not prepared again under its tokenizer.json."""
+    from adahop.eval.perplexity import prepared_data
+
+    monkeypatch.setenv("ADAHOP_CACHE", str(tmp_path / "cache"))
+    section = json.loads((run_dir / "config.json").read_text())["adahop"]
+    kept = Path(section["data_dir"])
+    assert prepared_data(str(kept.parent / "text.txt"), section["config"], run_dir) == kept
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("manifest.json"))
+    other = tmp_path / "other.txt"
+    other.write_text((kept.parent / "text.txt").read_text()[:-1000])  # other content: prepared anew
+    assert prepared_data(str(other), section["config"], run_dir) != kept
+
+
 def test_an_out_with_other_files_and_an_already_quantized_model_are_refused(run_dir, tmp_path, capsys):
     """A new-user probe overwrote the --calib-data folder (its tokenizer.json replaced) and a folder holding
     a model.safetensors without config.json; and quantized a quantized folder against itself as baseline."""

@@ -64,12 +64,39 @@ def prepared_data(data: str, run_config: dict | None, model_dir: str | Path | No
     own_tok = Path(model_dir) / "tokenizer.json" if model_dir is not None else None
     if rc.get("data") != data and own_tok is not None and own_tok.is_file():
         kw["tokenizer"] = f"bpe:{own_tok.resolve()}"  # the name a manifest records for a tokenizer.json
+        if (kept := _kept_data(data, Path(model_dir), kw["tokenizer"])) is not None:
+            return kept
     try:
         return resolve_data(TrainConfig(data=data, **kw))
     except ValueError as e:  # the data preparation's own messages name its sources, not the option
         if str(e).startswith("--data"):
             raise
         raise ValueError(f"--data {data}: {e}") from None
+
+
+def _kept_data(data: str, run: Path, tokenizer: str) -> Path | None:
+    """The run's own prepared folder when ``data`` tokenized with ``tokenizer`` (the run's tokenizer.json) is
+    the same data by content: the sources' sha256, the tokenizer's fingerprint and the split. A run of
+    ``adahop compare`` trained on that folder's path, not on 'default', and preparing the corpus again under
+    the run's tokenizer.json took minutes for the same tokens. None when it is not, or cannot be told."""
+    from ..data.cache import cached_path
+    from ..data.identity import identity_changes
+    from ..train.export import read_run_section
+
+    section = read_run_section(run) or {}
+    kept, old = section.get("data_dir"), section.get("data_identity")
+    if not kept or old is None or not (Path(kept) / "manifest.json").is_file():
+        return None
+    split = old.get("split", {})
+    try:
+        _, new = cached_path([x for x in data.split(",") if x], tokenizer=tokenizer, vocab_size=0,
+                             val_fraction=split.get("val_fraction"), seed=split.get("seed", 0),
+                             text_field=split.get("text_field", "text"))
+    except (ValueError, OSError):  # a missing or unreadable source: resolve_data says so in its own words
+        return None
+    # the tokenizer's name is how it was given ('bpe' then, the file now); its fingerprint is what it is
+    nameless = lambda i: {**i, "tokenizer": {k: v for k, v in i.get("tokenizer", {}).items() if k != "name"}}  # noqa: E731
+    return None if identity_changes(nameless(old), nameless(new)) else Path(kept)
 
 
 def check_same_tokenizer(data_dir: Path, model_dir: Path, vocab_size: int, flag: str = "--data") -> None:
