@@ -202,3 +202,18 @@ def test_two_processes_preparing_one_corpus_at_once_both_succeed(text, tmp_path,
         assert (folder / name).read_bytes() == (reference / name).read_bytes(), name
     if how == "cache":  # one entry, no temporary folder left beside it
         assert [p.name for p in cache.iterdir() if p.is_dir()] == [folder.name]
+
+
+def test_a_hf_dataset_not_read_yet_is_compared_by_name():
+    """An hf: source's sha256 is unknown until it is read, so `--resume` and `compare` took another, unprepared
+    hf: dataset as the same data (steps 6-10 trained on it, with a newly trained BPE); a renamed local file,
+    whose sha256 is known, is still the same data."""
+    from adahop.data.identity import identity_changes
+
+    def ident(name, sha):
+        return {"sources": [{"name": name, "sha256": sha, "bytes": None if sha is None else 10}],
+                "tokenizer": {}, "split": {}}
+
+    assert identity_changes(ident("hf:/x/hfA", "ab" * 32), ident("hf:/x/hfB", None)) == ["source hf:/x/hfA → hf:/x/hfB"]
+    assert identity_changes(ident("hf:/x/hfA", "ab" * 32), ident("hf:/x/hfA", None)) == []
+    assert identity_changes(ident("/x/a.txt", "ab" * 32), ident("/y/renamed.txt", "ab" * 32)) == []

@@ -68,7 +68,8 @@ def _short(sha: str) -> str:
 def identity_changes(old: dict, new: dict) -> list[str]:
     """What differs from identity ``old`` to ``new``, one readable item each (empty: the same data),
     e.g. ``val_fraction 0.01 → 0.02`` or ``source /x/a.txt: sha256 1f2e… → 9c0d…, 1,200 → 1,260 bytes``.
-    Source names are not compared (a renamed file holds the same data); values None are unknown."""
+    Source names are not compared (a renamed file holds the same data) unless a sha256 is unknown (a ``hf:``
+    dataset not read yet, known by its name only); other values None are unknown."""
     out = []
     for k, v in old.get("split", {}).items():
         if _known_differ(v, new.get("split", {}).get(k)):
@@ -83,7 +84,10 @@ def identity_changes(old: dict, new: dict) -> list[str]:
         out.append(item)
     else:
         for s, t in zip(a, b):
-            if _known_differ(s["sha256"], t["sha256"]):
+            if (s["sha256"] is None or t["sha256"] is None) and s["name"] != t["name"]:
+                # a hf: dataset is known by its name until it is read: another name is other data
+                out.append(f"source {s['name']} → {t['name']}")
+            elif _known_differ(s["sha256"], t["sha256"]):
                 size = (f", {s['bytes']:,} → {t['bytes']:,} bytes" if _known_differ(s["bytes"], t["bytes"])
                         else ", same size")
                 out.append(f"source {t['name']}: sha256 {_short(s['sha256'])} → {_short(t['sha256'])}{size}")

@@ -48,6 +48,20 @@ def _documents(sources: Sequence[Source], text_field: str) -> Iterator[Iterator[
         yield from src.documents(text_field)
 
 
+def _refuse_duplicates(infos: Sequence[SourceInfo]) -> None:
+    """Raise ValueError when two sources hold the same bytes (one file listed twice, a folder and a file in
+    it, two copies): its text would be in the corpus twice, and the val blocks of one copy would be train
+    blocks of the other, so the val loss would be measured on text the model trained on."""
+    seen: dict[str, str] = {}
+    for info in infos:
+        if info.sha256 is None:
+            continue
+        if info.sha256 in seen:
+            raise ValueError(f"sources {seen[info.sha256]} and {info.name} hold the same bytes: the corpus would hold "
+                             "that text twice and its val split would overlap the train split; pass it once")
+        seen[info.sha256] = info.name
+
+
 def _scan(sources: Sequence[Source], text_field: str) -> tuple[list[SourceInfo], int]:
     """Read every source once: its :class:`SourceInfo` and the corpus size in characters."""
     infos, total = [], 0
@@ -236,6 +250,7 @@ def prepare(sources: str | Path | Sequence[str | Path], out_dir: str | Path, *, 
     out_dir = Path(out_dir)
     srcs = resolve_sources(sources)
     infos, total_chars = _scan(srcs, text_field)
+    _refuse_duplicates(infos)
     block_chars = block_chars_for(total_chars, val_fraction)
     n_blocks = sum(1 for _ in iter_blocks(_documents(srcs, text_field), block_chars))
     if n_blocks < 2:

@@ -109,7 +109,12 @@ class BPETokenizer(Tokenizer):
     def from_file(cls, path: str | Path, name: str | None = None) -> BPETokenizer:
         from tokenizers import Tokenizer as HFTok
 
-        return cls(HFTok.from_file(str(path)), name or f"bpe:{path}")
+        try:
+            tok = HFTok.from_file(str(path))
+        except Exception as e:  # the tokenizers library raises a bare Exception ("Model missing. at line 1 column 2")
+            raise ValueError(f"tokenizer file {path} is not a tokenizers JSON ({str(e).strip()}); pass a tokenizer.json "
+                             "written by `adahop data prepare` or Hugging Face tokenizers") from None
+        return cls(tok, name or f"bpe:{path}")
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         enc = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
