@@ -217,3 +217,20 @@ def test_a_hf_dataset_not_read_yet_is_compared_by_name():
     assert identity_changes(ident("hf:/x/hfA", "ab" * 32), ident("hf:/x/hfB", None)) == ["source hf:/x/hfA → hf:/x/hfB"]
     assert identity_changes(ident("hf:/x/hfA", "ab" * 32), ident("hf:/x/hfA", None)) == []
     assert identity_changes(ident("/x/a.txt", "ab" * 32), ident("/y/renamed.txt", "ab" * 32)) == []
+
+
+def test_a_resume_whose_prepared_data_turns_out_different_is_refused_not_called_damaged(text, tmp_path, cache,
+                                                                                          single_thread):
+    """Trained on a prepared folder (BPE of 300 ids), resumed from the raw text with the default 8192-id BPE: the
+    text's planned identity knows no vocabulary yet, so the check before preparing passed, a new BPE was trained
+    and the checkpoint was reported damaged ("delete that folder"). Once prepared, the data is compared again."""
+    src = tmp_path / "w9.txt"
+    src.write_text(text)
+    prepare([str(src)], tmp_path / "pf9", vocab_size=300, val_fraction=0.05)
+    cfg = _cfg(tmp_path / "pf9", tmp_path / "run", vocab_size=8192, val_fraction=0.01)
+    train(cfg)
+    with pytest.raises(ValueError, match=r"--resume: the data, once prepared, differs from the checkpointed run's.*"
+                                         r"vocabulary 300 → \d+ ids"):
+        train(dataclasses.replace(cfg, data=str(src), val_fraction=0.05, resume=True, steps=4))
+    # the run's own folder still resumes
+    assert train(dataclasses.replace(cfg, resume=True, steps=4))["steps"] == 4

@@ -27,7 +27,8 @@ from .config import TrainConfig
 from .export import write_config
 from .metrics import Metrics, peak_memory, reset_peak_memory
 from .setup import (build_optimizer, check_data_fits, check_run_dir, converted_layers, epochs_of, loss_ceiling, lr_at,
-                    make_model, make_streams, resolve_data, resolve_device, resolve_recipe, startup_summary)
+                    make_model, make_streams, prepared_data_changes, resolve_data, resolve_device, resolve_recipe,
+                    startup_summary)
 
 __all__ = ["train", "Diverged", "evaluate"]
 
@@ -215,7 +216,7 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
     if world > 1 and cfg.parallel == "none":
         raise ValueError(f"--parallel none under torchrun with {world} processes; pass --parallel ddp or fsdp")
     run = Path(cfg.out)
-    check_run_dir(cfg, run)
+    resuming = check_run_dir(cfg, run) is not None
     saved_steps = _saved_steps(run) if cfg.resume else None  # read now: rank 0 rewrites config.json later
     device = dp.local_device(resolve_device(cfg.device))
     try:  # a backend this machine cannot run fails here, before data and model are built
@@ -223,6 +224,10 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
     except RuntimeError as e:
         raise ValueError(f"--backend {cfg.backend}: {e}") from None
     data_dir = dp.main_first(lambda: resolve_data(cfg))
+    if resuming and (changes := prepared_data_changes(run, data_dir)):
+        raise ValueError(f"--resume: the data, once prepared, differs from the checkpointed run's in {run}: "
+                         f"{'; '.join(changes)}. Resume with the run's own --data (or the prepared folder it recorded), "
+                         "or start a new run with a new --out")
     train_s, val_s = make_streams(cfg, data_dir, rank, world)
     check_data_fits(cfg, train_s, val_s)
     recipe, plan = resolve_recipe(cfg)

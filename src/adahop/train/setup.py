@@ -19,7 +19,7 @@ from ..patterns import Plan
 from ..recipes import get_recipe
 from .config import ERROR_FILE, TrainConfig
 
-__all__ = ["resolve_device", "resolve_data", "prepared_path", "settings_diff", "data_changes", "resolve_recipe", "build_optimizer",
+__all__ = ["resolve_device", "resolve_data", "prepared_path", "settings_diff", "data_changes", "prepared_data_changes", "resolve_recipe", "build_optimizer",
            "lr_at", "make_streams", "make_model", "check_data_fits", "epochs_of", "converted_layers", "loss_ceiling", "startup_summary"]
 
 
@@ -102,6 +102,18 @@ def data_changes(cfg: TrainConfig, run: Path) -> tuple[list[str], str]:
     else:
         fix = "pass the run's own --data, --val-fraction and --tokenizer with its source files as they were"
     return changes, fix
+
+
+def prepared_data_changes(run: Path, data_dir: Path) -> list[str]:
+    """How the prepared data in ``data_dir`` differs from the data the run in ``run`` recorded (empty when it
+    recorded no identity). Run once the data is prepared: then a ``hf:`` dataset's content and a trained BPE's
+    vocabulary are known, which :func:`data_changes` could only compare by name or not at all (a resume from
+    the raw text of a run trained on its prepared folder trained a new 8192-id BPE, and the checkpoint was then
+    reported damaged)."""
+    from .export import read_run_section
+
+    old = (read_run_section(run) or {}).get("data_identity")
+    return [] if old is None else identity_changes(old, manifest_identity(Manifest.load(data_dir)))
 
 
 def _data_identity(cfg: TrainConfig) -> dict:
