@@ -11,9 +11,9 @@ import warnings
 from pathlib import Path
 
 from . import check_converted, missing_extra, resolve_plan, resolve_recipe
-from ..optim.master import PackedMaster
 from ..nn.convert import (controller_state, convert_model, get_controller, load_controller_state, register_step_hook,
                           strategy_counts)
+from ..optim.master import PackedMaster
 
 __all__ = ["prepare_adahop", "AdaHOPState"]
 

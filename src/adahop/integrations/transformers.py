@@ -87,9 +87,9 @@ class AdaHOPCallback(TrainerCallback, ExportableState):
         if state.global_step > 0:  # a resume: the Trainer has just loaded trainer_state.json
             saved = self.adahop_state or _saved_state(state, type(self).__name__)
             if saved is None:  # the step counter (stochastic-rounding streams, the vote's steps) at least goes on
-                saved = {"step": state.global_step}
-                if get_controller(model).calibrating:
-                    _resume_without_votes(state.global_step, get_controller(model).recipe.calibration.steps)
+                saved, ctrl = {"step": state.global_step}, get_controller(model)
+                if ctrl.calibrating:
+                    _resume_without_votes(state.global_step, ctrl.recipe.calibration.steps)
             load_controller_state(model, saved)
 
     def on_step_end(self, args, state, control, model=None, **kwargs):

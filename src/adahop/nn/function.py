@@ -146,8 +146,7 @@ def forward_body(ctx, x, weight, bias, layer, dtype, seed=None) -> torch.Tensor:
     ctx.has_bias = bias is not None
     # what a plain nn.Linear in this compute dtype saves for backward: X, and under autocast the cast copy of W
     # (without a cast it keeps a reference to the parameter itself, which costs nothing extra)
-    size = torch.empty((), dtype=dtype).element_size()
-    layer.hp_saved_bytes = (x.numel() + (weight.numel() if weight.dtype != dtype else 0)) * size
+    layer.hp_saved_bytes = (x.numel() + (weight.numel() if weight.dtype != dtype else 0)) * dtype.itemsize
     specs = layer.current_specs()
     if specs is None:  # calibration or a BF16 layer: exact GEMMs, patterns observed
         layer.observe("x", x)

@@ -44,7 +44,10 @@ class MasterOptimizer(torch.optim.Optimizer):
         **extra: per-group hyper-parameters of the rule (``mul_lr_scale``, ``tau``, ``cap``, ``w_max``).
 
     Raises:
-        ValueError: a bad hyper-parameter, state dtype, rounding or backend.
+        ValueError: a bad hyper-parameter (a non-finite ``lr``/``eps``, ``betas`` not two numbers in [0, 1), a
+            negative ``weight_decay``), state dtype, rounding or backend; at ``load_state_dict``, states of another
+            rule or state dtype; at ``step``, a parameter ``convert_master_weights`` replaced after this was built.
+        TypeError: an option the rule does not read (torch's ``maximize``, ``amsgrad``, ``foreach``, ``fused``, a typo).
     """
 
     algorithm = "adamw"  # a key of adahop.kernels.optim_step.STATE_NAMES

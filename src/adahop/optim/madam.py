@@ -37,6 +37,8 @@ class MAdam(MasterOptimizer):
         ValueError: an unknown ``form``, or ``mul_lr_scale < 0``.
     """
 
+    rule_options = ("mul_lr_scale", "tau", "cap", "w_max")
+
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0, *,
                  form: str = "arxiv-relative", mul_lr_scale: float = 1.0, tau: float = 1e-6, cap: float | None = 1.0,
                  w_max: float | None = None, **kw):
@@ -46,6 +48,5 @@ class MAdam(MasterOptimizer):
             raise ValueError(f"mul_lr_scale={mul_lr_scale} must be >= 0")
         self.algorithm = MADAM_FORMS[form]
         self.form = form
-        self.rule_options = ("mul_lr_scale", "tau", "cap", "w_max")
         super().__init__(params, lr, betas, eps, weight_decay, mul_lr_scale=mul_lr_scale, tau=tau, cap=cap,
                          w_max=w_max, **kw)
