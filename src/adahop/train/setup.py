@@ -109,7 +109,10 @@ def prepared_data_changes(run: Path, data_dir: Path) -> list[str]:
     recorded no identity). Run once the data is prepared: then a ``hf:`` dataset's content and a trained BPE's
     vocabulary are known, which :func:`data_changes` could only compare by name or not at all (a resume from
     the raw text of a run trained on its prepared folder trained a new 8192-id BPE, and the checkpoint was then
-    reported damaged)."""
+    reported damaged).
+
+    Raises:
+        ValueError: ``run/config.json`` or ``data_dir/manifest.json`` is not valid JSON."""
     from .export import read_run_section
 
     old = (read_run_section(run) or {}).get("data_identity")
