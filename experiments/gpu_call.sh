@@ -103,7 +103,9 @@
 #      not given to training. $OUT/ptq.tgz: the per-model summaries, cells and training records; $OUT/logs.tgz. Merge the
 #      calls' tables on the dev machine (scripts/run_ptq_experiment.py --budget-s 0 over the merged folders)
 #   p13 env: PTQ_MODELS (llama-125m), PTQ_STEPS (1200), PTQ_BITS (2,3,4), PTQ_METHODS (all four), PTQ_NO_MX=1, PTQ_SEEDS (1),
-#      PTQ_HARP_STEPS (1200), PTQ_COMPILE_LV2, PTQ_CONC (3), HARP_E2E (1); bench_decode --folder on PTQ_DECODE_FOLDERS (2) int cells
+#      PTQ_HARP_STEPS (1200), PTQ_COMPILE_LV2, PTQ_CONC (3), HARP_E2E (1); bench_decode --folder on PTQ_DECODE_FOLDERS (2) int cells;
+#      PTQ_PIPELINES ("MODEL:RECIPE:BITS:STEPS ...", instead of PTQ_MODELS x both recipes); DECODE_BENCH=1: bench_decode per
+#      layer (llama3.1-8b, llama-350m) alone after the pipelines, in the time left
 #   p14 (issue 22, round 23): validate_kernels --only matvec (the decode kernel), bench_harp at llama-350m (does 2752
 #      capture with cuSOLVER now; the side-by-side block row), bench_decode per layer at llama3.1-8b and llama-350m
 #      ($OUT/bench_decode_*.json), then p13 with the time left (set LIM as for p13)
@@ -334,15 +336,15 @@ if [ "$STAGE" = p13 ]; then  # issue 22: the models of our own, each quantized a
   mkdir -p runs/ptq runs/ptq_table
   [ -f runs/ptq/bench_harp_350m.json ] || [ "${HARP_BENCH:-1}" = 0 ] || { timeout 150 python3 scripts/bench_harp.py --model llama-350m --steps ${HARP_BENCH_STEPS:-50} \
     --json runs/ptq/bench_harp_350m.json 2>&1 | grep -v -i warn | tail -9; echo "bench_harp done at $(el) s"; }
-  pipeline() {  # train $1 ($M) in recipe $2 unless done, then its PTQ cells into runs/ptq_table/<name> (its own summary)
-    local M=$1 R=$2 D=runs/ptq/${1#llama-}-$2 RES= C T
+  pipeline() {  # train $1 ($M) in recipe $2 unless done, then its PTQ cells ($3 bits, $4 steps) into runs/ptq_table/<name>
+    local M=$1 R=$2 D=runs/ptq/${1#llama-}-$2 RES= C T BITS=${3:-${PTQ_BITS:-2,3,4}} STEPS=${4:-${PTQ_STEPS:-1200}}
     if [ ! -f $D/summary.json ] || grep -q '"interrupted": true' $D/summary.json; then
       [ -d $D/checkpoints ] && RES=--resume  # SIGINT at the budget writes a checkpoint; the next call resumes it
       T=$(( ${LIM:-560} - ${PTQ_RESERVE:-120} - $(el) )); [ $T -ge 60 ] || { echo "no time left to train $D"; return; }
       # adahop-lv2 trains eager unless PTQ_COMPILE_LV2=1: on a fresh machine its frozen plan's compile took over 3.5 min
       # beside three other runs (round 21), longer than the eager run of the whole 125m training
       timeout -s INT -k 60 $T python3 -m adahop train --model $M --recipe $R --data runs/issue19/main $RES \
-        --steps ${PTQ_STEPS:-1200} --seq-len 1024 --batch-size 16 --lr ${PTQ_LR:-1e-3} --warmup-steps 60 --eval-every 100 \
+        --steps $STEPS --seq-len 1024 --batch-size 16 --lr ${PTQ_LR:-1e-3} --warmup-steps 60 --eval-every 100 \
         --ckpt-every 100 --log-every 20 $([ $R = bf16 ] || [ "${PTQ_COMPILE_LV2:-0}" = 1 ] && echo --compile) --out $D > $OUT/train_${D#runs/ptq/}.log 2>&1
       echo "trained $D: exit $? at $(el) s"
     fi
@@ -355,13 +357,21 @@ if [ "$STAGE" = p13 ]; then  # issue 22: the models of our own, each quantized a
     fi
     timeout $(( ${LIM:-560} - $(el) )) python3 scripts/run_ptq_experiment.py --data runs/issue19/main --models $D \
       --out runs/ptq_table/${D#runs/ptq/} --concurrent $C --repeat-seeds ${PTQ_SEEDS-1} --harp-steps ${PTQ_HARP_STEPS:-1200} \
-      --bits ${PTQ_BITS:-2,3,4} --methods ${PTQ_METHODS:-rtn,gptq,rht-gptq,harp-gptq} $([ "${PTQ_NO_MX:-0}" = 1 ] && echo --no-mx) --budget-s $(( ${LIM:-560} - 45 - $(el) )) > $OUT/ptq_${D#runs/ptq/}.log 2>&1
+      --bits $BITS --methods ${PTQ_METHODS:-rtn,gptq,rht-gptq,harp-gptq} $([ "${PTQ_NO_MX:-0}" = 1 ] && echo --no-mx) --budget-s $(( ${LIM:-560} - 45 - $(el) )) > $OUT/ptq_${D#runs/ptq/}.log 2>&1
     echo "ptq $D: exit $? at $(el) s"; grep -E "^- W|ppl|^\| (rtn|gptq|rht|harp)" $OUT/ptq_${D#runs/ptq/}.log | head -20
     wait
   }
-  for M in ${PTQ_MODELS:-llama-125m}; do for R in bf16 adahop-lv2; do pipeline $M $R & done; done
+  if [ -n "${PTQ_PIPELINES:-}" ]; then  # MODEL:RECIPE:BITS:STEPS ..., e.g. llama-125m:bf16:3,4:1200 llama-350m:adahop-lv2:2:600
+    for P in $PTQ_PIPELINES; do IFS=: read -r M R B S <<< "$P"; pipeline $M $R $B $S & done
+  else
+    for M in ${PTQ_MODELS:-llama-125m}; do for R in bf16 adahop-lv2; do pipeline $M $R & done; done
+  fi
   wait; echo "pipelines done at $(el) s"
-  for F in $(ls -d runs/ptq_table/*/*-int 2>/dev/null | head -${PTQ_DECODE_FOLDERS:-2}); do  # the inference path end to end, eager
+  if [ "${DECODE_BENCH:-0}" = 1 ]; then  # the decode kernels per layer, alone on the GPU once the pipelines are done
+    for M in llama3.1-8b llama-350m; do [ $(( ${LIM:-560} - $(el) )) -ge 60 ] && timeout $(( ${LIM:-560} - $(el) - 10 < 90 ? ${LIM:-560} - $(el) - 10 : 90 )) \
+      python3 scripts/bench_decode.py --model $M --json $OUT/bench_decode_$M.json 2>&1 | grep -v -i warn | tail -9; done
+  fi
+  for F in $(ls -d runs/ptq_table/${PTQ_DECODE_GLOB:-*/*-int} 2>/dev/null | head -${PTQ_DECODE_FOLDERS:-2}); do  # the inference path end to end, eager
     [ $(( ${LIM:-560} - $(el) )) -ge 40 ] && timeout 35 python3 scripts/bench_decode.py --folder $F --tokens 64 \
       --json $OUT/decode_$(basename $(dirname $F))_$(basename $F).json 2>&1 | grep -v -i warn | tail -3; done
   for f in runs/ptq/*/summary.json; do python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print(sys.argv[1], d.get('steps'), d.get('final_val_loss'), d.get('interrupted'), round(d.get('tok_per_s') or 0))" $f; done
