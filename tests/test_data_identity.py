@@ -234,3 +234,21 @@ def test_a_resume_whose_prepared_data_turns_out_different_is_refused_not_called_
         train(dataclasses.replace(cfg, data=str(src), val_fraction=0.05, resume=True, steps=4))
     # the run's own folder still resumes
     assert train(dataclasses.replace(cfg, resume=True, steps=4))["steps"] == 4
+
+
+def test_preparing_flags_that_a_prepared_folder_would_ignore_are_refused(text, tmp_path, cache):
+    """--tokenizer, --vocab-size and --val-fraction only prepare text: set to other values than the prepared
+    folder was made with, they would be ignored yet recorded in config.json, so they are refused; left at
+    their defaults, or given as the folder was made, they pass."""
+    from adahop.train.setup import resolve_data
+    src = tmp_path / "corpus.txt"
+    src.write_text(text)
+    prepared = tmp_path / "prepared"
+    prepare([str(src)], prepared, vocab_size=300, val_fraction=0.05)
+    for kw, named in [({"val_fraction": 0.1}, r"--val-fraction 0\.1 \(it was made with 0\.05\)"),
+                      ({"vocab_size": 400}, r"--vocab-size 400 \(it was made with 300\)"),
+                      ({"tokenizer": "gpt2"}, r"--tokenizer gpt2 \(it was made with bpe\)")]:
+        with pytest.raises(ValueError, match=rf"is a prepared folder, whose tokens are fixed; {named} would be ignored"):
+            resolve_data(TrainConfig(data=str(prepared), **kw))
+    assert resolve_data(TrainConfig(data=str(prepared))) == prepared
+    assert resolve_data(TrainConfig(data=str(prepared), vocab_size=300, val_fraction=0.05, tokenizer="bpe")) == prepared

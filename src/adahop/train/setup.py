@@ -257,6 +257,21 @@ def _check_tokenizer_file(data: Path) -> None:
                          f"(adahop data prepare ... --out {data} --overwrite) or restore the tokenizer file")
 
 
+def _refuse_preparing_flags(cfg: TrainConfig, manifest: Manifest) -> None:
+    """Raise ValueError when --tokenizer, --vocab-size or --val-fraction was set away from its default to a
+    value the prepared folder was not made with: those flags only prepare text, so they would be ignored
+    here, yet config.json would record them (and a later resume or compare would trust the record)."""
+    defaults = TrainConfig()
+    made = {"tokenizer": manifest.tokenizer.name, "val_fraction": manifest.val_fraction,
+            "vocab_size": manifest.tokenizer.vocab_size if manifest.tokenizer.name == "bpe" else None}
+    wrong = [f"--{k.replace('_', '-')} {getattr(cfg, k)} (it was made with {v})" for k, v in made.items()
+             if getattr(cfg, k) != getattr(defaults, k) and getattr(cfg, k) != v]
+    if wrong:
+        raise ValueError(f"--data {cfg.data} is a prepared folder, whose tokens are fixed; {', '.join(wrong)} "
+                         f"would be ignored. To fix: drop the flag, or prepare the text again with it "
+                         f"(adahop data prepare --source ... --out NEW_FOLDER)")
+
+
 def resolve_data(cfg: TrainConfig) -> Path:
     """The prepared data folder for ``cfg.data`` (:func:`prepared_path`), prepared once if missing
     (safe when several runs need it at once). A prepared folder given as ``--data`` is refused when
@@ -274,6 +289,7 @@ def resolve_data(cfg: TrainConfig) -> Path:
                              f"--source ... --out {p}), pass the changed files themselves as --data (prepared once "
                              f"per content), or restore them")
         _check_tokenizer_file(p)
+        _refuse_preparing_flags(cfg, Manifest.load(p))
         return p
     return prepare_cached(_sources(cfg), tokenizer=cfg.tokenizer, vocab_size=cfg.vocab_size,
                           val_fraction=cfg.val_fraction)
