@@ -628,3 +628,18 @@ def test_a_source_given_twice_and_a_file_that_is_no_tokenizer_are_refused(tmp_pa
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ValueError, match=r"bad.json is not a tokenizers JSON"):
         load_tokenizer(str(tmp_path / "bad.json"))
+
+
+def test_an_archive_named_as_a_source_is_refused_not_read_as_text(tmp_path):
+    """A .tar.gz was read through gzip as text (its tar headers became tokens) and a .bz2 as raw bytes;
+    both are refused, naming the file and the formats adahop reads."""
+    from adahop.data.sources import resolve_sources
+    text = tmp_path / "a.txt"
+    text.write_text("hello world\n")
+    with tarfile.open(tmp_path / "corpus.tar.gz", "w:gz") as tar:
+        tar.add(text, arcname="a.txt")
+    (tmp_path / "corpus.txt.bz2").write_bytes(b"BZh91AY&SY")
+    for name in ("corpus.tar.gz", "corpus.txt.bz2"):
+        with pytest.raises(ValueError, match=rf"{name}: an archive or a compression adahop does not read; unpack it"):
+            resolve_sources(str(tmp_path / name))
+    assert [s.kind for s in resolve_sources(str(text))] == ["text"]

@@ -8,7 +8,8 @@ Supported specs:
 
 - a file: ``.txt``/``.text``/``.md`` (plain UTF-8 text), ``.jsonl`` (one JSON object per line, text in
   ``text_field``), ``.parquet`` (text in column ``text_field``); text and JSONL files may be compressed
-  as ``.gz``, ``.xz`` or ``.zst``. A named file with another suffix is read as plain text.
+  as ``.gz``, ``.xz`` or ``.zst``. A named archive (``.tar``, ``.tar.gz``, ``.zip``, ...) or ``.bz2`` is
+  refused; a named file with another suffix is read as plain text.
 - a folder: every supported file below it, recursively, in sorted path order (hidden files skipped).
 - ``hf:NAME[:CONFIG][:SPLIT]``: a Hugging Face dataset through ``datasets`` (split defaults to ``train``).
 - ``default``: the built-in corpus (State of the Union addresses + Moby-Dick), see
@@ -39,6 +40,7 @@ __all__ = ["SourceInfo", "Source", "FileSource", "HFSource", "resolve_sources", 
 
 TEXT_SUFFIXES = (".txt", ".text", ".md")
 COMPRESSED_SUFFIXES = (".gz", ".xz", ".zst")
+_ARCHIVE_SUFFIXES = (".tar", ".tgz", ".tar.gz", ".tar.xz", ".tar.zst", ".zip", ".7z", ".rar", ".bz2", ".lz4")
 _CHUNK_CHARS = 1 << 20  # plain text is streamed in 1 MiB chunks
 _READ_ERRORS = (OSError, EOFError, lzma.LZMAError, zlib.error, zstandard.ZstdError, UnicodeDecodeError)
 
@@ -316,7 +318,8 @@ def resolve_sources(specs: str | Path | Sequence[str | Path]) -> list[Source]:
         list of :class:`Source`, at least one.
 
     Raises:
-        ValueError: no specs, a path that does not exist, an empty folder, a compressed parquet.
+        ValueError: no specs, a path that does not exist, an empty folder, a compressed parquet, an archive
+            (.tar, .zip, ...) or a compression other than .gz/.xz/.zst.
         RuntimeError: ``default`` could not be fetched (see :func:`adahop.data.default_corpus.default_corpus_path`).
     """
     specs = [str(specs)] if isinstance(specs, (str, Path)) else [str(s) for s in specs]
@@ -336,6 +339,9 @@ def resolve_sources(specs: str | Path | Sequence[str | Path]) -> list[Source]:
                 out.extend(_folder_sources(path))
             elif path.is_file():
                 kind = _file_kind(path)
+                if path.name.lower().endswith(_ARCHIVE_SUFFIXES):  # read as text, their headers would be tokens
+                    raise ValueError(f"{path}: an archive or a compression adahop does not read; unpack it and pass "
+                                     f"the folder, or recompress the text as {'/'.join(COMPRESSED_SUFFIXES)}")
                 if kind is None and path.name.lower().endswith(tuple(".parquet" + c for c in COMPRESSED_SUFFIXES)):
                     raise ValueError(f"{path}: compressed parquet is not supported; decompress it first "
                                      "(parquet compresses its columns itself)")
