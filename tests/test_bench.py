@@ -196,3 +196,46 @@ def test_bench_compile_stack_dumps_name_the_frame_the_main_thread_is_in(repo_scr
     t.join()
     err = capsys.readouterr().err
     assert "--- main thread at" in err and "stuck_in_a_compile" in err
+
+
+def test_largest_fitting_doubles_then_bisects_to_the_last_batch_that_fits():
+    from adahop.bench.max_batch import largest_fitting
+    assert largest_fitting(lambda b: b <= 11, 4, 64) == (11, [(4, True), (8, True), (16, False), (12, False),
+                                                               (10, True), (11, True)])
+    assert largest_fitting(lambda b: b <= 40, 4, 20) == (20, [(4, True), (8, True), (16, True), (20, True)])
+    assert largest_fitting(lambda b: b <= 2, 8, 64) == (2, [(8, False), (4, False), (2, True), (3, False)])
+    assert largest_fitting(lambda b: False, 2, 8) == (0, [(2, False), (1, False)])
+    for cap in range(1, 40):  # every answer is the monotone predicate's edge, never past the limit
+        for edge in range(0, 45):
+            assert largest_fitting(lambda b: b <= edge, 1, cap)[0] == min(edge, cap)
+    with pytest.raises(ValueError, match="--max-batch 2 must be at least --batch-size 4"):
+        largest_fitting(lambda b: True, 4, 2)
+
+
+def test_bench_model_max_batch_reports_the_largest_batch_that_trains(monkeypatch):
+    """On the CPU nothing runs out of memory: every try up to the limit trains 3 real steps, so the largest
+    batch is the limit. Out of memory is what the GPU raises: a fake allocator that fails above 5 sequences
+    is found at 5."""
+    import torch
+
+    import adahop.bench.harness as harness
+    (row,) = bench_model("llama-tiny", recipes=("adahop-lv2",), seq_len=16, batch=2, steps=1, modes=("eager",),
+                         device="cpu", max_batch=4)
+    assert row["largest_batch"] == 4 and row["batches_tried"] == [[2, True], [4, True]]
+    real = harness.model_step
+
+    def tight(model, recipe, mode, seq_len, batch, *a, **kw):
+        m, step = real(model, recipe, mode, seq_len, batch, *a, **kw)
+
+        def oom(i, record=False):
+            if batch > 5:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory (fake)")
+            return step(i, record)
+        oom.compile_mode, oom.first_compiled = step.compile_mode, step.first_compiled
+        return m, oom
+    monkeypatch.setattr(harness, "model_step", tight)
+    (row,) = bench_model("llama-tiny", recipes=("bf16",), seq_len=16, batch=2, steps=1, modes=("eager",),
+                         device="cpu", max_batch=8)
+    assert row["largest_batch"] == 5 and [b for b, _ in row["batches_tried"]] == [2, 4, 8, 6, 5]
+    with pytest.raises(ValueError, match="--max-batch 1 must be at least --batch-size 2"):
+        bench_model("llama-tiny", recipes=("bf16",), seq_len=16, batch=2, device="cpu", max_batch=1)

@@ -10,6 +10,7 @@ emulated baselines). Torch-free to import: the names below load on first use (PE
 - ``profile_model``, ``profile_linear``: torch.profiler kernel breakdowns of a model step and a layer;
 - ``kernel_timings``: microbenchmarks of the kernels against the measured ceilings;
 - ``optim_step``: the fused optimizer step against ``AdamW(fused=True)``;
+- ``max_batch``: the largest batch that trains before the GPU runs out of memory (``bench model --max-batch``);
 - ``host_overhead``: the host time of a converted layer with its kernels stubbed out.
 
 The profilers run as ``python scripts/<name>.py`` (thin wrappers) or ``python -m adahop.bench.<module>``.

@@ -181,7 +181,7 @@ def bench_linear(models=("llama3.1-8b",), tokens=(8192, 16384), reps: int = 20, 
 
 def bench_model(model: str = "llama3.2-1b", *, recipes=("bf16", "adahop-lv2", "mxfp4"), seq_len: int = 4096, batch: int = 4,
                 layers: int | None = None, steps: int = 6, modes=("eager", "auto"), device: str = "cuda",
-                small_gemms: bool = False) -> list[dict]:
+                small_gemms: bool = False, max_batch: int | None = None) -> list[dict]:
     """Training tokens/s (median step time after warm-up) and peak memory, same process for all.
 
     ``modes`` are keys of :data:`COMPILE_MODES`. A row that fails (out of memory, a compile
@@ -198,13 +198,19 @@ def bench_model(model: str = "llama3.2-1b", *, recipes=("bf16", "adahop-lv2", "m
     ``small_gemms``: the adahop recipes run their too-small GEMMs in BF16 (``Recipe.bf16_small_gemms``);
     every row counts them (``small_gemms_bf16``). The fields of :data:`adahop.bench.rows.ROW_FIELDS`
     are in every row (None where a row has no value).
+    ``max_batch``: after each row, the largest batch up to it that trains 3 steps (calibration, the
+    compile at the freeze, one frozen step) without running out of GPU memory
+    (:func:`adahop.bench.max_batch.largest_fitting`, from ``batch`` up): ``largest_batch`` and
+    ``batches_tried`` (``[batch, fitted]`` pairs). Each try builds the model anew (and compiles it).
 
     Raises:
-        ValueError: an unknown mode.
+        ValueError: an unknown mode, or ``max_batch`` below ``batch``.
     """
     for mode in modes:
         if mode not in COMPILE_MODES:
             raise ValueError(f"bench model: unknown mode {mode!r}; use some of {', '.join(COMPILE_MODES)}")
+    if max_batch is not None and max_batch < batch:
+        raise ValueError(f"bench model: --max-batch {max_batch} must be at least --batch-size {batch}")
     rows = []
     for mode in modes:
         for recipe in recipes:
@@ -214,6 +220,12 @@ def bench_model(model: str = "llama3.2-1b", *, recipes=("bf16", "adahop-lv2", "m
                 rows.append(dict(bench="model", model=model, layers=layers, seq_len=seq_len, batch=batch, recipe=recipe,
                                  mode=mode, bf16_small_gemms=small_gemms, error=f"{type(e).__name__}: {e}"[:300],
                                  **_where(device)))
+            if max_batch is not None and "error" not in rows[-1]:
+                try:
+                    rows[-1].update(_largest_batch(model, recipe, mode, seq_len, batch, layers, device, small_gemms,
+                                                   max_batch))
+                except Exception as e:  # noqa: BLE001 - the timed row stands without it
+                    rows[-1]["largest_batch_error"] = f"{type(e).__name__}: {e}"[:300]
             print("row:", json.dumps(rows[-1]), flush=True)  # a run cut short keeps the finished rows
             torch.compiler.reset()
             if device == "cuda":
@@ -371,6 +383,18 @@ def _bench_model_row_timed(model: str, recipe: str, mode: str, seq_len: int, bat
                 strategies=_strategy_counts(m), **compiled, **check, **_where(device))
 
 
+def _largest_batch(model: str, recipe: str, mode: str, seq_len: int, batch: int, layers: int | None, device: str,
+                   small_gemms: bool, limit: int) -> dict:
+    """``largest_batch`` and ``batches_tried`` of one row (see :func:`bench_model`'s ``max_batch``)."""
+    from .max_batch import batch_fits, largest_fitting
+
+    def fits(b: int) -> bool:
+        return batch_fits(lambda n: model_step(model, recipe, mode, seq_len, n, layers, device, small_gemms), b, steps=3)
+
+    largest, tried = largest_fitting(fits, batch, limit)
+    return dict(largest_batch=largest, batches_tried=[list(t) for t in tried])
+
+
 def _where(device) -> dict:
     """Where and when a row was measured: the GPU (or CPU), torch's version, the date (UTC)."""
     import datetime
@@ -409,7 +433,7 @@ def run(args) -> None:
     else:
         rows = bench_model(args.model, recipes=tuple(args.recipes.split(",")), seq_len=args.seq_len, batch=args.batch_size,
                            layers=args.layers, steps=args.steps, modes=tuple(args.modes.split(",")),
-                           small_gemms=args.bf16_small_gemms)
+                           small_gemms=args.bf16_small_gemms, max_batch=args.max_batch)
     _print(rows)
     if args.json:
         n = len(merge_rows(args.json, rows))

@@ -45,4 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     mod.add_argument("--bf16-small-gemms", action="store_true",
                      help="adahop recipes run the GEMMs too small to gain from FP8 in BF16 (Recipe.bf16_small_gemms, "
                           "the default SmallGemmRule); each row counts them (small_gemms_bf16)")
+    mod.add_argument("--max-batch", type=int, metavar="N",
+                     help="after each row, find the largest batch up to N that trains without running out of GPU "
+                          "memory (doubling from --batch-size, then bisection; each try builds the model and runs 3 "
+                          "steps): the row's largest_batch")
     mod.add_argument("--json", metavar="PATH", help=_JSON_HELP)
