@@ -239,3 +239,27 @@ def test_bench_model_max_batch_reports_the_largest_batch_that_trains(monkeypatch
     assert row["largest_batch"] == 5 and [b for b, _ in row["batches_tried"]] == [2, 4, 8, 6, 5]
     with pytest.raises(ValueError, match="--max-batch 1 must be at least --batch-size 2"):
         bench_model("llama-tiny", recipes=("bf16",), seq_len=16, batch=2, device="cpu", max_batch=1)
+
+
+def test_saved_census_counts_each_storage_once_and_fits_tokens_apart_from_weights():
+    """BF16 under autocast saves each linear's input as a BF16 copy (2 bytes per element, per token) and the
+    weight's BF16 copy (fixed); plain MXFP4 saves 1-byte FP8 codes and scales instead. The fit separates
+    the two exactly: per token, llama-tiny's down_proj input is its intermediate width times 2 bytes."""
+    from adahop.bench.saved_census import census, linear_fit, project
+    from adahop.models import PRESETS
+    d, f = PRESETS["llama-tiny"]["hidden_size"], PRESETS["llama-tiny"]["intermediate_size"]
+    fits = {}
+    for r in ("bf16", "mxfp4"):
+        small, large = (census("llama-tiny", r, 32, b, layers=1) for b in (2, 4))
+        assert small["tokens"] == 64 and large["tokens"] == 128 and small["layers"] == 1
+        assert sum(small["by_kind"].values()) == small["total"] == sum(small["by_dtype"].values())
+        fits[r] = linear_fit(small, large)
+    fixed, per_token = fits["bf16"]["block: down_proj"]
+    assert per_token == 2 * f and fixed == 2 * d * f  # X and W in BF16
+    assert fits["bf16"]["block: q_proj"][1] == 2 * d
+    fixed4, per_token4 = fits["mxfp4"]["block: down_proj"]
+    assert per_token4 < per_token / 1.8 and fixed4 < fixed / 1.8  # FP8 codes plus E8M0 scales
+    assert project(fits["bf16"], 3, 100) - project(fits["bf16"], 2, 100) == pytest.approx(
+        sum(a + b * 100 for k, (a, b) in fits["bf16"].items() if k.startswith("block")))
+    with pytest.raises(ValueError, match="two different token counts"):
+        linear_fit(small, small)

@@ -11,6 +11,7 @@ emulated baselines). Torch-free to import: the names below load on first use (PE
 - ``kernel_timings``: microbenchmarks of the kernels against the measured ceilings;
 - ``optim_step``: the fused optimizer step against ``AdamW(fused=True)``;
 - ``max_batch``: the largest batch that trains before the GPU runs out of memory (``bench model --max-batch``);
+- ``saved_census``: the bytes a training step saves for backward, by module kind and dtype (the activation side of peak memory; CPU too);
 - ``host_overhead``: the host time of a converted layer with its kernels stubbed out.
 
 The profilers run as ``python scripts/<name>.py`` (thin wrappers) or ``python -m adahop.bench.<module>``.
