@@ -196,3 +196,59 @@ def test_every_lazy_name_of_adahop_ptq_is_its_modules_object_after_the_submodule
     for name, m in ptq._WHERE.items():
         assert getattr(ptq, name) is getattr(mods[m], name), name
     assert callable(ptq.gptq)
+
+
+def test_block_by_block_calibration_equals_running_the_whole_model_to_each_block():
+    """The calibration records each block's call once and runs blocks alone on the quantized previous block's
+    outputs; the Hessians it takes equal, bit for bit, those of the whole model run up to each block with the
+    earlier blocks already quantized (the GPTQ order, and how the calibration ran before)."""
+    from adahop.models import build_model
+    from adahop.ptq.calibrate import block_linears, decoder_blocks, quantize_model
+    from adahop.ptq.quantize import quantize_layer as ql
+
+    torch.manual_seed(0)
+    model = build_model("llama-tiny", vocab_size=128, max_seq_len=32)
+    batches = [torch.randint(0, 128, (2, 32)) for _ in range(3)]
+    grid, seen = make_grid("int", 2, 16), {}
+
+    def quantize(name, w, h):
+        seen[name] = h
+        return ql(w, h, "rtn", grid, generator=torch.Generator().manual_seed(0))
+
+    def whole_model_hessians(block):  # the reference: the model from its embedding, stopped after `block`
+        sums = {}
+
+        class Stop(Exception):
+            pass
+
+        def grab(name):
+            def hook(_m, args):
+                x = args[0].reshape(-1, args[0].shape[-1]).float()
+                sums[name] = sums.get(name, 0) + x.T @ x
+            return hook
+        hooks = [lin.register_forward_pre_hook(grab(n)) for n, lin in block_linears(block)]
+        hooks.append(block.register_forward_hook(lambda *_: (_ for _ in ()).throw(Stop())))
+        with torch.no_grad():
+            for ids in batches:
+                try:
+                    model(input_ids=ids, use_cache=False)
+                except Stop:
+                    pass
+        for h in hooks:
+            h.remove()
+        return {n: v / (len(batches) * 64) for n, v in sums.items()}
+
+    reference = {}
+    prefix, blocks = decoder_blocks(model)
+    orig = quantize
+
+    def quantize_checking(name, w, h):  # before this layer's weight changes, the reference of its whole block
+        i = next(int(p) for p in name.split(".") if p.isdigit())
+        if i not in reference:
+            reference[i] = whole_model_hessians(blocks[i])
+        return orig(name, w, h)
+    quantize_model(model, batches, quantize_checking, device=torch.device("cpu"), log=lambda s: None)
+    assert len(seen) == 7 * len(blocks) and set(reference) == set(range(len(blocks)))
+    for name, h in seen.items():
+        i = next(int(p) for p in name.split(".") if p.isdigit())
+        assert torch.equal(h, reference[i][name.split(f"{prefix}.{i}.")[1]]), name

@@ -5,8 +5,12 @@ GPTQ's sequential procedure (Frantar et al. §4, "layer-wise" with the outputs o
 earlier blocks as inputs): block ``k``'s Hessians are taken with blocks ``0 … k−1`` already
 quantized, so each block is fitted to the activations the deployed model will really give it.
 To stay independent of each architecture's decoder-layer signature (attention masks, rotary
-embeddings, caches) the calibration runs the whole model and stops it at the end of block ``k``
-(a hook raises); that costs ``~L/2`` model forwards over the calibration set in all.
+embeddings, per-layer masks) one forward of the whole model records, per calibration batch, the
+first block's input and every block's other arguments as the model passes them (hooks; the model
+stops before the last block). Block ``k`` then runs alone on the outputs of the quantized block
+``k−1``, with its own recorded arguments: two block forwards per block (its Hessians, then its
+quantized outputs), ``~3L`` in all, where running the model up to each block took ``~L²/2``. The
+hidden states are the same tensors the whole model would compute (tested to the last bit).
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-__all__ = ["decoder_blocks", "block_linears", "calibration_batches", "block_hessians", "quantize_model"]
+__all__ = ["decoder_blocks", "block_linears", "calibration_batches", "record_block_calls", "block_hessians", "quantize_model",
+           "BlockCall"]
 
 
 def decoder_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
@@ -66,14 +71,72 @@ def calibration_batches(data_dir: str | Path, *, tokens: int, seq_len: int, batc
 
 
 class _Stop(Exception):
-    """Raised by the hook at the end of the block being calibrated: the rest of the model is not needed."""
+    """Raised by the hook before the last block: the recording forward needs nothing after it."""
+
+
+class BlockCall:
+    """How the model calls one block: the arguments other than the hidden states, and where those go."""
+
+    __slots__ = ("rest", "kwargs", "positional")
+
+    def __init__(self, rest: tuple, kwargs: dict, positional: bool):
+        self.rest, self.kwargs, self.positional = rest, kwargs, positional
+
+    def __call__(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        out = block(x, *self.rest, **self.kwargs) if self.positional else block(*self.rest, hidden_states=x, **self.kwargs)
+        return out[0] if isinstance(out, (tuple, list)) else out
 
 
 @torch.no_grad()
-def block_hessians(model: nn.Module, block: nn.Module, batches: list[torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+def record_block_calls(model: nn.Module, blocks: nn.ModuleList, batches: list[torch.Tensor],
+                       device: torch.device) -> tuple[list[torch.Tensor], list[list[BlockCall]]]:
+    """One forward of ``model`` per batch, stopped before the last block: the first block's hidden-state input
+    per batch, and per batch every block's :class:`BlockCall` (masks, rotary embeddings... as the model passes
+    them, so that a block run alone computes what it computes inside the model).
+
+    Raises:
+        ValueError: a block called without hidden states as its first argument or ``hidden_states=``.
+    """
+    firsts: list[torch.Tensor] = []
+    calls: list[list[BlockCall]] = []
+
+    def recorder(i: int):
+        def hook(_mod, args, kwargs):
+            if args:
+                x, call = args[0], BlockCall(tuple(args[1:]), dict(kwargs), True)
+            elif "hidden_states" in kwargs:
+                kw = dict(kwargs)
+                x, call = kw.pop("hidden_states"), BlockCall((), kw, False)
+            else:
+                raise ValueError("the model calls its decoder blocks without hidden states as the first argument or "
+                                 "hidden_states=; adahop ptq supports Llama/Qwen-style causal LMs")
+            if i == 0:
+                firsts.append(x)
+            calls[-1].append(call)
+            if i == len(blocks) - 1:
+                raise _Stop
+        return hook
+
+    hooks = [b.register_forward_pre_hook(recorder(i), with_kwargs=True) for i, b in enumerate(blocks)]
+    try:
+        for ids in batches:
+            calls.append([])
+            try:
+                model(input_ids=ids.to(device), use_cache=False)
+            except _Stop:
+                pass
+    finally:
+        for hk in hooks:
+            hk.remove()
+    return firsts, calls
+
+
+@torch.no_grad()
+def block_hessians(block: nn.Module, inputs: list[torch.Tensor], calls: list[BlockCall]) -> dict[str, torch.Tensor]:
     """``H = E[x xᵀ]`` (float32 ``[n, n]``, mean over every calibration token) of the input of each
-    ``nn.Linear`` of ``block``, from forwards of ``model`` stopped after ``block``."""
+    ``nn.Linear`` of ``block``, from the block run alone on each batch's ``inputs`` with its recorded ``calls``."""
     linears = block_linears(block)
+    device = inputs[0].device
     sums = {n: torch.zeros(m.in_features, m.in_features, device=device) for n, m in linears}
     counts = dict.fromkeys(sums, 0)
     hooks = []
@@ -83,16 +146,9 @@ def block_hessians(model: nn.Module, block: nn.Module, batches: list[torch.Tenso
             sums[name].addmm_(x.T, x)
             counts[name] += x.shape[0]
         hooks.append(mod.register_forward_pre_hook(grab))
-
-    def stop(*_):
-        raise _Stop
-    hooks.append(block.register_forward_hook(stop))
     try:
-        for ids in batches:
-            try:
-                model(input_ids=ids.to(device), use_cache=False)
-            except _Stop:
-                pass
+        for x, call in zip(inputs, calls):
+            call(block, x)
     finally:
         for hk in hooks:
             hk.remove()
@@ -121,9 +177,10 @@ def quantize_model(model: nn.Module, batches: list[torch.Tensor], quantize: Call
     prefix, blocks = decoder_blocks(model)
     model.eval()
     out = {}
+    xs, calls = record_block_calls(model, blocks, batches, device)
     for i, block in enumerate(blocks):
         t0 = time.perf_counter()
-        hs = block_hessians(model, block, batches, device)
+        hs = block_hessians(block, xs, [c[i] for c in calls])
         items = [(f"{prefix}.{i}.{name}", lin.weight.detach().float(), hs[name]) for name, lin in block_linears(block)]
         if prepare is not None:
             prepare(items)
@@ -132,5 +189,8 @@ def quantize_model(model: nn.Module, batches: list[torch.Tensor], quantize: Call
             with torch.no_grad():
                 lin.weight.copy_(res.weight.to(torch.bfloat16).to(lin.weight.dtype))
             out[full] = res
+        if i + 1 < len(blocks):  # the next block's inputs: this block's outputs, now that it is quantized
+            with torch.no_grad():
+                xs = [c[i](block, x) for x, c in zip(xs, calls)]
         log(f"block {i + 1}/{len(blocks)}: {len(hs)} layers in {time.perf_counter() - t0:.1f} s")
     return out
