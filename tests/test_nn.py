@@ -588,3 +588,34 @@ def test_describe_names_the_fp32_accumulation_of_the_nvfp4_gemms():
         assert first_line(recipe).endswith("fast-path accumulation fp32"), first_line(recipe)
     assert first_line("mxfp4").endswith("fast-path accumulation fp8-mma")
     assert first_line("averis-mxfp4").endswith("fast-path accumulation fp8-mma")
+
+
+def test_layers_reading_one_input_under_autocast_keep_one_copy_and_the_same_gradients(monkeypatch):
+    """q, k and v read one FP32 X; under eager autocast each cast it to BF16 and kept its own copy for backward.
+    One shared copy now: the saved storages hold one BF16 X, and every gradient equals, bit for bit, that of
+    separate casts (the gradients reach X each on its own and are summed in FP32)."""
+    import adahop.nn.linear as linear_mod
+    from adahop.nn import convert_model
+    from adahop.recipes import get_recipe
+
+    def run():
+        torch.manual_seed(0)
+        m = torch.nn.ModuleDict({k: torch.nn.Linear(64, 64, bias=False) for k in ("q", "k", "v")})
+        convert_model(m, get_recipe("adahop-lv2"))  # calibrating: each layer saves its BF16 input
+        x = torch.randn(32, 64, requires_grad=True)
+        storages = set()
+
+        def pack(t):
+            if t.dtype == torch.bfloat16 and t.shape[-1] == 64 and t.numel() == x.numel():
+                storages.add(t.untyped_storage().data_ptr())
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+            y = sum((m[k](x).float() * (i + 1)).sum() for i, k in enumerate(("q", "k", "v")))
+        y.backward()
+        return len(storages), x.grad, [m[k].weight.grad for k in ("q", "k", "v")]
+
+    n_one, gx_one, gw_one = run()
+    monkeypatch.setattr(linear_mod, "shared_cast", lambda x, dtype: x.to(dtype))  # each layer its own cast
+    n_sep, gx_sep, gw_sep = run()
+    assert (n_sep, n_one) == (3, 1)
+    assert torch.equal(gx_sep, gx_one) and all(torch.equal(a, b) for a, b in zip(gw_sep, gw_one))

@@ -311,7 +311,10 @@ def seed_compiled_rng(model: nn.Module, step: int, micro: int = 0) -> None:
 
 def saved_bytes(model: nn.Module) -> tuple[int, int]:
     """(bytes the converted linears saved for backward at the last forward, the bytes a plain
-    ``nn.Linear`` in the same compute dtype saves: its input X, and under autocast its cast weight)."""
+    ``nn.Linear`` in the same compute dtype saves: its input X, and under autocast its cast weight).
+    Summed layer by layer on both sides: an input that layers share (q, k and v's X: one tensor without
+    autocast, one copy under it since :mod:`adahop.nn.shared_cast`) counts once per layer; the memory a
+    step holds is :mod:`adahop.bench.saved_census`'s."""
     ours = bf16 = 0
     for m in model.modules():
         if isinstance(m, LowPrecisionLinear):

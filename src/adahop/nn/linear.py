@@ -15,6 +15,7 @@ from ..utils import mix_seed
 from . import opaque
 from .opaque import specs_digest
 from .function import LowPrecisionLinearFn, fprop, salt
+from .shared_cast import shared_cast
 
 
 __all__ = ["LowPrecisionLinear", "Controller"]
@@ -385,7 +386,7 @@ class LowPrecisionLinear(nn.Linear):
         if not x.is_floating_point():
             raise ValueError(f"{self.name}: input of dtype {x.dtype}; the layer takes a floating-point tensor (token ids "
                              "go through the embedding first)")
-        x2 = x.reshape(-1, self.in_features).to(dtype)
+        x2 = shared_cast(x, dtype).reshape(-1, self.in_features)  # q, k and v keep one copy of their X, not three
         with torch.autocast(device_type=x.device.type, enabled=False):
             if x2.shape[0] == 0:  # no tokens (an MoE expert that got none): nothing to quantize, exact and empty
                 b = None if self.bias is None else self.bias.to(dtype)
