@@ -239,6 +239,8 @@ def test_bench_model_max_batch_reports_the_largest_batch_that_trains(monkeypatch
     assert row["largest_batch"] == 5 and [b for b, _ in row["batches_tried"]] == [2, 4, 8, 6, 5]
     with pytest.raises(ValueError, match="--max-batch 1 must be at least --batch-size 2"):
         bench_model("llama-tiny", recipes=("bf16",), seq_len=16, batch=2, device="cpu", max_batch=1)
+    from adahop.bench.max_batch import _out_of_memory
+    assert _out_of_memory(RuntimeError("CUDA error: out of memory")) and not _out_of_memory(RuntimeError("shape"))
 
 
 def test_saved_census_counts_each_storage_once_and_fits_tokens_apart_from_weights():
@@ -257,6 +259,7 @@ def test_saved_census_counts_each_storage_once_and_fits_tokens_apart_from_weight
     fixed, per_token = fits["bf16"]["block: down_proj"]
     assert per_token == 2 * f and fixed == 2 * d * f  # X and W in BF16
     assert fits["bf16"]["block: q_proj"][1] == 2 * d
+    assert fits["bf16"]["block: o_proj"][1] == 0  # its X is attention's output, saved (and counted) there first
     fixed4, per_token4 = fits["mxfp4"]["block: down_proj"]
     assert per_token4 < per_token / 1.8 and fixed4 < fixed / 1.8  # FP8 codes plus E8M0 scales
     assert project(fits["bf16"], 3, 100) - project(fits["bf16"], 2, 100) == pytest.approx(

@@ -640,6 +640,6 @@ def test_an_archive_named_as_a_source_is_refused_not_read_as_text(tmp_path):
         tar.add(text, arcname="a.txt")
     (tmp_path / "corpus.txt.bz2").write_bytes(b"BZh91AY&SY")
     for name in ("corpus.tar.gz", "corpus.txt.bz2"):
-        with pytest.raises(ValueError, match=rf"{name}: an archive or a compression adahop does not read; unpack it"):
+        with pytest.raises(ValueError, match=rf"{name}: an archive or a compression adahop does not read; unpack or decompress it"):
             resolve_sources(str(tmp_path / name))
     assert [s.kind for s in resolve_sources(str(text))] == ["text"]

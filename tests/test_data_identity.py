@@ -246,9 +246,21 @@ def test_preparing_flags_that_a_prepared_folder_would_ignore_are_refused(text, t
     prepared = tmp_path / "prepared"
     prepare([str(src)], prepared, vocab_size=300, val_fraction=0.05)
     for kw, named in [({"val_fraction": 0.1}, r"--val-fraction 0\.1 \(it was made with 0\.05\)"),
-                      ({"vocab_size": 400}, r"--vocab-size 400 \(it was made with 300\)"),
+                      ({"vocab_size": 299}, r"--vocab-size 299 \(it was made with 300 ids by --tokenizer bpe\)"),
                       ({"tokenizer": "gpt2"}, r"--tokenizer gpt2 \(it was made with bpe\)")]:
         with pytest.raises(ValueError, match=rf"is a prepared folder, whose tokens are fixed; {named} would be ignored"):
             resolve_data(TrainConfig(data=str(prepared), **kw))
     assert resolve_data(TrainConfig(data=str(prepared))) == prepared
     assert resolve_data(TrainConfig(data=str(prepared), vocab_size=300, val_fraction=0.05, tokenizer="bpe")) == prepared
+    # a small corpus trains fewer ids than asked: the size asked for is no mismatch
+    small = tmp_path / "small"
+    prepare([str(src)], small, vocab_size=4000, val_fraction=0.05)
+    assert Manifest.load(small).tokenizer.vocab_size < 4000
+    assert resolve_data(TrainConfig(data=str(small), vocab_size=4000, val_fraction=0.05)) == small
+    # one tokenizer file spelled another way is the same tokenizer (its fingerprint)
+    tiktoken = SHARED / "gpt2.tiktoken"
+    if tiktoken.exists():
+        tk = tmp_path / "tk"
+        prepare([str(src)], tk, tokenizer=f"tiktoken:{tiktoken}", val_fraction=0.05)
+        assert resolve_data(TrainConfig(data=str(tk), tokenizer=f"tiktoken:{tiktoken.parent}/../data/gpt2.tiktoken",
+                                        val_fraction=0.05)) == tk

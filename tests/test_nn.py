@@ -614,7 +614,23 @@ def test_layers_reading_one_input_under_autocast_keep_one_copy_and_the_same_grad
         y.backward()
         return len(storages), x.grad, [m[k].weight.grad for k in ("q", "k", "v")]
 
+    from adahop.nn.shared_cast import shared_cast
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        a = shared_cast(x, torch.bfloat16)
+        assert shared_cast(x, torch.bfloat16).data_ptr() == a.data_ptr()  # shared
+        a.mul_(0)  # a write through the copy handed out: the next caller gets a fresh, right copy
+        assert torch.equal(shared_cast(x, torch.bfloat16), x.to(torch.bfloat16))
+        x.add_(1)  # a write to the source
+        assert torch.equal(shared_cast(x, torch.bfloat16), x.to(torch.bfloat16))
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):  # no version counters there
+        xi = torch.randn(32, 64)
+        assert shared_cast(xi, torch.bfloat16).dtype == torch.bfloat16
     n_one, gx_one, gw_one = run()
+    layer = torch.nn.ModuleDict({"q": torch.nn.Linear(64, 64, bias=False)})
+    convert_model(layer, get_recipe("adahop-lv2"))
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):  # it raised on the version counter
+        assert layer["q"](torch.randn(32, 64)).shape == (32, 64)
     monkeypatch.setattr(linear_mod, "shared_cast", lambda x, dtype: x.to(dtype))  # each layer its own cast
     n_sep, gx_sep, gw_sep = run()
     assert (n_sep, n_one) == (3, 1)

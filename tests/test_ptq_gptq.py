@@ -198,16 +198,28 @@ def test_every_lazy_name_of_adahop_ptq_is_its_modules_object_after_the_submodule
     assert callable(ptq.gptq)
 
 
-def test_block_by_block_calibration_equals_running_the_whole_model_to_each_block():
+def _qwen2_sliding_every_other_layer():
+    import transformers
+    cfg = transformers.Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True,
+                                   sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2)
+    return transformers.Qwen2ForCausalLM(cfg)
+
+
+@pytest.mark.parametrize("arch", ["llama-tiny", "qwen2 with sliding-window layers"])
+def test_block_by_block_calibration_equals_running_the_whole_model_to_each_block(arch):
     """The calibration records each block's call once and runs blocks alone on the quantized previous block's
     outputs; the Hessians it takes equal, bit for bit, those of the whole model run up to each block with the
-    earlier blocks already quantized (the GPTQ order, and how the calibration ran before)."""
+    earlier blocks already quantized (the GPTQ order, and how the calibration ran before). The Qwen2 model's
+    layers get two different attention masks (a window of 8 of the 32 tokens on every other layer): each
+    block's own recorded call must reach it."""
     from adahop.models import build_model
     from adahop.ptq.calibrate import block_linears, decoder_blocks, quantize_model
     from adahop.ptq.quantize import quantize_layer as ql
 
     torch.manual_seed(0)
-    model = build_model("llama-tiny", vocab_size=128, max_seq_len=32)
+    model = build_model("llama-tiny", vocab_size=128, max_seq_len=32) if arch == "llama-tiny" else \
+        _qwen2_sliding_every_other_layer()
     batches = [torch.randint(0, 128, (2, 32)) for _ in range(3)]
     grid, seen = make_grid("int", 2, 16), {}
 

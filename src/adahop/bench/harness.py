@@ -198,8 +198,9 @@ def bench_model(model: str = "llama3.2-1b", *, recipes=("bf16", "adahop-lv2", "m
     ``small_gemms``: the adahop recipes run their too-small GEMMs in BF16 (``Recipe.bf16_small_gemms``);
     every row counts them (``small_gemms_bf16``). The fields of :data:`adahop.bench.rows.ROW_FIELDS`
     are in every row (None where a row has no value).
-    ``max_batch``: after each row, the largest batch up to it that trains 3 steps (calibration, the
-    compile at the freeze, one frozen step) without running out of GPU memory
+    ``max_batch``: after each row, the largest batch up to it that trains without running out of GPU
+    memory (a calibrating recipe's calibration, then three compiled steps: the compile, CUDA-graph recording,
+    a replay; eager: three steps; :func:`adahop.bench.max_batch.batch_fits`)
     (:func:`adahop.bench.max_batch.largest_fitting`, from ``batch`` up): ``largest_batch`` and
     ``batches_tried`` (``[batch, fitted]`` pairs). Each try builds the model anew (and compiles it).
 
@@ -389,7 +390,7 @@ def _largest_batch(model: str, recipe: str, mode: str, seq_len: int, batch: int,
     from .max_batch import batch_fits, largest_fitting
 
     def fits(b: int) -> bool:
-        return batch_fits(lambda n: model_step(model, recipe, mode, seq_len, n, layers, device, small_gemms), b, steps=3)
+        return batch_fits(lambda n: model_step(model, recipe, mode, seq_len, n, layers, device, small_gemms), b)
 
     largest, tried = largest_fitting(fits, batch, limit)
     return dict(largest_batch=largest, batches_tried=[list(t) for t in tried])

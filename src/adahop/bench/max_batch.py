@@ -48,22 +48,30 @@ def largest_fitting(fits: Callable[[int], bool], start: int, limit: int) -> tupl
     return lo, tried
 
 
-def batch_fits(make_step: Callable[[int], tuple[torch.nn.Module, Callable[..., dict]]], batch: int, steps: int) -> bool:
-    """Whether ``steps`` training steps of ``make_step(batch)``'s model run without a CUDA out-of-memory
-    error (:func:`adahop.bench.harness.model_step`'s ``(model, step)``; calibration, the compile at the
-    freeze and the first frozen step need 3). Frees the model, its compiled graphs and the allocator's
-    cache afterwards, so the next try starts from the same memory. Other errors propagate.
+def _out_of_memory(e: BaseException) -> bool:
+    # torch's own error, or one wrapped by a compiler or raised by a library's allocation (cuBLAS workspaces)
+    return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+def batch_fits(make_step: Callable[[int], tuple[torch.nn.Module, Callable[..., dict]]], batch: int) -> bool:
+    """Whether ``make_step(batch)``'s model (:func:`adahop.bench.harness.model_step`'s ``(model, step)``) trains
+    without running out of GPU memory: its eager steps (a calibrating recipe's calibration) and then three
+    compiled ones (the compile, CUDA-graph warm-up and recording, a replay), or three eager steps. Frees the
+    model, its compiled graphs and the allocator's cache afterwards, so the next try starts from the same
+    memory. Other errors propagate.
     """
     model = step = None
     try:
         model, step = make_step(batch)
-        for i in range(steps):
+        for i in range((step.first_compiled or 0) + 3):
             step(i)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         return True
-    except torch.cuda.OutOfMemoryError:
-        return False
+    except Exception as e:  # noqa: BLE001 - any other error propagates below
+        if _out_of_memory(e):
+            return False
+        raise
     finally:
         del model, step
         gc.collect()

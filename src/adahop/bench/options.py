@@ -47,6 +47,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                           "the default SmallGemmRule); each row counts them (small_gemms_bf16)")
     mod.add_argument("--max-batch", type=int, metavar="N",
                      help="after each row, find the largest batch up to N that trains without running out of GPU "
-                          "memory (doubling from --batch-size, then bisection; each try builds the model and runs 3 "
-                          "steps): the row's largest_batch")
+                          "memory (doubling from --batch-size, then bisection; each try builds the model and runs its "
+                          "calibration and 3 steps in the row's mode): the row's largest_batch")
     mod.add_argument("--json", metavar="PATH", help=_JSON_HELP)

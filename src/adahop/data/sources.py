@@ -40,7 +40,8 @@ __all__ = ["SourceInfo", "Source", "FileSource", "HFSource", "resolve_sources", 
 
 TEXT_SUFFIXES = (".txt", ".text", ".md")
 COMPRESSED_SUFFIXES = (".gz", ".xz", ".zst")
-_ARCHIVE_SUFFIXES = (".tar", ".tgz", ".tar.gz", ".tar.xz", ".tar.zst", ".zip", ".7z", ".rar", ".bz2", ".lz4")
+_ARCHIVE_SUFFIXES = (".tar", ".tgz", ".tbz2", ".txz", ".tar.gz", ".tar.xz", ".tar.zst", ".zip", ".7z", ".rar", ".bz2",
+                     ".lz4", ".lzma", ".z", ".br")  # compared lower-cased (.Z is compress's)
 _CHUNK_CHARS = 1 << 20  # plain text is streamed in 1 MiB chunks
 _READ_ERRORS = (OSError, EOFError, lzma.LZMAError, zlib.error, zstandard.ZstdError, UnicodeDecodeError)
 
@@ -340,8 +341,9 @@ def resolve_sources(specs: str | Path | Sequence[str | Path]) -> list[Source]:
             elif path.is_file():
                 kind = _file_kind(path)
                 if path.name.lower().endswith(_ARCHIVE_SUFFIXES):  # read as text, their headers would be tokens
-                    raise ValueError(f"{path}: an archive or a compression adahop does not read; unpack it and pass "
-                                     f"the folder, or recompress the text as {'/'.join(COMPRESSED_SUFFIXES)}")
+                    raise ValueError(f"{path}: an archive or a compression adahop does not read; unpack or decompress "
+                                     f"it (a folder of text files is read whole), or recompress the text as "
+                                     f"{'/'.join(COMPRESSED_SUFFIXES)}")
                 if kind is None and path.name.lower().endswith(tuple(".parquet" + c for c in COMPRESSED_SUFFIXES)):
                     raise ValueError(f"{path}: compressed parquet is not supported; decompress it first "
                                      "(parquet compresses its columns itself)")

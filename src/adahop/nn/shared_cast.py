@@ -35,20 +35,25 @@ class _Alias(torch.autograd.Function):
 def shared_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x.to(dtype)``, one copy for consecutive calls on the same unchanged tensor while the copy is alive.
 
-    Values and gradients equal ``x.to(dtype)``'s; under ``torch.compile`` it is ``x.to(dtype)``.
+    Values and gradients equal ``x.to(dtype)``'s; under ``torch.compile`` and inference mode it is
+    ``x.to(dtype)``. A write to ``x`` or to a copy handed out makes the next call cast again (both tensors'
+    version counters are checked); a write through ``x.data``, which bumps no counter, is not seen.
     """
-    if x.dtype == dtype or torch.compiler.is_compiling():
+    # inference tensors have no version counter, and inference saves nothing for backward: nothing to share
+    if x.dtype == dtype or torch.compiler.is_compiling() or torch.is_inference_mode_enabled() or x.is_inference():
         return x.to(dtype)
     entry = getattr(_last, "entry", None)
     cast = None
     if entry is not None:
-        src, version, dt, ref = entry
-        if src() is x and version == x._version and dt == dtype:
-            cast = ref()
+        src, version, dt, ref, cast_version = entry
+        c = ref()
+        # x written in place since (its version), or the copy written through a view handed out (its own)
+        if src() is x and version == x._version and dt == dtype and c is not None and c._version == cast_version:
+            cast = c
     if cast is None:
         with torch.no_grad():
             cast = x.to(dtype)
-        _last.entry = (weakref.ref(x), x._version, dtype, weakref.ref(cast))
+        _last.entry = (weakref.ref(x), x._version, dtype, weakref.ref(cast), cast._version)
     if not (x.requires_grad and torch.is_grad_enabled()):
         return cast.view_as(cast)
     return _Alias.apply(x, cast)

@@ -95,10 +95,16 @@ def record_block_calls(model: nn.Module, blocks: nn.ModuleList, batches: list[to
     them, so that a block run alone computes what it computes inside the model).
 
     Raises:
-        ValueError: a block called without hidden states as its first argument or ``hidden_states=``.
+        ValueError: a block called without hidden states as its first argument or ``hidden_states=``, or not
+            with the previous block's output (blocks out of order, skipped or repeated, or the hidden states
+            changed between them).
     """
     firsts: list[torch.Tensor] = []
     calls: list[list[BlockCall]] = []
+    last_out: list[torch.Tensor | None] = [None]
+
+    def output(_mod, _args, out):
+        last_out[0] = out[0] if isinstance(out, (tuple, list)) else out
 
     def recorder(i: int):
         def hook(_mod, args, kwargs):
@@ -112,12 +118,18 @@ def record_block_calls(model: nn.Module, blocks: nn.ModuleList, batches: list[to
                                  "hidden_states=; adahop ptq supports Llama/Qwen-style causal LMs")
             if i == 0:
                 firsts.append(x)
+            elif len(calls[-1]) != i or not (x is last_out[0] or torch.equal(x, last_out[0])):
+                # blocks run alone are chained output to input, in order: a model that skips, repeats or
+                # reorders blocks, or changes the hidden states between them, would be calibrated on other inputs
+                raise ValueError(f"the model does not feed decoder block {i} the output of block {i - 1} unchanged; "
+                                 "adahop ptq supports Llama/Qwen-style stacks of blocks")
             calls[-1].append(call)
             if i == len(blocks) - 1:
                 raise _Stop
         return hook
 
     hooks = [b.register_forward_pre_hook(recorder(i), with_kwargs=True) for i, b in enumerate(blocks)]
+    hooks += [b.register_forward_hook(output) for b in blocks]
     try:
         for ids in batches:
             calls.append([])
@@ -191,6 +203,7 @@ def quantize_model(model: nn.Module, batches: list[torch.Tensor], quantize: Call
             out[full] = res
         if i + 1 < len(blocks):  # the next block's inputs: this block's outputs, now that it is quantized
             with torch.no_grad():
-                xs = [c[i](block, x) for x, c in zip(xs, calls)]
+                for j, c in enumerate(calls):  # in place: one batch's states more, not a second list
+                    xs[j] = c[i](block, xs[j])
         log(f"block {i + 1}/{len(blocks)}: {len(hs)} layers in {time.perf_counter() - t0:.1f} s")
     return out

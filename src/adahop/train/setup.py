@@ -261,15 +261,31 @@ def _refuse_preparing_flags(cfg: TrainConfig, manifest: Manifest) -> None:
     """Raise ValueError when --tokenizer, --vocab-size or --val-fraction was set away from its default to a
     value the prepared folder was not made with: those flags only prepare text, so they would be ignored
     here, yet config.json would record them (and a later resume or compare would trust the record)."""
-    defaults = TrainConfig()
-    made = {"tokenizer": manifest.tokenizer.name, "val_fraction": manifest.val_fraction,
-            "vocab_size": manifest.tokenizer.vocab_size if manifest.tokenizer.name == "bpe" else None}
-    wrong = [f"--{k.replace('_', '-')} {getattr(cfg, k)} (it was made with {v})" for k, v in made.items()
-             if getattr(cfg, k) != getattr(defaults, k) and getattr(cfg, k) != v]
+    defaults, tok = TrainConfig(), manifest.tokenizer
+    wrong = []
+    if cfg.val_fraction != defaults.val_fraction and cfg.val_fraction != manifest.val_fraction:
+        wrong.append(f"--val-fraction {cfg.val_fraction} (it was made with {manifest.val_fraction})")
+    if cfg.tokenizer != defaults.tokenizer and cfg.tokenizer != tok.name and not _same_tokenizer(cfg.tokenizer, tok):
+        wrong.append(f"--tokenizer {cfg.tokenizer} (it was made with {tok.name})")
+    # the manifest holds the vocabulary trained, which a small corpus keeps below the size asked for: only fewer
+    # ids than the folder's are surely another tokenizer
+    if cfg.vocab_size != defaults.vocab_size and (tok.name != "bpe" or cfg.vocab_size < tok.vocab_size):
+        wrong.append(f"--vocab-size {cfg.vocab_size} (it was made with {tok.vocab_size} ids by --tokenizer {tok.name})")
     if wrong:
         raise ValueError(f"--data {cfg.data} is a prepared folder, whose tokens are fixed; {', '.join(wrong)} "
                          f"would be ignored. To fix: drop the flag, or prepare the text again with it "
                          f"(adahop data prepare --source ... --out NEW_FOLDER)")
+
+
+def _same_tokenizer(spec: str, info) -> bool:
+    """Whether ``spec`` loads the tokenizer ``info`` describes (the same vocabulary and merges), e.g. one file
+    spelled two ways; False when it cannot be loaded here or ``info`` has no fingerprint."""
+    from ..data.tokenizer import load_tokenizer
+
+    try:
+        return info.sha256 is not None and load_tokenizer(spec).fingerprint() == info.sha256
+    except Exception:  # noqa: BLE001 - a spec this machine cannot load is not shown to be the same
+        return False
 
 
 def resolve_data(cfg: TrainConfig) -> Path:
