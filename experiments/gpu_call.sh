@@ -337,7 +337,14 @@ if [ "$STAGE" = p13 ]; then  # issue 22: the models of our own, each quantized a
   [ -f runs/ptq/bench_harp_350m.json ] || [ "${HARP_BENCH:-1}" = 0 ] || { timeout 150 python3 scripts/bench_harp.py --model llama-350m --steps ${HARP_BENCH_STEPS:-50} \
     --json runs/ptq/bench_harp_350m.json 2>&1 | grep -v -i warn | tail -9; echo "bench_harp done at $(el) s"; }
   pipeline() {  # train $1 ($M) in recipe $2 unless done, then its PTQ cells ($3 bits, $4 steps) into runs/ptq_table/<name>
-    local M=$1 R=$2 D=runs/ptq/${1#llama-}-$2 RES= C T SEEDS BITS=${3:-${PTQ_BITS:-2,3,4}} STEPS=${4:-${PTQ_STEPS:-1200}}
+    local M=$1 R=$2 D=runs/ptq/${1#llama-}-$2 RES= C T SEEDS BITS=${3:-${PTQ_BITS:-2,3,4}} STEPS=${4:-${PTQ_STEPS:-1200}} TABLE
+    # the repeats are W2 cells: none without 2 in BITS, and none for an empty PTQ_SEEDS (round 24 lost both 125m calls
+    # to run_ptq_experiment's usage errors: an empty --repeat-seeds, then repeats asked of a table without W2)
+    SEEDS=; [ -n "${PTQ_SEEDS-1}" ] && [[ ",$BITS," == *,2,* ]] && SEEDS="--repeat-seeds ${PTQ_SEEDS-1}"
+    TABLE="scripts/run_ptq_experiment.py --data runs/issue19/main --models $D --out runs/ptq_table/${D#runs/ptq/} $SEEDS
+      --harp-steps ${PTQ_HARP_STEPS:-1200} --bits $BITS --methods ${PTQ_METHODS:-rtn,gptq,rht-gptq,harp-gptq} $([ "${PTQ_NO_MX:-0}" = 1 ] && echo --no-mx)"
+    # the table's options checked before anything trains: a usage error costs seconds, not the call
+    python3 $TABLE --dry-run > $OUT/dry_${D#runs/ptq/}.log 2>&1 || { echo "table of $D refused: $(tail -1 $OUT/dry_${D#runs/ptq/}.log)"; return; }
     if [ ! -f $D/summary.json ] || grep -q '"interrupted": true' $D/summary.json; then
       [ -d $D/checkpoints ] && RES=--resume  # SIGINT at the budget writes a checkpoint; the next call resumes it
       T=$(( ${LIM:-560} - ${PTQ_RESERVE:-120} - $(el) )); [ $T -ge 60 ] || { echo "no time left to train $D"; return; }
@@ -350,17 +357,12 @@ if [ "$STAGE" = p13 ]; then  # issue 22: the models of our own, each quantized a
     fi
     { [ -f $D/model.safetensors ] && ! grep -q '"interrupted": true' $D/summary.json; } || return
     C=${PTQ_CONC:-3}
-    # the repeats are W2 cells: none without 2 in BITS, and none for an empty PTQ_SEEDS (round 24 lost both 125m calls
-    # to run_ptq_experiment's usage errors: an empty --repeat-seeds, then repeats asked of a table without W2)
-    SEEDS=; [ -n "${PTQ_SEEDS-1}" ] && [[ ",$BITS," == *,2,* ]] && SEEDS="--repeat-seeds ${PTQ_SEEDS-1}"
     if [ "${HARP_E2E:-1}" = 1 ] && [ $D = runs/ptq/350m-bf16 ] && [ ! -f runs/ptq_e2e/harp-gptq-w2-int/ptq.json ] && [ $(( ${LIM:-560} - $(el) )) -ge 120 ]; then
       mkdir -p runs/ptq_e2e; C=$(( C - 1 ))  # issue 22's "350m end to end in under 10 minutes", beside other cells: an upper bound
       timeout $(( ${LIM:-560} - 20 - $(el) )) python3 -m adahop ptq $D --method harp-gptq --bits 2 --quantizer int \
         --calib-data runs/issue19/main --calib-tokens 131072 --batch-size 8 --device auto --out runs/ptq_e2e/harp-gptq-w2-int > $OUT/harp_e2e_350m.log 2>&1 &
     fi
-    timeout $(( ${LIM:-560} - $(el) )) python3 scripts/run_ptq_experiment.py --data runs/issue19/main --models $D \
-      --out runs/ptq_table/${D#runs/ptq/} --concurrent $C $SEEDS --harp-steps ${PTQ_HARP_STEPS:-1200} \
-      --bits $BITS --methods ${PTQ_METHODS:-rtn,gptq,rht-gptq,harp-gptq} $([ "${PTQ_NO_MX:-0}" = 1 ] && echo --no-mx) --budget-s $(( ${LIM:-560} - 45 - $(el) )) > $OUT/ptq_${D#runs/ptq/}.log 2>&1
+    timeout $(( ${LIM:-560} - $(el) )) python3 $TABLE --concurrent $C --budget-s $(( ${LIM:-560} - 45 - $(el) )) > $OUT/ptq_${D#runs/ptq/}.log 2>&1
     echo "ptq $D: exit $? at $(el) s"; grep -E "^- W|ppl|^\| (rtn|gptq|rht|harp)" $OUT/ptq_${D#runs/ptq/}.log | head -20
     wait
   }

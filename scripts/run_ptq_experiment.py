@@ -268,12 +268,16 @@ def main(argv=None) -> int:
     p.add_argument("--concurrent", type=int, default=1,
                    help="cells at once (default 1): small models leave a GPU mostly idle, as the training launchers find")
     p.add_argument("--smoke", action="store_true", help="CPU: llama-tiny (trained here unless --models), short settings")
+    p.add_argument("--dry-run", action="store_true", help="check the options and list the cells, run none (the models "
+                   "need not exist yet: a GPU call checks its table before it trains them)")
     args = p.parse_args(argv)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     deadline = t0 + args.budget_s
+    if args.smoke and args.dry_run:
+        p.error("--smoke trains a model and runs cells; --dry-run runs none: give one of them")
     if args.smoke:
+        out.mkdir(parents=True, exist_ok=True)
         args.device = "cpu" if args.device == "auto" else args.device
         args.calib_tokens = min(args.calib_tokens, 4096)
         args.harp_steps = min(args.harp_steps, 40)
@@ -284,11 +288,20 @@ def main(argv=None) -> int:
     if not args.models:
         p.error("--models is required (or --smoke)")
     models = [m.strip() for m in args.models.split(",") if m.strip()]
+    if not args.data and args.dry_run:
+        p.error("--dry-run needs --data (the models may not exist yet to name theirs)")
     if not args.data:
         args.data = json.loads((Path(models[0]) / "config.json").read_text()).get("adahop", {}).get("data_dir")
         if not args.data:
             p.error("--data is required for a model that is not an `adahop train` run folder")
-    bits = [int(b) for b in args.bits.split(",")]
+    try:
+        bits = [int(b) for b in args.bits.split(",")]
+    except ValueError:
+        p.error(f"--bits {args.bits!r}: give comma-separated widths of 2, 3 and 4")
+    methods = [m.strip() for m in args.methods.split(",")]
+    from adahop.ptq.names import METHODS  # torch-free
+    if not set(bits) <= {2, 3, 4} or not set(methods) <= set(METHODS):
+        p.error(f"--bits {args.bits} --methods {args.methods}: widths are 2, 3 and 4, methods {', '.join(METHODS)}")
     try:
         seeds = sorted({int(x) for x in args.repeat_seeds.split(",") if x.strip()})
     except ValueError:
@@ -296,7 +309,13 @@ def main(argv=None) -> int:
     if any(sd <= 0 for sd in seeds) or (seeds and 2 not in bits):
         p.error(f"--repeat-seeds {args.repeat_seeds}: the seeds must be > 0 (seed 0 is the table's own run) and the "
                 f"repeats are W2 cells, so --bits must include 2 (it is {args.bits})")
-    todo = cells(models, bits, [m.strip() for m in args.methods.split(",")], not args.no_mx, seeds)
+    todo = cells(models, bits, methods, not args.no_mx, seeds)
+    if args.dry_run:
+        print(f"{len(todo)} cells, none run (--dry-run):")
+        for c in todo:
+            print(" ", c)
+        return 0
+    out.mkdir(parents=True, exist_ok=True)
     bases = {Path(m).name: baseline(out, m) for m in models}
     rows = write_summary(out, todo, run_cells(args, out, todo, bases, deadline), bases)
     md = summarize(out, rows, bases)
