@@ -635,3 +635,46 @@ def test_layers_reading_one_input_under_autocast_keep_one_copy_and_the_same_grad
     n_sep, gx_sep, gw_sep = run()
     assert (n_sep, n_one) == (3, 1)
     assert torch.equal(gx_sep, gx_one) and all(torch.equal(a, b) for a, b in zip(gw_sep, gw_one))
+
+
+def test_on_step_warns_of_a_step_that_goes_back():
+    """Random bits are seeded by step: a counter that goes back repeats earlier steps' bits, which a deliberate
+    replay wants (tests/test_compile.py compares modes at one step) and a counter bug does not (a new user's
+    probe: on_step(3) after step 40 returned False and set the step to 3, silently)."""
+    from adahop.nn import convert_model, get_controller, on_step
+    from adahop.nn.convert import controller_state, load_controller_state
+    from adahop.recipes import get_recipe
+    m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    convert_model(m, get_recipe("tseng"), exclude=())
+    on_step(m, 40)
+    saved = controller_state(m)
+    on_step(m, 40)  # the same step again changes nothing
+    with pytest.warns(UserWarning, match=r"on_step\(3\) after step 40: the steps from 3 on repeat the random bits"):
+        on_step(m, 3)
+    assert get_controller(m).step == 3
+    load_controller_state(m, {**saved, "step": 3})  # the way back to a checkpoint: no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert on_step(m, 4) is False and get_controller(m).step == 4
+
+
+def test_an_eval_mode_forward_with_gradients_on_is_warned_about_once(monkeypatch):
+    """In eval mode with grad on, a forward is a training call (its random bits and calibration observations
+    are the training run's): evaluating that way changes the training that follows. Said once, with the fix."""
+    import adahop.nn.linear as linear_mod
+    from adahop.nn import convert_model
+    from adahop.recipes import get_recipe
+    monkeypatch.setattr(linear_mod, "_warned_eval_with_grad", False)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 64))
+    convert_model(m, get_recipe("tseng"), exclude=())
+    x = torch.randn(8, 64)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        m(x).sum().backward()  # training mode: nothing to say
+        m.eval()
+        with torch.no_grad():
+            m(x)  # the eval stream: nothing to say
+        m(x)
+        m(x)
+    said = [w for w in seen if "eval mode with gradients enabled" in str(w.message)]
+    assert len(said) == 1 and "torch.no_grad()" in str(said[0].message)

@@ -140,7 +140,15 @@ class Controller:
 
         It also sets :attr:`sign_seed` to step ``step``'s value, so that a compiled model in a
         loop that calls only :func:`adahop.on_step` draws fresh random signs every step, as eager
-        mode does (the same value :func:`adahop.nn.seed_compiled_rng` sets for micro-batch 0)."""
+        mode does (the same value :func:`adahop.nn.seed_compiled_rng` sets for micro-batch 0).
+
+        A ``step`` below the one recorded is warned about: random bits are seeded by step, so the steps
+        from there repeat the earlier steps' bits (what a deliberate replay wants, and a counter bug does not;
+        a checkpoint's state is restored with :func:`adahop.nn.convert.load_controller_state`)."""
+        if step < self.step:
+            warnings.warn(f"adahop.on_step({step}) after step {self.step}: the steps from {step} on repeat the random "
+                          "bits already drawn for them (they are seeded by step). To go back to a checkpoint, load its "
+                          "AdaHOP state with adahop.nn.convert.load_controller_state", stacklevel=3)
         self.step = step
         self.seed_signs(step)
         if self.calibrating and step >= self.recipe.calibration.steps:
@@ -169,6 +177,20 @@ class Controller:
         self.calibrator = None
         for layer in self.layers:
             layer.resolve_specs()
+
+
+_warned_eval_with_grad = False
+
+
+def _warn_eval_with_grad() -> None:
+    # once per process: a model trained in eval mode (dropout off) would see it on every call
+    global _warned_eval_with_grad
+    if not _warned_eval_with_grad:
+        _warned_eval_with_grad = True
+        warnings.warn("adahop: a converted layer ran a forward in eval mode with gradients enabled. It counts as a "
+                      "training call: its random bits (and, while calibrating, the plan's observations) are the "
+                      "training run's, so an evaluation this way changes the training that follows. Evaluate under "
+                      "torch.no_grad() or torch.inference_mode()", stacklevel=4)
 
 
 class LowPrecisionLinear(nn.Linear):
@@ -393,6 +415,8 @@ class LowPrecisionLinear(nn.Linear):
                 return torch.nn.functional.linear(x2, self.weight.to(dtype), b).reshape(*x.shape[:-1], self.out_features)
             params_grad = self.weight.requires_grad or (self.bias is not None and self.bias.requires_grad)
             if torch.is_grad_enabled() and (x2.requires_grad or params_grad):
+                if not self.training and not torch.compiler.is_compiling():
+                    _warn_eval_with_grad()
                 if self._compiled_opaque():  # the layer as two ops, not its traced GEMMs (adahop.nn.opaque)
                     y = opaque.lp_linear(self, x2, dtype, self._sign_seed(GEMMS))
                 else:
