@@ -785,3 +785,41 @@ def test_a_window_beyond_the_trained_length_is_scored_with_a_note(run_dir, capsy
         capsys.readouterr().err
     assert main(["eval", str(run_dir), "--tasks", "none", "--data", cfg["data_dir"], "--eval-batches", "1"]) == 0
     assert "beyond the" not in capsys.readouterr().err
+
+
+def test_a_model_whose_tokenizer_is_no_tokenizer_json_tokenizes_text_with_it(run_dir, tmp_path):
+    """A transformers folder keeping its tokenizer as vocab.json + merges.txt (or SentencePiece) got text data
+    tokenized by a BPE trained on that text, and a prepared folder of another tokenizer passed the check: a
+    perplexity of foreign ids (a new user's probe). Now the text goes through the model's own tokenizer, another
+    tokenizer's data is refused by fingerprint, and a folder with no tokenizer at all is refused for text."""
+    import transformers
+
+    from adahop.data import Manifest, prepare
+    from adahop.eval.perplexity import check_same_tokenizer, prepared_data
+
+    hf = tmp_path / "hf"
+    transformers.AutoModelForCausalLM.from_pretrained(run_dir).save_pretrained(hf)
+    bare = tmp_path / "bare"
+    transformers.AutoModelForCausalLM.from_pretrained(run_dir).save_pretrained(bare)
+    for folder in (hf, bare):  # plain transformers folders: no adahop run record to fall back on
+        cfg = json.loads((folder / "config.json").read_text())
+        cfg.pop("adahop", None)
+        (folder / "config.json").write_text(json.dumps(cfg))
+    model = json.loads((run_dir / "tokenizer.json").read_text())["model"]
+    (hf / "vocab.json").write_text(json.dumps(model["vocab"]))
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    (hf / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
+    (hf / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GPT2TokenizerFast"}))
+    text = tmp_path / "t.txt"
+    text.write_text("We the people of the United States, in order to form a more perfect union. " * 400)
+    data = prepared_data(str(text), None, hf)
+    from adahop.data.tokenizer import load_tokenizer
+    tok = Manifest.load(data).tokenizer  # prepared with the folder's tokenizer (cached by content: any path's name)
+    assert tok.name.startswith("hf:") and tok.sha256 == load_tokenizer(f"hf:{hf}").fingerprint()
+    check_same_tokenizer(data, hf, 512)  # its own tokenizer's data passes
+    other = tmp_path / "other"
+    prepare([str(text)], other, tokenizer="bpe", vocab_size=300, val_fraction=0.1)
+    with pytest.raises(ValueError, match=f"another tokenizer than {hf}'s \\(their fingerprints differ\\)"):
+        check_same_tokenizer(other, hf, 512)
+    with pytest.raises(ValueError, match=f"{bare} holds no tokenizer to tokenize the text with"):
+        prepared_data(str(text), None, bare)

@@ -66,12 +66,25 @@ def prepared_data(data: str, run_config: dict | None, model_dir: str | Path | No
         kw["tokenizer"] = f"bpe:{own_tok.resolve()}"  # the name a manifest records for a tokenizer.json
         if (kept := _kept_data(data, Path(model_dir), kw["tokenizer"])) is not None:
             return kept
+    elif rc.get("data") != data and model_dir is not None:
+        # a model's tokenizer in another form (vocab.json + merges.txt, SentencePiece): through transformers.
+        # Never a BPE trained on the text: its ids would mean other tokens than the model's
+        if any((Path(model_dir) / f).is_file() for f in _TOKENIZER_FILES):
+            kw["tokenizer"] = f"hf:{Path(model_dir).resolve()}"
+        elif not rc:
+            raise ValueError(f"--data {data}: {model_dir} holds no tokenizer to tokenize the text with; pass a folder "
+                             f"prepared with the model's tokenizer (adahop data prepare --source {data} --tokenizer "
+                             f"hf:NAME_OR_PATH --out DIR, then --data DIR)")
     try:
         return resolve_data(TrainConfig(data=data, **kw))
     except ValueError as e:  # the data preparation's own messages name its sources, not the option
         if str(e).startswith("--data"):
             raise
         raise ValueError(f"--data {data}: {e}") from None
+
+
+#: What a transformers folder may keep its tokenizer in besides tokenizer.json.
+_TOKENIZER_FILES = ("tokenizer_config.json", "vocab.json", "tokenizer.model", "spiece.model", "vocab.txt")
 
 
 def _kept_data(data: str, run: Path, tokenizer: str) -> Path | None:
@@ -104,7 +117,9 @@ def check_same_tokenizer(data_dir: Path, model_dir: Path, vocab_size: int, flag:
     model's: the perplexity of a model on foreign token ids is a silently wrong number.
 
     The check compares the vocabulary, merges, normalizer, pre-tokenizer and special tokens of the
-    ``tokenizer.json`` of both folders where both have one, and the data's
+    ``tokenizer.json`` of both folders where both have one, the data's fingerprint against an adahop
+    run's recorded one or against the fingerprint of the tokenizer transformers loads from the model
+    folder (vocab.json + merges.txt, SentencePiece...) when it has no tokenizer.json, and the data's
     vocabulary against the model's embedding size (``vocab_size``) always. ``flag``: the option
     the messages name (``adahop ptq`` takes the data as ``--calib-data``).
     """
@@ -124,6 +139,24 @@ def check_same_tokenizer(data_dir: Path, model_dir: Path, vocab_size: int, flag:
     if a.exists() and b.exists() and _text_to_ids(a) != _text_to_ids(b):
         raise ValueError(f"{flag} {data_dir} was tokenized with another tokenizer than {model_dir}'s (their "
                          f"tokenizer.json differ); prepare the data with --tokenizer hf:{model_dir}")
+    if run is None and not b.exists() and m.tokenizer.sha256:  # a model's tokenizer in another form: its fingerprint
+        own = _hf_fingerprint(Path(model_dir))
+        if own is not None and own != m.tokenizer.sha256:
+            raise ValueError(f"{flag} {data_dir} was tokenized with {m.tokenizer.name}, another tokenizer than "
+                             f"{model_dir}'s (their fingerprints differ); prepare the data with --tokenizer "
+                             f"hf:{model_dir}")
+
+
+def _hf_fingerprint(model_dir: Path) -> str | None:
+    """The fingerprint of the tokenizer transformers loads from ``model_dir``; None when there is none to load."""
+    from ..data.tokenizer import load_tokenizer
+
+    if not any((model_dir / f).is_file() for f in _TOKENIZER_FILES):
+        return None
+    try:
+        return load_tokenizer(f"hf:{model_dir.resolve()}").fingerprint()
+    except (ValueError, OSError):  # not loadable here: nothing to compare with
+        return None
 
 
 def _run_tokenizer(model_dir: Path) -> tuple[str | None, str | None] | None:
