@@ -118,6 +118,8 @@
 #      r19a: bench model llama-350m 1024 x 16 (bf16, mxfp4, adahop-lv2, torchao float8 rowwise; mode auto), then
 #      bench linear at the 8B shapes, 8192 tokens, eager and CUDA-graph replay; r19b: bench model Llama-3.2-1B 4096 x 4
 #      (bf16, mxfp4, adahop-lv2; auto), then 4 blocks of Llama-3.1-8B 4096 x 2 (same). Rows merge into $OUT/benchmarks.json
+#   r24m (issue 18, one GPU): the peak-memory row, Llama-3.2-1B 4096 x 8 (bf16, mxfp4, adahop-lv2): eager with
+#      bench model --max-batch MAXB (default 16), then compiled; rows in $OUT/benchmarks.json
 #   r21a (issue 18, one GPU): where the 8B-shaped model's first compile goes (round 20: mxfp4's did not finish in ~260 s;
 #      scripts/compile_census.py puts adahop's Triton kernels at ~12 s of it): scripts/bench_compile.py --phases cold for
 #      mxfp4 and adahop-lv2 at 4 blocks of Llama-3.1-8B, 4096 x 2, each alone with empty caches (COLD_TIMEOUT s each,
@@ -399,6 +401,15 @@ if [ "$STAGE" = r19a ] || [ "$STAGE" = r19b ]; then  # issue 18's rows at today'
     timeout $(( ${LIM:-570} - $(el) )) $BM --model llama3.1-8b --layers 4 --seq-len 4096 --batch-size 2 --recipes bf16,mxfp4,adahop-lv2 \
       > $OUT/bench_8b4.log 2>&1; echo "8b4: exit $? at $(el) s"; grep -E "^row:|^\|" $OUT/bench_8b4.log | cut -c1-300
   fi
+  echo "stage $STAGE done at $(el) s"; exit 0
+fi
+if [ "$STAGE" = r24m ]; then  # issue 18's memory row: Llama-3.2-1B at 4096 x 8, peak and largest batch (eager), then compiled
+  export CUDA_VISIBLE_DEVICES=0
+  BM="python3 -m adahop bench model --model llama3.2-1b --seq-len 4096 --batch-size 8 --recipes bf16,mxfp4,adahop-lv2 --json $OUT/benchmarks.json"
+  timeout 330 $BM --modes eager --max-batch ${MAXB:-16} > $OUT/bench_1b_mem_eager.log 2>&1; echo "1b eager + max batch: exit $? at $(el) s"
+  grep -E "^row:" $OUT/bench_1b_mem_eager.log | python3 -c "import json, sys; [print({k: json.loads(l[4:]).get(k) for k in ('recipe', 'mode', 'tok_per_s', 'peak_mem_gib', 'largest_batch', 'batches_tried', 'error')}) for l in sys.stdin]"
+  timeout $(( ${LIM:-570} - $(el) )) $BM --modes compiled > $OUT/bench_1b_mem_compiled.log 2>&1; echo "1b compiled: exit $? at $(el) s"
+  grep -E "^row:" $OUT/bench_1b_mem_compiled.log | python3 -c "import json, sys; [print({k: json.loads(l[4:]).get(k) for k in ('recipe', 'mode', 'tok_per_s', 'peak_mem_gib', 'error')}) for l in sys.stdin]"
   echo "stage $STAGE done at $(el) s"; exit 0
 fi
 if [ "$STAGE" = r21a ]; then  # issue 18: the 8B-shaped cold compile, with stack samples of the stuck child
