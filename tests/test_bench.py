@@ -237,6 +237,11 @@ def test_bench_model_max_batch_reports_the_largest_batch_that_trains(monkeypatch
     (row,) = bench_model("llama-tiny", recipes=("bf16",), seq_len=16, batch=2, steps=1, modes=("eager",),
                          device="cpu", max_batch=8)
     assert row["largest_batch"] == 5 and [b for b, _ in row["batches_tried"]] == [2, 4, 8, 6, 5]
+    # a row that runs out of memory at its own batch still finds the largest that fits, below it
+    (row,) = bench_model("llama-tiny", recipes=("bf16",), seq_len=16, batch=8, steps=1, modes=("eager",),
+                         device="cpu", max_batch=8)
+    assert "out of memory" in row["error"] and row["largest_batch"] == 5
+    assert [b for b, _ in row["batches_tried"]] == [8, 4, 6, 5]
     with pytest.raises(ValueError, match="--max-batch 1 must be at least --batch-size 2"):
         bench_model("llama-tiny", recipes=("bf16",), seq_len=16, batch=2, device="cpu", max_batch=1)
     from adahop.bench.max_batch import _out_of_memory

@@ -221,7 +221,8 @@ def bench_model(model: str = "llama3.2-1b", *, recipes=("bf16", "adahop-lv2", "m
                 rows.append(dict(bench="model", model=model, layers=layers, seq_len=seq_len, batch=batch, recipe=recipe,
                                  mode=mode, bf16_small_gemms=small_gemms, error=f"{type(e).__name__}: {e}"[:300],
                                  **_where(device)))
-            if max_batch is not None and "error" not in rows[-1]:
+            # an out-of-memory row still gets its largest batch (the search bisects below --batch-size)
+            if max_batch is not None and ("error" not in rows[-1] or "out of memory" in rows[-1]["error"].lower()):
                 try:
                     rows[-1].update(_largest_batch(model, recipe, mode, seq_len, batch, layers, device, small_gemms,
                                                    max_batch))
@@ -387,7 +388,13 @@ def _bench_model_row_timed(model: str, recipe: str, mode: str, seq_len: int, bat
 def _largest_batch(model: str, recipe: str, mode: str, seq_len: int, batch: int, layers: int | None, device: str,
                    small_gemms: bool, limit: int) -> dict:
     """``largest_batch`` and ``batches_tried`` of one row (see :func:`bench_model`'s ``max_batch``)."""
+    import gc
+
     from .max_batch import batch_fits, largest_fitting
+
+    gc.collect()  # the row's model (or the one that ran out of memory) is gone: start the search from its memory
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
     def fits(b: int) -> bool:
         return batch_fits(lambda n: model_step(model, recipe, mode, seq_len, n, layers, device, small_gemms), b)
