@@ -823,3 +823,15 @@ def test_a_model_whose_tokenizer_is_no_tokenizer_json_tokenizes_text_with_it(run
         check_same_tokenizer(other, hf, 512)
     with pytest.raises(ValueError, match=f"{bare} holds no tokenizer to tokenize the text with"):
         prepared_data(str(text), None, bare)
+    # data prepared through hf: keeps no tokenizer.json beside it: a model with one is told apart by fingerprint
+    (bare / "tokenizer.json").write_text((run_dir / "tokenizer.json").read_text())
+    foreign = tmp_path / "foreign_tok"
+    foreign.mkdir()
+    (foreign / "tokenizer.json").write_text((other / "tokenizer.json").read_text())
+    (foreign / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                                "eos_token": "<|endoftext|>"}))
+    via_hf = tmp_path / "via_hf"
+    prepare([str(text)], via_hf, tokenizer=f"hf:{foreign}", val_fraction=0.1)
+    assert not (via_hf / "tokenizer.json").exists()
+    with pytest.raises(ValueError, match=f"another tokenizer than {bare}'s \\(their fingerprints differ\\)"):
+        check_same_tokenizer(via_hf, bare, 512)

@@ -264,3 +264,49 @@ def test_block_by_block_calibration_equals_running_the_whole_model_to_each_block
     for name, h in seen.items():
         i = next(int(p) for p in name.split(".") if p.isdigit())
         assert torch.equal(h, reference[i][name.split(f"{prefix}.{i}.")[1]]), name
+
+
+def test_shared_idle_and_non_linear_block_weights_are_named_not_quantized_silently():
+    """From a new user's probe on non-Llama models: blocks sharing a module (Zamba2) quantized it twice, a layer a
+    block never calls got a zero Hessian and GPTQ rounded it to ~0, a list of bare projections was taken for the
+    stack of blocks, and fused MoE experts (parameters outside nn.Linear) stayed BF16 without a word."""
+    from torch import nn
+
+    from adahop.ptq.calibrate import (block_hessians, check_unshared, decoder_blocks, record_block_calls,
+                                      unquantized_weights)
+
+    class Block(nn.Module):
+        def __init__(self, shared=None, idle=False):
+            super().__init__()
+            self.a = shared or nn.Linear(8, 8)
+            self.b = nn.Linear(8, 8) if idle else None
+            self.experts = nn.Parameter(torch.randn(2, 8, 8))
+
+        def forward(self, x):
+            return x + self.a(x)
+
+    class Model(nn.Module):
+        def __init__(self, blocks):
+            super().__init__()
+            self.embed = nn.Embedding(16, 8)
+            self.layers = nn.ModuleList(blocks)
+            self.proj = nn.ModuleList([nn.Linear(8, 8) for _ in range(len(blocks) + 1)])  # longer, but no blocks
+
+        def forward(self, input_ids, use_cache=False):
+            x = self.embed(input_ids)
+            for b in self.layers:
+                x = b(x)
+            return x
+
+    shared = nn.Linear(8, 8)
+    prefix, blocks = decoder_blocks(Model([Block(shared), Block(shared)]))
+    assert prefix == "layers"
+    with pytest.raises(ValueError, match=r"layers\.1\.a is the same layer as layers\.0\.a: the model's decoder blocks "
+                                         r"share modules"):
+        check_unshared(blocks, prefix)
+    model = Model([Block(idle=True), Block()])
+    _, blocks = decoder_blocks(model)
+    xs, calls = record_block_calls(model, blocks, [torch.randint(0, 16, (2, 4))], torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"^b: no calibration input reached this layer"):
+        block_hessians(blocks[0], xs, [c[0] for c in calls])
+    assert unquantized_weights(blocks) == (2 * 2 * 8 * 8, ["0.experts", "1.experts"])

@@ -28,7 +28,7 @@ import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-__all__ = ["Tokenizer", "BPETokenizer", "TiktokenTokenizer", "HFTokenizer", "train_bpe", "check_bpe_vocab_size",
+__all__ = ["Tokenizer", "BPETokenizer", "TiktokenTokenizer", "HFTokenizer", "transformers_fingerprint", "train_bpe", "check_bpe_vocab_size",
            "load_tokenizer", "EOS"]
 
 EOS = "<|endoftext|>"
@@ -269,6 +269,14 @@ class TiktokenTokenizer(Tokenizer):
         return f"tiktoken:{dest.name}"
 
 
+def transformers_fingerprint(tok) -> str:
+    """:meth:`Tokenizer.fingerprint` of a ``transformers`` tokenizer (no EOS needed, unlike :class:`HFTokenizer`):
+    its backend's vocabulary and merges when it is fast, else its vocabulary."""
+    if getattr(tok, "is_fast", False):
+        return _tokenizers_fingerprint(tok.backend_tokenizer)
+    return _digest({"vocab": sorted(tok.get_vocab().items(), key=lambda kv: kv[1])})  # a slow tokenizer
+
+
 class HFTokenizer(Tokenizer):
     """Any ``transformers.AutoTokenizer``; its ``eos_token`` separates documents."""
 
@@ -296,9 +304,7 @@ class HFTokenizer(Tokenizer):
         return self._tok.decode(list(ids))
 
     def fingerprint(self) -> str:
-        if getattr(self._tok, "is_fast", False):
-            return _tokenizers_fingerprint(self._tok.backend_tokenizer)
-        return _digest({"vocab": sorted(self._tok.get_vocab().items(), key=lambda kv: kv[1])})  # a slow tokenizer
+        return transformers_fingerprint(self._tok)
 
     def to_transformers(self):
         return self._tok

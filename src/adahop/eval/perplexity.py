@@ -118,8 +118,9 @@ def check_same_tokenizer(data_dir: Path, model_dir: Path, vocab_size: int, flag:
 
     The check compares the vocabulary, merges, normalizer, pre-tokenizer and special tokens of the
     ``tokenizer.json`` of both folders where both have one, the data's fingerprint against an adahop
-    run's recorded one or against the fingerprint of the tokenizer transformers loads from the model
-    folder (vocab.json + merges.txt, SentencePiece...) when it has no tokenizer.json, and the data's
+    run's recorded one or, for another model, against the fingerprint of the tokenizer transformers loads
+    from its folder (tokenizer.json, vocab.json + merges.txt, SentencePiece...; data of a tiktoken tokenizer
+    has a fingerprint of another kind and is not compared), and the data's
     vocabulary against the model's embedding size (``vocab_size``) always. ``flag``: the option
     the messages name (``adahop ptq`` takes the data as ``--calib-data``).
     """
@@ -139,7 +140,10 @@ def check_same_tokenizer(data_dir: Path, model_dir: Path, vocab_size: int, flag:
     if a.exists() and b.exists() and _text_to_ids(a) != _text_to_ids(b):
         raise ValueError(f"{flag} {data_dir} was tokenized with another tokenizer than {model_dir}'s (their "
                          f"tokenizer.json differ); prepare the data with --tokenizer hf:{model_dir}")
-    if run is None and not b.exists() and m.tokenizer.sha256:  # a model's tokenizer in another form: its fingerprint
+    # any other model: its tokenizer's fingerprint, as transformers loads it, against the data's, where both are of
+    # the tokenizers library (a trained BPE, a tokenizer.json, hf:); tiktoken's fingerprint is another kind
+    comparable = m.tokenizer.name == "bpe" or m.tokenizer.name.startswith(("bpe:", "hf:"))
+    if run is None and m.tokenizer.sha256 and comparable:
         own = _hf_fingerprint(Path(model_dir))
         if own is not None and own != m.tokenizer.sha256:
             raise ValueError(f"{flag} {data_dir} was tokenized with {m.tokenizer.name}, another tokenizer than "
@@ -149,12 +153,14 @@ def check_same_tokenizer(data_dir: Path, model_dir: Path, vocab_size: int, flag:
 
 def _hf_fingerprint(model_dir: Path) -> str | None:
     """The fingerprint of the tokenizer transformers loads from ``model_dir``; None when there is none to load."""
-    from ..data.tokenizer import load_tokenizer
+    from transformers import AutoTokenizer
 
-    if not any((model_dir / f).is_file() for f in _TOKENIZER_FILES):
+    from ..data.tokenizer import transformers_fingerprint
+
+    if not any((model_dir / f).is_file() for f in ("tokenizer.json", *_TOKENIZER_FILES)):
         return None
     try:
-        return load_tokenizer(f"hf:{model_dir.resolve()}").fingerprint()
+        return transformers_fingerprint(AutoTokenizer.from_pretrained(str(model_dir)))
     except (ValueError, OSError):  # not loadable here: nothing to compare with
         return None
 

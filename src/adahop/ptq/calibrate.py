@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-__all__ = ["decoder_blocks", "block_linears", "calibration_batches", "record_block_calls", "block_hessians", "quantize_model",
-           "BlockCall"]
+__all__ = ["decoder_blocks", "block_linears", "check_unshared", "unquantized_weights", "calibration_batches",
+           "record_block_calls", "block_hessians", "quantize_model", "BlockCall"]
 
 
 def decoder_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
@@ -36,7 +36,9 @@ def decoder_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
     """
     best = None
     for name, mod in model.named_modules():
-        if isinstance(mod, nn.ModuleList) and len(mod) and all(any(isinstance(x, nn.Linear) for x in b.modules()) for b in mod):
+        # a block holds linears and is none itself (a list of bare projections, e.g. Gemma3n's altup_projections, is no stack)
+        if isinstance(mod, nn.ModuleList) and len(mod) and all(
+                not isinstance(b, nn.Linear) and any(isinstance(x, nn.Linear) for x in b.modules()) for b in mod):
             if best is None or len(mod) > len(best[1]):
                 best = (name, mod)
     if best is None:
@@ -48,6 +50,29 @@ def decoder_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
 def block_linears(block: nn.Module) -> list[tuple[str, nn.Linear]]:
     """The ``nn.Linear`` layers of a block, in module order (q, k, v, o, gate, up, down for Llama)."""
     return [(n, m) for n, m in block.named_modules() if isinstance(m, nn.Linear)]
+
+
+def check_unshared(blocks: nn.ModuleList, prefix: str) -> None:
+    """Raise ValueError when a linear belongs to two decoder blocks (Zamba2's shared transformer): quantized at
+    each block, it would be quantized again on the earlier result, and calibrated at a block that may not use it."""
+    seen: dict[int, str] = {}
+    for i, block in enumerate(blocks):
+        for name, lin in block_linears(block):
+            here = f"{prefix}.{i}.{name}"
+            if id(lin) in seen:
+                raise ValueError(f"{here} is the same layer as {seen[id(lin)]}: the model's decoder blocks share "
+                                 "modules, which adahop ptq cannot quantize once per use; it supports stacks of "
+                                 "independent blocks (Llama, Qwen, Mistral, Gemma...)")
+            seen[id(lin)] = here
+
+
+def unquantized_weights(blocks: nn.ModuleList) -> tuple[int, list[str]]:
+    """Weights of the decoder blocks that are not in an ``nn.Linear`` and so stay as they are: matrices and
+    larger (norms and biases are vectors), e.g. the fused experts of a mixture-of-experts block. Their count and
+    the first few names."""
+    linear_params = {id(p) for b in blocks for _, lin in block_linears(b) for p in lin.parameters()}
+    left = [(n, p) for n, p in blocks.named_parameters() if p.dim() >= 2 and id(p) not in linear_params]
+    return sum(p.numel() for _, p in left), [n for n, _ in left[:3]]
 
 
 def calibration_batches(data_dir: str | Path, *, tokens: int, seq_len: int, batch_size: int, seed: int = 0) -> list[torch.Tensor]:
@@ -164,7 +189,11 @@ def block_hessians(block: nn.Module, inputs: list[torch.Tensor], calls: list[Blo
     finally:
         for hk in hooks:
             hk.remove()
-    return {n: sums[n] / max(counts[n], 1) for n in sums}
+    idle = [n for n in sums if counts[n] == 0]
+    if idle:  # GPTQ on a zero Hessian rounds the layer to ~0: never quantize a layer that saw no input
+        raise ValueError(f"{', '.join(idle)}: no calibration input reached this layer of the block (the model's forward "
+                         "does not call it for these tokens); adahop ptq supports blocks that use every linear they hold")
+    return {n: sums[n] / counts[n] for n in sums}
 
 
 def quantize_model(model: nn.Module, batches: list[torch.Tensor], quantize: Callable, *, device: torch.device,
@@ -187,12 +216,16 @@ def quantize_model(model: nn.Module, batches: list[torch.Tensor], quantize: Call
         The LM head, embeddings and norms stay as they are.
     """
     prefix, blocks = decoder_blocks(model)
+    check_unshared(blocks, prefix)
     model.eval()
     out = {}
     xs, calls = record_block_calls(model, blocks, batches, device)
     for i, block in enumerate(blocks):
         t0 = time.perf_counter()
-        hs = block_hessians(block, xs, [c[i] for c in calls])
+        try:
+            hs = block_hessians(block, xs, [c[i] for c in calls])
+        except ValueError as e:
+            raise ValueError(f"{prefix}.{i}: {e}") from None
         items = [(f"{prefix}.{i}.{name}", lin.weight.detach().float(), hs[name]) for name, lin in block_linears(block)]
         if prepare is not None:
             prepare(items)

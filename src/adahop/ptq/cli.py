@@ -19,6 +19,7 @@ import contextlib
 import json
 import math
 import time
+import warnings
 from pathlib import Path
 
 __all__ = ["add_arguments", "run"]
@@ -184,9 +185,16 @@ def run(args: argparse.Namespace) -> dict:
     t_start = time.perf_counter()
     loaded = load_model(args.model, device=device)
     model, rc = loaded.model, loaded.run_config or {}
-    from .calibrate import decoder_blocks
+    from .calibrate import block_linears, check_unshared, decoder_blocks, unquantized_weights
 
-    decoder_blocks(model)  # an architecture it cannot quantize is refused before any check of the windows or data
+    prefix, blocks = decoder_blocks(model)  # an architecture it cannot quantize is refused before any check of the windows or data
+    check_unshared(blocks, prefix)
+    left, left_names = unquantized_weights(blocks)
+    if left:  # e.g. a mixture of experts' fused expert tensors: say how much of the model stays as it is
+        total = left + sum(lin.weight.numel() for b in blocks for _, lin in block_linears(b))
+        warnings.warn(f"{left:,} of the decoder blocks' {total:,} matrix weights ({left / total:.0%}) are not in "
+                      f"nn.Linear layers and stay unquantized (e.g. {', '.join(left_names)}): bits/weight and the "
+                      "perplexity are those of the linears alone quantized")
     with _named("--data", "--calib-data"):
         data = _data(args, rc)
         check_same_tokenizer(data, Path(args.model), model.config.vocab_size, flag="--calib-data")
@@ -248,6 +256,7 @@ def run(args: argparse.Namespace) -> dict:
     n_weights = sum(r.weight.numel() for r in layers.values())
     bpw = sum(r.stored_bits for r in layers.values()) / n_weights
     meta = {"method": args.method, "bits": args.bits, "quantizer": args.quantizer, "group_size": grid0.group_size,
+            "unquantized_block_weights": left,
             "seed": args.seed, "rotation": {k: getattr(rot_opts, k) for k in rot_opts.__slots__},
             # the method's own settings (rotation's are above), so that a folder says how it was made
             "method_options": {k: getattr(args, k) for k in _method_options(args.method) if k not in rot_opts.__slots__},
