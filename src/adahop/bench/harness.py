@@ -198,11 +198,11 @@ def bench_model(model: str = "llama3.2-1b", *, recipes=("bf16", "adahop-lv2", "m
     ``small_gemms``: the adahop recipes run their too-small GEMMs in BF16 (``Recipe.bf16_small_gemms``);
     every row counts them (``small_gemms_bf16``). The fields of :data:`adahop.bench.rows.ROW_FIELDS`
     are in every row (None where a row has no value).
-    ``max_batch``: after each row, the largest batch up to it that trains without running out of GPU
-    memory (a calibrating recipe's calibration, then three compiled steps: the compile, CUDA-graph recording,
-    a replay; eager: three steps; :func:`adahop.bench.max_batch.batch_fits`)
-    (:func:`adahop.bench.max_batch.largest_fitting`, from ``batch`` up): ``largest_batch`` and
-    ``batches_tried`` (``[batch, fitted]`` pairs). Each try builds the model anew (and compiles it).
+    ``max_batch``: after each row (an out-of-memory one included), the largest batch up to it that trains
+    without running out of GPU memory, searched from ``batch`` by :func:`adahop.bench.max_batch.largest_fitting`;
+    each try (:func:`adahop.bench.max_batch.batch_fits`) builds the model anew and runs a calibrating recipe's
+    calibration, then three steps in the row's mode (compiled: the compile, CUDA-graph recording, a replay).
+    The row gets ``largest_batch`` and ``batches_tried`` (``[batch, fitted]`` pairs).
 
     Raises:
         ValueError: an unknown mode, or ``max_batch`` below ``batch``.

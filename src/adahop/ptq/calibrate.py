@@ -99,6 +99,11 @@ class _Stop(Exception):
     """Raised by the hook before the last block: the recording forward needs nothing after it."""
 
 
+def _hidden(out) -> torch.Tensor:
+    """A block's hidden-state output: blocks return it alone or first in a tuple."""
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
 class BlockCall:
     """How the model calls one block: the arguments other than the hidden states, and where those go."""
 
@@ -108,8 +113,8 @@ class BlockCall:
         self.rest, self.kwargs, self.positional = rest, kwargs, positional
 
     def __call__(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        out = block(x, *self.rest, **self.kwargs) if self.positional else block(*self.rest, hidden_states=x, **self.kwargs)
-        return out[0] if isinstance(out, (tuple, list)) else out
+        return _hidden(block(x, *self.rest, **self.kwargs) if self.positional else
+                       block(*self.rest, hidden_states=x, **self.kwargs))
 
 
 @torch.no_grad()
@@ -129,7 +134,7 @@ def record_block_calls(model: nn.Module, blocks: nn.ModuleList, batches: list[to
     last_out: list[torch.Tensor | None] = [None]
 
     def output(_mod, _args, out):
-        last_out[0] = out[0] if isinstance(out, (tuple, list)) else out
+        last_out[0] = _hidden(out)
 
     def recorder(i: int):
         def hook(_mod, args, kwargs):

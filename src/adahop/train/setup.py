@@ -238,12 +238,12 @@ def _sources(cfg: TrainConfig) -> list[str]:
     return sources
 
 
-def _check_tokenizer_file(data: Path) -> None:
+def _check_tokenizer_file(data: Path, manifest: Manifest) -> None:
     """Raise ValueError when the prepared folder's tokenizer is no longer the one its tokens were made with
     (``manifest.json``'s fingerprint): the run would export a tokenizer whose ids are not the model's."""
     from ..data.tokenizer import load_tokenizer
 
-    info = Manifest.load(data).tokenizer
+    info = manifest.tokenizer
     if info.sha256 is None:  # format 1: no fingerprint recorded
         return
     try:
@@ -298,14 +298,15 @@ def resolve_data(cfg: TrainConfig) -> Path:
     """
     p = Path(cfg.data)
     if p.is_dir() and (p / "manifest.json").exists():
-        changed = [] if is_cached(p) else changed_sources(Manifest.load(p))  # a cache entry is its content
+        manifest = Manifest.load(p)
+        changed = [] if is_cached(p) else changed_sources(manifest)  # a cache entry is its content
         if changed:
             raise ValueError(f"--data {p}: the files it was prepared from have changed since: {'; '.join(changed)}. "
                              f"Its tokens are of the old text. To fix: prepare it again (adahop data prepare "
                              f"--source ... --out {p}), pass the changed files themselves as --data (prepared once "
                              f"per content), or restore them")
-        _check_tokenizer_file(p)
-        _refuse_preparing_flags(cfg, Manifest.load(p))
+        _check_tokenizer_file(p, manifest)
+        _refuse_preparing_flags(cfg, manifest)
         return p
     return prepare_cached(_sources(cfg), tokenizer=cfg.tokenizer, vocab_size=cfg.vocab_size,
                           val_fraction=cfg.val_fraction)
