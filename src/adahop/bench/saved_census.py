@@ -91,7 +91,10 @@ def census(model: str, recipe: str, seq_len: int, batch: int, layers: int | None
 def linear_fit(small: dict, large: dict) -> dict[str, tuple[float, float]]:
     """Per kind, ``(fixed bytes, bytes per token)`` from two censuses of one model at two token counts:
     what a step saves whatever its batch (autocast's BF16 weight copies, scales of the weights) apart from
-    what grows with the tokens (activations). Block kinds are per block (divided by ``layers``)."""
+    what grows with the tokens (activations). Block kinds are per block (divided by ``layers``).
+
+    Raises:
+        ValueError: the two censuses have the same token count."""
     t1, t2 = small["tokens"], large["tokens"]
     if t1 == t2:
         raise ValueError("linear_fit needs two different token counts")

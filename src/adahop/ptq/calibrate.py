@@ -53,8 +53,12 @@ def block_linears(block: nn.Module) -> list[tuple[str, nn.Linear]]:
 
 
 def check_unshared(blocks: nn.ModuleList, prefix: str) -> None:
-    """Raise ValueError when a linear belongs to two decoder blocks (Zamba2's shared transformer): quantized at
-    each block, it would be quantized again on the earlier result, and calibrated at a block that may not use it."""
+    """Check that no linear belongs to two decoder blocks (``blocks`` of :func:`decoder_blocks`, named under
+    ``prefix``): GPTQ's sequential procedure (Frantar et al. §4) quantizes each block's layers once.
+
+    Raises:
+        ValueError: a shared linear (Zamba2's shared transformer), named by both its places: quantized at each
+            block, it would be quantized again on the earlier result, and calibrated at a block that may not use it."""
     seen: dict[int, str] = {}
     for i, block in enumerate(blocks):
         for name, lin in block_linears(block):
@@ -176,7 +180,13 @@ def record_block_calls(model: nn.Module, blocks: nn.ModuleList, batches: list[to
 @torch.no_grad()
 def block_hessians(block: nn.Module, inputs: list[torch.Tensor], calls: list[BlockCall]) -> dict[str, torch.Tensor]:
     """``H = E[x xᵀ]`` (float32 ``[n, n]``, mean over every calibration token) of the input of each
-    ``nn.Linear`` of ``block``, from the block run alone on each batch's ``inputs`` with its recorded ``calls``."""
+    ``nn.Linear`` of ``block``, from the block run alone on each batch's ``inputs`` (``[B, T, d]``, the hidden
+    states the block receives) with its recorded ``calls`` (:func:`record_block_calls`). Returns
+    ``{layer name in the block: H}``.
+
+    Raises:
+        ValueError: a linear of the block that no calibration token reached (GPTQ on its zero Hessian would
+            round it to ~0), named."""
     linears = block_linears(block)
     device = inputs[0].device
     sums = {n: torch.zeros(m.in_features, m.in_features, device=device) for n, m in linears}
