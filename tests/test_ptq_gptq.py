@@ -214,7 +214,7 @@ def test_block_by_block_calibration_equals_running_the_whole_model_to_each_block
     layers get two different attention masks (a window of 8 of the 32 tokens on every other layer): each
     block's own recorded call must reach it."""
     from adahop.models import build_model
-    from adahop.ptq.calibrate import block_linears, decoder_blocks, quantize_model
+    from adahop.ptq.calibrate import decoder_blocks, quantize_model, whole_model_hessians
     from adahop.ptq.quantize import quantize_layer as ql
 
     torch.manual_seed(0)
@@ -227,29 +227,6 @@ def test_block_by_block_calibration_equals_running_the_whole_model_to_each_block
         seen[name] = h
         return ql(w, h, "rtn", grid, generator=torch.Generator().manual_seed(0))
 
-    def whole_model_hessians(block):  # the reference: the model from its embedding, stopped after `block`
-        sums = {}
-
-        class Stop(Exception):
-            pass
-
-        def grab(name):
-            def hook(_m, args):
-                x = args[0].reshape(-1, args[0].shape[-1]).float()
-                sums[name] = sums.get(name, 0) + x.T @ x
-            return hook
-        hooks = [lin.register_forward_pre_hook(grab(n)) for n, lin in block_linears(block)]
-        hooks.append(block.register_forward_hook(lambda *_: (_ for _ in ()).throw(Stop())))
-        with torch.no_grad():
-            for ids in batches:
-                try:
-                    model(input_ids=ids, use_cache=False)
-                except Stop:
-                    pass
-        for h in hooks:
-            h.remove()
-        return {n: v / (len(batches) * 64) for n, v in sums.items()}
-
     reference = {}
     prefix, blocks = decoder_blocks(model)
     orig = quantize
@@ -257,7 +234,8 @@ def test_block_by_block_calibration_equals_running_the_whole_model_to_each_block
     def quantize_checking(name, w, h):  # before this layer's weight changes, the reference of its whole block
         i = next(int(p) for p in name.split(".") if p.isdigit())
         if i not in reference:
-            reference[i] = whole_model_hessians(blocks[i])
+            # the reference: the model from its embedding, stopped after the block
+            reference[i] = whole_model_hessians(model, blocks[i], batches, torch.device("cpu"))
         return orig(name, w, h)
     quantize_model(model, batches, quantize_checking, device=torch.device("cpu"), log=lambda s: None)
     assert len(seen) == 7 * len(blocks) and set(reference) == set(range(len(blocks)))

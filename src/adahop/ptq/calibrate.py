@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 __all__ = ["decoder_blocks", "block_linears", "check_unshared", "unquantized_weights", "calibration_batches",
-           "record_block_calls", "block_hessians", "quantize_model", "BlockCall"]
+           "record_block_calls", "block_hessians", "whole_model_hessians", "quantize_model", "BlockCall"]
 
 
 def decoder_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
@@ -100,7 +100,8 @@ def calibration_batches(data_dir: str | Path, *, tokens: int, seq_len: int, batc
 
 
 class _Stop(Exception):
-    """Raised by the hook before the last block: the recording forward needs nothing after it."""
+    """Raised by a hook where the rest of the model's forward is not needed (before the last block when
+    recording; after the block in :func:`whole_model_hessians`)."""
 
 
 def _hidden(out) -> torch.Tensor:
@@ -187,8 +188,40 @@ def block_hessians(block: nn.Module, inputs: list[torch.Tensor], calls: list[Blo
     Raises:
         ValueError: a linear of the block that no calibration token reached (GPTQ on its zero Hessian would
             round it to ~0), named."""
+    return _hessians(block, lambda: [call(block, x) for x, call in zip(inputs, calls)])
+
+
+@torch.no_grad()
+def whole_model_hessians(model: nn.Module, block: nn.Module, batches: list[torch.Tensor],
+                         device: torch.device) -> dict[str, torch.Tensor]:
+    """The reference of :func:`block_hessians`, as the calibration ran before 2026-12-05: ``model`` from its
+    embedding on each of ``batches`` (int64 ``[B, T]``), stopped after ``block``, so ~L²/2 block forwards over
+    a model of L blocks. The same Hessians to the last bit for the same weights (``tests/test_ptq_gptq.py``,
+    ``scripts/bench_calibration.py``).
+
+    Raises:
+        ValueError: as :func:`block_hessians`."""
+    def run():
+        stop = block.register_forward_hook(_raise_stop)
+        try:
+            for ids in batches:
+                try:
+                    model(input_ids=ids.to(device), use_cache=False)
+                except _Stop:
+                    pass
+        finally:
+            stop.remove()
+    return _hessians(block, run)
+
+
+def _raise_stop(*_):
+    raise _Stop
+
+
+def _hessians(block: nn.Module, run: Callable[[], object]) -> dict[str, torch.Tensor]:
+    """The Hessians of ``block``'s linears over whatever forwards ``run()`` makes it take."""
     linears = block_linears(block)
-    device = inputs[0].device
+    device = linears[0][1].weight.device
     sums = {n: torch.zeros(m.in_features, m.in_features, device=device) for n, m in linears}
     counts = dict.fromkeys(sums, 0)
     hooks = []
@@ -199,8 +232,7 @@ def block_hessians(block: nn.Module, inputs: list[torch.Tensor], calls: list[Blo
             counts[name] += x.shape[0]
         hooks.append(mod.register_forward_pre_hook(grab))
     try:
-        for x, call in zip(inputs, calls):
-            call(block, x)
+        run()
     finally:
         for hk in hooks:
             hk.remove()
