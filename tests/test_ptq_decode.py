@@ -38,7 +38,7 @@ def test_reference_matvec_is_the_decoded_weights_product(bits, gen):
     assert y.dtype == torch.float32 and y.shape == (3, 40)
     # auto on the CPU is the reference itself, unless Triton's interpreter runs the kernel (sums in another order)
     assert torch.equal(int_matvec(x, packed, st["scales"], 40, 200, bits, 64, backend="reference"), y)
-    if not _kernel_runs(bits, x.device):
+    if not _kernel_runs(bits, 200, 64, x.device):
         assert torch.equal(int_matvec(x, packed, st["scales"], 40, 200, bits, 64), y)
 
 
@@ -51,8 +51,18 @@ def test_bad_matvec_input_is_refused_naming_what_fits(gen):
         int_matvec(x, packed[:-1], st["scales"], 40, 200, 2, 64)
     with pytest.raises(ValueError, match=r"scales must be \[40, 4\]"):
         int_matvec(x, packed, st["scales"][:, :3], 40, 200, 2, 64)
-    with pytest.raises(ValueError, match="reads \\(2, 4\\)-bit codes, not 3"):
+    with pytest.raises(ValueError, match="reads \\(2, 4\\)-bit codes.*got bits=3"):
         int_matvec(x, pack_bits(torch.zeros(40, 200, dtype=torch.uint8), 3), st["scales"], 40, 200, 3, 64, backend="triton")
+    # rows of W that do not start on a byte (202·2 bits) or a group size without a byte's worth of codes in a
+    # power-of-two tile (6 at 2 bits: 2 codes) take the reference under auto, and the kernel refuses them
+    for n, g in ((202, 64), (200, 6)):
+        _, _, st2, packed2 = _packed(40, n, 2, g)
+        x2 = torch.randn(1, n, generator=gen)
+        assert not _kernel_runs(2, n, g, torch.device("cuda"))
+        assert torch.equal(int_matvec(x2, packed2, st2["scales"], 40, n, 2, g),
+                           int_matvec_reference(x2, packed2, st2["scales"], 40, n, 2, g))
+        with pytest.raises(ValueError, match=f"got bits=2, n={n}, group_size={g}"):
+            int_matvec(x2, packed2, st2["scales"], 40, n, 2, g, backend="triton")
 
 
 @pytest.mark.parametrize("rot", ["rht", "harp"])
@@ -106,7 +116,10 @@ def test_matvec_kernel_in_interpreter(interp_child):
     interp_child(__file__)
 
 
-@pytest.mark.parametrize("m,n,bits,g,rows", [(40, 200, 2, 64, 3), (33, 130, 4, 128, 1), (64, 256, 2, 128, 2)])
+# a short last group; a group size of no power of two (48: tiles of 16); tiles of two codes (g 6, W4); several
+# output blocks, each input dimension split over programs (split-K), the last split running past n
+@pytest.mark.parametrize("m,n,bits,g,rows", [(40, 200, 2, 64, 3), (33, 130, 4, 128, 1), (64, 256, 2, 128, 2),
+                                             (130, 96, 2, 48, 1), (17, 60, 4, 6, 2), (300, 1000, 2, 128, 1)])
 @interp
 def test_interp_matvec_kernel_matches_its_reference(m, n, bits, g, rows):
     _, _, st, packed = _packed(m, n, bits, g, seed=m)

@@ -64,44 +64,65 @@ def int_matvec_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Ten
     return x.float() @ w.T
 
 
-def _kernel_runs(bits: int, device: torch.device) -> bool:
-    """Whether ``backend="auto"`` reads the codes with the Triton kernel: bits it reads, on CUDA or in Triton's
-    interpreter."""
-    return bits in KERNEL_BITS and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+def _block_k(bits: int, group_size: int) -> int:
+    """The kernel's tile width: the largest power of two dividing ``group_size``, at most 128 (a tile then
+    needs one scale per output); 0 where that holds less than one byte of codes."""
+    b = min(group_size & -group_size, 128)
+    return b if b >= 8 // bits else 0
+
+
+def _kernel_runs(bits: int, n: int, group_size: int, device: torch.device) -> bool:
+    """Whether ``backend="auto"`` reads the codes with the Triton kernel: bits it reads (a code never straddles
+    a byte), rows of ``W`` that start on a byte (``n·bits % 8 == 0``), a group size with a power-of-two factor of
+    at least one byte of codes; on CUDA or in Triton's interpreter."""
+    return (bits in KERNEL_BITS and n * bits % 8 == 0 and _block_k(bits, group_size) > 0
+            and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"))
+
+
+def _splits(m: int, tiles: int, device: torch.device, block_m: int) -> int:
+    """How many slices of the input dimension (split-K) give the GPU about eight programs per SM: a decode
+    matvec has few outputs, and each program's loads are few, so latency is hidden by many programs at once."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    want = -(-8 * sms // -(-m // block_m))
+    per = -(-tiles // max(1, min(want, tiles)))  # tiles per split
+    return -(-tiles // per)
 
 
 def int_matvec(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, m: int, n: int, bits: int,
                group_size: int, *, backend: str = "auto") -> torch.Tensor:
     """:func:`int_matvec_reference` with the codes read in place by a Triton kernel.
 
-    ``backend``: ``auto`` (Triton on CUDA, or under ``TRITON_INTERPRET=1``, for bits 2 and 4; else the
-    reference), ``triton`` or ``reference``. Same arguments, result and errors as the reference (FP32 sums in
-    another order: equal to float rounding).
+    ``backend``: ``auto`` (Triton on CUDA, or under ``TRITON_INTERPRET=1``, where the kernel reads the codes:
+    bits 2 and 4, ``n·bits % 8 == 0`` and a group size with a power-of-two factor of at least ``8 / bits``; else
+    the reference), ``triton`` or ``reference``. Same arguments, result and errors as the reference (FP32 sums in
+    another order, split over the input dimension in a fixed way: equal to float rounding, the same every call).
 
     Raises:
-        ValueError: as the reference; ``backend="triton"`` for a width the kernel does not read.
+        ValueError: as the reference; ``backend="triton"`` where the kernel does not read the codes.
     """
     _check(x, codes, scales, m, n, bits, group_size)
     if backend not in ("auto", "triton", "reference"):
         raise ValueError(f"int_matvec: backend {backend!r}; use auto, triton or reference")
-    if backend == "triton" and bits not in KERNEL_BITS:
-        raise ValueError(f"int_matvec: the Triton kernel reads {KERNEL_BITS}-bit codes, not {bits}; use backend='reference'")
-    if backend == "triton" and not _kernel_runs(bits, x.device):
-        raise ValueError(f"int_matvec: backend='triton' runs on CUDA tensors (x is on {x.device}), or on the CPU under "
-                         "TRITON_INTERPRET=1; use backend='auto' or 'reference'")
-    if backend == "reference" or (backend == "auto" and not _kernel_runs(bits, x.device)):
+    if backend == "triton" and not _kernel_runs(bits, n, group_size, x.device):
+        raise ValueError(f"int_matvec: backend='triton' reads {KERNEL_BITS}-bit codes of rows that start on a byte "
+                         f"(n·bits % 8 == 0) with a group size divisible by {8 // bits if bits in KERNEL_BITS else 1}"
+                         f" or more, on CUDA tensors or on the CPU under TRITON_INTERPRET=1; got bits={bits}, n={n}, "
+                         f"group_size={group_size}, x on {x.device}; use backend='auto' or 'reference'")
+    if backend == "reference" or (backend == "auto" and not _kernel_runs(bits, n, group_size, x.device)):
         return int_matvec_reference(x, codes, scales, m, n, bits, group_size)
     import triton
 
     from ._triton_matvec import int_matvec_kernel
 
     x = x.contiguous()
-    y = torch.empty(x.shape[0], m, dtype=torch.float32, device=x.device)
-    block_m, block_k = 32, 128
-    int_matvec_kernel[(triton.cdiv(m, block_m), x.shape[0])](
-        x, codes.contiguous(), scales.contiguous(), y, m, n, scales.shape[1],
+    rows, block_m, block_k = x.shape[0], 64, _block_k(bits, group_size)
+    tiles = triton.cdiv(n, block_k)
+    splits = _splits(m, tiles, x.device, block_m)
+    y = torch.empty(splits, rows, m, dtype=torch.float32, device=x.device)
+    int_matvec_kernel[(triton.cdiv(m, block_m), splits, rows)](
+        x, codes.contiguous(), scales.contiguous(), y, m, n, scales.shape[1], rows, triton.cdiv(tiles, splits),
         BITS=bits, GROUP=group_size, BLOCK_M=block_m, BLOCK_K=block_k)
-    return y
+    return y[0] if splits == 1 else y.sum(0)
 
 
 class PackedLinear(nn.Module):
@@ -147,7 +168,7 @@ class PackedLinear(nn.Module):
                         r.to(device)
                         c[f"k{side}"] = [k.detach() for k in r.kernels()]
                 c["s_out"], c["s_in"] = t.s_out.to(device), t.s_in.to(device)
-            if not (isinstance(self.grid, IntGrid) and _kernel_runs(self.grid.bits, device)):
+            if not (isinstance(self.grid, IntGrid) and _kernel_runs(self.grid.bits, self.n, self.grid.group_size, device)):
                 codes = unpack_bits(self.codes.cpu(), self.grid.bits, self.m * self.n).reshape(self.m, self.n)
                 scales = {k: getattr(self, f"q_{k}").cpu() for k in self.scale_keys}
                 c["w"] = self.grid.decode(codes, scales).to(device)
