@@ -129,6 +129,14 @@ def test_bit_packing_round_trips(bits, gen):
     assert torch.equal(unpack_bits(packed, bits, 37), codes)
 
 
+def test_bit_packing_layout_is_little_endian_within_each_byte():
+    """The layout the decode kernel reads (adahop.ptq._triton_matvec): the first code in the low bits."""
+    assert pack_bits(torch.tensor([1, 2, 3, 0, 2], dtype=torch.uint8), 2).tolist() == [1 | 2 << 2 | 3 << 4, 2]
+    assert pack_bits(torch.tensor([0xA, 0x3, 0xF], dtype=torch.uint8), 4).tolist() == [0x3A, 0x0F]
+    assert pack_bits(torch.tensor([1, 0, 1, 1, 0, 0, 0, 1, 1], dtype=torch.uint8), 1).tolist() == [0b10001101, 1]
+    assert pack_bits(torch.tensor([5, 3, 7], dtype=torch.uint8), 3).tolist() == [5 | 3 << 3 | (7 & 3) << 6, 7 >> 2]
+
+
 def test_quantize_layer_counts_every_stored_bit(gen):
     w, h = torch.randn(32, 64, generator=gen), _correlated(64, gen)
     for method, extra in (("gptq", 0), ("rht-gptq", 32 + 64), ("harp-rtn", 32 + 64 + 16 * (32 * 7 // 2 + 32 * 3 // 2 + 64 * 14 // 2))):

@@ -48,7 +48,13 @@ class RotationOptions:
 
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack ``codes`` (uint8, each ``< 2^bits``) into a uint8 bit stream, little-endian within each
-    code: ``ceil(numel·bits / 8)`` bytes."""
+    code: ``ceil(numel·bits / 8)`` bytes. Widths that divide 8 are packed on ``codes``' device, a byte
+    holding ``8 / bits`` whole codes, the first in its low bits; other widths on the CPU, bit by bit."""
+    if 8 % bits == 0:
+        per = 8 // bits
+        c = codes.reshape(-1).to(torch.int32)
+        c = torch.cat([c, c.new_zeros((-c.numel()) % per)]).reshape(-1, per)
+        return (c << torch.arange(0, 8, bits, device=c.device, dtype=torch.int32)).sum(1).to(torch.uint8)
     c = codes.reshape(-1).to(torch.int64).cpu()
     bitplanes = (c[:, None] >> torch.arange(bits)) & 1  # [N, bits]
     flat = bitplanes.reshape(-1)
@@ -57,8 +63,12 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
-    """Inverse of :func:`pack_bits`: the first ``numel`` codes as uint8."""
-    flat = ((packed.to(torch.int64)[:, None] >> torch.arange(8)) & 1).reshape(-1)[: numel * bits]
+    """Inverse of :func:`pack_bits`: the first ``numel`` codes as uint8 (on ``packed``'s device for widths
+    that divide 8, else on the CPU)."""
+    if 8 % bits == 0:
+        shifts = torch.arange(0, 8, bits, device=packed.device, dtype=torch.int32)
+        return ((packed.to(torch.int32)[:, None] >> shifts) & ((1 << bits) - 1)).reshape(-1)[:numel].to(torch.uint8)
+    flat = ((packed.cpu().to(torch.int64)[:, None] >> torch.arange(8)) & 1).reshape(-1)[: numel * bits]
     return (flat.reshape(numel, bits) << torch.arange(bits)).sum(1).to(torch.uint8)
 
 
