@@ -45,18 +45,20 @@ def shapes(model: str) -> dict[tuple[int, int], int]:
 
 
 def packed_layer(m: int, n: int, bits: int, rot: str, device) -> PackedLinear:
-    g = torch.Generator().manual_seed(0)
+    """A ``PackedLinear`` of random codes and scales (the speed does not depend on the values), made on ``device``."""
+    g = torch.Generator(device=device).manual_seed(0)
     grid = make_grid("int", bits, 128)
-    codes, scales, _ = grid.quantize(torch.randn(m, n, generator=g))
+    codes = torch.randint(0, 2 ** bits, (m, n), device=device, generator=g, dtype=torch.uint8)
+    scales = torch.rand(m, -(-n // 128), device=device, generator=g) * 0.01 + 1e-3
     t = None
     if rot == "rht":
-        t = TwoSided.random_signs(RHTRotation(m), RHTRotation(n), generator=g)
+        t = TwoSided.random_signs(RHTRotation(m), RHTRotation(n), generator=torch.Generator().manual_seed(0))
     elif rot == "harp":
         u, v = HARPRotation(m), HARPRotation(n)
         with torch.no_grad():
             for th in [*u.thetas, *v.thetas]:
-                th.copy_(torch.randn(th.shape, generator=g) * 0.1)
-        t = TwoSided.random_signs(u, v, generator=g)
+                th.copy_(torch.randn(th.shape, generator=torch.Generator().manual_seed(1)) * 0.1)
+        t = TwoSided.random_signs(u, v, generator=torch.Generator().manual_seed(0))
     return PackedLinear(grid, {"codes": pack_bits(codes, bits), **grid.stored_scales(scales)}, t, (m, n)).to(device)
 
 
@@ -110,11 +112,14 @@ def per_layer(args) -> dict:
             totals[f"w{b}_{r}"] = totals.get(f"w{b}_{r}", 0.0) + us * k
         totals["bf16"] = totals.get("bf16", 0.0) + base * k
         rows.append(row)
-        print(f"| {m} × {n} | {k} | {base:.1f} | " + " | ".join(cells) + " |")
+        print(f"| {m} × {n} | {k} | {base:.1f} | " + " | ".join(cells) + " |", flush=True)
+        if args.json:  # after every shape: a run cut by a time limit keeps what it measured
+            with open(args.json, "w") as f:
+                json.dump({"model": args.model, "rows_per_call": args.rows, "layers": rows, "complete": False}, f, indent=1)
     tps = {key: 1e6 / (v * blocks) for key, v in totals.items()}
     print(f"\nthe decoder's linears alone, per token ({blocks} blocks): " +
           ", ".join(f"{key} {v:,.0f} tok/s ({v / tps['bf16']:.2f}×)" for key, v in tps.items()))
-    return {"model": args.model, "rows_per_call": args.rows, "layers": rows, "linears_tok_per_s": tps,
+    return {"model": args.model, "rows_per_call": args.rows, "layers": rows, "complete": True, "linears_tok_per_s": tps,
             "device": torch.cuda.get_device_name()}
 
 

@@ -658,6 +658,25 @@ def check_int_matvec(name, m, n, bits, g, rows, dev, gen):
     record(name, bool(rel < 1e-5), rel_err=rel)
 
 
+def check_stages(name, d, inverse, dev, gen):
+    """adahop.ptq.staged.apply_stages (one Triton launch per merged stage) against its reference: a HARP rotation
+    of size d with random Θ and signs folded in, BF16 in, FP32 out."""
+    from adahop.ptq.rotation import HARPRotation
+    from adahop.ptq.staged import apply_stages, apply_stages_reference, fold_signs, merge_stages, rotation_stages
+
+    r = HARPRotation(d).to(dev)
+    with torch.no_grad():
+        for th in r.thetas:
+            th.copy_(torch.randn(th.shape, device=dev, generator=gen) * 0.3)
+        signs = [torch.randint(0, 2, (d,), device=dev, generator=gen).float() * 2 - 1 for _ in range(2)]
+        st = fold_signs(merge_stages(rotation_stages(r, inverse=inverse), d), *signs)
+    x = torch.randn(2, d, device=dev, generator=gen).bfloat16()
+    y = apply_stages(x, st, backend="triton" if dev == "cuda" else "auto")
+    ref = apply_stages_reference(x, st)
+    rel = float((y - ref).norm() / ref.norm().clamp(min=1e-30))
+    record(name, bool(rel < 1e-5), rel_err=rel, stages=[b for _, b, _ in st])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="tiny shapes (smoke test)")
@@ -826,6 +845,9 @@ def main() -> int:
             if not s:
                 m, n = min(m, 256), min(n, 264)
             check_int_matvec(f"int_matvec {m}x{n} W{bits} g{g} rows={rows}", m, n, bits, g, rows, dev, gen)
+        for d in ((4096, 14336, 2752, 1344) if s else (1344, 172)):
+            for inverse in (False, True):
+                check_stages(f"stages HARP d={d}{' inverse' if inverse else ''}", d, inverse, dev, gen)
     n_fail = sum(not r["ok"] for r in RESULTS)
     print(f"\n{len(RESULTS) - n_fail}/{len(RESULTS)} checks passed in {time.time() - t0:.0f} s")
     if args.log:

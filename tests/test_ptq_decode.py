@@ -68,6 +68,10 @@ def test_bad_matvec_input_is_refused_naming_what_fits(gen):
 @pytest.mark.parametrize("rot", ["rht", "harp"])
 def test_packed_linear_equals_the_rebuilt_weight(rot, gen):
     """y = ((x ⊙ s_n)·V·Qᵀ)·Uᵀ ⊙ s_m equals x·Wᵀ with W = S U Q Vᵀ S (TwoSided.weight_inverse)."""
+    _check_packed_linear(rot, gen)
+
+
+def _check_packed_linear(rot, gen):
     m, n = 64, 96  # 96 = 8·6·2: HARP's mixed radix; the RHT's block 32
     grid, codes, st, packed = _packed(m, n, 2, 32)
     if rot == "rht":
@@ -126,3 +130,11 @@ def test_interp_matvec_kernel_matches_its_reference(m, n, bits, g, rows):
     x = torch.randn(rows, n, generator=torch.Generator().manual_seed(n)).bfloat16()
     y = int_matvec(x, packed, st["scales"], m, n, bits, g, backend="triton")
     torch.testing.assert_close(y, int_matvec_reference(x, packed, st["scales"], m, n, bits, g), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("rot", ["rht", "harp"])
+@interp
+def test_interp_packed_linear_through_the_kernels_equals_the_rebuilt_weight(rot):
+    """The same with the stage kernels and the matvec kernel doing the work (W2, group 32: the kernel reads it)."""
+    assert _kernel_runs(2, 96, 32, torch.device("cpu"))
+    _check_packed_linear(rot, torch.Generator().manual_seed(3))

@@ -130,7 +130,7 @@ def test_bit_packing_round_trips(bits, gen):
 
 
 def test_bit_packing_layout_is_little_endian_within_each_byte():
-    """The layout the decode kernel reads (adahop.ptq._triton_matvec): the first code in the low bits."""
+    """The layout the decode kernel reads (adahop.ptq._triton_decode): the first code in the low bits."""
     assert pack_bits(torch.tensor([1, 2, 3, 0, 2], dtype=torch.uint8), 2).tolist() == [1 | 2 << 2 | 3 << 4, 2]
     assert pack_bits(torch.tensor([0xA, 0x3, 0xF], dtype=torch.uint8), 4).tolist() == [0x3A, 0x0F]
     assert pack_bits(torch.tensor([1, 0, 1, 1, 0, 0, 0, 1, 1], dtype=torch.uint8), 1).tolist() == [0b10001101, 1]

@@ -11,6 +11,7 @@ weight. :func:`int_matvec` is that matvec on the int grid's packed codes: a Trit
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from torch import nn
 from .export import PACKED_FILE, load_packed
 from .grids import IntGrid
 from .quantize import unpack_bits
+from .staged import apply_stages, fold_signs, merge_stages, rotation_stages
 
 __all__ = ["int_matvec", "int_matvec_reference", "PackedLinear", "load_packed_model"]
 
@@ -79,10 +81,15 @@ def _kernel_runs(bits: int, n: int, group_size: int, device: torch.device) -> bo
             and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"))
 
 
+@functools.lru_cache(maxsize=None)
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
 def _splits(m: int, tiles: int, device: torch.device, block_m: int) -> int:
     """How many slices of the input dimension (split-K) give the GPU about eight programs per SM: a decode
     matvec has few outputs, and each program's loads are few, so latency is hidden by many programs at once."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    sms = _sms(device)
     want = -(-8 * sms // -(-m // block_m))
     per = -(-tiles // max(1, min(want, tiles)))  # tiles per split
     return -(-tiles // per)
@@ -112,7 +119,7 @@ def int_matvec(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, m: in
         return int_matvec_reference(x, codes, scales, m, n, bits, group_size)
     import triton
 
-    from ._triton_matvec import int_matvec_kernel
+    from ._triton_decode import int_matvec_kernel
 
     x = x.contiguous()
     rows, block_m, block_k = x.shape[0], 64, _block_k(bits, group_size)
@@ -162,12 +169,13 @@ class PackedLinear(nn.Module):
         if device not in self._cache:
             c = {}
             t = self.transform
-            if t is not None:
+            if t is not None:  # the rotations as a few merged stages, the signs folded in (adahop.ptq.staged)
                 for side, r in (("u", t.u), ("v", t.v)):
-                    if hasattr(r, "kernels"):  # HARP: the Cayley solves once, not per token
+                    if hasattr(r, "to"):
                         r.to(device)
-                        c[f"k{side}"] = [k.detach() for k in r.kernels()]
-                c["s_out"], c["s_in"] = t.s_out.to(device), t.s_in.to(device)
+                with torch.no_grad():
+                    c["v"] = fold_signs(merge_stages(rotation_stages(t.v), self.n), s_in=t.s_in.to(device))
+                    c["u"] = fold_signs(merge_stages(rotation_stages(t.u, inverse=True), self.m), s_out=t.s_out.to(device))
             if not (isinstance(self.grid, IntGrid) and _kernel_runs(self.grid.bits, self.n, self.grid.group_size, device)):
                 codes = unpack_bits(self.codes.cpu(), self.grid.bits, self.m * self.n).reshape(self.m, self.n)
                 scales = {k: getattr(self, f"q_{k}").cpu() for k in self.scale_keys}
@@ -175,27 +183,21 @@ class PackedLinear(nn.Module):
             self._cache[device] = c
         return self._cache[device]
 
-    @staticmethod
-    def _rot(r, x, ks, inverse: bool):
-        f = r.apply_inverse if inverse else r.apply
-        return f(x) if ks is None else f(x, ks)
-
     @torch.no_grad()
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.n or not x.is_floating_point():
             raise ValueError(f"PackedLinear({self.m}×{self.n}) takes a float tensor [..., {self.n}], got {x.dtype} "
                              f"{tuple(x.shape)}")
         c = self._consts(x.device)
-        h = x.reshape(-1, self.n).float()
-        t = self.transform
-        if t is not None:
-            h = self._rot(t.v, h * c["s_in"], c.get("kv"), inverse=False)  # (x ⊙ s_n)·V
+        h = x.reshape(-1, self.n)
+        if "v" in c:
+            h = apply_stages(h, c["v"])  # (x ⊙ s_n)·V, read in x's dtype, float32 out
         if "w" in c:
-            y = h @ c["w"].T
+            y = h.float() @ c["w"].T
         else:
             y = int_matvec(h, self.codes, self.q_scales, self.m, self.n, self.grid.bits, self.grid.group_size)
-        if t is not None:
-            y = self._rot(t.u, y, c.get("ku"), inverse=True) * c["s_out"]  # ·Uᵀ, ⊙ s_m
+        if "u" in c:  # ·Uᵀ ⊙ s_m, written in x's dtype unless a bias is still to be added in float32
+            y = apply_stages(y, c["u"], x.dtype if self.bias is None else torch.float32)
         if self.bias is not None:
             y = y + self.bias.float()
         return y.to(x.dtype).reshape(*x.shape[:-1], self.m)

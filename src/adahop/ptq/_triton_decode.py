@@ -1,4 +1,7 @@
-"""The Triton kernel of :func:`adahop.ptq.decode.int_matvec`: ``y = x·Wᵀ`` with ``W`` read as packed int codes.
+"""The Triton kernels of decoding from `adahop ptq`'s packed artifact (:mod:`adahop.ptq.decode`): the int matvec
+and one block stage of a rotation. Imported lazily, with Triton.
+
+``int_matvec_kernel`` (:func:`adahop.ptq.decode.int_matvec`): ``y = x·Wᵀ`` with ``W`` read as packed int codes.
 
 At decode time (a few rows of ``x``) the layer is a matvec bound by the bytes of ``W``: 2-bit codes are an eighth
 of a BF16 weight. Such a read is fast only with many loads in flight, so the work is split both ways: one
@@ -10,7 +13,12 @@ Each byte of the little-endian bit stream :func:`adahop.ptq.quantize.pack_bits` 
 and is loaded once, as a ``[BLOCK_M, BLOCK_K·BITS/8]`` tile, then split into its codes along a third axis that
 lines up with the matching ``[BLOCK_K·BITS/8, 8/BITS]`` view of ``x``. A code maps to ``(code − 2^(BITS−1) + ½)``
 times its group's FP16 scale; ``BLOCK_K`` divides the group size, so a tile needs one scale per output. The
-caller guarantees that a row of ``W`` starts on a byte (``N·BITS % 8 == 0``). Imported lazily, with Triton.
+caller guarantees that a row of ``W`` starts on a byte (``N·BITS % 8 == 0``).
+
+``stage_kernel`` (:func:`adahop.ptq.staged.apply_stages`): one stage of ``B × B`` blocks at stride ``S``,
+``y[hi·B·S + c·S + lo] = Σ_a x[hi·B·S + a·S + lo] · K[hi·S + lo, a, c]``. A program takes ``BLOCKS`` blocks and
+``BLOCK_C`` of their outputs for one row; ``x`` is read in its own dtype and ``y`` written in its own (the
+casts of the layer's input and output ride in its first and last stage).
 """
 
 from __future__ import annotations
@@ -47,3 +55,22 @@ def int_matvec_kernel(x_ptr, codes_ptr, scales_ptr, y_ptr, M, N, G, ROWS, TILES,
         s = tl.load(scales_ptr + ms.to(tl.int64) * G + g, mask=mmask, other=0.0).to(tl.float32)
         acc += part * s
     tl.store(y_ptr + (split * ROWS + row) * M + ms, acc, mask=mmask)
+
+
+@triton.jit
+def stage_kernel(x_ptr, k_ptr, y_ptr, D, NBLK, B, S,
+                 BLOCKS: tl.constexpr, BP: tl.constexpr, BLOCK_C: tl.constexpr):
+    pid_b = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    row = tl.program_id(2).to(tl.int64)
+    blk = pid_b * BLOCKS + tl.arange(0, BLOCKS)
+    a = tl.arange(0, BP)  # the radix padded to a power of two
+    c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    bmask, amask, cmask = blk < NBLK, a < B, c < B
+    base = (blk // S) * (B * S) + blk % S  # the coordinate of each block's digit 0
+    xk = tl.load(x_ptr + row * D + base[:, None] + a[None, :] * S, mask=bmask[:, None] & amask[None, :],
+                 other=0.0).to(tl.float32)  # [BLOCKS, BP]
+    kp = k_ptr + blk[:, None, None].to(tl.int64) * B * B + a[None, :, None] * B + c[None, None, :]
+    k = tl.load(kp, mask=bmask[:, None, None] & amask[None, :, None] & cmask[None, None, :], other=0.0)
+    y = tl.sum(xk[:, :, None] * k, axis=1)  # [BLOCKS, BLOCK_C]
+    tl.store(y_ptr + row * D + base[:, None] + c[None, :] * S, y, mask=bmask[:, None] & cmask[None, :])

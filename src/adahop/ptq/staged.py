@@ -1,0 +1,175 @@
+"""A rotation at decode time: a short list of block stages, each one kernel launch (issue 22's inference path).
+
+HARP's rotation (:class:`~adahop.ptq.rotation.HARPRotation`) is already a product of stages: stage ``t`` mixes
+the coordinates that differ only in one mixed-radix digit, in independent ``b×b`` blocks
+(`specs/related_methods.md` §2.2; the coordinate ``i = hi·(b·stride) + digit·stride + lo``). The RHT's block
+Hadamard ``I ⊗ H_B`` is one too: Sylvester's ``H_B`` is the Kronecker product of smaller ones, each a stage.
+At decode time a stage costs a launch more than its arithmetic, so :func:`merge_stages` fuses consecutive stages
+into fewer, wider ones (radix up to 64: a 4096-wide rotation in two launches, not four), and
+:func:`fold_signs` folds the layer's ±1 signs into the first and last stage. :func:`apply_stages` applies them:
+:func:`~adahop.ptq._triton_decode.stage_kernel` on CUDA (or under ``TRITON_INTERPRET=1``),
+:func:`apply_stages_reference` elsewhere, same signature.
+
+A stage is ``(K, b, stride)``: ``K`` float32 ``[d/b, b, b]``, block ``hi·stride + lo``, ``y_c = Σ_a x_a K[a, c]``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..hadamard import hadamard_matrix
+from .incoherence import RHTRotation
+from .rotation import HARPRotation, stage
+
+__all__ = ["rotation_stages", "merge_stages", "fold_signs", "apply_stages", "apply_stages_reference", "MAX_RADIX"]
+
+Stage = tuple[torch.Tensor, int, int]
+
+MAX_RADIX = 64
+"""The widest merged stage: a 64×64 block reads 64 floats of ``K`` per coordinate (1 MB at d = 4096)."""
+
+
+def _pow2_factors(n: int, most: int) -> list[int]:
+    out = []
+    while n > 1:
+        out.append(min(n, most))
+        n //= out[-1]
+    return out
+
+
+def rotation_stages(r, *, inverse: bool = False, kernels: list[torch.Tensor] | None = None) -> list[Stage]:
+    """``r`` (``x·R``, or ``x·Rᵀ`` with ``inverse``) as stages, on ``r``'s device.
+
+    Args:
+        r: a :class:`~adahop.ptq.rotation.HARPRotation` (its own stages) or an
+            :class:`~adahop.ptq.incoherence.RHTRotation` (``I ⊗ H_B`` as the stages of ``H_B``'s Kronecker factors,
+            each at most :data:`MAX_RADIX`).
+        kernels: ``r.kernels()`` where already computed (HARP's Cayley solves).
+
+    Raises:
+        TypeError: any other rotation.
+    """
+    if isinstance(r, HARPRotation):
+        ks = r.kernels() if kernels is None else kernels
+        st = [(k.detach().float(), b, s) for k, (b, s) in zip(ks, r.stages)]
+    elif isinstance(r, RHTRotation):
+        st, s = [], 1
+        for b in _pow2_factors(r.block, MAX_RADIX):
+            st.append((hadamard_matrix(b).expand(r.d // b, b, b).contiguous(), b, s))
+            s *= b
+    else:
+        raise TypeError(f"rotation_stages: {type(r).__name__} is neither a HARPRotation nor an RHTRotation")
+    if inverse:  # x·Rᵀ: the stages in reverse order, each block transposed
+        st = [(k.transpose(1, 2).contiguous(), b, s) for k, b, s in reversed(st)]
+    return st
+
+
+def _chains(a: Stage, b: Stage, most: int) -> bool:
+    """Whether stage ``b`` acts on the next digit after ``a``'s and their blocks together fit in ``most``."""
+    return b[2] == a[2] * a[1] and a[1] * b[1] <= most or a[2] == b[2] * b[1] and a[1] * b[1] <= most
+
+
+def merge_stages(stages: list[Stage], d: int, max_radix: int = MAX_RADIX) -> list[Stage]:
+    """Consecutive stages on adjacent digits fused into one stage of their radices' product, while it is at most
+    ``max_radix``. The merged blocks are found by applying the stages to one indicator vector per digit value
+    (blocks never mix, so one probe fills row ``a`` of every block). Same product, to float32 rounding."""
+    out: list[list[Stage]] = []
+    for s in stages:
+        if out and _chains(_span(out[-1]), s, max_radix):
+            out[-1].append(s)
+        else:
+            out.append([s])
+    return [g[0] if len(g) == 1 else _merged(g, d) for g in out]
+
+
+def _span(group: list[Stage]) -> Stage:
+    """A group's radix and lowest stride, as a stage whose K is unused."""
+    b = 1
+    for _, r, _ in group:
+        b *= r
+    return (group[0][0], b, min(s for _, _, s in group))
+
+
+def _merged(group: list[Stage], d: int) -> Stage:
+    _, b, s0 = _span(group)
+    dev = group[0][0].device
+    digit = (torch.arange(d, device=dev) // s0) % b
+    probes = (digit[None, :] == torch.arange(b, device=dev)[:, None]).float()  # [b, d]: one per digit value
+    y = probes[None]
+    for k, r, s in group:
+        y = stage(y, k[None], r, s)
+    # y[a, hi·(b·s0) + c·s0 + lo] = K[hi·s0 + lo][a, c]
+    k = y[0].reshape(b, d // (b * s0), b, s0).permute(1, 3, 0, 2).reshape(d // b, b, b)
+    return k.contiguous(), b, s0
+
+
+def _per_block(signs: torch.Tensor, b: int, s: int) -> torch.Tensor:
+    """``[d]`` → ``[d/b, b]``: each block's coordinates in digit order."""
+    d = signs.numel()
+    return signs.reshape(d // (b * s), b, s).permute(0, 2, 1).reshape(d // b, b)
+
+
+def fold_signs(stages: list[Stage], s_in: torch.Tensor | None = None, s_out: torch.Tensor | None = None) -> list[Stage]:
+    """``x ⊙ s_in`` before the first stage and ``⊙ s_out`` after the last, folded into their blocks' rows and
+    columns (exact: ±1 flips a sign)."""
+    st = list(stages)
+    if s_in is not None:
+        k, b, s = st[0]
+        st[0] = (k * _per_block(s_in.to(k), b, s)[:, :, None], b, s)
+    if s_out is not None:
+        k, b, s = st[-1]
+        st[-1] = (k * _per_block(s_out.to(k), b, s)[:, None, :], b, s)
+    return st
+
+
+def apply_stages_reference(x: torch.Tensor, stages: list[Stage], out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The stages applied in order to ``x`` ``[rows, d]`` (any float dtype; computed in float32), returned in
+    ``out_dtype`` (default float32)."""
+    y = x.float()[None]
+    for k, b, s in stages:
+        y = stage(y, k[None], b, s)
+    return y[0].to(out_dtype or torch.float32)
+
+
+def _kernel_runs(device: torch.device) -> bool:
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def apply_stages(x: torch.Tensor, stages: list[Stage], out_dtype: torch.dtype | None = None, *,
+                 backend: str = "auto") -> torch.Tensor:
+    """:func:`apply_stages_reference`, one Triton launch per stage on CUDA (``backend``: ``auto``, ``triton`` or
+    ``reference``; ``auto`` takes Triton on CUDA or under ``TRITON_INTERPRET=1``). The first stage reads ``x``
+    in its dtype and the last writes ``out_dtype``: no separate casts. Sums in another order than the reference:
+    equal to float32 rounding.
+
+    Raises:
+        ValueError: ``x`` not ``[rows, d]`` floating point for the stages' ``d``; an unknown backend; ``triton``
+            where it cannot run.
+    """
+    d = stages[0][0].shape[0] * stages[0][1] if stages else x.shape[-1]
+    if x.dim() != 2 or x.shape[1] != d or not x.is_floating_point():
+        raise ValueError(f"apply_stages: x must be a float [rows, {d}], got {x.dtype} {tuple(x.shape)}")
+    if backend not in ("auto", "triton", "reference"):
+        raise ValueError(f"apply_stages: backend {backend!r}; use auto, triton or reference")
+    if backend == "triton" and not _kernel_runs(x.device):
+        raise ValueError(f"apply_stages: backend='triton' runs on CUDA tensors or under TRITON_INTERPRET=1 (x is on "
+                         f"{x.device}); use backend='auto' or 'reference'")
+    if not stages or backend == "reference" or not _kernel_runs(x.device):
+        return apply_stages_reference(x, stages, out_dtype)
+    import triton
+
+    from ._triton_decode import stage_kernel
+
+    rows, y = x.shape[0], x.contiguous()
+    for i, (k, b, s) in enumerate(stages):
+        out = torch.empty(rows, d, device=x.device,
+                          dtype=(out_dtype or torch.float32) if i == len(stages) - 1 else torch.float32)
+        bp = triton.next_power_of_2(b)
+        bc = min(bp, 16)
+        blocks = max(1, 2048 // (bp * bc))  # about 2048 products a program
+        stage_kernel[(triton.cdiv(d // b, blocks), triton.cdiv(b, bc), rows)](
+            y, k, out, d, d // b, b, s, BLOCKS=blocks, BP=bp, BLOCK_C=bc)
+        y = out
+    return y
