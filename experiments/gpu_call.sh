@@ -109,6 +109,9 @@
 #   p14 (issue 22, round 23): validate_kernels --only matvec (the decode kernel), bench_harp at llama-350m (does 2752
 #      capture with cuSOLVER now; the side-by-side block row), bench_decode per layer at llama3.1-8b and llama-350m
 #      ($OUT/bench_decode_*.json), then p13 with the time left (set LIM as for p13)
+#   p16 (issue 22, after round 25): the rebuilt decode path: validate_kernels --only matvec (matvec and stage kernels),
+#      bench_decode per layer (llama3.1-8b, llama-350m), then a llama-125m trained DEC_STEPS (300) steps, W2 int by rtn
+#      and by harp-gptq (100 HARP steps, 32K calibration tokens), each decoded end to end (bench_decode --folder)
 #   p15 (issue 22, round 23): llama-350m bf16 trained as p13 trains it (runs/ptq/350m-bf16, PTQ_STEPS, compiled), then
 #      the end-to-end harp-gptq W2 int cell alone on the GPU (the issue's 10-minute target, runs/ptq_e2e, which p13 then
 #      skips), validate_kernels --only matvec first; bench_decode per layer (llama3.1-8b, llama-350m) and bench_harp at
@@ -140,7 +143,7 @@ export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 ADAHOP_CACHE=/tmp/adahop
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())"
-if [ "${STAGE#i19}" != "$STAGE" ] || [ "$STAGE" = r8a ] || [ "$STAGE" = r12a ] || [ "$STAGE" = r13a ] || [ "$STAGE" = r14a ] || [ "$STAGE" = r16a ] || [ "$STAGE" = p13 ] || [ "$STAGE" = p14 ] || [ "$STAGE" = p15 ]; then  # issue 19: data and compile caches in an ignored folder that outlives the call
+if [ "${STAGE#i19}" != "$STAGE" ] || [ "$STAGE" = r8a ] || [ "$STAGE" = r12a ] || [ "$STAGE" = r13a ] || [ "$STAGE" = r14a ] || [ "$STAGE" = r16a ] || [ "$STAGE" = p13 ] || [ "$STAGE" = p14 ] || [ "$STAGE" = p15 ] || [ "$STAGE" = p16 ]; then  # issue 19: data and compile caches in an ignored folder that outlives the call
   mkdir -p runs/issue19
   export TORCHINDUCTOR_CACHE_DIR=$PWD/runs/issue19/inductor TRITON_CACHE_DIR=$PWD/runs/issue19/triton ADAHOP_CACHE=$PWD/runs/issue19/adahop
   [ -f runs/issue19/main/manifest.json ] || python3 -m adahop data prepare --source .carry/corpus_main.txt.xz \
@@ -298,6 +301,25 @@ if [ "$STAGE" = r10a ]; then
   python3 -c "import json; d = json.load(open('/tmp/t20c/summary.json')); print({k: d.get(k) for k in ('final_train_loss', 'compile_mode', 'recompiles_steady_state', 'graph_breaks_steady_state', 'tok_per_s')})"
   timeout $(( 570 - $(el) )) python3 scripts/check_compiled_grads.py --model llama-20m --recipes adahop-lv2,tseng 2>&1 \
     | tee $OUT/compiled_grads.log | grep -E "loss eager|Error"
+  echo "stage $STAGE done at $(el) s"; exit 0
+fi
+if [ "$STAGE" = p16 ]; then  # issue 22: the decode path rebuilt after round 25 (split-K matvec, merged stage kernels)
+  export CUDA_VISIBLE_DEVICES=0
+  timeout 90 python3 scripts/validate_kernels.py --only matvec --log $OUT/validate_matvec.json > $OUT/validate_matvec.log 2>&1
+  tail -1 $OUT/validate_matvec.log; grep -E "^FAIL" $OUT/validate_matvec.log; echo "validate done at $(el) s"
+  for M in llama3.1-8b llama-350m; do timeout 120 python3 scripts/bench_decode.py --model $M --json $OUT/bench_decode_$M.json 2>&1 \
+    | grep -v -i warn | tail -9; done; echo "bench_decode per layer done at $(el) s"
+  # end to end: a briefly trained llama-125m (the speed does not depend on how well), W2 int by rtn and by harp-gptq
+  D=runs/ptq/125m-dec; mkdir -p runs/ptq runs/ptq_dec
+  [ -f $D/summary.json ] || timeout 200 python3 -m adahop train --model llama-125m --recipe bf16 --data runs/issue19/main \
+    --steps ${DEC_STEPS:-300} --seq-len 1024 --batch-size 16 --lr 1e-3 --warmup-steps 60 --eval-every 100 --ckpt-every 100 \
+    --log-every 20 --compile --out $D > $OUT/train_125m-dec.log 2>&1; echo "125m trained: exit $? at $(el) s"
+  for C in "rtn" "harp-gptq --harp-steps 100"; do set -- $C; F=runs/ptq_dec/$1-w2-int
+    [ -f $F/ptq.json ] || timeout $(( ${LIM:-570} - $(el) - 60 )) python3 -m adahop ptq $D --method $C --bits 2 --quantizer int \
+      --calib-data runs/issue19/main --calib-tokens 32768 --batch-size 8 --device auto --skip-baseline --out $F > $OUT/ptq_dec_$1.log 2>&1
+    echo "ptq $1: exit $? at $(el) s"; cp $F/ptq.json $OUT/ptq_dec_$1.json 2>/dev/null
+    [ $(( ${LIM:-570} - $(el) )) -ge 50 ] && timeout 45 python3 scripts/bench_decode.py --folder $F --tokens 128 \
+      --json $OUT/decode_$1.json 2>&1 | grep -v -i warn | tail -3; done
   echo "stage $STAGE done at $(el) s"; exit 0
 fi
 if [ "$STAGE" = p15 ]; then  # issue 22, round 23: the 350m end to end alone, then the benches
