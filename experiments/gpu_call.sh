@@ -318,8 +318,8 @@ if [ "$STAGE" = p16 ]; then  # issue 22: the decode path rebuilt after round 25 
     [ -f $F/ptq.json ] || timeout $(( ${LIM:-570} - $(el) - 60 )) python3 -m adahop ptq $D --method $C --bits 2 --quantizer int \
       --calib-data runs/issue19/main --calib-tokens 32768 --batch-size 8 --device auto --skip-baseline --out $F > $OUT/ptq_dec_$1.log 2>&1
     echo "ptq $1: exit $? at $(el) s"; cp $F/ptq.json $OUT/ptq_dec_$1.json 2>/dev/null
-    [ $(( ${LIM:-570} - $(el) )) -ge 50 ] && timeout 45 python3 scripts/bench_decode.py --folder $F --tokens 128 \
-      --json $OUT/decode_$1.json 2>&1 | grep -v -i warn | tail -3; done
+    [ $(( ${LIM:-570} - $(el) )) -ge 70 ] && timeout 60 python3 scripts/bench_decode.py --folder $F --tokens 128 \
+      --json $OUT/decode_$1.json 2>&1 | grep -v -i warn | tail -6; done
   echo "stage $STAGE done at $(el) s"; exit 0
 fi
 if [ "$STAGE" = p15 ]; then  # issue 22, round 23: the 350m end to end alone, then the benches

@@ -9,9 +9,10 @@ of 128): without rotation (the matvec kernel alone), with the RHT, and with HARP
 on the values). Each is captured in a CUDA graph of 20 calls and replayed, so the time is the GPU's, not the host's;
 the table gives µs per call, the ratio to BF16, and the decoder's linears per token (all blocks) as tokens/s.
 
-``--folder``: the end-to-end decode of a folder `adahop ptq` wrote, greedy, one token at a time with the KV cache,
-eager: the BF16 export (``transformers``) against :func:`adahop.ptq.decode.load_packed_model`; tokens/s of each.
-At our model sizes the host's launches bound both, so this is the honest number for them, not the kernel's.
+``--folder``: the end-to-end decode of a folder `adahop ptq` wrote, greedy, one token at a time with the KV cache:
+the BF16 export (``transformers``) against :func:`adahop.ptq.decode.load_packed_model`; tokens/s of each. Eager,
+where at our model sizes the host's launches bound both; and on CUDA with a ``StaticCache`` and each token's step
+replayed from a CUDA graph, which leaves the kernels' time.
 CUDA only for the per-layer table (the CPU has no graphs); ``--folder`` runs anywhere.
 """
 
@@ -123,38 +124,106 @@ def per_layer(args) -> dict:
             "device": torch.cuda.get_device_name()}
 
 
+def _cache_kw(model) -> str:
+    # transformers renamed past_key_values to cache (5.2x); the GPU image's 5.17 has only the old name
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _sync(dev) -> float:
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def dynamic_decode(model, tokens: int, dev) -> tuple[list[int], float]:
+    """Greedy decode of ``tokens`` tokens after token id 0, batch 1, the KV cache grown each step, eager.
+    Returns the tokens and the seconds they took."""
+    kw, cache, tok, seq = _cache_kw(model), None, torch.zeros(1, 1, dtype=torch.long, device=dev), []
+    t0 = _sync(dev)
+    for _ in range(tokens):
+        out = model(tok, **{kw: cache}, use_cache=True)
+        cache, tok = getattr(out, kw), out.logits[:, -1:].argmax(-1)
+        seq.append(tok)
+    return torch.cat(seq, 1).flatten().tolist(), _sync(dev) - t0
+
+
+def static_decode(model, tokens: int, dev, *, graph: bool) -> tuple[list[int], float]:
+    """The same tokens as :func:`dynamic_decode`, with a ``transformers.StaticCache`` and every step's forward,
+    argmax and position update in one function of fixed tensors: replayed from a CUDA graph (``graph``), the host
+    then launching one graph per token, or run eagerly (to check it against the dynamic cache). The seconds
+    count the tokens' loop only (not the warm-up step and the capture)."""
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=tokens)
+    kw = _cache_kw(model)
+    ids = torch.zeros(1, 1, dtype=torch.long, device=dev)
+    pos = torch.zeros(1, dtype=torch.long, device=dev)
+    out = torch.zeros(tokens, dtype=torch.long, device=dev)
+
+    def step():
+        logits = model(ids, **{kw: cache}, cache_position=pos, use_cache=True).logits
+        nxt = logits[0, -1].argmax()
+        out.index_copy_(0, pos, nxt.view(1))
+        ids.copy_(nxt.view(1, 1))
+        pos.add_(1)
+
+    if not graph:
+        t0 = _sync(dev)
+        for _ in range(tokens):
+            step()
+        return out.tolist(), _sync(dev) - t0
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up off the graph: kernels compile, the cache's tensors are allocated
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    ids.zero_(), pos.zero_()  # start again from token 0: the graph writes the cache from position 0 on
+    t0 = _sync(dev)
+    for _ in range(tokens):
+        g.replay()
+    return out.tolist(), _sync(dev) - t0
+
+
 def end_to_end(args) -> dict:
+    """Tokens/s of the BF16 export and of the packed model, greedy from token 0, batch 1: eager with a growing
+    KV cache, and on CUDA also with a static cache replayed from a CUDA graph (the host's launches out of the
+    way, the kernels' speed). A graph that fails to capture is reported with its error, not hidden."""
     import transformers
 
     dev = torch.device(args.device)
     res = {"folder": args.folder, "tokens": args.tokens, "device": str(dev)}
+    modes = {"eager": lambda m: dynamic_decode(m, args.tokens, dev)}
+    if dev.type == "cuda":
+        modes["graph"] = lambda m: static_decode(m, args.tokens, dev, graph=True)
     generated = {}
     for label, load in (("bf16 export", lambda: transformers.AutoModelForCausalLM.from_pretrained(args.folder, dtype=torch.bfloat16).to(dev).eval()),
                         ("packed", lambda: load_packed_model(args.folder, dtype=torch.bfloat16, device=dev))):
         model = load()
-        ids = torch.zeros(1, 1, dtype=torch.long, device=dev)
-        # transformers renamed past_key_values to cache (5.2x); the image's 5.17 has only the old name
-        kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-        with torch.no_grad():
-            for rep in range(2):  # the first pass warms up (kernels compile, caches fill)
-                if dev.type == "cuda":
-                    torch.cuda.synchronize()
-                t0, cache, tok, seq = time.perf_counter(), None, ids, []
-                for _ in range(args.tokens):
-                    out = model(tok, **{kw: cache}, use_cache=True)
-                    cache, tok = getattr(out, kw), out.logits[:, -1:].argmax(-1)
-                    seq.append(tok)
-                if dev.type == "cuda":
-                    torch.cuda.synchronize()
-        res[label] = args.tokens / (time.perf_counter() - t0)
-        generated[label] = torch.cat(seq, 1).flatten().tolist()
-        print(f"{label}: {res[label]:.1f} tok/s (greedy, {args.tokens} tokens, batch 1, eager)")
+        for mode, run in modes.items():
+            key = label if mode == "eager" else f"{label} ({mode})"
+            try:
+                with torch.no_grad():
+                    for _ in range(2):  # the first pass warms up (kernels compile, caches fill)
+                        seq, dt = run(model)
+            except Exception as e:  # noqa: BLE001  (a capture failure is a result to report)
+                res[f"{key} error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+                print(f"{key}: failed: {res[f'{key} error']}")
+                continue
+            res[key] = args.tokens / dt
+            generated[key] = seq
+            print(f"{key}: {res[key]:.1f} tok/s (greedy, {args.tokens} tokens, batch 1, {mode})")
         del model
     res["ratio"] = res["packed"] / res["bf16 export"]
+    if "packed (graph)" in res and "bf16 export (graph)" in res:
+        res["ratio (graph)"] = res["packed (graph)"] / res["bf16 export (graph)"]
+        print(f"graphed: packed / bf16 {res['ratio (graph)']:.2f}×")
     # the same weights in another order of sums: greedy tokens may part where two logits nearly tie
     a, b = generated["bf16 export"], generated["packed"]
     res["same_tokens"] = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
-    print(f"packed / bf16: {res['ratio']:.2f}×; the first {res['same_tokens']} of {len(a)} greedy tokens agree")
+    print(f"packed / bf16: {res['ratio']:.2f}× eager; the first {res['same_tokens']} of {len(a)} greedy tokens agree")
     return res
 
 

@@ -123,6 +123,13 @@ def test_the_folder_decodes_from_its_codes_with_packed_linears(run_dir, tmp_path
     res = json.loads((tmp_path / "d.json").read_text())
     assert res["bf16 export"] > 0 and res["packed"] > 0 and res["ratio"] == pytest.approx(res["packed"] / res["bf16 export"])
     assert 0 <= res["same_tokens"] <= 3
+    # the static-cache step the GPU replays from a CUDA graph, run eagerly here: the dynamic cache's tokens
+    cpu = torch.device("cpu")
+    with torch.no_grad():
+        seq = bench.dynamic_decode(packed, 6, cpu)[0]
+        assert len(set(seq)) > 1, seq  # tokens that change, so that a wrong position would show
+        assert bench.static_decode(packed, 6, cpu, graph=False)[0] == seq
+        assert bench.static_decode(plain, 6, cpu, graph=False)[0] == bench.dynamic_decode(plain, 6, cpu)[0]
     for bad, msg in ((["--folder", str(run_dir)], "no ptq_packed.safetensors there"), (["--folder", str(out), "--tokens", "0"],
                                                                                         "--tokens (0) and --rows (1) must be >= 1")):
         with pytest.raises(SystemExit):  # a usage error, not a traceback after timing the BF16 model
