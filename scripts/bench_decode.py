@@ -1,6 +1,6 @@
 """Decode-time speed of `adahop ptq`'s packed layers against BF16 (issue 22, the inference path).
 
-    python scripts/bench_decode.py --model llama3.1-8b [--bits 2,4] [--rows 1] [--json OUT]
+    python scripts/bench_decode.py --model llama3.1-8b [--bits 2,4] [--rows 1] [--sweep] [--json OUT]
     python scripts/bench_decode.py --folder runs/m125-harp-w2 [--tokens 64]     # a model of our own, end to end
 
 Per layer: for each distinct decoder linear shape of ``--model``, one call of ``x·Wᵀ`` for ``--rows`` rows (1: one
@@ -187,6 +187,27 @@ def static_decode(model, tokens: int, dev, *, graph: bool) -> tuple[list[int], f
     return out.tolist(), _sync(dev) - t0
 
 
+def sweep(args) -> list[dict]:
+    """The matvec kernel alone (no rotation) at each ``block_m`` × ``per_sm`` of :func:`int_matvec`, per shape and
+    width, graphed: where its defaults (64, 8) stand."""
+    from adahop.ptq.decode import int_matvec
+
+    dev, out = torch.device("cuda"), []
+    configs = [(bm, ps) for bm in (32, 64, 128) for ps in (4, 8, 16)]
+    print("\nint_matvec alone, µs per call: block_m × per_sm\n")
+    print("| shape | bits | " + " | ".join(f"{bm}×{ps}" for bm, ps in configs) + " |")
+    print("|---|---|" + "---|" * len(configs))
+    for (m, n) in shapes(args.model):
+        x = torch.randn(args.rows, n, device=dev, dtype=torch.bfloat16)
+        for b in args.bits:
+            layer = packed_layer(m, n, b, "none", dev)
+            us = [graphed_us(lambda v, bm=bm, ps=ps: int_matvec(v, layer.codes, layer.q_scales, m, n, b, 128,
+                                                                block_m=bm, per_sm=ps), x) for bm, ps in configs]
+            out.append({"shape": [m, n], "bits": b, "us": {f"{bm}x{ps}": u for (bm, ps), u in zip(configs, us)}})
+            print(f"| {m} × {n} | {b} | " + " | ".join(f"{u:.1f}" for u in us) + " |", flush=True)
+    return out
+
+
 def end_to_end(args) -> dict:
     """Tokens/s of the BF16 export and of the packed model, greedy from token 0, batch 1: eager with a growing
     KV cache, and on CUDA also with a static cache replayed from a CUDA graph (the host's launches out of the
@@ -236,6 +257,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--sweep", action="store_true", help="also time the matvec kernel alone at each block_m × per_sm")
     args = ap.parse_args(argv)
     try:
         args.bits = [int(b) for b in args.bits.split(",")]
@@ -255,6 +277,8 @@ def main(argv=None) -> int:
         if not torch.cuda.is_available():
             ap.error("the per-layer table needs CUDA (CUDA graphs); on the CPU pass --folder")
         res = per_layer(args)
+        if args.sweep:
+            res["sweep"] = sweep(args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -138,3 +138,21 @@ def test_interp_packed_linear_through_the_kernels_equals_the_rebuilt_weight(rot)
     """The same with the stage kernels and the matvec kernel doing the work (W2, group 32: the kernel reads it)."""
     assert _kernel_runs(2, 96, 32, torch.device("cpu"))
     _check_packed_linear(rot, torch.Generator().manual_seed(3))
+
+
+@interp
+def test_interp_matvec_tuning_changes_the_schedule_not_the_result():
+    _, _, st, packed = _packed(300, 1000, 2, 128, seed=5)
+    x = torch.randn(2, 1000, generator=torch.Generator().manual_seed(5))
+    ref = int_matvec_reference(x, packed, st["scales"], 300, 1000, 2, 128)
+    for block_m, per_sm in ((16, 1), (128, 16), (256, 2)):
+        y = int_matvec(x, packed, st["scales"], 300, 1000, 2, 128, backend="triton", block_m=block_m, per_sm=per_sm)
+        assert float((y - ref).norm() / ref.norm()) < 1e-6  # rows' scales span 2^±6: relative to the whole output
+
+
+def test_matvec_tuning_knobs_are_checked():
+    _, _, st, packed = _packed(8, 64, 4, 64)
+    x = torch.randn(1, 64)
+    for kw in ({"block_m": 48}, {"per_sm": 0}, {"per_sm": True}):
+        with pytest.raises(ValueError, match="power of two from 16 to 256"):
+            int_matvec(x, packed, st["scales"], 8, 64, 4, 64, **kw)

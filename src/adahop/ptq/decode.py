@@ -86,17 +86,17 @@ def _sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-def _splits(m: int, tiles: int, device: torch.device, block_m: int) -> int:
-    """How many slices of the input dimension (split-K) give the GPU about eight programs per SM: a decode
+def _splits(m: int, tiles: int, device: torch.device, block_m: int, per_sm: int) -> int:
+    """How many slices of the input dimension (split-K) give the GPU about ``per_sm`` programs per SM: a decode
     matvec has few outputs, and each program's loads are few, so latency is hidden by many programs at once."""
     sms = _sms(device)
-    want = -(-8 * sms // -(-m // block_m))
+    want = -(-per_sm * sms // -(-m // block_m))
     per = -(-tiles // max(1, min(want, tiles)))  # tiles per split
     return -(-tiles // per)
 
 
 def int_matvec(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, m: int, n: int, bits: int,
-               group_size: int, *, backend: str = "auto") -> torch.Tensor:
+               group_size: int, *, backend: str = "auto", block_m: int = 64, per_sm: int = 8) -> torch.Tensor:
     """:func:`int_matvec_reference` with the codes read in place by a Triton kernel.
 
     ``backend``: ``auto`` (Triton on CUDA, or under ``TRITON_INTERPRET=1``, where the kernel reads the codes:
@@ -104,8 +104,12 @@ def int_matvec(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, m: in
     the reference), ``triton`` or ``reference``. Same arguments, result and errors as the reference (FP32 sums in
     another order, split over the input dimension in a fixed way: equal to float rounding, the same every call).
 
+    ``block_m`` (outputs a program computes, a power of two) and ``per_sm`` (programs per SM the split-K aims
+    at) tune the kernel's speed only (``scripts/bench_decode.py --sweep``); they change the order of the sums.
+
     Raises:
-        ValueError: as the reference; ``backend="triton"`` where the kernel does not read the codes.
+        ValueError: as the reference; ``backend="triton"`` where the kernel does not read the codes; ``block_m``
+            not a power of two from 16 to 256, or ``per_sm`` below 1.
     """
     _check(x, codes, scales, m, n, bits, group_size)
     if backend not in ("auto", "triton", "reference"):
@@ -115,6 +119,9 @@ def int_matvec(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, m: in
                          f"(n·bits % 8 == 0) with a group size divisible by {8 // bits if bits in KERNEL_BITS else 1}"
                          f" or more, on CUDA tensors or on the CPU under TRITON_INTERPRET=1; got bits={bits}, n={n}, "
                          f"group_size={group_size}, x on {x.device}; use backend='auto' or 'reference'")
+    if block_m not in (16, 32, 64, 128, 256) or isinstance(per_sm, bool) or not isinstance(per_sm, int) or per_sm < 1:
+        raise ValueError(f"int_matvec: block_m={block_m!r} must be a power of two from 16 to 256 and per_sm={per_sm!r} "
+                         "an int >= 1")
     if backend == "reference" or (backend == "auto" and not _kernel_runs(bits, n, group_size, x.device)):
         return int_matvec_reference(x, codes, scales, m, n, bits, group_size)
     import triton
@@ -122,9 +129,9 @@ def int_matvec(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, m: in
     from ._triton_decode import int_matvec_kernel
 
     x = x.contiguous()
-    rows, block_m, block_k = x.shape[0], 64, _block_k(bits, group_size)
+    rows, block_k = x.shape[0], _block_k(bits, group_size)
     tiles = triton.cdiv(n, block_k)
-    splits = _splits(m, tiles, x.device, block_m)
+    splits = _splits(m, tiles, x.device, block_m, per_sm)
     y = torch.empty(splits, rows, m, dtype=torch.float32, device=x.device)
     int_matvec_kernel[(triton.cdiv(m, block_m), splits, rows)](
         x, codes.contiguous(), scales.contiguous(), y, m, n, scales.shape[1], rows, triton.cdiv(tiles, splits),
