@@ -219,24 +219,25 @@ def end_to_end(args) -> dict:
     modes = {"eager": lambda m: dynamic_decode(m, args.tokens, dev)}
     if dev.type == "cuda":
         modes["graph"] = lambda m: static_decode(m, args.tokens, dev, graph=True)
+    models = {"bf16 export": transformers.AutoModelForCausalLM.from_pretrained(args.folder, dtype=torch.bfloat16).to(dev).eval(),
+              "packed": load_packed_model(args.folder, dtype=torch.bfloat16, device=dev)}
     generated = {}
-    for label, load in (("bf16 export", lambda: transformers.AutoModelForCausalLM.from_pretrained(args.folder, dtype=torch.bfloat16).to(dev).eval()),
-                        ("packed", lambda: load_packed_model(args.folder, dtype=torch.bfloat16, device=dev))):
-        model = load()
-        for mode, run in modes.items():
+    for mode, run in modes.items():  # every eager run first: a failed capture may leave the CUDA context unusable
+        for label, model in models.items():
             key = label if mode == "eager" else f"{label} ({mode})"
             try:
                 with torch.no_grad():
                     for _ in range(2):  # the first pass warms up (kernels compile, caches fill)
                         seq, dt = run(model)
             except Exception as e:  # noqa: BLE001  (a capture failure is a result to report)
+                if mode == "eager":
+                    raise
                 res[f"{key} error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
                 print(f"{key}: failed: {res[f'{key} error']}")
                 continue
             res[key] = args.tokens / dt
             generated[key] = seq
             print(f"{key}: {res[key]:.1f} tok/s (greedy, {args.tokens} tokens, batch 1, {mode})")
-        del model
     res["ratio"] = res["packed"] / res["bf16 export"]
     if "packed (graph)" in res and "bf16 export (graph)" in res:
         res["ratio (graph)"] = res["packed (graph)"] / res["bf16 export (graph)"]
