@@ -85,13 +85,14 @@ def _check_packed_linear(rot, gen):
     layer = PackedLinear(grid, {"codes": packed, **st}, t, (m, n))
     with torch.no_grad():
         w = t.weight_inverse(grid.decode(codes, st))
-    x = torch.randn(2, 5, n, generator=gen, dtype=torch.float64).float()
-    y = layer(x)
-    assert y.shape == (2, 5, m) and y.dtype == torch.float32
-    ref = x.double() @ w.double().T  # the rows' scales span 2^±6: compare to the whole output's size
-    assert float((y.double() - ref).norm() / ref.norm()) < 1e-6
+    for lead in ((2, 3), (4, 5)):  # 6 rows: the matvec; 20 rows (a prompt): the weight decoded for the call
+        x = torch.randn(*lead, n, generator=gen, dtype=torch.float64).float()
+        y = layer(x)
+        assert y.shape == (*lead, m) and y.dtype == torch.float32
+        ref = x.double() @ w.double().T  # the rows' scales span 2^±6: compare to the whole output's size
+        assert float((y.double() - ref).norm() / ref.norm()) < 1e-6
     assert layer(x.bfloat16()).dtype == torch.bfloat16
-    with pytest.raises(ValueError, match=r"takes a float tensor \[..., 96\], got torch.float32 \(2, 5, 95\)"):
+    with pytest.raises(ValueError, match=r"takes a float tensor \[..., 96\], got torch.float32 \(4, 5, 95\)"):
         layer(x[..., :95])
     with pytest.raises(ValueError, match="takes a float tensor .* got torch.int64"):  # it returned truncated integers
         layer(torch.ones(3, n, dtype=torch.long))

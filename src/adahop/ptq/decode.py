@@ -28,6 +28,10 @@ __all__ = ["int_matvec", "int_matvec_reference", "PackedLinear", "load_packed_mo
 KERNEL_BITS = (2, 4)
 """Code widths the Triton kernel reads (a code never straddles a byte); others take the reference."""
 
+MATVEC_ROWS = 8
+"""Above this many rows (a prompt, not a decode step) :class:`PackedLinear` decodes its weight for the call and
+runs one GEMM: the matvec kernel reads the codes once per row."""
+
 
 def _check(x, codes, scales, m, n, bits, group_size) -> None:
     for name, v in (("m", m), ("n", n), ("bits", bits), ("group_size", group_size)):
@@ -149,7 +153,7 @@ class PackedLinear(nn.Module):
         shape: ``(m, n)``, out × in. bias: ``[m]`` or None.
 
     Where :func:`int_matvec`'s Triton kernel runs (int codes of 2 or 4 bits, on CUDA) it reads the codes at
-    every call; otherwise (other widths, the CPU, MXFP4 and NVFP4, which no kernel of ours reads yet) the weight
+    every call (for more than :data:`MATVEC_ROWS` rows it decodes the weight for that call instead); otherwise (other widths, the CPU, MXFP4 and NVFP4, which no kernel of ours reads yet) the weight
     is decoded once per device, on first use (FP32). Input ``[..., n]`` of any float dtype; output ``[..., m]``
     in the input's dtype.
 
@@ -201,6 +205,10 @@ class PackedLinear(nn.Module):
             h = apply_stages(h, c["v"])  # (x ⊙ s_n)·V, read in x's dtype, float32 out
         if "w" in c:
             y = h.float() @ c["w"].T
+        elif h.shape[0] > MATVEC_ROWS:  # a prompt: the weight decoded once for all rows, not read once per row
+            w = self.grid.decode(unpack_bits(self.codes, self.grid.bits, self.m * self.n).reshape(self.m, self.n),
+                                 {"scales": self.q_scales})
+            y = h.float() @ w.T
         else:
             y = int_matvec(h, self.codes, self.q_scales, self.m, self.n, self.grid.bits, self.grid.group_size)
         if "u" in c:  # ·Uᵀ ⊙ s_m, written in x's dtype unless a bias is still to be added in float32
