@@ -103,6 +103,7 @@
 #      not given to training. $OUT/ptq.tgz: the per-model summaries, cells and training records; $OUT/logs.tgz. Merge the
 #      calls' tables on the dev machine (scripts/run_ptq_experiment.py --budget-s 0 over the merged folders)
 #   p13 env: PTQ_MODELS (llama-125m), PTQ_STEPS (1200), PTQ_BITS (2,3,4), PTQ_METHODS (all four), PTQ_NO_MX=1, PTQ_SEEDS (1),
+#      PTQ_REPEAT_BITS (2: the widths PTQ_SEEDS repeats),
 #      PTQ_HARP_STEPS (1200), PTQ_COMPILE_LV2, PTQ_CONC (3), HARP_E2E (1); bench_decode --folder on PTQ_DECODE_FOLDERS (2) int cells;
 #      PTQ_PIPELINES ("MODEL:RECIPE:BITS:STEPS ...", instead of PTQ_MODELS x both recipes); DECODE_BENCH=1: bench_decode per
 #      layer (llama3.1-8b, llama-350m) alone after the pipelines, in the time left
@@ -362,9 +363,12 @@ if [ "$STAGE" = p13 ]; then  # issue 22: the models of our own, each quantized a
     --json runs/ptq/bench_harp_350m.json 2>&1 | grep -v -i warn | tail -9; echo "bench_harp done at $(el) s"; }
   pipeline() {  # train $1 ($M) in recipe $2 unless done, then its PTQ cells ($3 bits, $4 steps) into runs/ptq_table/<name>
     local M=$1 R=$2 D=runs/ptq/${1#llama-}-$2 RES= C T SEEDS BITS=${3:-${PTQ_BITS:-2,3,4}} STEPS=${4:-${PTQ_STEPS:-1200}} TABLE
-    # the repeats are W2 cells: none without 2 in BITS, and none for an empty PTQ_SEEDS (round 24 lost both 125m calls
-    # to run_ptq_experiment's usage errors: an empty --repeat-seeds, then repeats asked of a table without W2)
-    SEEDS=; [ -n "${PTQ_SEEDS-1}" ] && [[ ",$BITS," == *,2,* ]] && SEEDS="--repeat-seeds ${PTQ_SEEDS-1}"
+    # the repeats are cells of PTQ_REPEAT_BITS (2): none where BITS lacks one of them, and none for an empty PTQ_SEEDS
+    # (round 24 lost both 125m calls to run_ptq_experiment's usage errors: an empty --repeat-seeds, then repeats asked
+    # of a table without W2)
+    local RB=${PTQ_REPEAT_BITS:-2} OK=1
+    for b in ${RB//,/ }; do [[ ",$BITS," == *,$b,* ]] || OK=0; done
+    SEEDS=; [ -n "${PTQ_SEEDS-1}" ] && [ $OK = 1 ] && SEEDS="--repeat-seeds ${PTQ_SEEDS-1} --repeat-bits $RB"
     TABLE="scripts/run_ptq_experiment.py --data runs/issue19/main --models $D --out runs/ptq_table/${D#runs/ptq/} $SEEDS
       --harp-steps ${PTQ_HARP_STEPS:-1200} --bits $BITS --methods ${PTQ_METHODS:-rtn,gptq,rht-gptq,harp-gptq} $([ "${PTQ_NO_MX:-0}" = 1 ] && echo --no-mx)"
     # the table's options checked before anything trains: a usage error costs seconds, not the call

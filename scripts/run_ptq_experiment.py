@@ -32,23 +32,24 @@ MX_METHODS = ("rht-gptq", "harp-gptq")
 
 
 def cells(models: list[str], bits: list[int], methods: list[str], mx: bool,
-          seeds: list[int] = ()) -> list[tuple[str, str, int, str, int]]:
+          seeds: list[int] = (), repeat_bits: list[int] = (2,)) -> list[tuple[str, str, int, str, int]]:
     """(model, method, bits, quantizer, seed) in the order they run: the cheap cells of every model first,
-    then HARP (the expensive one), 2 bits first, where the issue expects the largest gap. ``seeds``: the W2
-    int cells of the methods that calibrate (gptq, rht-gptq, harp-gptq) again with each of these ``--seed`` s
-    (other signs and calibration windows), the cheap ones before HARP, HARP's last: the spread that says
-    whether a gap between methods is more than noise."""
+    then HARP (the expensive one), 2 bits first, where the issue expects the largest gap. ``seeds``: the int
+    cells at ``repeat_bits`` (W2 by default) of the methods that calibrate (gptq, rht-gptq, harp-gptq) again
+    with each of these ``--seed`` s (other signs and calibration windows), the cheap ones before HARP, HARP's
+    last: the spread that says whether a gap between methods is more than noise."""
     cheap = [m for m in methods if not m.startswith("harp")]
     harp = [m for m in methods if m.startswith("harp")]
-    again = [m for m in methods if m.endswith("gptq")] if 2 in bits else []
+    again = [m for m in methods if m.endswith("gptq")]
+    rb = [b for b in bits if b in repeat_bits]
     out = [(mo, me, b, "int", 0) for mo in models for b in bits for me in cheap]
     if mx:
         out += [(mo, me, 4, "mxfp4", 0) for mo in models for me in MX_METHODS if not me.startswith("harp")]
-    out += [(mo, me, 2, "int", sd) for sd in seeds for mo in models for me in again if me in cheap]
+    out += [(mo, me, b, "int", sd) for sd in seeds for b in rb for mo in models for me in again if me in cheap]
     out += [(mo, me, b, "int", 0) for b in bits for mo in models for me in harp]
     if mx:
         out += [(mo, me, 4, "mxfp4", 0) for mo in models for me in MX_METHODS if me.startswith("harp")]
-    out += [(mo, me, 2, "int", sd) for sd in seeds for mo in models for me in again if me in harp]
+    out += [(mo, me, b, "int", sd) for sd in seeds for b in rb for mo in models for me in again if me in harp]
     return out
 
 
@@ -168,19 +169,24 @@ def summarize(out: Path, rows: list[dict], bases: dict[str, dict | None]) -> str
 
 
 def _seed_spread(rows: list[dict], repeats: list[dict]) -> list[str]:
-    """summary.md's W2 perplexity per ``--seed`` (signs and calibration windows), with mean and range."""
+    """summary.md's int perplexity per ``--seed`` (signs and calibration windows), with mean and range, one
+    table per repeated width."""
     seeds = sorted({r["seed"] for r in repeats})
-    lines = ["## W2 across seeds (signs and calibration windows)", "",
-             "| model | method | seed 0 | " + " | ".join(f"seed {sd}" for sd in seeds) + " | mean | max − min |",
-             "|---|---|---|" + "---|" * len(seeds) + "---|---|"]
-    for r0 in (r for r in rows if r["bits"] == 2 and r["quantizer"] == "int" and r["method"] != "rtn"):
-        vals = [r0.get("perplexity")] + [next((r.get("perplexity") for r in repeats if (r["model"], r["method"], r["seed"])
-                                               == (r0["model"], r0["method"], sd)), None) for sd in seeds]
-        got = [v for v in vals if v is not None]
-        cells_ = " | ".join("-" if v is None else f"{v:.4f}" for v in vals)
-        stats = f"{sum(got) / len(got):.4f} | {max(got) - min(got):.4f}" if len(got) > 1 else "- | -"
-        lines.append(f"| {r0['model']} | {r0['method']} | {cells_} | {stats} |")
-    return lines + [""]
+    lines = []
+    for b in sorted({r["bits"] for r in repeats}):
+        lines += [f"## W{b} across seeds (signs and calibration windows)", "",
+                  "| model | method | seed 0 | " + " | ".join(f"seed {sd}" for sd in seeds) + " | mean | max − min |",
+                  "|---|---|---|" + "---|" * len(seeds) + "---|---|"]
+        for r0 in (r for r in rows if r["bits"] == b and r["quantizer"] == "int" and r["method"] != "rtn"):
+            vals = [r0.get("perplexity")] + [next((r.get("perplexity") for r in repeats if (r["model"], r["method"],
+                                                   r["bits"], r["seed"]) == (r0["model"], r0["method"], b, sd)), None)
+                                             for sd in seeds]
+            got = [v for v in vals if v is not None]
+            cells_ = " | ".join("-" if v is None else f"{v:.4f}" for v in vals)
+            stats = f"{sum(got) / len(got):.4f} | {max(got) - min(got):.4f}" if len(got) > 1 else "- | -"
+            lines.append(f"| {r0['model']} | {r0['method']} | {cells_} | {stats} |")
+        lines.append("")
+    return lines
 
 
 def collect(d: Path, model, method, bits, quantizer, seed, status) -> dict:
@@ -256,8 +262,9 @@ def main(argv=None) -> int:
     p.add_argument("--bits", default="2,3,4")
     p.add_argument("--methods", default=",".join(INT_METHODS))
     p.add_argument("--no-mx", action="store_true", help="skip the MXFP4 W4 cells")
-    p.add_argument("--repeat-seeds", default="", help="comma-separated --seed values (> 0) to run the W2 cells of gptq, "
-                   "rht-gptq and harp-gptq again with (after the others; summary.md gives their spread)")
+    p.add_argument("--repeat-seeds", default="", help="comma-separated --seed values (> 0) to run the int cells of gptq, "
+                   "rht-gptq and harp-gptq at --repeat-bits again with (after the others; summary.md gives their spread)")
+    p.add_argument("--repeat-bits", default="2", help="the widths whose cells --repeat-seeds repeats, of --bits (default 2)")
     p.add_argument("--calib-tokens", type=int, default=131072)
     p.add_argument("--harp-steps", type=int, default=1200)
     p.add_argument("--group-size", type=int, default=None, help="--group-size of the int cells (default: adahop ptq's, 128)")
@@ -306,10 +313,14 @@ def main(argv=None) -> int:
         seeds = sorted({int(x) for x in args.repeat_seeds.split(",") if x.strip()})
     except ValueError:
         p.error(f"--repeat-seeds {args.repeat_seeds!r}: give comma-separated integers, e.g. 1,2")
-    if any(sd <= 0 for sd in seeds) or (seeds and 2 not in bits):
+    try:
+        repeat_bits = [int(b) for b in args.repeat_bits.split(",") if b.strip()]
+    except ValueError:
+        p.error(f"--repeat-bits {args.repeat_bits!r}: give comma-separated widths, e.g. 3,4")
+    if any(sd <= 0 for sd in seeds) or (seeds and not set(repeat_bits) <= set(bits)) or (seeds and not repeat_bits):
         p.error(f"--repeat-seeds {args.repeat_seeds}: the seeds must be > 0 (seed 0 is the table's own run) and the "
-                f"repeats are W2 cells, so --bits must include 2 (it is {args.bits})")
-    todo = cells(models, bits, methods, not args.no_mx, seeds)
+                f"repeats are cells of --repeat-bits {args.repeat_bits}, so --bits ({args.bits}) must include those widths")
+    todo = cells(models, bits, methods, not args.no_mx, seeds, repeat_bits)
     if args.dry_run:
         print(f"{len(todo)} cells, none run (--dry-run):")
         for c in todo:

@@ -31,6 +31,11 @@ def test_seed_repeats_rerun_the_w2_cells_that_calibrate_cheap_ones_before_harp(s
     assert todo.index(again[1]) < todo.index(("a", "harp-gptq", 2, "int", 0)) and todo[-1] == again[2]
     assert s.cell_dir(Path("o"), "m", "gptq", 2, "int", 1).name == "gptq-w2-int-s1"
     assert s.cell_dir(Path("o"), "m", "gptq", 2, "int").name == "gptq-w2-int"  # seed 0 keeps the old folders
+    # other widths on request: W3 and W4 repeats, cheap ones of both widths before any HARP cell
+    todo = s.cells(["a"], [3, 4], ["gptq", "harp-gptq"], mx=False, seeds=[1], repeat_bits=[3, 4])
+    assert [c for c in todo if c[4]] == [("a", "gptq", 3, "int", 1), ("a", "gptq", 4, "int", 1),
+                                         ("a", "harp-gptq", 3, "int", 1), ("a", "harp-gptq", 4, "int", 1)]
+    assert todo.index(("a", "gptq", 4, "int", 1)) < todo.index(("a", "harp-gptq", 3, "int", 0))
 
 
 def test_a_finished_cell_is_skipped_and_the_summary_checks_the_order(s, tmp_path, capsys):
@@ -149,7 +154,16 @@ def test_repeat_seeds_are_checked(s, tmp_path, capsys):
         with pytest.raises(SystemExit):
             s.main(["--models", "m", "--data", str(tmp_path), "--out", str(tmp_path / "o"), "--repeat-seeds", bad])
         assert why in capsys.readouterr().err
-    with pytest.raises(SystemExit):  # repeats are W2 cells
+    with pytest.raises(SystemExit):  # repeats are W2 cells unless --repeat-bits says otherwise
         s.main(["--models", "m", "--data", str(tmp_path), "--out", str(tmp_path / "o"), "--bits", "4", "--repeat-seeds", "1"])
+    assert "--bits (4) must include those widths" in capsys.readouterr().err
+    for bad in ("5", "x", ""):
+        with pytest.raises(SystemExit):
+            s.main(["--models", "m", "--data", str(tmp_path), "--out", str(tmp_path / "o"), "--bits", "3,4",
+                    "--repeat-seeds", "1", "--repeat-bits", bad])
+        assert "--repeat-bits" in capsys.readouterr().err
+    assert s.main(["--models", "m", "--data", str(tmp_path), "--out", str(tmp_path / "o"), "--bits", "3,4", "--no-mx",
+                   "--repeat-seeds", "1", "--repeat-bits", "3,4", "--dry-run"]) == 0
+    assert "('m', 'rht-gptq', 4, 'int', 1)" in capsys.readouterr().out
     todo = s.cells(["m"], [2], ["rtn", "rht-rtn", "gptq", "harp-gptq"], mx=False, seeds=[1])
     assert [c[1] for c in todo if c[4]] == ["gptq", "harp-gptq"]  # only the GPTQ methods are repeated
