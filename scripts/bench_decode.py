@@ -201,7 +201,7 @@ def sweep(args) -> list[dict]:
         x = torch.randn(args.rows, n, device=dev, dtype=torch.bfloat16)
         for b in args.bits:
             layer = packed_layer(m, n, b, "none", dev)
-            us = [graphed_us(lambda v, bm=bm, ps=ps: int_matvec(v, layer.codes, layer.q_scales, m, n, b, 128,
+            us = [graphed_us(lambda v, bm=bm, ps=ps: int_matvec(v, layer.codes, layer.scales()["scales"], m, n, b, 128,
                                                                 block_m=bm, per_sm=ps), x) for bm, ps in configs]
             out.append({"shape": [m, n], "bits": b, "us": {f"{bm}x{ps}": u for (bm, ps), u in zip(configs, us)}})
             print(f"| {m} × {n} | {b} | " + " | ".join(f"{u:.1f}" for u in us) + " |", flush=True)
@@ -266,6 +266,19 @@ def main(argv=None) -> int:
         ap.error(f"--bits {args.bits!r}: give comma-separated integers, e.g. 2,4")
     if args.tokens < 1 or args.rows < 1:
         ap.error(f"--tokens ({args.tokens}) and --rows ({args.rows}) must be >= 1")
+    try:
+        dev = torch.device(args.device)
+    except RuntimeError:
+        ap.error(f"--device {args.device!r}: give cpu or cuda")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: this machine has no CUDA device; pass --device cpu (with --folder)")
+    if args.json:
+        from pathlib import Path
+
+        if not Path(args.json).parent.is_dir():  # found before the run, not after it
+            ap.error(f"--json {args.json}: its folder {Path(args.json).parent} does not exist")
+    if args.folder and (args.bits != [2, 4] or args.rows != 1 or args.sweep):
+        ap.error("--bits, --rows and --sweep set up the per-layer table; --folder decodes the folder's own layers")
     if args.folder:
         from pathlib import Path
 

@@ -130,8 +130,11 @@ def test_the_folder_decodes_from_its_codes_with_packed_linears(run_dir, tmp_path
         assert len(set(seq)) > 1, seq  # tokens that change, so that a wrong position would show
         assert bench.static_decode(packed, 6, cpu, graph=False)[0] == seq
         assert bench.static_decode(plain, 6, cpu, graph=False)[0] == bench.dynamic_decode(plain, 6, cpu)[0]
-    for bad, msg in ((["--folder", str(run_dir)], "no ptq_packed.safetensors there"), (["--folder", str(out), "--tokens", "0"],
-                                                                                        "--tokens (0) and --rows (1) must be >= 1")):
+    for bad, msg in ((["--folder", str(run_dir)], "no ptq_packed.safetensors there"),
+                     (["--folder", str(out), "--tokens", "0"], "--tokens (0) and --rows (1) must be >= 1"),
+                     (["--folder", str(out), "--device", "junk"], "--device 'junk': give cpu or cuda"),
+                     (["--folder", str(out), "--bits", "3"], "--folder decodes the folder's own layers"),
+                     (["--folder", str(out), "--json", str(tmp_path / "no" / "d.json")], "does not exist")):
         with pytest.raises(SystemExit):  # a usage error, not a traceback after timing the BF16 model
             bench.main(bad)
         assert msg in capsys.readouterr().err

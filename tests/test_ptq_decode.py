@@ -49,9 +49,15 @@ def test_bad_matvec_input_is_refused_naming_what_fits(gen):
         int_matvec(x[:, :100], packed, st["scales"], 40, 200, 2, 64)
     with pytest.raises(ValueError, match="2000 bytes"):
         int_matvec(x, packed[:-1], st["scales"], 40, 200, 2, 64)
-    with pytest.raises(ValueError, match=r"scales must be \[40, 4\]"):
+    with pytest.raises(ValueError, match=r"scales must be float \[40, 4\]"):
         int_matvec(x, packed, st["scales"][:, :3], 40, 200, 2, 64)
-    with pytest.raises(ValueError, match="reads \\(2, 4\\)-bit codes.*got bits=3"):
+    with pytest.raises(ValueError, match=r"scales must be float \[40, 4\].*got torch.int64"):
+        int_matvec(x, packed, st["scales"].long(), 40, 200, 2, 64)
+    with pytest.raises(ValueError, match="must be the 1-D uint8 stream"):  # the reference raised a broadcast error
+        int_matvec(x, packed.reshape(40, -1), st["scales"], 40, 200, 2, 64)
+    with pytest.raises(ValueError, match="bits=9: codes of at most 8 bits"):  # uint8 codes: 9 bits came out wrong
+        int_matvec(x, torch.zeros(-(-40 * 200 * 9 // 8), dtype=torch.uint8), st["scales"], 40, 200, 9, 64)
+    with pytest.raises(ValueError, match=r"bits=3 \(it reads \(2, 4\)\)"):
         int_matvec(x, pack_bits(torch.zeros(40, 200, dtype=torch.uint8), 3), st["scales"], 40, 200, 3, 64, backend="triton")
     # rows of W that do not start on a byte (202·2 bits) or a group size without a byte's worth of codes in a
     # power-of-two tile (6 at 2 bits: 2 codes) take the reference under auto, and the kernel refuses them
@@ -61,7 +67,7 @@ def test_bad_matvec_input_is_refused_naming_what_fits(gen):
         assert not _kernel_runs(2, n, g, torch.device("cuda"))
         assert torch.equal(int_matvec(x2, packed2, st2["scales"], 40, n, 2, g),
                            int_matvec_reference(x2, packed2, st2["scales"], 40, n, 2, g))
-        with pytest.raises(ValueError, match=f"got bits=2, n={n}, group_size={g}"):
+        with pytest.raises(ValueError, match=f"cannot read these codes: {'n=202: rows' if n == 202 else 'group_size=6'}"):
             int_matvec(x2, packed2, st2["scales"], 40, n, 2, g, backend="triton")
 
 
@@ -154,6 +160,24 @@ def test_interp_matvec_tuning_changes_the_schedule_not_the_result():
 def test_matvec_tuning_knobs_are_checked():
     _, _, st, packed = _packed(8, 64, 4, 64)
     x = torch.randn(1, 64)
-    for kw in ({"block_m": 48}, {"per_sm": 0}, {"per_sm": True}):
-        with pytest.raises(ValueError, match="power of two from 16 to 256"):
+    for kw, msg in (({"block_m": 48}, "block_m=48 must be a power of two"), ({"per_sm": 0}, "per_sm=0 must be"),
+                    ({"per_sm": True}, "per_sm=True must be")):
+        with pytest.raises(ValueError, match=msg):
             int_matvec(x, packed, st["scales"], 8, 64, 4, 64, **kw)
+
+
+def test_packed_linear_keeps_its_scales_through_dtype_casts_and_builds_its_stages_on_the_device(gen):
+    """`model.to(torch.bfloat16)` rounded the FP16 scales (float buffers), and a cast after the first call was
+    ignored (the decoded weight cached per device); the RHT's stages were built on the CPU whatever the device."""
+    grid, codes, st, packed = _packed(32, 64, 4, 64)
+    layer = PackedLinear(grid, {"codes": packed, **st}, None, (32, 64))
+    x = torch.randn(3, 64, generator=gen)
+    y = layer(x)
+    for d in (torch.bfloat16, torch.float16, torch.float32):
+        layer.to(d)
+        assert layer.scales()["scales"].dtype == torch.float16 and torch.equal(layer.scales()["scales"], st["scales"])
+    assert torch.equal(layer(x), y)
+    t = TwoSided.random_signs(RHTRotation(32), RHTRotation(64), generator=gen)
+    rht = PackedLinear(grid, {"codes": packed, **st}, t, (32, 64))
+    stages = rht._consts(torch.device("meta"))  # a device of its own: every stage tensor must land there
+    assert {k.device.type for side in ("u", "v") for k, _, _ in stages[side]} == {"meta"}

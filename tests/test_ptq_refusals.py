@@ -95,9 +95,15 @@ def test_int_matvec_and_load_packed_name_their_bad_input(tmp_path):
     with pytest.raises(ValueError, match="x must be floating point"):
         int_matvec(x.long(), codes, scales, 8, 64, 4, 64)
     if not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1":
-        with pytest.raises(ValueError, match="on CUDA tensors or on the CPU under TRITON_INTERPRET=1.*x on cpu"):  # "0 active drivers" before
+        with pytest.raises(ValueError, match="x on cpu \\(CUDA tensors, or the CPU under TRITON_INTERPRET=1\\)"):  # "0 active drivers" before
             int_matvec(x, codes, scales, 8, 64, 4, 64, backend="triton")
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(ValueError, match="not a safetensors file"):  # SafetensorError before
         load_packed(cfg)
+    art = tmp_path / "ptq_packed.safetensors"
+    art.write_bytes(b"")
+    from adahop.ptq.decode import load_packed_model
+
+    with pytest.raises(ValueError, match=f"is the packed artifact itself; pass its folder, {tmp_path}"):
+        load_packed_model(art)  # it said ".../ptq_packed.safetensors: no ptq_packed.safetensors"

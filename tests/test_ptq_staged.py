@@ -77,6 +77,29 @@ def test_bad_input_is_refused(gen):
         apply_stages(torch.randn(2, 96), st, backend="cuda")
     with pytest.raises(TypeError, match="neither a HARPRotation nor an RHTRotation"):
         rotation_stages(torch.eye(4))
+    # stages a kernel would trust: a stride that does not fit d wrote out of bounds, a bf16 K was read as is
+    for bad, msg in (([(torch.randn(8, 8, 8), 8, 3)], "radix 8 and stride 3; their product must divide d = 64"),
+                     ([(torch.randn(8, 8, 8).bfloat16(), 8, 1)], "float32 K of shape \\[8, 8, 8\\], got torch.bfloat16"),
+                     ([(torch.randn(8, 8, 8), 8, 1), (torch.randn(4, 8, 8), 8, 8)],
+                      "stage 1 \\(radix 8\\) must hold a float32 K of shape \\[8, 8, 8\\], got torch.float32 \\(4, 8, 8\\)")):
+        with pytest.raises(ValueError, match=msg):
+            apply_stages(torch.randn(2, 64), bad)
+    with pytest.raises(ValueError, match="max_radix=1 must be an int >= 2"):
+        merge_stages(st, 96, max_radix=1)
+    with pytest.raises(ValueError, match="must divide d = 100"):
+        merge_stages(st, 100)
+    with pytest.raises(ValueError, match=r"s_in must be \[96\] of ±1"):
+        fold_signs(st, torch.ones(95))
+    with pytest.raises(ValueError, match=r"s_out must be \[96\] of ±1"):
+        fold_signs(st, s_out=torch.full((96,), 0.5))
+
+
+def test_a_non_contiguous_k_gives_the_same_product(gen):
+    """A stage's K may be a transposed view; the kernel reads it contiguous (it gave relative error 1.3)."""
+    st = rotation_stages(_harp(64))
+    views = [(k.transpose(1, 2).contiguous().transpose(1, 2), b, s) for k, b, s in st]
+    x = torch.randn(2, 64, generator=gen)
+    torch.testing.assert_close(apply_stages(x, views), apply_stages_reference(x, st), rtol=1e-5, atol=1e-6)
 
 
 # --------------------------------------------------------------------------- the kernel, interpreted

@@ -37,16 +37,18 @@ def _check(x, codes, scales, m, n, bits, group_size) -> None:
     for name, v in (("m", m), ("n", n), ("bits", bits), ("group_size", group_size)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"int_matvec: {name}={v!r} must be an int >= 1")
+    if bits > 8:  # unpack_bits gives uint8 codes
+        raise ValueError(f"int_matvec: bits={bits}: codes of at most 8 bits are read (adahop ptq writes 2 to 4)")
     if not x.is_floating_point():
         raise ValueError(f"int_matvec: x must be floating point, got {x.dtype}")
     if x.dim() != 2 or x.shape[1] != n:
         raise ValueError(f"int_matvec: x must be [rows, {n}], got {tuple(x.shape)}")
-    if codes.dtype != torch.uint8 or codes.numel() != -(-m * n * bits // 8):
-        raise ValueError(f"int_matvec: codes must be the uint8 stream of {m}×{n} {bits}-bit codes "
-                         f"({-(-m * n * bits // 8)} bytes), got {codes.numel()} {codes.dtype}")
-    if tuple(scales.shape) != (m, -(-n // group_size)):
-        raise ValueError(f"int_matvec: scales must be [{m}, {-(-n // group_size)}] (one per row of each group of "
-                         f"{group_size}), got {tuple(scales.shape)}")
+    if codes.dtype != torch.uint8 or codes.dim() != 1 or codes.numel() != -(-m * n * bits // 8):
+        raise ValueError(f"int_matvec: codes must be the 1-D uint8 stream of {m}×{n} {bits}-bit codes "
+                         f"({-(-m * n * bits // 8)} bytes), got {tuple(codes.shape)} {codes.dtype}")
+    if tuple(scales.shape) != (m, -(-n // group_size)) or not scales.is_floating_point():
+        raise ValueError(f"int_matvec: scales must be float [{m}, {-(-n // group_size)}] (one per row of each group "
+                         f"of {group_size}), got {scales.dtype} {tuple(scales.shape)}")
 
 
 def int_matvec_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, m: int, n: int, bits: int,
@@ -90,6 +92,21 @@ def _sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
+def _why_not(bits: int, n: int, group_size: int, device: torch.device) -> str:
+    """Which of :func:`_kernel_runs`' conditions fail, in words."""
+    why = []
+    if bits not in KERNEL_BITS:
+        why.append(f"bits={bits} (it reads {KERNEL_BITS})")
+    elif n * bits % 8:
+        why.append(f"n={n}: rows of {bits}-bit codes that do not start on a byte (n·bits % 8 != 0)")
+    elif not _block_k(bits, group_size):
+        why.append(f"group_size={group_size}: its largest power-of-two factor holds less than a byte of codes "
+                   f"(needs {8 // bits} or more)")
+    if not (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
+        why.append(f"x on {device} (CUDA tensors, or the CPU under TRITON_INTERPRET=1)")
+    return "; ".join(why)
+
+
 def _splits(m: int, tiles: int, device: torch.device, block_m: int, per_sm: int) -> int:
     """How many slices of the input dimension (split-K) give the GPU about ``per_sm`` programs per SM: a decode
     matvec has few outputs, and each program's loads are few, so latency is hidden by many programs at once."""
@@ -119,13 +136,12 @@ def int_matvec(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, m: in
     if backend not in ("auto", "triton", "reference"):
         raise ValueError(f"int_matvec: backend {backend!r}; use auto, triton or reference")
     if backend == "triton" and not _kernel_runs(bits, n, group_size, x.device):
-        raise ValueError(f"int_matvec: backend='triton' reads {KERNEL_BITS}-bit codes of rows that start on a byte "
-                         f"(n·bits % 8 == 0) with a group size divisible by {8 // bits if bits in KERNEL_BITS else 1}"
-                         f" or more, on CUDA tensors or on the CPU under TRITON_INTERPRET=1; got bits={bits}, n={n}, "
-                         f"group_size={group_size}, x on {x.device}; use backend='auto' or 'reference'")
-    if block_m not in (16, 32, 64, 128, 256) or isinstance(per_sm, bool) or not isinstance(per_sm, int) or per_sm < 1:
-        raise ValueError(f"int_matvec: block_m={block_m!r} must be a power of two from 16 to 256 and per_sm={per_sm!r} "
-                         "an int >= 1")
+        raise ValueError(f"int_matvec: backend='triton' cannot read these codes: {_why_not(bits, n, group_size, x.device)};"
+                         f" use backend='auto' or 'reference'")
+    if block_m not in (16, 32, 64, 128, 256):
+        raise ValueError(f"int_matvec: block_m={block_m!r} must be a power of two from 16 to 256")
+    if isinstance(per_sm, bool) or not isinstance(per_sm, int) or per_sm < 1:
+        raise ValueError(f"int_matvec: per_sm={per_sm!r} must be an int >= 1")
     if backend == "reference" or (backend == "auto" and not _kernel_runs(bits, n, group_size, x.device)):
         return int_matvec_reference(x, codes, scales, m, n, bits, group_size)
     import triton
@@ -143,6 +159,9 @@ def int_matvec(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, m: in
     return y[0] if splits == 1 else y.sum(0)
 
 
+_BITS_OF = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 class PackedLinear(nn.Module):
     """A linear layer computed from `adahop ptq`'s packed artifact, the weight never rebuilt: ``y = x Wᵀ``
     with ``W = S_m U Q Vᵀ S_n`` (module docstring).
@@ -153,9 +172,10 @@ class PackedLinear(nn.Module):
         shape: ``(m, n)``, out × in. bias: ``[m]`` or None.
 
     Where :func:`int_matvec`'s Triton kernel runs (int codes of 2 or 4 bits, on CUDA) it reads the codes at
-    every call (for more than :data:`MATVEC_ROWS` rows it decodes the weight for that call instead); otherwise (other widths, the CPU, MXFP4 and NVFP4, which no kernel of ours reads yet) the weight
-    is decoded once per device, on first use (FP32). Input ``[..., n]`` of any float dtype; output ``[..., m]``
-    in the input's dtype.
+    every call (for more than :data:`MATVEC_ROWS` rows it decodes the weight for that call instead); otherwise
+    (other widths, the CPU, MXFP4 and NVFP4, which no kernel of ours reads yet) the weight is decoded once per
+    device, on first use (FP32). Input ``[..., n]`` of any float dtype; output ``[..., m]`` in the input's dtype.
+    ``.to(dtype)`` leaves the stored codes and scales as they are (only a bias is cast).
 
     Raises:
         ValueError: ``stored`` without the grid's tensors; an input whose last dim is not ``n`` or that is not
@@ -171,26 +191,36 @@ class PackedLinear(nn.Module):
         self.grid, self.transform, (self.m, self.n) = grid, transform, shape
         self.register_buffer("codes", stored["codes"])
         self.scale_keys = [k for k in stored if k != "codes" and not k.startswith(("signs_", "theta_"))]
-        for k in self.scale_keys:  # the grid's scales (and NVFP4's tensor scale), as buffers that move with the module
-            self.register_buffer(f"q_{k}", stored[k])
+        # the grid's scales (and NVFP4's tensor scale) as buffers that move with the module, but held as integer
+        # views of their stored bits: `model.to(torch.bfloat16)` casts float buffers, and would round the FP16 scales
+        self._scale_dtypes = {k: stored[k].dtype for k in self.scale_keys}
+        for k in self.scale_keys:
+            v = stored[k]
+            self.register_buffer(f"q_{k}", v.view(_BITS_OF[v.element_size()]) if v.is_floating_point() else v)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self._cache: dict = {}  # per device: the rotations' stage kernels, the signs, a weight decoded once
+
+    def scales(self) -> dict[str, torch.Tensor]:
+        """The stored scales in their stored dtypes (the artifact's tensors)."""
+        return {k: getattr(self, f"q_{k}").view(d) for k, d in self._scale_dtypes.items()}
+
+    def _apply(self, fn, recurse=True):
+        self._cache.clear()  # what was derived for a device may be stale after a move or a cast
+        return super()._apply(fn, recurse)
 
     def _consts(self, device):
         if device not in self._cache:
             c = {}
             t = self.transform
             if t is not None:  # the rotations as a few merged stages, the signs folded in (adahop.ptq.staged)
-                for side, r in (("u", t.u), ("v", t.v)):
-                    if hasattr(r, "to"):
-                        r.to(device)
                 with torch.no_grad():
-                    c["v"] = fold_signs(merge_stages(rotation_stages(t.v), self.n), s_in=t.s_in.to(device))
-                    c["u"] = fold_signs(merge_stages(rotation_stages(t.u, inverse=True), self.m), s_out=t.s_out.to(device))
+                    # the signs go as they are: fold_signs checks them, then moves them to the stages' device
+                    c["v"] = fold_signs(merge_stages(rotation_stages(t.v, device=device), self.n), s_in=t.s_in)
+                    c["u"] = fold_signs(merge_stages(rotation_stages(t.u, inverse=True, device=device), self.m),
+                                        s_out=t.s_out)
             if not (isinstance(self.grid, IntGrid) and _kernel_runs(self.grid.bits, self.n, self.grid.group_size, device)):
                 codes = unpack_bits(self.codes.cpu(), self.grid.bits, self.m * self.n).reshape(self.m, self.n)
-                scales = {k: getattr(self, f"q_{k}").cpu() for k in self.scale_keys}
-                c["w"] = self.grid.decode(codes, scales).to(device)
+                c["w"] = self.grid.decode(codes, {k: v.cpu() for k, v in self.scales().items()}).to(device)
             self._cache[device] = c
         return self._cache[device]
 
@@ -207,10 +237,10 @@ class PackedLinear(nn.Module):
             y = h.float() @ c["w"].T
         elif h.shape[0] > MATVEC_ROWS:  # a prompt: the weight decoded once for all rows, not read once per row
             w = self.grid.decode(unpack_bits(self.codes, self.grid.bits, self.m * self.n).reshape(self.m, self.n),
-                                 {"scales": self.q_scales})
+                                 self.scales())
             y = h.float() @ w.T
         else:
-            y = int_matvec(h, self.codes, self.q_scales, self.m, self.n, self.grid.bits, self.grid.group_size)
+            y = int_matvec(h, self.codes, self.scales()["scales"], self.m, self.n, self.grid.bits, self.grid.group_size)
         if "u" in c:  # ·Uᵀ ⊙ s_m, written in x's dtype unless a bias is still to be added in float32
             y = apply_stages(y, c["u"], x.dtype if self.bias is None else torch.float32)
         if self.bias is not None:
@@ -233,6 +263,8 @@ def load_packed_model(folder: str | Path, *, dtype: torch.dtype = torch.bfloat16
     import transformers
 
     folder = Path(folder)
+    if folder.is_file() and folder.name == PACKED_FILE:
+        raise ValueError(f"{folder} is the packed artifact itself; pass its folder, {folder.parent}")
     if not (folder / PACKED_FILE).is_file():
         raise ValueError(f"{folder}: no {PACKED_FILE}; pass a folder written by `adahop ptq`")
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)

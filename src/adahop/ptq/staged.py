@@ -23,7 +23,8 @@ from ..hadamard import hadamard_matrix
 from .incoherence import RHTRotation
 from .rotation import HARPRotation, stage
 
-__all__ = ["rotation_stages", "merge_stages", "fold_signs", "apply_stages", "apply_stages_reference", "MAX_RADIX"]
+__all__ = ["rotation_stages", "merge_stages", "fold_signs", "check_stages", "apply_stages", "apply_stages_reference",
+           "MAX_RADIX"]
 
 Stage = tuple[torch.Tensor, int, int]
 
@@ -39,8 +40,10 @@ def _pow2_factors(n: int, most: int) -> list[int]:
     return out
 
 
-def rotation_stages(r, *, inverse: bool = False, kernels: list[torch.Tensor] | None = None) -> list[Stage]:
-    """``r`` (``x·R``, or ``x·Rᵀ`` with ``inverse``) as stages, on ``r``'s device.
+def rotation_stages(r, *, inverse: bool = False, kernels: list[torch.Tensor] | None = None,
+                    device: torch.device | str | None = None) -> list[Stage]:
+    """``r`` (``x·R``, or ``x·Rᵀ`` with ``inverse``) as stages, on ``device`` (default: HARP's parameters'
+    device, the CPU for the RHT).
 
     Args:
         r: a :class:`~adahop.ptq.rotation.HARPRotation` (its own stages) or an
@@ -63,7 +66,7 @@ def rotation_stages(r, *, inverse: bool = False, kernels: list[torch.Tensor] | N
         raise TypeError(f"rotation_stages: {type(r).__name__} is neither a HARPRotation nor an RHTRotation")
     if inverse:  # x·Rᵀ: the stages in reverse order, each block transposed
         st = [(k.transpose(1, 2).contiguous(), b, s) for k, b, s in reversed(st)]
-    return st
+    return st if device is None else [(k.to(device), b, s) for k, b, s in st]
 
 
 def _chains(a: Stage, b: Stage, most: int) -> bool:
@@ -71,10 +74,29 @@ def _chains(a: Stage, b: Stage, most: int) -> bool:
     return b[2] == a[2] * a[1] and a[1] * b[1] <= most or a[2] == b[2] * b[1] and a[1] * b[1] <= most
 
 
+def check_stages(stages: list[Stage], d: int, what: str = "stages") -> None:
+    """Raise ValueError unless every stage is a float32 ``K`` ``[d/b, b, b]`` with ``b·stride`` dividing ``d``:
+    a kernel reading a stage trusts its shape."""
+    for i, (k, b, s) in enumerate(stages):
+        if isinstance(b, bool) or not isinstance(b, int) or isinstance(s, bool) or not isinstance(s, int) or b < 1 \
+                or s < 1 or d % (b * s):
+            raise ValueError(f"{what}: stage {i} has radix {b!r} and stride {s!r}; their product must divide d = {d}")
+        if k.dtype != torch.float32 or tuple(k.shape) != (d // b, b, b):
+            raise ValueError(f"{what}: stage {i} (radix {b}) must hold a float32 K of shape [{d // b}, {b}, {b}], "
+                             f"got {k.dtype} {tuple(k.shape)}")
+
+
 def merge_stages(stages: list[Stage], d: int, max_radix: int = MAX_RADIX) -> list[Stage]:
     """Consecutive stages on adjacent digits fused into one stage of their radices' product, while it is at most
     ``max_radix``. The merged blocks are found by applying the stages to one indicator vector per digit value
-    (blocks never mix, so one probe fills row ``a`` of every block). Same product, to float32 rounding."""
+    (blocks never mix, so one probe fills row ``a`` of every block). Same product, to float32 rounding.
+
+    Raises:
+        ValueError: ``max_radix`` not an int >= 2; stages that do not fit ``d`` (:func:`check_stages`).
+    """
+    if isinstance(max_radix, bool) or not isinstance(max_radix, int) or max_radix < 2:
+        raise ValueError(f"merge_stages: max_radix={max_radix!r} must be an int >= 2")
+    check_stages(stages, d, "merge_stages")
     out: list[list[Stage]] = []
     for s in stages:
         if out and _chains(_span(out[-1]), s, max_radix):
@@ -113,7 +135,17 @@ def _per_block(signs: torch.Tensor, b: int, s: int) -> torch.Tensor:
 
 def fold_signs(stages: list[Stage], s_in: torch.Tensor | None = None, s_out: torch.Tensor | None = None) -> list[Stage]:
     """``x ⊙ s_in`` before the first stage and ``⊙ s_out`` after the last, folded into their blocks' rows and
-    columns (exact: ±1 flips a sign)."""
+    columns (exact: ±1 flips a sign).
+
+    Raises:
+        ValueError: no stages, or signs that are not ``[d]`` of ±1.
+    """
+    if not stages:
+        raise ValueError("fold_signs: no stages to fold the signs into")
+    d = stages[0][0].shape[0] * stages[0][1]
+    for name, v in (("s_in", s_in), ("s_out", s_out)):
+        if v is not None and (tuple(v.shape) != (d,) or not bool(((v == 1) | (v == -1)).all())):
+            raise ValueError(f"fold_signs: {name} must be [{d}] of ±1, got {v.dtype} {tuple(v.shape)}")
     st = list(stages)
     if s_in is not None:
         k, b, s = st[0]
@@ -145,10 +177,11 @@ def apply_stages(x: torch.Tensor, stages: list[Stage], out_dtype: torch.dtype | 
     equal to float32 rounding.
 
     Raises:
-        ValueError: ``x`` not ``[rows, d]`` floating point for the stages' ``d``; an unknown backend; ``triton``
-            where it cannot run.
+        ValueError: stages that do not fit their ``d`` (:func:`check_stages`); ``x`` not ``[rows, d]`` floating
+            point; an unknown backend; ``triton`` where it cannot run.
     """
     d = stages[0][0].shape[0] * stages[0][1] if stages else x.shape[-1]
+    check_stages(stages, d, "apply_stages")
     if x.dim() != 2 or x.shape[1] != d or not x.is_floating_point():
         raise ValueError(f"apply_stages: x must be a float [rows, {d}], got {x.dtype} {tuple(x.shape)}")
     if backend not in ("auto", "triton", "reference"):
@@ -170,6 +203,6 @@ def apply_stages(x: torch.Tensor, stages: list[Stage], out_dtype: torch.dtype | 
         bc = min(bp, 16)
         blocks = max(1, 2048 // (bp * bc))  # about 2048 products a program
         stage_kernel[(triton.cdiv(d // b, blocks), triton.cdiv(b, bc), rows)](
-            y, k, out, d, d // b, b, s, BLOCKS=blocks, BP=bp, BLOCK_C=bc)
+            y, k.contiguous(), out, d, d // b, b, s, BLOCKS=blocks, BP=bp, BLOCK_C=bc)
         y = out
     return y
