@@ -107,10 +107,9 @@ def _why_not(bits: int, n: int, group_size: int, device: torch.device) -> str:
     return "; ".join(why)
 
 
-def _splits(m: int, tiles: int, device: torch.device, block_m: int, per_sm: int) -> int:
-    """How many slices of the input dimension (split-K) give the GPU about ``per_sm`` programs per SM: a decode
+def _splits(m: int, tiles: int, sms: int, block_m: int, per_sm: int) -> int:
+    """How many slices of the input dimension (split-K) give ``sms`` SMs about ``per_sm`` programs each: a decode
     matvec has few outputs, and each program's loads are few, so latency is hidden by many programs at once."""
-    sms = _sms(device)
     want = -(-per_sm * sms // -(-m // block_m))
     per = -(-tiles // max(1, min(want, tiles)))  # tiles per split
     return -(-tiles // per)
@@ -151,7 +150,7 @@ def int_matvec(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, m: in
     x = x.contiguous()
     rows, block_k = x.shape[0], _block_k(bits, group_size)
     tiles = triton.cdiv(n, block_k)
-    splits = _splits(m, tiles, x.device, block_m, per_sm)
+    splits = _splits(m, tiles, _sms(x.device), block_m, per_sm)
     y = torch.empty(splits, rows, m, dtype=torch.float32, device=x.device)
     int_matvec_kernel[(triton.cdiv(m, block_m), splits, rows)](
         x, codes.contiguous(), scales.contiguous(), y, m, n, scales.shape[1], rows, triton.cdiv(tiles, splits),

@@ -1,0 +1,87 @@
+"""Compile the decode kernels of `adahop ptq` (``adahop/ptq/_triton_decode.py``) for sm_90 (Hopper) on this CPU,
+at a model's shapes: the int matvec at 2 and 4 bits and each ``block_m`` that ``bench_decode --sweep`` times, and
+the stage kernel at every merged stage of the HARP and RHT rotations of its layers. Prints compile seconds,
+registers and spills per specialization; exits 1 if any fails to compile. Launches are specialized by Triton's own
+binder on meta tensors (``compile_census.specialize``), so nothing runs. Run it under the GPU's Triton before a
+GPU round (its compiler passes can fail where this machine's do not):
+
+    pip install --no-deps --target /tmp/tr36 triton==3.6.0
+    PYTHONPATH=/tmp/tr36:src python scripts/compile_decode.py --model llama3.1-8b
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from adahop.ptq._triton_decode import int_matvec_kernel, stage_kernel  # JIT kernels: before compile_census's interpreter
+
+from bench_decode import shapes  # noqa: E402, I001  (scripts/ on the path when run as a script)
+from compile_census import compile_one, specialize  # noqa: E402
+
+import triton  # noqa: E402
+from adahop.models import PRESETS  # noqa: E402
+from adahop.ptq.decode import _block_k, _splits  # noqa: E402
+from adahop.ptq.incoherence import RHTRotation  # noqa: E402
+from adahop.ptq.rotation import HARPRotation  # noqa: E402
+from adahop.ptq.staged import merge_stages, rotation_stages  # noqa: E402
+
+H100_SMS = 132  # the split-K count, and so the TILES argument Triton specializes on, as on the GPU
+
+
+def _meta(*shape, dtype):
+    return torch.empty(*shape, device="meta", dtype=dtype)
+
+
+def launches(model: str):
+    """(label, kernel, kwargs) of each distinct launch the decode path makes at ``model``'s shapes."""
+    out, dims = [], set()
+    for m, n in shapes(model):
+        dims |= {m, n}
+        for bits in (2, 4):
+            for bm in (32, 64, 128):
+                bk = _block_k(bits, 128)
+                tiles = triton.cdiv(n, bk)
+                sp = _splits(m, tiles, H100_SMS, bm, 8)
+                out.append((f"int_matvec {m}x{n} W{bits} block_m {bm}", int_matvec_kernel, dict(
+                    x_ptr=_meta(1, n, dtype=torch.bfloat16), codes_ptr=_meta(m * n * bits // 8, dtype=torch.uint8),
+                    scales_ptr=_meta(m, -(-n // 128), dtype=torch.float16), y_ptr=_meta(sp, 1, m, dtype=torch.float32),
+                    M=m, N=n, G=-(-n // 128), ROWS=1, TILES=triton.cdiv(tiles, sp), BITS=bits, GROUP=128, BLOCK_M=bm,
+                    BLOCK_K=bk)))
+    for d in sorted(dims):
+        for r in (HARPRotation(d), RHTRotation(d)):
+            for k, b, s in merge_stages(rotation_stages(r), d) + merge_stages(rotation_stages(r, inverse=True), d):
+                bp = triton.next_power_of_2(b)
+                bc = min(bp, 16)
+                out.append((f"stage d={d} b={b} s={s}", stage_kernel, dict(
+                    x_ptr=_meta(1, d, dtype=torch.bfloat16), k_ptr=_meta(*k.shape, dtype=torch.float32),
+                    y_ptr=_meta(1, d, dtype=torch.float32), D=d, NBLK=d // b, B=b, S=s,
+                    BLOCKS=max(1, 2048 // (bp * bc)), BP=bp, BLOCK_C=bc)))
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="llama3.1-8b", choices=sorted(PRESETS))
+    a = ap.parse_args()
+    print(f"triton {triton.__version__}, sm_90, {a.model}")
+    seen, failed = set(), 0
+    for label, kernel, kwargs in launches(a.model):
+        key, src, options = specialize(kernel, kwargs)
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            total, _, ru = compile_one(src, options)
+            print(f"ok    {label:44} {total:5.1f} s  {ru}")
+        except Exception as e:  # noqa: BLE001  (a failure is what this script looks for)
+            failed += 1
+            print(f"FAIL  {label:44} {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+    print(f"{len(seen)} specializations, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
