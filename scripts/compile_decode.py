@@ -55,10 +55,11 @@ def launches(model: str):
             for k, b, s in merge_stages(rotation_stages(r), d) + merge_stages(rotation_stages(r, inverse=True), d):
                 bp = triton.next_power_of_2(b)
                 bc = min(bp, 16)
-                out.append((f"stage d={d} b={b} s={s}", stage_kernel, dict(
-                    x_ptr=_meta(1, d, dtype=torch.bfloat16), k_ptr=_meta(*k.shape, dtype=torch.float32),
-                    y_ptr=_meta(1, d, dtype=torch.float32), D=d, NBLK=d // b, B=b, S=s,
-                    BLOCKS=max(1, 2048 // (bp * bc)), BP=bp, BLOCK_C=bc)))
+                for parts in (1, 7):  # one x, or the split-K matvec's partial sums (the output side's first stage)
+                    out.append((f"stage d={d} b={b} s={s} parts {parts}", stage_kernel, dict(
+                        x_ptr=_meta(parts, 1, d, dtype=torch.bfloat16), k_ptr=_meta(*k.shape, dtype=torch.float32),
+                        y_ptr=_meta(1, d, dtype=torch.float32), D=d, NBLK=d // b, B=b, S=s, ROWS=1, PARTS=parts,
+                        BLOCKS=max(1, 2048 // (bp * bc)), BP=bp, BLOCK_C=bc)))
     return out
 
 

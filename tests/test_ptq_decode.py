@@ -38,6 +38,7 @@ def test_reference_matvec_is_the_decoded_weights_product(bits, gen):
     assert y.dtype == torch.float32 and y.shape == (3, 40)
     # auto on the CPU is the reference itself, unless Triton's interpreter runs the kernel (sums in another order)
     assert torch.equal(int_matvec(x, packed, st["scales"], 40, 200, bits, 64, backend="reference"), y)
+    assert torch.equal(int_matvec(x, packed, st["scales"], 40, 200, bits, 64, backend="reference", sum_splits=False), y[None])
     if not _kernel_runs(bits, 200, 64, x.device):
         assert torch.equal(int_matvec(x, packed, st["scales"], 40, 200, bits, 64), y)
 

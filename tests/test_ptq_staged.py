@@ -71,7 +71,7 @@ def test_rht_stages_are_the_block_hadamard(d, gen):
 
 def test_bad_input_is_refused(gen):
     st = merge_stages(rotation_stages(_harp(96)), 96)
-    with pytest.raises(ValueError, match=r"x must be a float \[rows, 96\], got torch.float32 \(2, 95\)"):
+    with pytest.raises(ValueError, match=r"x must be a float \[rows, 96\] \(or \[parts, rows, 96\] of partial sums\), got torch.float32 \(2, 95\)"):
         apply_stages(torch.randn(2, 95), st)
     with pytest.raises(ValueError, match="backend 'cuda'"):
         apply_stages(torch.randn(2, 96), st, backend="cuda")
@@ -122,6 +122,9 @@ def test_interp_stage_kernel_matches_its_reference(d, inverse):
     x = torch.randn(3, d, generator=g).bfloat16()
     ref = apply_stages_reference(x, st)
     torch.testing.assert_close(apply_stages(x, st, backend="triton"), ref, rtol=1e-5, atol=1e-5)
+    parts = torch.randn(3, 3, d, generator=g)  # partial sums, added as the first stage reads them
+    torch.testing.assert_close(apply_stages(parts, st, backend="triton"), apply_stages_reference(parts.sum(0), st),
+                               rtol=1e-5, atol=1e-5)
     y = apply_stages(x, st, torch.bfloat16, backend="triton")  # the last stage writes the layer's dtype
     assert y.dtype == torch.bfloat16
     # within one BF16 step (the interpreter rounds its FP32 -> BF16 stores its own way)

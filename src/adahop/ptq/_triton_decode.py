@@ -18,7 +18,8 @@ caller guarantees that a row of ``W`` starts on a byte (``N·BITS % 8 == 0``).
 ``stage_kernel`` (:func:`adahop.ptq.staged.apply_stages`): one stage of ``B × B`` blocks at stride ``S``,
 ``y[hi·B·S + c·S + lo] = Σ_a x[hi·B·S + a·S + lo] · K[hi·S + lo, a, c]``. A program takes ``BLOCKS`` blocks and
 ``BLOCK_C`` of their outputs for one row; ``x`` is read in its own dtype and ``y`` written in its own (the
-casts of the layer's input and output ride in its first and last stage).
+casts of the layer's input and output ride in its first and last stage), and ``x`` may be ``PARTS`` partial sums
+``[PARTS, ROWS, D]``, added as they are read (the split-K matvec's, with no launch of their own to sum them).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def int_matvec_kernel(x_ptr, codes_ptr, scales_ptr, y_ptr, M, N, G, ROWS, TILES,
 
 
 @triton.jit
-def stage_kernel(x_ptr, k_ptr, y_ptr, D, NBLK, B, S,
+def stage_kernel(x_ptr, k_ptr, y_ptr, D, NBLK, B, S, ROWS, PARTS,
                  BLOCKS: tl.constexpr, BP: tl.constexpr, BLOCK_C: tl.constexpr):
     pid_b = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -68,8 +69,10 @@ def stage_kernel(x_ptr, k_ptr, y_ptr, D, NBLK, B, S,
     c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     bmask, amask, cmask = blk < NBLK, a < B, c < B
     base = (blk // S) * (B * S) + blk % S  # the coordinate of each block's digit 0
-    xk = tl.load(x_ptr + row * D + base[:, None] + a[None, :] * S, mask=bmask[:, None] & amask[None, :],
-                 other=0.0).to(tl.float32)  # [BLOCKS, BP]
+    xk = tl.zeros([BLOCKS, BP], dtype=tl.float32)
+    for p in range(PARTS):  # x given as partial sums (the split-K matvec's): added as they are read
+        xk += tl.load(x_ptr + (p * ROWS + row) * D + base[:, None] + a[None, :] * S,
+                      mask=bmask[:, None] & amask[None, :], other=0.0).to(tl.float32)
     kp = k_ptr + blk[:, None, None].to(tl.int64) * B * B + a[None, :, None] * B + c[None, None, :]
     k = tl.load(kp, mask=bmask[:, None, None] & amask[None, :, None] & cmask[None, None, :], other=0.0)
     y = tl.sum(xk[:, :, None] * k, axis=1)  # [BLOCKS, BLOCK_C]

@@ -116,7 +116,8 @@ def _splits(m: int, tiles: int, sms: int, block_m: int, per_sm: int) -> int:
 
 
 def int_matvec(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, m: int, n: int, bits: int,
-               group_size: int, *, backend: str = "auto", block_m: int = 64, per_sm: int = 8) -> torch.Tensor:
+               group_size: int, *, backend: str = "auto", block_m: int = 64, per_sm: int = 8,
+               sum_splits: bool = True) -> torch.Tensor:
     """:func:`int_matvec_reference` with the codes read in place by a Triton kernel.
 
     ``backend``: ``auto`` (Triton on CUDA, or under ``TRITON_INTERPRET=1``, where the kernel reads the codes:
@@ -126,6 +127,8 @@ def int_matvec(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, m: in
 
     ``block_m`` (outputs a program computes, a power of two) and ``per_sm`` (programs per SM the split-K aims
     at) tune the kernel's speed only (``scripts/bench_decode.py --sweep``); they change the order of the sums.
+    ``sum_splits=False`` returns the split-K partial sums ``[splits, rows, m]`` unsummed (``[1, rows, m]`` from the
+    reference), for a consumer that adds them as it reads (:func:`~adahop.ptq.staged.apply_stages`).
 
     Raises:
         ValueError: as the reference; ``backend="triton"`` where the kernel does not read the codes; ``block_m``
@@ -142,7 +145,8 @@ def int_matvec(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, m: in
     if isinstance(per_sm, bool) or not isinstance(per_sm, int) or per_sm < 1:
         raise ValueError(f"int_matvec: per_sm={per_sm!r} must be an int >= 1")
     if backend == "reference" or (backend == "auto" and not _kernel_runs(bits, n, group_size, x.device)):
-        return int_matvec_reference(x, codes, scales, m, n, bits, group_size)
+        y = int_matvec_reference(x, codes, scales, m, n, bits, group_size)
+        return y if sum_splits else y[None]
     import triton
 
     from ._triton_decode import int_matvec_kernel
@@ -155,7 +159,7 @@ def int_matvec(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, m: in
     int_matvec_kernel[(triton.cdiv(m, block_m), splits, rows)](
         x, codes.contiguous(), scales.contiguous(), y, m, n, scales.shape[1], rows, triton.cdiv(tiles, splits),
         BITS=bits, GROUP=group_size, BLOCK_M=block_m, BLOCK_K=block_k)
-    return y[0] if splits == 1 else y.sum(0)
+    return y if not sum_splits else y[0] if splits == 1 else y.sum(0)
 
 
 _BITS_OF = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -238,8 +242,9 @@ class PackedLinear(nn.Module):
             w = self.grid.decode(unpack_bits(self.codes, self.grid.bits, self.m * self.n).reshape(self.m, self.n),
                                  self.scales())
             y = h.float() @ w.T
-        else:
-            y = int_matvec(h, self.codes, self.scales()["scales"], self.m, self.n, self.grid.bits, self.grid.group_size)
+        else:  # with a rotation after it, the split-K partial sums go to its first stage unsummed
+            y = int_matvec(h, self.codes, self.scales()["scales"], self.m, self.n, self.grid.bits, self.grid.group_size,
+                           sum_splits="u" not in c)
         if "u" in c:  # ·Uᵀ ⊙ s_m, written in x's dtype unless a bias is still to be added in float32
             y = apply_stages(y, c["u"], x.dtype if self.bias is None else torch.float32)
         if self.bias is not None:

@@ -157,9 +157,9 @@ def fold_signs(stages: list[Stage], s_in: torch.Tensor | None = None, s_out: tor
 
 
 def apply_stages_reference(x: torch.Tensor, stages: list[Stage], out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The stages applied in order to ``x`` ``[rows, d]`` (any float dtype; computed in float32), returned in
-    ``out_dtype`` (default float32)."""
-    y = x.float()[None]
+    """The stages applied in order to ``x`` ``[rows, d]``, or to the sum of ``[parts, rows, d]`` partial sums (any
+    float dtype; computed in float32), returned in ``out_dtype`` (default float32)."""
+    y = (x.float().sum(0) if x.dim() == 3 else x.float())[None]
     for k, b, s in stages:
         y = stage(y, k[None], b, s)
     return y[0].to(out_dtype or torch.float32)
@@ -173,8 +173,8 @@ def apply_stages(x: torch.Tensor, stages: list[Stage], out_dtype: torch.dtype | 
                  backend: str = "auto") -> torch.Tensor:
     """:func:`apply_stages_reference`, one Triton launch per stage on CUDA (``backend``: ``auto``, ``triton`` or
     ``reference``; ``auto`` takes Triton on CUDA or under ``TRITON_INTERPRET=1``). The first stage reads ``x``
-    in its dtype and the last writes ``out_dtype``: no separate casts. Sums in another order than the reference:
-    equal to float32 rounding.
+    in its dtype, summing it first where it is ``[parts, rows, d]`` partial sums, and the last writes
+    ``out_dtype``: no separate casts or sums. Sums in another order than the reference: equal to float32 rounding.
 
     Raises:
         ValueError: stages that do not fit their ``d`` (:func:`check_stages`); ``x`` not ``[rows, d]`` floating
@@ -182,8 +182,9 @@ def apply_stages(x: torch.Tensor, stages: list[Stage], out_dtype: torch.dtype | 
     """
     d = stages[0][0].shape[0] * stages[0][1] if stages else x.shape[-1]
     check_stages(stages, d, "apply_stages")
-    if x.dim() != 2 or x.shape[1] != d or not x.is_floating_point():
-        raise ValueError(f"apply_stages: x must be a float [rows, {d}], got {x.dtype} {tuple(x.shape)}")
+    if x.dim() not in (2, 3) or x.shape[-1] != d or not x.is_floating_point():
+        raise ValueError(f"apply_stages: x must be a float [rows, {d}] (or [parts, rows, {d}] of partial sums), got "
+                         f"{x.dtype} {tuple(x.shape)}")
     if backend not in ("auto", "triton", "reference"):
         raise ValueError(f"apply_stages: backend {backend!r}; use auto, triton or reference")
     if backend == "triton" and not _kernel_runs(x.device):
@@ -195,7 +196,8 @@ def apply_stages(x: torch.Tensor, stages: list[Stage], out_dtype: torch.dtype | 
 
     from ._triton_decode import stage_kernel
 
-    rows, y = x.shape[0], x.contiguous()
+    rows, y = x.shape[-2], x.contiguous()
+    parts = x.shape[0] if x.dim() == 3 else 1
     for i, (k, b, s) in enumerate(stages):
         out = torch.empty(rows, d, device=x.device,
                           dtype=(out_dtype or torch.float32) if i == len(stages) - 1 else torch.float32)
@@ -203,6 +205,6 @@ def apply_stages(x: torch.Tensor, stages: list[Stage], out_dtype: torch.dtype | 
         bc = min(bp, 16)
         blocks = max(1, 2048 // (bp * bc))  # about 2048 products a program
         stage_kernel[(triton.cdiv(d // b, blocks), triton.cdiv(b, bc), rows)](
-            y, k.contiguous(), out, d, d // b, b, s, BLOCKS=blocks, BP=bp, BLOCK_C=bc)
+            y, k.contiguous(), out, d, d // b, b, s, rows, parts if i == 0 else 1, BLOCKS=blocks, BP=bp, BLOCK_C=bc)
         y = out
     return y
