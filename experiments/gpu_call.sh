@@ -103,7 +103,7 @@
 #      not given to training. $OUT/ptq.tgz: the per-model summaries, cells and training records; $OUT/logs.tgz. Merge the
 #      calls' tables on the dev machine (scripts/run_ptq_experiment.py --budget-s 0 over the merged folders)
 #   p13 env: PTQ_MODELS (llama-125m), PTQ_STEPS (1200), PTQ_BITS (2,3,4), PTQ_METHODS (all four), PTQ_NO_MX=1, PTQ_SEEDS (1),
-#      PTQ_REPEAT_BITS (2: the widths PTQ_SEEDS repeats),
+#      PTQ_REPEAT_BITS (2: the widths PTQ_SEEDS repeats), PTQ_THETA (fp16; int8: HARP's Θ as int8, table ...-theta8),
 #      PTQ_HARP_STEPS (1200), PTQ_COMPILE_LV2, PTQ_CONC (3), HARP_E2E (1); bench_decode --folder on PTQ_DECODE_FOLDERS (2) int cells;
 #      PTQ_PIPELINES ("MODEL:RECIPE:BITS:STEPS ...", instead of PTQ_MODELS x both recipes); DECODE_BENCH=1: bench_decode per
 #      layer (llama3.1-8b, llama-350m) alone after the pipelines, in the time left
@@ -369,8 +369,9 @@ if [ "$STAGE" = p13 ]; then  # issue 22: the models of our own, each quantized a
     local RB=${PTQ_REPEAT_BITS:-2} OK=1
     for b in ${RB//,/ }; do [[ ",$BITS," == *,$b,* ]] || OK=0; done
     SEEDS=; [ -n "${PTQ_SEEDS-1}" ] && [ $OK = 1 ] && SEEDS="--repeat-seeds ${PTQ_SEEDS-1} --repeat-bits $RB"
-    TABLE="scripts/run_ptq_experiment.py --data runs/issue19/main --models $D --out runs/ptq_table/${D#runs/ptq/} $SEEDS
-      --harp-steps ${PTQ_HARP_STEPS:-1200} --bits $BITS --methods ${PTQ_METHODS:-rtn,gptq,rht-gptq,harp-gptq} $([ "${PTQ_NO_MX:-0}" = 1 ] && echo --no-mx)"
+    # PTQ_THETA=int8: HARP's Θ stored as int8, in a table of its own (its cells' folders would shadow the FP16 ones)
+    TABLE="scripts/run_ptq_experiment.py --data runs/issue19/main --models $D --out runs/ptq_table/${D#runs/ptq/}$([ "${PTQ_THETA:-fp16}" = int8 ] && echo -theta8) $SEEDS
+      --harp-steps ${PTQ_HARP_STEPS:-1200} --bits $BITS --methods ${PTQ_METHODS:-rtn,gptq,rht-gptq,harp-gptq} $([ "${PTQ_NO_MX:-0}" = 1 ] && echo --no-mx) --theta-format ${PTQ_THETA:-fp16}"
     # the table's options checked before anything trains: a usage error costs seconds, not the call
     python3 $TABLE --dry-run > $OUT/dry_${D#runs/ptq/}.log 2>&1 || { echo "table of $D refused: $(tail -1 $OUT/dry_${D#runs/ptq/}.log)"; return; }
     if [ ! -f $D/summary.json ] || grep -q '"interrupted": true' $D/summary.json; then

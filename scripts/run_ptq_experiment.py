@@ -96,6 +96,7 @@ def ptq_cmd(args, model, method, bits, quantizer, seed, d: Path, with_baseline: 
            "--device", args.device, "--out", str(d)]
     cmd += ["--seed", str(seed)] if seed else []
     cmd += ["--harp-steps", str(args.harp_steps)] if method.startswith("harp-") else []  # the others refuse it (unused)
+    cmd += ["--theta-format", args.theta_format] if method.startswith("harp-") and args.theta_format != "fp16" else []
     cmd += [] if with_baseline else ["--skip-baseline"]
     cmd += ["--seq-len", str(args.seq_len)] if args.seq_len else []
     cmd += ["--eval-batches", str(args.eval_batches)] if args.eval_batches else []
@@ -267,6 +268,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeat-bits", default="2", help="the widths whose cells --repeat-seeds repeats, of --bits (default 2)")
     p.add_argument("--calib-tokens", type=int, default=131072)
     p.add_argument("--harp-steps", type=int, default=1200)
+    p.add_argument("--theta-format", default="fp16", choices=("fp16", "int8"),
+                   help="how the HARP cells store Θ (adahop ptq --theta-format; give the table its own --out)")
     p.add_argument("--group-size", type=int, default=None, help="--group-size of the int cells (default: adahop ptq's, 128)")
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--batch-size", type=int, default=8)

@@ -99,11 +99,15 @@ def test_only_the_harp_cells_get_harp_steps(s):
     import argparse
 
     args = argparse.Namespace(data="d", calib_tokens=64, batch_size=2, harp_steps=200, device="cpu", seq_len=None,
-                              eval_batches=None, group_size=None)
+                              eval_batches=None, group_size=None, theta_format="int8")
     for method in ("rtn", "gptq", "rht-gptq"):
-        assert "--harp-steps" not in s.ptq_cmd(args, "m", method, 2, "int", 0, Path("o"))
+        cmd = s.ptq_cmd(args, "m", method, 2, "int", 0, Path("o"))
+        assert "--harp-steps" not in cmd and "--theta-format" not in cmd
     cmd = s.ptq_cmd(args, "m", "harp-gptq", 2, "int", 0, Path("o"))
     assert cmd[cmd.index("--harp-steps") + 1] == "200" and "--seed" not in cmd
+    assert cmd[cmd.index("--theta-format") + 1] == "int8"
+    args.theta_format = "fp16"  # the default passes nothing: adahop ptq's own default
+    assert "--theta-format" not in s.ptq_cmd(args, "m", "harp-gptq", 2, "int", 0, Path("o"))
     cmd = s.ptq_cmd(args, "m", "gptq", 2, "int", 3, Path("o"))
     assert cmd[cmd.index("--seed") + 1] == "3"
 
