@@ -121,12 +121,13 @@ def test_bad_grid_options_name_the_fix():
         make_grid("int", 4, 0)
 
 
-@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 6, 7, 8])
 def test_bit_packing_round_trips(bits, gen):
-    codes = torch.randint(0, 2**bits, (37,), generator=gen, dtype=torch.uint8)
-    packed = pack_bits(codes, bits)
-    assert packed.numel() == -(-37 * bits // 8)
-    assert torch.equal(unpack_bits(packed, bits, 37), codes)
+    for n in (1, 8, 37, 1000):  # short of a byte, a group of eight codes, ragged ends
+        codes = torch.randint(0, 2**bits, (n,), generator=gen, dtype=torch.uint8)
+        packed = pack_bits(codes, bits)
+        assert packed.numel() == -(-n * bits // 8)
+        assert torch.equal(unpack_bits(packed, bits, n), codes)
 
 
 def test_bit_packing_layout_is_little_endian_within_each_byte():
@@ -135,6 +136,7 @@ def test_bit_packing_layout_is_little_endian_within_each_byte():
     assert pack_bits(torch.tensor([0xA, 0x3, 0xF], dtype=torch.uint8), 4).tolist() == [0x3A, 0x0F]
     assert pack_bits(torch.tensor([1, 0, 1, 1, 0, 0, 0, 1, 1], dtype=torch.uint8), 1).tolist() == [0b10001101, 1]
     assert pack_bits(torch.tensor([5, 3, 7], dtype=torch.uint8), 3).tolist() == [5 | 3 << 3 | (7 & 3) << 6, 7 >> 2]
+    assert pack_bits(torch.tensor([0x1F, 0x01], dtype=torch.uint8), 5).tolist() == [0x1F | 1 << 5, 0]
 
 
 def test_quantize_layer_counts_every_stored_bit(gen):

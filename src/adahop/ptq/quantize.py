@@ -47,29 +47,32 @@ class RotationOptions:
 
 
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack ``codes`` (uint8, each ``< 2^bits``) into a uint8 bit stream, little-endian within each
-    code: ``ceil(numel·bits / 8)`` bytes. Widths that divide 8 are packed on ``codes``' device, a byte
-    holding ``8 / bits`` whole codes, the first in its low bits; other widths on the CPU, bit by bit."""
-    if 8 % bits == 0:
+    """Pack ``codes`` (uint8, each ``< 2^bits``, ``bits`` from 1 to 8) into a uint8 bit stream, little-endian
+    within each code: ``ceil(numel·bits / 8)`` bytes, on ``codes``' device. Eight codes fill ``bits`` bytes
+    exactly, so the stream is built eight codes at a time: their ``8·bits``-bit value, cut into bytes."""
+    n = codes.numel()
+    if 8 % bits == 0:  # whole codes in each byte: byte-wide int32 arithmetic, half the memory of the general case
         per = 8 // bits
         c = codes.reshape(-1).to(torch.int32)
-        c = torch.cat([c, c.new_zeros((-c.numel()) % per)]).reshape(-1, per)
+        c = torch.cat([c, c.new_zeros((-n) % per)]).reshape(-1, per)
         return (c << torch.arange(0, 8, bits, device=c.device, dtype=torch.int32)).sum(1).to(torch.uint8)
-    c = codes.reshape(-1).to(torch.int64).cpu()
-    bitplanes = (c[:, None] >> torch.arange(bits)) & 1  # [N, bits]
-    flat = bitplanes.reshape(-1)
-    flat = torch.cat([flat, flat.new_zeros((-flat.numel()) % 8)])
-    return (flat.reshape(-1, 8) << torch.arange(8)).sum(1).to(torch.uint8)
+    c = codes.reshape(-1).to(torch.int64)
+    c = torch.cat([c, c.new_zeros((-n) % 8)]).reshape(-1, 8)
+    v = (c << torch.arange(0, 8 * bits, bits, device=c.device)).sum(1)  # at most 64 bits: 8 codes of 8 bits
+    out = (v[:, None] >> torch.arange(0, 8 * bits, 8, device=c.device)) & 0xFF
+    return out.reshape(-1)[: -(-n * bits // 8)].to(torch.uint8)
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
-    """Inverse of :func:`pack_bits`: the first ``numel`` codes as uint8 (on ``packed``'s device for widths
-    that divide 8, else on the CPU)."""
+    """Inverse of :func:`pack_bits`: the first ``numel`` codes as uint8, on ``packed``'s device."""
     if 8 % bits == 0:
         shifts = torch.arange(0, 8, bits, device=packed.device, dtype=torch.int32)
-        return ((packed.to(torch.int32)[:, None] >> shifts) & ((1 << bits) - 1)).reshape(-1)[:numel].to(torch.uint8)
-    flat = ((packed.cpu().to(torch.int64)[:, None] >> torch.arange(8)) & 1).reshape(-1)[: numel * bits]
-    return (flat.reshape(numel, bits) << torch.arange(bits)).sum(1).to(torch.uint8)
+        return ((packed.reshape(-1).to(torch.int32)[:, None] >> shifts) & ((1 << bits) - 1)).reshape(-1)[:numel].to(torch.uint8)
+    p = packed.reshape(-1).to(torch.int64)
+    p = torch.cat([p, p.new_zeros((-p.numel()) % bits)]).reshape(-1, bits)
+    v = (p << torch.arange(0, 8 * bits, 8, device=p.device)).sum(1)
+    codes = (v[:, None] >> torch.arange(0, 8 * bits, bits, device=p.device)) & ((1 << bits) - 1)
+    return codes.reshape(-1)[:numel].to(torch.uint8)
 
 
 @dataclass
