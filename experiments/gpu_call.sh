@@ -308,7 +308,7 @@ if [ "$STAGE" = p16 ]; then  # issue 22: the decode path rebuilt after round 25 
   export CUDA_VISIBLE_DEVICES=0
   timeout 90 python3 scripts/validate_kernels.py --only matvec --log $OUT/validate_matvec.json > $OUT/validate_matvec.log 2>&1
   tail -1 $OUT/validate_matvec.log; grep -E "^FAIL" $OUT/validate_matvec.log; echo "validate done at $(el) s"
-  for M in llama3.1-8b llama-350m; do timeout 150 python3 scripts/bench_decode.py --model $M --sweep --json $OUT/bench_decode_$M.json > $OUT/bench_decode_$M.log 2>&1; \
+  for M in llama3.1-8b llama-350m; do timeout 150 python3 scripts/bench_decode.py --model $M --bits 2,3,4 --sweep --json $OUT/bench_decode_$M.json > $OUT/bench_decode_$M.log 2>&1; \
     grep -v -i warn $OUT/bench_decode_$M.log | tail -24; done; echo "bench_decode per layer done at $(el) s"
   # end to end: a briefly trained llama-125m (the speed does not depend on how well), W2 int by rtn and by harp-gptq
   D=runs/ptq/125m-dec; mkdir -p runs/ptq runs/ptq_dec

@@ -1,5 +1,5 @@
 """Compile the decode kernels of `adahop ptq` (``adahop/ptq/_triton_decode.py``) for sm_90 (Hopper) on this CPU,
-at a model's shapes: the int matvec at 2 and 4 bits and each ``block_m`` that ``bench_decode --sweep`` times, and
+at a model's shapes: the int matvec at 2, 3 and 4 bits and each ``block_m`` that ``bench_decode --sweep`` times, and
 the stage kernel at every merged stage of the HARP and RHT rotations of its layers. Prints compile seconds,
 registers and spills per specialization; exits 1 if any fails to compile. Launches are specialized by Triton's own
 binder on meta tensors (``compile_census.specialize``), so nothing runs. Run it under the GPU's Triton before a
@@ -23,7 +23,7 @@ from compile_census import compile_one, specialize  # noqa: E402
 
 import triton  # noqa: E402
 from adahop.models import PRESETS  # noqa: E402
-from adahop.ptq.decode import _block_k, _splits  # noqa: E402
+from adahop.ptq.decode import _block_k, _splits, _unit  # noqa: E402
 from adahop.ptq.incoherence import RHTRotation  # noqa: E402
 from adahop.ptq.rotation import HARPRotation  # noqa: E402
 from adahop.ptq.staged import merge_stages, rotation_stages  # noqa: E402
@@ -40,7 +40,7 @@ def launches(model: str):
     out, dims = [], set()
     for m, n in shapes(model):
         dims |= {m, n}
-        for bits in (2, 4):
+        for bits in (2, 3, 4):
             for bm in (32, 64, 128):
                 bk = _block_k(bits, 128)
                 tiles = triton.cdiv(n, bk)
@@ -49,7 +49,8 @@ def launches(model: str):
                     x_ptr=_meta(1, n, dtype=torch.bfloat16), codes_ptr=_meta(m * n * bits // 8, dtype=torch.uint8),
                     scales_ptr=_meta(m, -(-n // 128), dtype=torch.float16), y_ptr=_meta(sp, 1, m, dtype=torch.float32),
                     M=m, N=n, G=-(-n // 128), ROWS=1, TILES=triton.cdiv(tiles, sp), BITS=bits, GROUP=128, BLOCK_M=bm,
-                    BLOCK_K=bk)))
+                    BLOCK_K=bk, UNIT_BYTES=_unit(bits)[0], UNIT_CODES=_unit(bits)[1],
+                    UNIT_BYTES_P2=triton.next_power_of_2(_unit(bits)[0]))))
     for d in sorted(dims):
         for r in (HARPRotation(d), RHTRotation(d)):
             for k, b, s in merge_stages(rotation_stages(r), d) + merge_stages(rotation_stages(r, inverse=True), d):

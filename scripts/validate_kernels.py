@@ -841,7 +841,7 @@ def main() -> int:
         # --- the decode matvec on packed int codes (adahop.ptq.decode, issue 22's inference path) -----------
         for m, n, bits, g, rows in ((4096, 4096, 2, 128, 1), (14336, 4096, 4, 128, 1), (4096, 14336, 2, 128, 1),
                                     (1024, 2752, 2, 128, 4), (2752, 1024, 4, 64, 2), (1000, 200, 2, 64, 3),
-                                    (1000, 192, 2, 48, 1)):
+                                    (1000, 192, 2, 48, 1), (4096, 4096, 3, 128, 1), (1000, 200, 3, 64, 3)):
             if not s:
                 m, n = min(m, 256), min(n, 264)
             check_int_matvec(f"int_matvec {m}x{n} W{bits} g{g} rows={rows}", m, n, bits, g, rows, dev, gen)

@@ -58,11 +58,11 @@ def test_bad_matvec_input_is_refused_naming_what_fits(gen):
         int_matvec(x, packed.reshape(40, -1), st["scales"], 40, 200, 2, 64)
     with pytest.raises(ValueError, match="bits=9: codes of at most 8 bits"):  # uint8 codes: 9 bits came out wrong
         int_matvec(x, torch.zeros(-(-40 * 200 * 9 // 8), dtype=torch.uint8), st["scales"], 40, 200, 9, 64)
-    with pytest.raises(ValueError, match=r"bits=3 \(it reads \(2, 4\)\)"):
-        int_matvec(x, pack_bits(torch.zeros(40, 200, dtype=torch.uint8), 3), st["scales"], 40, 200, 3, 64, backend="triton")
+    with pytest.raises(ValueError, match=r"bits=5 \(it reads \(2, 3, 4\)\)"):
+        int_matvec(x, pack_bits(torch.zeros(40, 200, dtype=torch.uint8), 5), st["scales"], 40, 200, 5, 64, backend="triton")
     # rows of W that do not start on a byte (202·2 bits) or a group size without a byte's worth of codes in a
     # power-of-two tile (6 at 2 bits: 2 codes) take the reference under auto, and the kernel refuses them
-    for n, g in ((202, 64), (200, 6)):
+    for n, g in ((202, 64), (200, 6)):  # (at 3 bits: 8 codes in 3 bytes, so n a multiple of 8, groups of 8 or more)
         _, _, st2, packed2 = _packed(40, n, 2, g)
         x2 = torch.randn(1, n, generator=gen)
         assert not _kernel_runs(2, n, g, torch.device("cuda"))
@@ -131,7 +131,8 @@ def test_matvec_kernel_in_interpreter(interp_child):
 # a short last group; a group size of no power of two (48: tiles of 16); tiles of two codes (g 6, W4); several
 # output blocks, each input dimension split over programs (split-K), the last split running past n
 @pytest.mark.parametrize("m,n,bits,g,rows", [(40, 200, 2, 64, 3), (33, 130, 4, 128, 1), (64, 256, 2, 128, 2),
-                                             (130, 96, 2, 48, 1), (17, 60, 4, 6, 2), (300, 1000, 2, 128, 1)])
+                                             (130, 96, 2, 48, 1), (17, 60, 4, 6, 2), (300, 1000, 2, 128, 1),
+                                             (40, 200, 3, 64, 3), (33, 136, 3, 128, 1), (70, 96, 3, 24, 2)])
 @interp
 def test_interp_matvec_kernel_matches_its_reference(m, n, bits, g, rows):
     _, _, st, packed = _packed(m, n, bits, g, seed=m)

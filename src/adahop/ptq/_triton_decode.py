@@ -9,11 +9,13 @@ program computes ``BLOCK_M`` outputs of one row of ``x`` over ``TILES`` consecut
 (split-K), and writes its partial sums to its own slice of ``y`` (``[splits, rows, M]``, summed after, in a fixed
 order, so the result does not depend on the schedule).
 
-Each byte of the little-endian bit stream :func:`adahop.ptq.quantize.pack_bits` writes holds ``8 / BITS`` codes
-and is loaded once, as a ``[BLOCK_M, BLOCK_K·BITS/8]`` tile, then split into its codes along a third axis that
-lines up with the matching ``[BLOCK_K·BITS/8, 8/BITS]`` view of ``x``. A code maps to ``(code − 2^(BITS−1) + ½)``
-times its group's FP16 scale; ``BLOCK_K`` divides the group size, so a tile needs one scale per output. The
-caller guarantees that a row of ``W`` starts on a byte (``N·BITS % 8 == 0``).
+The little-endian bit stream :func:`adahop.ptq.quantize.pack_bits` writes is read in units of whole bytes holding
+whole codes: one byte of ``8 / BITS`` codes at 2 and 4 bits, three bytes of eight codes at 3 bits. Each byte is
+loaded once, as a ``[BLOCK_M, units]`` tile (at 3 bits its three bytes put together into one value first), then
+split into its codes along a third axis that lines up with the matching ``[units, codes a unit]`` view of ``x``.
+A code maps to ``(code − 2^(BITS−1) + ½)`` times its group's FP16 scale; ``BLOCK_K`` divides the group size, so a
+tile needs one scale per output. The caller guarantees that a row of ``W`` starts on a unit
+(``N·BITS % 8 == 0`` and, at 3 bits, ``N % 8 == 0``).
 
 ``stage_kernel`` (:func:`adahop.ptq.staged.apply_stages`): one stage of ``B × B`` blocks at stride ``S``,
 ``y[hi·B·S + c·S + lo] = Σ_a x[hi·B·S + a·S + lo] · K[hi·S + lo, a, c]``. A program takes ``BLOCKS`` blocks and
@@ -30,26 +32,34 @@ import triton.language as tl
 
 @triton.jit
 def int_matvec_kernel(x_ptr, codes_ptr, scales_ptr, y_ptr, M, N, G, ROWS, TILES,
-                      BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+                      BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                      UNIT_BYTES: tl.constexpr, UNIT_CODES: tl.constexpr, UNIT_BYTES_P2: tl.constexpr):
     pid_m = tl.program_id(0)
     split = tl.program_id(1)
     row = tl.program_id(2).to(tl.int64)
-    PER: tl.constexpr = 8 // BITS  # codes per byte
-    NB: tl.constexpr = BLOCK_K // PER  # bytes per row of a tile
+    NU: tl.constexpr = BLOCK_K // UNIT_CODES  # units (whole bytes of whole codes) per row of a tile
     ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     mmask = ms < M
-    bs = tl.arange(0, NB)
-    js = tl.arange(0, PER)
-    row_bytes = N // PER
+    us = tl.arange(0, NU)
+    js = tl.arange(0, UNIT_CODES)
+    row_bytes = N * BITS // 8
     code_rows = codes_ptr + ms[:, None].to(tl.int64) * row_bytes
     acc = tl.zeros([BLOCK_M], dtype=tl.float32)
     for t in range(split * TILES, (split + 1) * TILES):
         k0 = t * BLOCK_K
-        kk = k0 + bs[:, None] * PER + js[None, :]  # [NB, PER]: the input index of each code of the tile
+        kk = k0 + us[:, None] * UNIT_CODES + js[None, :]  # [NU, UNIT_CODES]: the input index of each code
         xk = tl.load(x_ptr + row * N + kk, mask=kk < N, other=0.0).to(tl.float32)
-        b = k0 // PER + bs
-        byte = tl.load(code_rows + b[None, :], mask=mmask[:, None] & (b < row_bytes)[None, :], other=0).to(tl.int32)
-        code = (byte[:, :, None] >> (js * BITS)[None, None, :]) & ((1 << BITS) - 1)  # [BLOCK_M, NB, PER]
+        b = (k0 // UNIT_CODES + us) * UNIT_BYTES  # each unit's first byte
+        if UNIT_BYTES == 1:  # 2 and 4 bits: codes never straddle a byte
+            unit = tl.load(code_rows + b[None, :], mask=mmask[:, None] & (b < row_bytes)[None, :], other=0).to(tl.int32)
+        else:  # 3 bits: eight codes in three bytes, their 24-bit value put together first
+            jb = tl.arange(0, UNIT_BYTES_P2)
+            bi = b[:, None] + jb[None, :]
+            byte = tl.load(code_rows[:, :, None] + bi[None, :, :],
+                           mask=mmask[:, None, None] & ((jb < UNIT_BYTES)[None, :] & (bi < row_bytes))[None, :, :],
+                           other=0).to(tl.int32)
+            unit = tl.sum(byte << (jb * 8)[None, None, :], axis=2)  # [BLOCK_M, NU]
+        code = (unit[:, :, None] >> (js * BITS)[None, None, :]) & ((1 << BITS) - 1)  # [BLOCK_M, NU, UNIT_CODES]
         level = code.to(tl.float32) - ((1 << (BITS - 1)) - 0.5)
         part = tl.sum(tl.sum(level * xk[None, :, :], axis=2), axis=1)  # inputs past N have x = 0
         g = tl.minimum(k0 // GROUP, G - 1)  # a tile past N (the last split's overhang) has part = 0

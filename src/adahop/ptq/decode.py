@@ -4,7 +4,7 @@ incoherence rotations applied to the activations instead of to the weight (`spec
 ``W = S_m U Q Vᵀ S_n`` (:class:`~adahop.ptq.incoherence.TwoSided`), so for a row ``x``:
 ``y = x Wᵀ = ((((x ⊙ s_n)·V)·Qᵀ)·Uᵀ) ⊙ s_m``: two signed rotations of vectors of size ``n`` and ``m`` (a few
 butterfly stages each) around a matvec with the low-bit ``Q``, which reads ``bits/16`` of the bytes of a BF16
-weight. :func:`int_matvec` is that matvec on the int grid's packed codes: a Triton kernel on CUDA (bits 2 and 4),
+weight. :func:`int_matvec` is that matvec on the int grid's packed codes: a Triton kernel on CUDA (bits 2, 3, 4),
 :func:`int_matvec_reference` elsewhere, with the same signature. :class:`PackedLinear` is the layer and
 :func:`load_packed_model` puts it into a transformers model saved by `adahop ptq`.
 """
@@ -12,6 +12,7 @@ weight. :func:`int_matvec` is that matvec on the int grid's packed codes: a Trit
 from __future__ import annotations
 
 import functools
+import math
 import os
 from pathlib import Path
 
@@ -25,8 +26,8 @@ from .staged import apply_stages, fold_signs, merge_stages, rotation_stages
 
 __all__ = ["int_matvec", "int_matvec_reference", "PackedLinear", "load_packed_model"]
 
-KERNEL_BITS = (2, 4)
-"""Code widths the Triton kernel reads (a code never straddles a byte); others take the reference."""
+KERNEL_BITS = (2, 3, 4)
+"""Code widths the Triton kernel reads (in units of whole bytes holding whole codes); others take the reference."""
 
 MATVEC_ROWS = 8
 """Above this many rows (a prompt, not a decode step) :class:`PackedLinear` decodes its weight for the call and
@@ -72,18 +73,25 @@ def int_matvec_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Ten
     return x.float() @ w.T
 
 
+def _unit(bits: int) -> tuple[int, int]:
+    """(bytes, codes) of the smallest run of whole bytes holding whole ``bits``-bit codes: (1, 4) at 2 bits,
+    (3, 8) at 3, (1, 2) at 4."""
+    g = math.gcd(bits, 8)
+    return bits // g, 8 // g
+
+
 def _block_k(bits: int, group_size: int) -> int:
     """The kernel's tile width: the largest power of two dividing ``group_size``, at most 128 (a tile then
-    needs one scale per output); 0 where that holds less than one byte of codes."""
+    needs one scale per output); 0 where that holds less than one unit of codes (:func:`_unit`)."""
     b = min(group_size & -group_size, 128)
-    return b if b >= 8 // bits else 0
+    return b if b >= _unit(bits)[1] else 0
 
 
 def _kernel_runs(bits: int, n: int, group_size: int, device: torch.device) -> bool:
     """Whether ``backend="auto"`` reads the codes with the Triton kernel: bits it reads (a code never straddles
     a byte), rows of ``W`` that start on a byte (``n·bits % 8 == 0``), a group size with a power-of-two factor of
     at least one byte of codes; on CUDA or in Triton's interpreter."""
-    return (bits in KERNEL_BITS and n * bits % 8 == 0 and _block_k(bits, group_size) > 0
+    return (bits in KERNEL_BITS and n % _unit(bits)[1] == 0 and _block_k(bits, group_size) > 0
             and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"))
 
 
@@ -97,11 +105,12 @@ def _why_not(bits: int, n: int, group_size: int, device: torch.device) -> str:
     why = []
     if bits not in KERNEL_BITS:
         why.append(f"bits={bits} (it reads {KERNEL_BITS})")
-    elif n * bits % 8:
-        why.append(f"n={n}: rows of {bits}-bit codes that do not start on a byte (n·bits % 8 != 0)")
+    elif n % _unit(bits)[1]:
+        why.append(f"n={n}: rows of {bits}-bit codes that do not start on a whole byte of whole codes (n must be a "
+                   f"multiple of {_unit(bits)[1]})")
     elif not _block_k(bits, group_size):
-        why.append(f"group_size={group_size}: its largest power-of-two factor holds less than a byte of codes "
-                   f"(needs {8 // bits} or more)")
+        why.append(f"group_size={group_size}: its largest power-of-two factor holds less than a byte of whole codes "
+                   f"(needs {_unit(bits)[1]} or more)")
     if not (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
         why.append(f"x on {device} (CUDA tensors, or the CPU under TRITON_INTERPRET=1)")
     return "; ".join(why)
@@ -121,7 +130,8 @@ def int_matvec(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, m: in
     """:func:`int_matvec_reference` with the codes read in place by a Triton kernel.
 
     ``backend``: ``auto`` (Triton on CUDA, or under ``TRITON_INTERPRET=1``, where the kernel reads the codes:
-    bits 2 and 4, ``n·bits % 8 == 0`` and a group size with a power-of-two factor of at least ``8 / bits``; else
+    bits 2, 3 and 4, rows that start on a whole byte of whole codes (``n`` a multiple of 4, 8 and 2) and a group
+    size with a power-of-two factor of at least that many codes; else
     the reference), ``triton`` or ``reference``. Same arguments, result and errors as the reference (FP32 sums in
     another order, split over the input dimension in a fixed way: equal to float rounding, the same every call).
 
@@ -152,13 +162,14 @@ def int_matvec(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, m: in
     from ._triton_decode import int_matvec_kernel
 
     x = x.contiguous()
-    rows, block_k = x.shape[0], _block_k(bits, group_size)
+    rows, block_k, (unit_bytes, unit_codes) = x.shape[0], _block_k(bits, group_size), _unit(bits)
     tiles = triton.cdiv(n, block_k)
     splits = _splits(m, tiles, _sms(x.device), block_m, per_sm)
     y = torch.empty(splits, rows, m, dtype=torch.float32, device=x.device)
     int_matvec_kernel[(triton.cdiv(m, block_m), splits, rows)](
         x, codes.contiguous(), scales.contiguous(), y, m, n, scales.shape[1], rows, triton.cdiv(tiles, splits),
-        BITS=bits, GROUP=group_size, BLOCK_M=block_m, BLOCK_K=block_k)
+        BITS=bits, GROUP=group_size, BLOCK_M=block_m, BLOCK_K=block_k, UNIT_BYTES=unit_bytes, UNIT_CODES=unit_codes,
+        UNIT_BYTES_P2=triton.next_power_of_2(unit_bytes))
     return y if not sum_splits else y[0] if splits == 1 else y.sum(0)
 
 
@@ -174,7 +185,7 @@ class PackedLinear(nn.Module):
         transform: its signs and rotations, or None (no incoherence processing).
         shape: ``(m, n)``, out × in. bias: ``[m]`` or None.
 
-    Where :func:`int_matvec`'s Triton kernel runs (int codes of 2 or 4 bits, on CUDA) it reads the codes at
+    Where :func:`int_matvec`'s Triton kernel runs (int codes of 2, 3 or 4 bits, on CUDA) it reads the codes at
     every call (for more than :data:`MATVEC_ROWS` rows it decodes the weight for that call instead); otherwise
     (other widths, the CPU, MXFP4 and NVFP4, which no kernel of ours reads yet) the weight is decoded once per
     device, on first use (FP32). Input ``[..., n]`` of any float dtype; output ``[..., m]`` in the input's dtype.
