@@ -6,7 +6,7 @@
 Per layer: for each distinct decoder linear shape of ``--model``, one call of ``x·Wᵀ`` for ``--rows`` rows (1: one
 token) in BF16 (``nn.Linear``), and as :class:`adahop.ptq.decode.PackedLinear` on int codes of each ``--bits`` (groups
 of 128): without rotation (the matvec kernel alone), with the RHT, and with HARP (random Θ: the speed does not depend
-on the values). Each is captured in a CUDA graph of 20 calls and replayed, so the time is the GPU's, not the host's;
+on the values); and on MXFP4 codes with the RHT. Each is captured in a CUDA graph of 20 calls and replayed, so the time is the GPU's, not the host's;
 the table gives µs per call, the ratio to BF16, and the decoder's linears per token (all blocks) as tokens/s.
 
 ``--folder``: the end-to-end decode of a folder `adahop ptq` wrote, greedy, one token at a time with the KV cache:
@@ -45,12 +45,17 @@ def shapes(model: str) -> dict[tuple[int, int], int]:
     return out
 
 
-def packed_layer(m: int, n: int, bits: int, rot: str, device) -> PackedLinear:
-    """A ``PackedLinear`` of random codes and scales (the speed does not depend on the values), made on ``device``."""
+def packed_layer(m: int, n: int, bits: int, rot: str, device, quantizer: str = "int") -> PackedLinear:
+    """A ``PackedLinear`` of random codes and scales (the speed does not depend on the values), made on ``device``:
+    the int grid in groups of 128, or ``mxfp4`` (E2M1 codes, power-of-two scales stored as E8M0, groups of 32)."""
     g = torch.Generator(device=device).manual_seed(0)
-    grid = make_grid("int", bits, 128)
+    grid = make_grid(quantizer, bits, 128 if quantizer == "int" else None)
     codes = torch.randint(0, 2 ** bits, (m, n), device=device, generator=g, dtype=torch.uint8)
-    scales = torch.rand(m, -(-n // 128), device=device, generator=g) * 0.01 + 1e-3
+    groups = -(-n // grid.group_size)
+    if quantizer == "int":
+        scales = torch.rand(m, groups, device=device, generator=g) * 0.01 + 1e-3
+    else:
+        scales = torch.exp2(torch.randint(-10, -4, (m, groups), device=device, generator=g).float())
     t = None
     if rot == "rht":
         t = TwoSided.random_signs(RHTRotation(m), RHTRotation(n), generator=torch.Generator().manual_seed(0))
@@ -91,8 +96,9 @@ def per_layer(args) -> dict:
     blocks = PRESETS[args.model]["num_hidden_layers"]
     rows, totals = [], {}
     print(f"{args.model}: one call of x·Wᵀ, {args.rows} row(s), µs (ratio to BF16)\n")
-    kinds = [(b, r) for b in args.bits for r in ("none", "rht", "harp")]
-    print("| shape (out × in) | per block | bf16 | " + " | ".join(f"W{b} {r}" for b, r in kinds) + " |")
+    # the int grid at each width and rotation, and MXFP4 weights with the RHT (W4 of an adahop-trained model)
+    kinds = [(f"W{b} {r}", b, r, "int") for b in args.bits for r in ("none", "rht", "harp")] + [("MXFP4 rht", 4, "rht", "mxfp4")]
+    print("| shape (out × in) | per block | bf16 | " + " | ".join(label for label, *_ in kinds) + " |")
     print("|---|---|---|" + "---|" * len(kinds))
     for (m, n), k in shapes(args.model).items():
         x = torch.randn(args.rows, n, device=dev, dtype=torch.bfloat16)
@@ -100,17 +106,18 @@ def per_layer(args) -> dict:
         base = graphed_us(lin, x)
         row = {"shape": [m, n], "per_block": k, "bf16_us": base}
         cells = []
-        for b, r in kinds:
+        for label, b, r, q in kinds:
             if r == "rht":
                 try:
                     rht_block(m), rht_block(n)
                 except ValueError:
                     cells.append("-")
                     continue
-            us = graphed_us(packed_layer(m, n, b, r, dev), x)
-            row[f"w{b}_{r}_us"] = us
+            us = graphed_us(packed_layer(m, n, b, r, dev, q), x)
+            key = label.lower().replace(" ", "_")
+            row[f"{key}_us"] = us
             cells.append(f"{us:.1f} ({base / us:.2f}×)")
-            totals[f"w{b}_{r}"] = totals.get(f"w{b}_{r}", 0.0) + us * k
+            totals[key] = totals.get(key, 0.0) + us * k
         totals["bf16"] = totals.get("bf16", 0.0) + base * k
         rows.append(row)
         print(f"| {m} × {n} | {k} | {base:.1f} | " + " | ".join(cells) + " |", flush=True)

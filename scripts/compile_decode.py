@@ -1,5 +1,5 @@
 """Compile the decode kernels of `adahop ptq` (``adahop/ptq/_triton_decode.py``) for sm_90 (Hopper) on this CPU,
-at a model's shapes: the int matvec at 2, 3 and 4 bits and each ``block_m`` that ``bench_decode --sweep`` times, and
+at a model's shapes: the int matvec at 2, 3 and 4 bits and on MXFP4 codes and each ``block_m`` that ``bench_decode --sweep`` times, and
 the stage kernel at every merged stage of the HARP and RHT rotations of its layers. Prints compile seconds,
 registers and spills per specialization; exits 1 if any fails to compile. Launches are specialized by Triton's own
 binder on meta tensors (``compile_census.specialize``), so nothing runs. Run it under the GPU's Triton before a
@@ -40,17 +40,18 @@ def launches(model: str):
     out, dims = [], set()
     for m, n in shapes(model):
         dims |= {m, n}
-        for bits in (2, 3, 4):
+        # the int grid at 2, 3 and 4 bits (groups of 128); MXFP4 (E2M1 codes, E8M0 scales, groups of 32)
+        for bits, group, e2m1 in ((2, 128, False), (3, 128, False), (4, 128, False), (4, 32, True)):
             for bm in (32, 64, 128):
-                bk = _block_k(bits, 128)
+                bk, g = _block_k(bits, group), -(-n // group)
                 tiles = triton.cdiv(n, bk)
                 sp = _splits(m, tiles, H100_SMS, bm, 8)
-                out.append((f"int_matvec {m}x{n} W{bits} block_m {bm}", int_matvec_kernel, dict(
+                out.append((f"int_matvec {m}x{n} {'MXFP4' if e2m1 else f'W{bits}'} block_m {bm}", int_matvec_kernel, dict(
                     x_ptr=_meta(1, n, dtype=torch.bfloat16), codes_ptr=_meta(m * n * bits // 8, dtype=torch.uint8),
-                    scales_ptr=_meta(m, -(-n // 128), dtype=torch.float16), y_ptr=_meta(sp, 1, m, dtype=torch.float32),
-                    M=m, N=n, G=-(-n // 128), ROWS=1, TILES=triton.cdiv(tiles, sp), BITS=bits, GROUP=128, BLOCK_M=bm,
-                    BLOCK_K=bk, UNIT_BYTES=_unit(bits)[0], UNIT_CODES=_unit(bits)[1],
-                    UNIT_BYTES_P2=triton.next_power_of_2(_unit(bits)[0]))))
+                    scales_ptr=_meta(m, g, dtype=torch.uint8 if e2m1 else torch.float16),
+                    y_ptr=_meta(sp, 1, m, dtype=torch.float32), M=m, N=n, G=g, ROWS=1, TILES=triton.cdiv(tiles, sp),
+                    BITS=bits, GROUP=group, BLOCK_M=bm, BLOCK_K=bk, UNIT_BYTES=_unit(bits)[0], UNIT_CODES=_unit(bits)[1],
+                    UNIT_BYTES_P2=triton.next_power_of_2(_unit(bits)[0]), E2M1=e2m1)))
     for d in sorted(dims):
         for r in (HARPRotation(d), RHTRotation(d)):
             for k, b, s in merge_stages(rotation_stages(r), d) + merge_stages(rotation_stages(r, inverse=True), d):

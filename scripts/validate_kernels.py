@@ -641,19 +641,21 @@ def check_optim_multi(name, alg, w_dtype, s_dtype, rounding, dev, gen, small):
 SECTIONS = ("quantize", "outputs", "sweep", "fold", "sr", "gemm", "nvfp4", "rivals", "compile", "baselines", "optim", "matvec")
 
 
-def check_int_matvec(name, m, n, bits, g, rows, dev, gen):
-    """adahop.ptq.decode.int_matvec (Triton on CUDA) against its reference: FP32 sums in another order."""
+def check_int_matvec(name, m, n, bits, g, rows, dev, gen, quantizer="int"):
+    """adahop.ptq.decode.int_matvec (Triton on CUDA) against its reference: FP32 sums in another order. ``mxfp4``:
+    E2M1 codes with E8M0 scales (``element="e2m1"``)."""
     from adahop.ptq.decode import int_matvec, int_matvec_reference
     from adahop.ptq.grids import make_grid
     from adahop.ptq.quantize import pack_bits
 
-    grid = make_grid("int", bits, g)
+    grid = make_grid(quantizer, bits, g)
+    el = "e2m1" if quantizer == "mxfp4" else "int"
     w = torch.randn(m, n, device=dev, generator=gen)
     codes, scales, _ = grid.quantize(w)
     packed, st = pack_bits(codes, bits).to(dev), grid.stored_scales(scales)["scales"].to(dev)
     x = torch.randn(rows, n, device=dev, generator=gen).bfloat16()
-    y = int_matvec(x, packed, st, m, n, bits, g, backend="triton" if dev == "cuda" else "auto")
-    ref = int_matvec_reference(x, packed, st, m, n, bits, g)
+    y = int_matvec(x, packed, st, m, n, bits, g, backend="triton" if dev == "cuda" else "auto", element=el)
+    ref = int_matvec_reference(x, packed, st, m, n, bits, g, element=el)
     rel = float((y - ref).norm() / ref.norm().clamp(min=1e-30))
     record(name, bool(rel < 1e-5), rel_err=rel)
 
@@ -845,6 +847,10 @@ def main() -> int:
             if not s:
                 m, n = min(m, 256), min(n, 264)
             check_int_matvec(f"int_matvec {m}x{n} W{bits} g{g} rows={rows}", m, n, bits, g, rows, dev, gen)
+        for m, n, rows in ((4096, 14336, 1), (1000, 200, 3)):
+            if not s:
+                m, n = min(m, 256), min(n, 264)
+            check_int_matvec(f"int_matvec {m}x{n} MXFP4 rows={rows}", m, n, 4, 32, rows, dev, gen, quantizer="mxfp4")
         for d in ((4096, 14336, 2752, 1344) if s else (1344, 172)):
             for inverse in (False, True):
                 check_stages(f"stages HARP d={d}{' inverse' if inverse else ''}", d, inverse, dev, gen)

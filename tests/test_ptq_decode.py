@@ -202,3 +202,50 @@ def test_decode_kernels_compile_for_hopper():
         pytest.skip("this Triton has no NVIDIA backend")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "int_matvec" in r.stdout and "stage d=" in r.stdout and " 0 failed" in r.stdout
+
+
+# --------------------------------------------------------------------------- MXFP4 weights (E2M1 codes, E8M0 scales)
+
+def _packed_mx(m: int, n: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    grid = make_grid("mxfp4", 4)
+    w = torch.randn(m, n, generator=gen) * torch.exp2(torch.randint(-6, 6, (m, 1), generator=gen).float())
+    codes, scales, _ = grid.quantize(w)
+    st = grid.stored_scales(scales)
+    return grid, codes, st, pack_bits(codes, 4)
+
+
+def test_reference_matvec_reads_mxfp4_codes_and_refuses_mixed_up_scales(gen):
+    grid, codes, st, packed = _packed_mx(24, 100)  # 100 = 3·32 + 4: a short last block
+    x = torch.randn(3, 100, generator=gen)
+    y = int_matvec_reference(x, packed, st["scales"], 24, 100, 4, 32, element="e2m1")
+    torch.testing.assert_close(y, x @ grid.decode(codes, st).T, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="scales must be uint8 E8M0"):
+        int_matvec(x, packed, st["scales"].half(), 24, 100, 4, 32, element="e2m1")
+    with pytest.raises(ValueError, match="E2M1 codes are 4 bits, got bits=2"):
+        int_matvec(x, packed[:600], st["scales"], 24, 100, 2, 32, element="e2m1")
+    with pytest.raises(ValueError, match="element='fp8'"):
+        int_matvec(x, packed, st["scales"], 24, 100, 4, 32, element="fp8")
+
+
+@interp
+def test_interp_matvec_kernel_reads_mxfp4_codes():
+    _, _, st, packed = _packed_mx(70, 100, seed=2)
+    x = torch.randn(2, 100, generator=torch.Generator().manual_seed(2)).bfloat16()
+    y = int_matvec(x, packed, st["scales"], 70, 100, 4, 32, backend="triton", element="e2m1")
+    ref = int_matvec_reference(x, packed, st["scales"], 70, 100, 4, 32, element="e2m1")
+    assert float((y - ref).norm() / ref.norm()) < 1e-6
+
+
+@interp
+def test_interp_packed_linear_on_mxfp4_codes_equals_the_rebuilt_weight():
+    gen = torch.Generator().manual_seed(4)
+    grid, codes, st, packed = _packed_mx(64, 96, seed=4)
+    t = TwoSided.random_signs(RHTRotation(64), RHTRotation(96), generator=gen)
+    layer = PackedLinear(grid, {"codes": packed, **st}, t, (64, 96))
+    assert layer._reads_codes(torch.device("cpu"))  # the kernel, not a weight decoded once
+    with torch.no_grad():
+        w = t.weight_inverse(grid.decode(codes, st))
+    x = torch.randn(3, 96, generator=gen)
+    ref = x.double() @ w.double().T
+    assert float((layer(x).double() - ref).norm() / ref.norm()) < 1e-6

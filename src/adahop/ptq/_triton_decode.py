@@ -13,7 +13,8 @@ The little-endian bit stream :func:`adahop.ptq.quantize.pack_bits` writes is rea
 whole codes: one byte of ``8 / BITS`` codes at 2 and 4 bits, three bytes of eight codes at 3 bits. Each byte is
 loaded once, as a ``[BLOCK_M, units]`` tile (at 3 bits its three bytes put together into one value first), then
 split into its codes along a third axis that lines up with the matching ``[units, codes a unit]`` view of ``x``.
-A code maps to ``(code − 2^(BITS−1) + ½)`` times its group's FP16 scale; ``BLOCK_K`` divides the group size, so a
+A code maps to ``(code − 2^(BITS−1) + ½)`` times its group's FP16 scale (the int grid), or with ``E2M1`` to its
+E2M1 value times its group's E8M0 scale (MXFP4 weights: 4 bits, groups of 32); ``BLOCK_K`` divides the group size, so a
 tile needs one scale per output. The caller guarantees that a row of ``W`` starts on a unit
 (``N·BITS % 8 == 0`` and, at 3 bits, ``N % 8 == 0``).
 
@@ -33,7 +34,8 @@ import triton.language as tl
 @triton.jit
 def int_matvec_kernel(x_ptr, codes_ptr, scales_ptr, y_ptr, M, N, G, ROWS, TILES,
                       BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                      UNIT_BYTES: tl.constexpr, UNIT_CODES: tl.constexpr, UNIT_BYTES_P2: tl.constexpr):
+                      UNIT_BYTES: tl.constexpr, UNIT_CODES: tl.constexpr, UNIT_BYTES_P2: tl.constexpr,
+                      E2M1: tl.constexpr = False):
     pid_m = tl.program_id(0)
     split = tl.program_id(1)
     row = tl.program_id(2).to(tl.int64)
@@ -60,10 +62,20 @@ def int_matvec_kernel(x_ptr, codes_ptr, scales_ptr, y_ptr, M, N, G, ROWS, TILES,
                            other=0).to(tl.int32)
             unit = tl.sum(byte << (jb * 8)[None, None, :], axis=2)  # [BLOCK_M, NU]
         code = (unit[:, :, None] >> (js * BITS)[None, None, :]) & ((1 << BITS) - 1)  # [BLOCK_M, NU, UNIT_CODES]
-        level = code.to(tl.float32) - ((1 << (BITS - 1)) - 0.5)
+        if E2M1:  # MXFP4: sign bit 3, then 2 exponent bits and 1 mantissa bit: 0, 0.5, 1, 1.5, 2, 3, 4, 6
+            e = (code >> 1) & 3
+            man = (code & 1).to(tl.float32)
+            mag = tl.where(e == 0, 0.5 * man, (1 << tl.maximum(e - 1, 0)).to(tl.float32) * (1.0 + 0.5 * man))
+            level = tl.where((code & 8) != 0, -mag, mag)
+        else:
+            level = code.to(tl.float32) - ((1 << (BITS - 1)) - 0.5)
         part = tl.sum(tl.sum(level * xk[None, :, :], axis=2), axis=1)  # inputs past N have x = 0
         g = tl.minimum(k0 // GROUP, G - 1)  # a tile past N (the last split's overhang) has part = 0
-        s = tl.load(scales_ptr + ms.to(tl.int64) * G + g, mask=mmask, other=0.0).to(tl.float32)
+        if E2M1:  # an E8M0 scale byte s is 2^(s − 127): s as a float32's exponent field (s = 0, 2^-127, reads 0)
+            sb = tl.load(scales_ptr + ms.to(tl.int64) * G + g, mask=mmask, other=0).to(tl.int32)
+            s = (sb << 23).to(tl.float32, bitcast=True)
+        else:
+            s = tl.load(scales_ptr + ms.to(tl.int64) * G + g, mask=mmask, other=0.0).to(tl.float32)
         acc += part * s
     tl.store(y_ptr + (split * ROWS + row) * M + ms, acc, mask=mmask)
 

@@ -19,12 +19,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..formats.e2m1 import decode_e2m1, decode_e8m0
 from .export import PACKED_FILE, load_packed
-from .grids import IntGrid
+from .grids import IntGrid, MXFP4Grid
 from .quantize import unpack_bits
 from .staged import apply_stages, fold_signs, merge_stages, rotation_stages
 
-__all__ = ["int_matvec", "int_matvec_reference", "PackedLinear", "load_packed_model"]
+__all__ = ["int_matvec", "int_matvec_reference", "PackedLinear", "load_packed_model", "ELEMENTS"]
 
 KERNEL_BITS = (2, 3, 4)
 """Code widths the Triton kernel reads (in units of whole bytes holding whole codes); others take the reference."""
@@ -34,7 +35,12 @@ MATVEC_ROWS = 8
 runs one GEMM: the matvec kernel reads the codes once per row."""
 
 
-def _check(x, codes, scales, m, n, bits, group_size) -> None:
+ELEMENTS = ("int", "e2m1")
+"""What a code means: ``int`` the int grid's level ``code − 2^(bits−1) + ½`` times an FP16 scale
+(:class:`~adahop.ptq.grids.IntGrid`), ``e2m1`` an MXFP4 element times an E8M0 scale (:class:`~adahop.ptq.grids.MXFP4Grid`)."""
+
+
+def _check(x, codes, scales, m, n, bits, group_size, element="int") -> None:
     for name, v in (("m", m), ("n", n), ("bits", bits), ("group_size", group_size)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"int_matvec: {name}={v!r} must be an int >= 1")
@@ -47,18 +53,25 @@ def _check(x, codes, scales, m, n, bits, group_size) -> None:
     if codes.dtype != torch.uint8 or codes.dim() != 1 or codes.numel() != -(-m * n * bits // 8):
         raise ValueError(f"int_matvec: codes must be the 1-D uint8 stream of {m}×{n} {bits}-bit codes "
                          f"({-(-m * n * bits // 8)} bytes), got {tuple(codes.shape)} {codes.dtype}")
-    if tuple(scales.shape) != (m, -(-n // group_size)) or not scales.is_floating_point():
-        raise ValueError(f"int_matvec: scales must be float [{m}, {-(-n // group_size)}] (one per row of each group "
+    if element not in ELEMENTS:
+        raise ValueError(f"int_matvec: element={element!r}; use one of {ELEMENTS}")
+    if element == "e2m1" and bits != 4:
+        raise ValueError(f"int_matvec: E2M1 codes are 4 bits, got bits={bits}")
+    kind, ok = ("uint8 E8M0", scales.dtype == torch.uint8) if element == "e2m1" else ("float", scales.is_floating_point())
+    if tuple(scales.shape) != (m, -(-n // group_size)) or not ok:
+        raise ValueError(f"int_matvec: scales must be {kind} [{m}, {-(-n // group_size)}] (one per row of each group "
                          f"of {group_size}), got {scales.dtype} {tuple(scales.shape)}")
 
 
 def int_matvec_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, m: int, n: int, bits: int,
-                         group_size: int) -> torch.Tensor:
-    """``x·Wᵀ`` for ``W`` ``[m, n]`` stored as the int grid stores it (:class:`~adahop.ptq.grids.IntGrid`).
+                         group_size: int, *, element: str = "int") -> torch.Tensor:
+    """``x·Wᵀ`` for ``W`` ``[m, n]`` stored as the int grid stores it (:class:`~adahop.ptq.grids.IntGrid`), or
+    with ``element="e2m1"`` as MXFP4 weights (:class:`~adahop.ptq.grids.MXFP4Grid`; :data:`ELEMENTS`).
 
     Args:
         x: ``[rows, n]``, any float dtype. codes: uint8, the packed ``bits``-bit codes of ``W`` row after row
-            (:func:`~adahop.ptq.quantize.pack_bits`). scales: ``[m, ceil(n / group_size)]`` FP16.
+            (:func:`~adahop.ptq.quantize.pack_bits`). scales: ``[m, ceil(n / group_size)]``, FP16 (int) or uint8
+            E8M0 codes (e2m1).
         m, n, bits, group_size: ``W``'s shape, code width and group size.
 
     Returns:
@@ -67,10 +80,13 @@ def int_matvec_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Ten
     Raises:
         ValueError: shapes, dtypes or sizes that do not fit together.
     """
-    _check(x, codes, scales, m, n, bits, group_size)
+    _check(x, codes, scales, m, n, bits, group_size, element)
     c = unpack_bits(codes.cpu(), bits, m * n).reshape(m, n).to(x.device)
-    w = (c.float() - (2 ** (bits - 1) - 0.5)) * scales.float().repeat_interleave(group_size, 1)[:, :n]
-    return x.float() @ w.T
+    if element == "e2m1":
+        level, s = decode_e2m1(c), decode_e8m0(scales)
+    else:
+        level, s = c.float() - (2 ** (bits - 1) - 0.5), scales.float()
+    return x.float() @ (level * s.repeat_interleave(group_size, 1)[:, :n]).T
 
 
 def _unit(bits: int) -> tuple[int, int]:
@@ -126,7 +142,7 @@ def _splits(m: int, tiles: int, sms: int, block_m: int, per_sm: int) -> int:
 
 def int_matvec(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, m: int, n: int, bits: int,
                group_size: int, *, backend: str = "auto", block_m: int = 64, per_sm: int = 8,
-               sum_splits: bool = True) -> torch.Tensor:
+               sum_splits: bool = True, element: str = "int") -> torch.Tensor:
     """:func:`int_matvec_reference` with the codes read in place by a Triton kernel.
 
     ``backend``: ``auto`` (Triton on CUDA, or under ``TRITON_INTERPRET=1``, where the kernel reads the codes:
@@ -137,6 +153,8 @@ def int_matvec(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, m: in
 
     ``block_m`` (outputs a program computes, a power of two) and ``per_sm`` (programs per SM the split-K aims
     at) tune the kernel's speed only (``scripts/bench_decode.py --sweep``); they change the order of the sums.
+    ``element``: what a code means (:data:`ELEMENTS`): the int grid's levels, or ``e2m1`` for MXFP4 weights
+    (bits 4, uint8 E8M0 scales, groups of 32 in `adahop ptq`'s artifact).
     ``sum_splits=False`` returns the split-K partial sums ``[splits, rows, m]`` unsummed (``[1, rows, m]`` from the
     reference), for a consumer that adds them as it reads (:func:`~adahop.ptq.staged.apply_stages`).
 
@@ -144,7 +162,7 @@ def int_matvec(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, m: in
         ValueError: as the reference; ``backend="triton"`` where the kernel does not read the codes; ``block_m``
             not a power of two from 16 to 256, or ``per_sm`` below 1.
     """
-    _check(x, codes, scales, m, n, bits, group_size)
+    _check(x, codes, scales, m, n, bits, group_size, element)
     if backend not in ("auto", "triton", "reference"):
         raise ValueError(f"int_matvec: backend {backend!r}; use auto, triton or reference")
     if backend == "triton" and not _kernel_runs(bits, n, group_size, x.device):
@@ -155,7 +173,7 @@ def int_matvec(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, m: in
     if isinstance(per_sm, bool) or not isinstance(per_sm, int) or per_sm < 1:
         raise ValueError(f"int_matvec: per_sm={per_sm!r} must be an int >= 1")
     if backend == "reference" or (backend == "auto" and not _kernel_runs(bits, n, group_size, x.device)):
-        y = int_matvec_reference(x, codes, scales, m, n, bits, group_size)
+        y = int_matvec_reference(x, codes, scales, m, n, bits, group_size, element=element)
         return y if sum_splits else y[None]
     import triton
 
@@ -169,7 +187,7 @@ def int_matvec(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, m: in
     int_matvec_kernel[(triton.cdiv(m, block_m), splits, rows)](
         x, codes.contiguous(), scales.contiguous(), y, m, n, scales.shape[1], rows, triton.cdiv(tiles, splits),
         BITS=bits, GROUP=group_size, BLOCK_M=block_m, BLOCK_K=block_k, UNIT_BYTES=unit_bytes, UNIT_CODES=unit_codes,
-        UNIT_BYTES_P2=triton.next_power_of_2(unit_bytes))
+        UNIT_BYTES_P2=triton.next_power_of_2(unit_bytes), E2M1=element == "e2m1")
     return y if not sum_splits else y[0] if splits == 1 else y.sum(0)
 
 
@@ -185,10 +203,10 @@ class PackedLinear(nn.Module):
         transform: its signs and rotations, or None (no incoherence processing).
         shape: ``(m, n)``, out × in. bias: ``[m]`` or None.
 
-    Where :func:`int_matvec`'s Triton kernel runs (int codes of 2, 3 or 4 bits, on CUDA) it reads the codes at
-    every call (for more than :data:`MATVEC_ROWS` rows it decodes the weight for that call instead); otherwise
-    (other widths, the CPU, MXFP4 and NVFP4, which no kernel of ours reads yet) the weight is decoded once per
-    device, on first use (FP32). Input ``[..., n]`` of any float dtype; output ``[..., m]`` in the input's dtype.
+    Where :func:`int_matvec`'s Triton kernel runs (int codes of 2, 3 or 4 bits, or MXFP4, on CUDA) it reads the
+    codes at every call (for more than :data:`MATVEC_ROWS` rows it decodes the weight for that call instead);
+    otherwise (the CPU, NVFP4, which no kernel of ours reads yet) the weight is decoded once per device, on first
+    use (FP32). Input ``[..., n]`` of any float dtype; output ``[..., m]`` in the input's dtype.
     ``.to(dtype)`` leaves the stored codes and scales as they are (only a bias is cast).
 
     Raises:
@@ -222,6 +240,13 @@ class PackedLinear(nn.Module):
         self._cache.clear()  # what was derived for a device may be stale after a move or a cast
         return super()._apply(fn, recurse)
 
+    def _element(self) -> str | None:
+        """What :func:`int_matvec` reads this layer's codes as, or None for a grid it does not read (NVFP4)."""
+        return "int" if isinstance(self.grid, IntGrid) else "e2m1" if isinstance(self.grid, MXFP4Grid) else None
+
+    def _reads_codes(self, device) -> bool:
+        return self._element() is not None and _kernel_runs(self.grid.bits, self.n, self.grid.group_size, device)
+
     def _consts(self, device):
         if device not in self._cache:
             c = {}
@@ -232,7 +257,7 @@ class PackedLinear(nn.Module):
                     c["v"] = fold_signs(merge_stages(rotation_stages(t.v, device=device), self.n), s_in=t.s_in)
                     c["u"] = fold_signs(merge_stages(rotation_stages(t.u, inverse=True, device=device), self.m),
                                         s_out=t.s_out)
-            if not (isinstance(self.grid, IntGrid) and _kernel_runs(self.grid.bits, self.n, self.grid.group_size, device)):
+            if not self._reads_codes(device):
                 codes = unpack_bits(self.codes.cpu(), self.grid.bits, self.m * self.n).reshape(self.m, self.n)
                 c["w"] = self.grid.decode(codes, {k: v.cpu() for k, v in self.scales().items()}).to(device)
             self._cache[device] = c
@@ -255,7 +280,7 @@ class PackedLinear(nn.Module):
             y = h.float() @ w.T
         else:  # with a rotation after it, the split-K partial sums go to its first stage unsummed
             y = int_matvec(h, self.codes, self.scales()["scales"], self.m, self.n, self.grid.bits, self.grid.group_size,
-                           sum_splits="u" not in c)
+                           sum_splits="u" not in c, element=self._element())
         if "u" in c:  # ·Uᵀ ⊙ s_m, written in x's dtype unless a bias is still to be added in float32
             y = apply_stages(y, c["u"], x.dtype if self.bias is None else torch.float32)
         if self.bias is not None:
