@@ -111,8 +111,9 @@
 #      capture with cuSOLVER now; the side-by-side block row), bench_decode per layer at llama3.1-8b and llama-350m
 #      ($OUT/bench_decode_*.json), then p13 with the time left (set LIM as for p13)
 #   p16 (issue 22, after round 25): the rebuilt decode path: validate_kernels --only matvec (matvec and stage kernels),
-#      bench_decode per layer (llama3.1-8b, llama-350m), then a llama-125m trained DEC_STEPS (300) steps, W2 int by rtn
-#      and by harp-gptq (100 HARP steps, 32K calibration tokens), each decoded end to end (bench_decode --folder)
+#      bench_decode per layer (llama3.1-8b, llama-350m; W2/W3/W4 and MXFP4, --sweep), then a llama-125m trained DEC_STEPS
+#      (300) steps, W2 int by rtn and by harp-gptq (100 HARP steps), W4 MXFP4 by rht-gptq (32K calibration tokens), each
+#      decoded end to end (bench_decode --folder)
 #   p15 (issue 22, round 23): llama-350m bf16 trained as p13 trains it (runs/ptq/350m-bf16, PTQ_STEPS, compiled), then
 #      the end-to-end harp-gptq W2 int cell alone on the GPU (the issue's 10-minute target, runs/ptq_e2e, which p13 then
 #      skips), validate_kernels --only matvec first; bench_decode per layer (llama3.1-8b, llama-350m) and bench_harp at
@@ -315,12 +316,14 @@ if [ "$STAGE" = p16 ]; then  # issue 22: the decode path rebuilt after round 25 
   [ -f $D/summary.json ] || timeout 200 python3 -m adahop train --model llama-125m --recipe bf16 --data runs/issue19/main \
     --steps ${DEC_STEPS:-300} --seq-len 1024 --batch-size 16 --lr 1e-3 --warmup-steps 60 --eval-every 100 --ckpt-every 100 \
     --log-every 20 --compile --out $D > $OUT/train_125m-dec.log 2>&1; echo "125m trained: exit $? at $(el) s"
-  for C in "rtn" "harp-gptq --harp-steps 100"; do set -- $C; F=runs/ptq_dec/$1-w2-int
-    [ -f $F/ptq.json ] || timeout $(( ${LIM:-570} - $(el) - 60 )) python3 -m adahop ptq $D --method $C --bits 2 --quantizer int \
-      --calib-data runs/issue19/main --calib-tokens 32768 --batch-size 8 --device auto --skip-baseline --out $F > $OUT/ptq_dec_$1.log 2>&1
-    echo "ptq $1: exit $? at $(el) s"; cp $F/ptq.json $OUT/ptq_dec_$1.json 2>/dev/null
+  # METHOD BITS QUANTIZER [extra options]: W2 int without and with HARP, and W4 MXFP4 with the RHT
+  for C in "rtn 2 int" "harp-gptq 2 int --harp-steps 100" "rht-gptq 4 mxfp4"; do set -- $C; N=$1-w$2-$3; F=runs/ptq_dec/$N
+    [ -f $F/ptq.json ] || timeout $(( ${LIM:-570} - $(el) - 60 )) python3 -m adahop ptq $D --method $1 --bits $2 --quantizer $3 \
+      ${@:4} --calib-data runs/issue19/main --calib-tokens 32768 --batch-size 8 --device auto --skip-baseline --out $F \
+      > $OUT/ptq_dec_$N.log 2>&1
+    echo "ptq $N: exit $? at $(el) s"; cp $F/ptq.json $OUT/ptq_dec_$N.json 2>/dev/null
     [ $(( ${LIM:-570} - $(el) )) -ge 70 ] && timeout 60 python3 scripts/bench_decode.py --folder $F --tokens 128 \
-      --json $OUT/decode_$1.json 2>&1 | grep -v -i warn | tail -6; done
+      --json $OUT/decode_$N.json 2>&1 | grep -v -i warn | tail -6; done
   echo "stage $STAGE done at $(el) s"; exit 0
 fi
 if [ "$STAGE" = p15 ]; then  # issue 22, round 23: the 350m end to end alone, then the benches
