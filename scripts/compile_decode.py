@@ -23,10 +23,10 @@ from compile_census import compile_one, specialize  # noqa: E402
 
 import triton  # noqa: E402
 from adahop.models import PRESETS  # noqa: E402
-from adahop.ptq.decode import _block_k, _splits, _unit  # noqa: E402
+from adahop.ptq.decode import _block_k, _splits, matvec_meta  # noqa: E402
 from adahop.ptq.incoherence import RHTRotation  # noqa: E402
 from adahop.ptq.rotation import HARPRotation  # noqa: E402
-from adahop.ptq.staged import merge_stages, rotation_stages  # noqa: E402
+from adahop.ptq.staged import merge_stages, rotation_stages, stage_meta  # noqa: E402
 
 H100_SMS = 132  # the split-K count, and so the TILES argument Triton specializes on, as on the GPU
 
@@ -50,18 +50,15 @@ def launches(model: str):
                     x_ptr=_meta(1, n, dtype=torch.bfloat16), codes_ptr=_meta(m * n * bits // 8, dtype=torch.uint8),
                     scales_ptr=_meta(m, g, dtype=torch.uint8 if e2m1 else torch.float16),
                     y_ptr=_meta(sp, 1, m, dtype=torch.float32), M=m, N=n, G=g, ROWS=1, TILES=triton.cdiv(tiles, sp),
-                    BITS=bits, GROUP=group, BLOCK_M=bm, BLOCK_K=bk, UNIT_BYTES=_unit(bits)[0], UNIT_CODES=_unit(bits)[1],
-                    UNIT_BYTES_P2=triton.next_power_of_2(_unit(bits)[0]), E2M1=e2m1)))
+                    **matvec_meta(bits, group, "e2m1" if e2m1 else "int", bm))))
     for d in sorted(dims):
         for r in (HARPRotation(d), RHTRotation(d)):
             for k, b, s in merge_stages(rotation_stages(r), d) + merge_stages(rotation_stages(r, inverse=True), d):
-                bp = triton.next_power_of_2(b)
-                bc = min(bp, 16)
                 for parts in (1, 7):  # one x, or the split-K matvec's partial sums (the output side's first stage)
                     out.append((f"stage d={d} b={b} s={s} parts {parts}", stage_kernel, dict(
                         x_ptr=_meta(parts, 1, d, dtype=torch.bfloat16), k_ptr=_meta(*k.shape, dtype=torch.float32),
                         y_ptr=_meta(1, d, dtype=torch.float32), D=d, NBLK=d // b, B=b, S=s, ROWS=1, PARTS=parts,
-                        BLOCKS=max(1, 2048 // (bp * bc)), BP=bp, BLOCK_C=bc)))
+                        **stage_meta(b))))
     return out
 
 

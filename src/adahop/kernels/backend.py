@@ -12,7 +12,7 @@ from typing import Literal
 
 import torch
 
-__all__ = ["BACKENDS", "Backend", "resolve_backend", "triton_available"]
+__all__ = ["BACKENDS", "Backend", "resolve_backend", "triton_available", "triton_runs_on"]
 
 Backend = Literal["auto", "triton", "reference"]
 #: Values of every ``backend=`` argument in `adahop.kernels`.
@@ -28,6 +28,12 @@ def triton_available() -> bool:
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def triton_runs_on(device: torch.device | str) -> bool:
+    """Whether a Triton kernel can run on tensors of ``device``: Triton importable, and a CUDA device or
+    Triton's CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return _HAS_TRITON and (torch.device(device).type == "cuda" or _interpreting())
 
 
 def resolve_backend(backend: str, device: torch.device | str) -> str:
@@ -46,7 +52,7 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
     dev = torch.device(device)
     if backend == "reference":
         return "reference"
-    usable = _HAS_TRITON and (dev.type == "cuda" or _interpreting())
+    usable = triton_runs_on(dev)
     if backend == "auto":
         return "triton" if usable and dev.type == "cuda" else "reference"
     if not _HAS_TRITON:

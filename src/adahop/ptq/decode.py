@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from ..formats.e2m1 import decode_e2m1, decode_e8m0
+from ..kernels.backend import triton_runs_on
 from .export import PACKED_FILE, load_packed
 from .grids import IntGrid, MXFP4Grid
 from .quantize import unpack_bits
@@ -81,7 +81,7 @@ def int_matvec_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Ten
         ValueError: shapes, dtypes or sizes that do not fit together.
     """
     _check(x, codes, scales, m, n, bits, group_size, element)
-    c = unpack_bits(codes.cpu(), bits, m * n).reshape(m, n).to(x.device)
+    c = unpack_bits(codes.to(x.device), bits, m * n).reshape(m, n)
     if element == "e2m1":
         level, s = decode_e2m1(c), decode_e8m0(scales)
     else:
@@ -104,11 +104,11 @@ def _block_k(bits: int, group_size: int) -> int:
 
 
 def _kernel_runs(bits: int, n: int, group_size: int, device: torch.device) -> bool:
-    """Whether ``backend="auto"`` reads the codes with the Triton kernel: bits it reads (a code never straddles
-    a byte), rows of ``W`` that start on a byte (``n·bits % 8 == 0``), a group size with a power-of-two factor of
-    at least one byte of codes; on CUDA or in Triton's interpreter."""
+    """Whether ``backend="auto"`` reads the codes with the Triton kernel: bits it reads, rows of ``W`` that start on
+    a unit of whole bytes of whole codes (:func:`_unit`), a group size whose power-of-two factor holds a unit, on a
+    device Triton runs on (:func:`~adahop.kernels.backend.triton_runs_on`). :func:`_why_not` says which fails."""
     return (bits in KERNEL_BITS and n % _unit(bits)[1] == 0 and _block_k(bits, group_size) > 0
-            and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"))
+            and triton_runs_on(device))
 
 
 @functools.lru_cache(maxsize=None)
@@ -127,7 +127,7 @@ def _why_not(bits: int, n: int, group_size: int, device: torch.device) -> str:
     elif not _block_k(bits, group_size):
         why.append(f"group_size={group_size}: its largest power-of-two factor holds less than a byte of whole codes "
                    f"(needs {_unit(bits)[1]} or more)")
-    if not (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
+    if not triton_runs_on(device):
         why.append(f"x on {device} (CUDA tensors, or the CPU under TRITON_INTERPRET=1)")
     return "; ".join(why)
 
@@ -145,10 +145,9 @@ def int_matvec(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, m: in
                sum_splits: bool = True, element: str = "int") -> torch.Tensor:
     """:func:`int_matvec_reference` with the codes read in place by a Triton kernel.
 
-    ``backend``: ``auto`` (Triton on CUDA, or under ``TRITON_INTERPRET=1``, where the kernel reads the codes:
-    bits 2, 3 and 4, rows that start on a whole byte of whole codes (``n`` a multiple of 4, 8 and 2) and a group
-    size with a power-of-two factor of at least that many codes; else
-    the reference), ``triton`` or ``reference``. Same arguments, result and errors as the reference (FP32 sums in
+    ``backend``: ``auto`` (the kernel where it reads the codes, :func:`_kernel_runs`: bits 2, 3 and 4 with ``n`` a
+    multiple of 4, 8 and 2 respectively and a group size whose power-of-two factor is at least that, on CUDA or
+    under ``TRITON_INTERPRET=1``; else the reference), ``triton`` or ``reference``. Same arguments, result and errors as the reference (FP32 sums in
     another order, split over the input dimension in a fixed way: equal to float rounding, the same every call).
 
     ``block_m`` (outputs a program computes, a power of two) and ``per_sm`` (programs per SM the split-K aims
@@ -180,15 +179,21 @@ def int_matvec(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, m: in
     from ._triton_decode import int_matvec_kernel
 
     x = x.contiguous()
-    rows, block_k, (unit_bytes, unit_codes) = x.shape[0], _block_k(bits, group_size), _unit(bits)
-    tiles = triton.cdiv(n, block_k)
+    rows, meta = x.shape[0], matvec_meta(bits, group_size, element, block_m)
+    tiles = triton.cdiv(n, meta["BLOCK_K"])
     splits = _splits(m, tiles, _sms(x.device), block_m, per_sm)
     y = torch.empty(splits, rows, m, dtype=torch.float32, device=x.device)
     int_matvec_kernel[(triton.cdiv(m, block_m), splits, rows)](
-        x, codes.contiguous(), scales.contiguous(), y, m, n, scales.shape[1], rows, triton.cdiv(tiles, splits),
-        BITS=bits, GROUP=group_size, BLOCK_M=block_m, BLOCK_K=block_k, UNIT_BYTES=unit_bytes, UNIT_CODES=unit_codes,
-        UNIT_BYTES_P2=triton.next_power_of_2(unit_bytes), E2M1=element == "e2m1")
+        x, codes.contiguous(), scales.contiguous(), y, m, n, scales.shape[1], rows, triton.cdiv(tiles, splits), **meta)
     return y if not sum_splits else y[0] if splits == 1 else y.sum(0)
+
+
+def matvec_meta(bits: int, group_size: int, element: str, block_m: int) -> dict:
+    """The matvec kernel's compile-time arguments for codes the kernel reads (:func:`_kernel_runs`)."""
+    unit_bytes, unit_codes = _unit(bits)
+    return {"BITS": bits, "GROUP": group_size, "BLOCK_M": block_m, "BLOCK_K": _block_k(bits, group_size),
+            "UNIT_BYTES": unit_bytes, "UNIT_CODES": unit_codes, "UNIT_BYTES_P2": 1 << (unit_bytes - 1).bit_length(),
+            "E2M1": element == "e2m1"}
 
 
 _BITS_OF = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -222,11 +227,11 @@ class PackedLinear(nn.Module):
                              f"{sorted(need)}); pass the layer's tensors from load_packed")
         self.grid, self.transform, (self.m, self.n) = grid, transform, shape
         self.register_buffer("codes", stored["codes"])
-        self.scale_keys = [k for k in stored if k != "codes" and not k.startswith(("signs_", "theta_"))]
         # the grid's scales (and NVFP4's tensor scale) as buffers that move with the module, but held as integer
         # views of their stored bits: `model.to(torch.bfloat16)` casts float buffers, and would round the FP16 scales
-        self._scale_dtypes = {k: stored[k].dtype for k in self.scale_keys}
-        for k in self.scale_keys:
+        self._scale_dtypes = {k: v.dtype for k, v in stored.items()
+                              if k != "codes" and not k.startswith(("signs_", "theta_"))}
+        for k in self._scale_dtypes:
             v = stored[k]
             self.register_buffer(f"q_{k}", v.view(_BITS_OF[v.element_size()]) if v.is_floating_point() else v)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
@@ -239,6 +244,11 @@ class PackedLinear(nn.Module):
     def _apply(self, fn, recurse=True):
         self._cache.clear()  # what was derived for a device may be stale after a move or a cast
         return super()._apply(fn, recurse)
+
+    def _weight(self) -> torch.Tensor:
+        """``Q``, the quantized weight decoded from the codes (float32 ``[m, n]``, on the codes' device)."""
+        codes = unpack_bits(self.codes, self.grid.bits, self.m * self.n).reshape(self.m, self.n)
+        return self.grid.decode(codes, self.scales())
 
     def _element(self) -> str | None:
         """What :func:`int_matvec` reads this layer's codes as, or None for a grid it does not read (NVFP4)."""
@@ -258,8 +268,7 @@ class PackedLinear(nn.Module):
                     c["u"] = fold_signs(merge_stages(rotation_stages(t.u, inverse=True, device=device), self.m),
                                         s_out=t.s_out)
             if not self._reads_codes(device):
-                codes = unpack_bits(self.codes.cpu(), self.grid.bits, self.m * self.n).reshape(self.m, self.n)
-                c["w"] = self.grid.decode(codes, {k: v.cpu() for k, v in self.scales().items()}).to(device)
+                c["w"] = self._weight().to(device)
             self._cache[device] = c
         return self._cache[device]
 
@@ -275,9 +284,7 @@ class PackedLinear(nn.Module):
         if "w" in c:
             y = h.float() @ c["w"].T
         elif h.shape[0] > MATVEC_ROWS:  # a prompt: the weight decoded once for all rows, not read once per row
-            w = self.grid.decode(unpack_bits(self.codes, self.grid.bits, self.m * self.n).reshape(self.m, self.n),
-                                 self.scales())
-            y = h.float() @ w.T
+            y = h.float() @ self._weight().T
         else:  # with a rotation after it, the split-K partial sums go to its first stage unsummed
             y = int_matvec(h, self.codes, self.scales()["scales"], self.m, self.n, self.grid.bits, self.grid.group_size,
                            sum_splits="u" not in c, element=self._element())

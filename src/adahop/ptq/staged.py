@@ -15,11 +15,12 @@ A stage is ``(K, b, stride)``: ``K`` float32 ``[d/b, b, b]``, block ``hi·stride
 
 from __future__ import annotations
 
-import os
+import math
 
 import torch
 
 from ..hadamard import hadamard_matrix
+from ..kernels.backend import triton_runs_on
 from .incoherence import RHTRotation
 from .rotation import HARPRotation, stage
 
@@ -69,9 +70,11 @@ def rotation_stages(r, *, inverse: bool = False, kernels: list[torch.Tensor] | N
     return st if device is None else [(k.to(device), b, s) for k, b, s in st]
 
 
-def _chains(a: Stage, b: Stage, most: int) -> bool:
-    """Whether stage ``b`` acts on the next digit after ``a``'s and their blocks together fit in ``most``."""
-    return b[2] == a[2] * a[1] and a[1] * b[1] <= most or a[2] == b[2] * b[1] and a[1] * b[1] <= most
+def _chains(span: tuple[int, int], st: Stage, most: int) -> bool:
+    """Whether stage ``st`` acts on the digit next to those a group spanning ``span`` = (radix, lowest stride) acts
+    on (above them, or below them for an inverse's reversed stages), and together they fit in ``most``."""
+    (b, s), (_, r, t) = span, st
+    return b * r <= most and (t == s * b or s == t * r)
 
 
 def check_stages(stages: list[Stage], d: int, what: str = "stages") -> None:
@@ -106,16 +109,13 @@ def merge_stages(stages: list[Stage], d: int, max_radix: int = MAX_RADIX) -> lis
     return [g[0] if len(g) == 1 else _merged(g, d) for g in out]
 
 
-def _span(group: list[Stage]) -> Stage:
-    """A group's radix and lowest stride, as a stage whose K is unused."""
-    b = 1
-    for _, r, _ in group:
-        b *= r
-    return (group[0][0], b, min(s for _, _, s in group))
+def _span(group: list[Stage]) -> tuple[int, int]:
+    """A group's radix (the product of its stages') and lowest stride."""
+    return math.prod(r for _, r, _ in group), min(s for _, _, s in group)
 
 
 def _merged(group: list[Stage], d: int) -> Stage:
-    _, b, s0 = _span(group)
+    b, s0 = _span(group)
     dev = group[0][0].device
     digit = (torch.arange(d, device=dev) // s0) % b
     probes = (digit[None, :] == torch.arange(b, device=dev)[:, None]).float()  # [b, d]: one per digit value
@@ -165,10 +165,6 @@ def apply_stages_reference(x: torch.Tensor, stages: list[Stage], out_dtype: torc
     return y[0].to(out_dtype or torch.float32)
 
 
-def _kernel_runs(device: torch.device) -> bool:
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def apply_stages(x: torch.Tensor, stages: list[Stage], out_dtype: torch.dtype | None = None, *,
                  backend: str = "auto") -> torch.Tensor:
     """:func:`apply_stages_reference`, one Triton launch per stage on CUDA (``backend``: ``auto``, ``triton`` or
@@ -187,10 +183,10 @@ def apply_stages(x: torch.Tensor, stages: list[Stage], out_dtype: torch.dtype | 
                          f"{x.dtype} {tuple(x.shape)}")
     if backend not in ("auto", "triton", "reference"):
         raise ValueError(f"apply_stages: backend {backend!r}; use auto, triton or reference")
-    if backend == "triton" and not _kernel_runs(x.device):
+    if backend == "triton" and not triton_runs_on(x.device):
         raise ValueError(f"apply_stages: backend='triton' runs on CUDA tensors or under TRITON_INTERPRET=1 (x is on "
                          f"{x.device}); use backend='auto' or 'reference'")
-    if not stages or backend == "reference" or not _kernel_runs(x.device):
+    if not stages or backend == "reference" or not triton_runs_on(x.device):
         return apply_stages_reference(x, stages, out_dtype)
     import triton
 
@@ -201,10 +197,16 @@ def apply_stages(x: torch.Tensor, stages: list[Stage], out_dtype: torch.dtype | 
     for i, (k, b, s) in enumerate(stages):
         out = torch.empty(rows, d, device=x.device,
                           dtype=(out_dtype or torch.float32) if i == len(stages) - 1 else torch.float32)
-        bp = triton.next_power_of_2(b)
-        bc = min(bp, 16)
-        blocks = max(1, 2048 // (bp * bc))  # about 2048 products a program
-        stage_kernel[(triton.cdiv(d // b, blocks), triton.cdiv(b, bc), rows)](
-            y, k.contiguous(), out, d, d // b, b, s, rows, parts if i == 0 else 1, BLOCKS=blocks, BP=bp, BLOCK_C=bc)
+        meta = stage_meta(b)
+        stage_kernel[(triton.cdiv(d // b, meta["BLOCKS"]), triton.cdiv(b, meta["BLOCK_C"]), rows)](
+            y, k.contiguous(), out, d, d // b, b, s, rows, parts if i == 0 else 1, **meta)
         y = out
     return y
+
+
+def stage_meta(b: int) -> dict[str, int]:
+    """The stage kernel's tile sizes for radix ``b``: the radix padded to a power of two (``BP``), outputs of a
+    block per program (``BLOCK_C``, at most 16), and blocks per program for about 2048 products each."""
+    bp = 1 << (b - 1).bit_length()
+    bc = min(bp, 16)
+    return {"BLOCKS": max(1, 2048 // (bp * bc)), "BP": bp, "BLOCK_C": bc}
