@@ -323,7 +323,8 @@ if [ "$STAGE" = p16 ]; then  # issue 22: the decode path rebuilt after round 25 
       > $OUT/ptq_dec_$N.log 2>&1
     echo "ptq $N: exit $? at $(el) s"; cp $F/ptq.json $OUT/ptq_dec_$N.json 2>/dev/null
     [ $(( ${LIM:-570} - $(el) )) -ge 70 ] && timeout 60 python3 scripts/bench_decode.py --folder $F --tokens 128 \
-      --json $OUT/decode_$N.json 2>&1 | grep -v -i warn | tail -6; done
+      --json $OUT/decode_$N.json 2>&1 | grep -v -i warn | tail -7; done
+  (cd $OUT && tar czf p16_logs.tgz --remove-files *.log ptq_dec_*.json validate_matvec.json 2>/dev/null)  # the call brings back a few files only
   echo "stage $STAGE done at $(el) s"; exit 0
 fi
 if [ "$STAGE" = p15 ]; then  # issue 22, round 23: the 350m end to end alone, then the benches

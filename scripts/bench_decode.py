@@ -154,6 +154,17 @@ def dynamic_decode(model, tokens: int, dev) -> tuple[list[int], float]:
     return torch.cat(seq, 1).flatten().tolist(), _sync(dev) - t0
 
 
+def teacher_forced_logits(model, seq: list[int], dev) -> torch.Tensor:
+    """The logits ``[len(seq), vocab]`` (float32) of each step of decoding ``seq`` after token id 0, one token per
+    step with a growing KV cache (the decode path, not a prompt's): ``seq`` fed in, whatever the model predicts."""
+    kw, cache, out = _cache_kw(model), None, []
+    for t in [0, *seq[:-1]]:
+        o = model(torch.tensor([[t]], device=dev), **{kw: cache}, use_cache=True)
+        cache = getattr(o, kw)
+        out.append(o.logits[0, -1].float())
+    return torch.stack(out)
+
+
 def static_decode(model, tokens: int, dev, *, graph: bool) -> tuple[list[int], float]:
     """The same tokens as :func:`dynamic_decode`, with a ``transformers.StaticCache`` and every step's forward,
     argmax and position update in one function of fixed tensors: replayed from a CUDA graph (``graph``), the host
@@ -256,6 +267,20 @@ def end_to_end(args) -> dict:
     a, b = generated["bf16 export"], generated["packed"]
     res["same_tokens"] = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
     print(f"packed / bf16: {res['ratio']:.2f}× eager; the first {res['same_tokens']} of {len(a)} greedy tokens agree")
+    # where they part, was it a near tie? Both models fed the export's tokens: their logits' gap against the
+    # export's margin between its top two logits at that step
+    with torch.no_grad():
+        la, lb = (teacher_forced_logits(m, a, dev) for m in models.values())
+    gap = (la - lb).abs().amax(-1)
+    res["max_logit_gap"] = float(gap.max())
+    msg = f"logits, packed against export (teacher-forced): max |gap| {res['max_logit_gap']:.4f}"
+    if res["same_tokens"] < len(a):
+        i = res["same_tokens"]
+        top = la[i].topk(2).values
+        res["margin_at_split"], res["gap_at_split"] = float(top[0] - top[1]), float(gap[i])
+        msg += (f"; at token {i}, where they part, the export's top two logits are {res['margin_at_split']:.4f} apart"
+                f" and the gap is {res['gap_at_split']:.4f}")
+    print(msg)
     return res
 
 

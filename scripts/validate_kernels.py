@@ -842,14 +842,14 @@ def main() -> int:
     if "matvec" in only:
         # --- the decode matvec on packed int codes (adahop.ptq.decode, issue 22's inference path) -----------
         for m, n, bits, g, rows in ((4096, 4096, 2, 128, 1), (14336, 4096, 4, 128, 1), (4096, 14336, 2, 128, 1),
-                                    (1024, 2752, 2, 128, 4), (2752, 1024, 4, 64, 2), (1000, 200, 2, 64, 3),
-                                    (1000, 192, 2, 48, 1), (4096, 4096, 3, 128, 1), (1000, 200, 3, 64, 3)):
-            if not s:
-                m, n = min(m, 256), min(n, 264)
+                                    (1024, 2752, 2, 128, 4), (2752, 1024, 4, 64, 2), (1000, 208, 2, 64, 3),
+                                    (1000, 192, 2, 48, 1), (4096, 4096, 3, 128, 1), (1000, 224, 3, 64, 3)):
+            if not s:  # (n whole units of words: multiples of 16, 32, 8 at 2, 3, 4 bits)
+                m, n = min(m, 256), min(n, 256)
             check_int_matvec(f"int_matvec {m}x{n} W{bits} g{g} rows={rows}", m, n, bits, g, rows, dev, gen)
         for m, n, rows in ((4096, 14336, 1), (1000, 200, 3)):
             if not s:
-                m, n = min(m, 256), min(n, 264)
+                m, n = min(m, 256), min(n, 256)
             check_int_matvec(f"int_matvec {m}x{n} MXFP4 rows={rows}", m, n, 4, 32, rows, dev, gen, quantizer="mxfp4")
         for d in ((4096, 14336, 2752, 1344) if s else (1344, 172)):
             for inverse in (False, True):

@@ -123,6 +123,11 @@ def test_the_folder_decodes_from_its_codes_with_packed_linears(run_dir, tmp_path
     res = json.loads((tmp_path / "d.json").read_text())
     assert res["bf16 export"] > 0 and res["packed"] > 0 and res["ratio"] == pytest.approx(res["packed"] / res["bf16 export"])
     assert 0 <= res["same_tokens"] <= 3
+    # the teacher-forced logits' gap: the export's BF16 weight rounding, in logits of a few units at most
+    assert 0 < res["max_logit_gap"] < 0.5, res
+    assert ("margin_at_split" in res) == (res["same_tokens"] < 3)
+    forced = bench.teacher_forced_logits(plain, seq := bench.dynamic_decode(plain, 4, torch.device("cpu"))[0], "cpu")
+    assert forced.shape == (4, plain.config.vocab_size) and forced.argmax(-1).tolist() == seq  # its own greedy tokens
     # the static-cache step the GPU replays from a CUDA graph, run eagerly here: the dynamic cache's tokens
     cpu = torch.device("cpu")
     with torch.no_grad():

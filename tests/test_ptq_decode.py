@@ -60,15 +60,15 @@ def test_bad_matvec_input_is_refused_naming_what_fits(gen):
         int_matvec(x, torch.zeros(-(-40 * 200 * 9 // 8), dtype=torch.uint8), st["scales"], 40, 200, 9, 64)
     with pytest.raises(ValueError, match=r"bits=5 \(it reads \(2, 3, 4\)\)"):
         int_matvec(x, pack_bits(torch.zeros(40, 200, dtype=torch.uint8), 5), st["scales"], 40, 200, 5, 64, backend="triton")
-    # rows of W that do not start on a byte (202·2 bits) or a group size without a byte's worth of codes in a
-    # power-of-two tile (6 at 2 bits: 2 codes) take the reference under auto, and the kernel refuses them
-    for n, g in ((202, 64), (200, 6)):  # (at 3 bits: 8 codes in 3 bytes, so n a multiple of 8, groups of 8 or more)
+    # rows of W that are not whole 32-bit words (200·2 bits) or groups that are not (24 at 2 bits: 1.5 words)
+    # take the reference under auto, and the kernel refuses them
+    for n, g in ((200, 64), (192, 24)):  # (at 3 bits: 32 codes in 3 words, so n and g multiples of 32)
         _, _, st2, packed2 = _packed(40, n, 2, g)
         x2 = torch.randn(1, n, generator=gen)
         assert not _kernel_runs(2, n, g, torch.device("cuda"))
         assert torch.equal(int_matvec(x2, packed2, st2["scales"], 40, n, 2, g),
                            int_matvec_reference(x2, packed2, st2["scales"], 40, n, 2, g))
-        with pytest.raises(ValueError, match=f"cannot read these codes: {'n=202: rows' if n == 202 else 'group_size=6'}"):
+        with pytest.raises(ValueError, match=f"cannot read these codes: {'n=200: rows' if n == 200 else 'group_size=24'}"):
             int_matvec(x2, packed2, st2["scales"], 40, n, 2, g, backend="triton")
 
 
@@ -128,11 +128,12 @@ def test_matvec_kernel_in_interpreter(interp_child):
     interp_child(__file__)
 
 
-# a short last group; a group size of no power of two (48: tiles of 16); tiles of two codes (g 6, W4); several
-# output blocks, each input dimension split over programs (split-K), the last split running past n
-@pytest.mark.parametrize("m,n,bits,g,rows", [(40, 200, 2, 64, 3), (33, 130, 4, 128, 1), (64, 256, 2, 128, 2),
-                                             (130, 96, 2, 48, 1), (17, 60, 4, 6, 2), (300, 1000, 2, 128, 1),
-                                             (40, 200, 3, 64, 3), (33, 136, 3, 128, 1), (70, 96, 3, 24, 2)])
+# a short last group; a group size of no power of two (48, 96); groups of one word (g 8, W4); several output
+# blocks, each input dimension split over programs (split-K), the last tile and split running past n; at 3 bits
+# the codes that straddle two words
+@pytest.mark.parametrize("m,n,bits,g,rows", [(40, 208, 2, 64, 3), (33, 136, 4, 128, 1), (64, 256, 2, 128, 2),
+                                             (130, 96, 2, 48, 1), (17, 64, 4, 8, 2), (300, 1008, 2, 128, 1),
+                                             (40, 224, 3, 64, 3), (33, 160, 3, 128, 1), (70, 96, 3, 96, 2)])
 @interp
 def test_interp_matvec_kernel_matches_its_reference(m, n, bits, g, rows):
     _, _, st, packed = _packed(m, n, bits, g, seed=m)
@@ -151,11 +152,11 @@ def test_interp_packed_linear_through_the_kernels_equals_the_rebuilt_weight(rot)
 
 @interp
 def test_interp_matvec_tuning_changes_the_schedule_not_the_result():
-    _, _, st, packed = _packed(300, 1000, 2, 128, seed=5)
-    x = torch.randn(2, 1000, generator=torch.Generator().manual_seed(5))
-    ref = int_matvec_reference(x, packed, st["scales"], 300, 1000, 2, 128)
+    _, _, st, packed = _packed(300, 1008, 2, 128, seed=5)
+    x = torch.randn(2, 1008, generator=torch.Generator().manual_seed(5))
+    ref = int_matvec_reference(x, packed, st["scales"], 300, 1008, 2, 128)
     for block_m, per_sm in ((16, 1), (128, 16), (256, 2)):
-        y = int_matvec(x, packed, st["scales"], 300, 1000, 2, 128, backend="triton", block_m=block_m, per_sm=per_sm)
+        y = int_matvec(x, packed, st["scales"], 300, 1008, 2, 128, backend="triton", block_m=block_m, per_sm=per_sm)
         assert float((y - ref).norm() / ref.norm()) < 1e-6  # rows' scales span 2^±6: relative to the whole output
 
 
@@ -230,10 +231,11 @@ def test_reference_matvec_reads_mxfp4_codes_and_refuses_mixed_up_scales(gen):
 
 @interp
 def test_interp_matvec_kernel_reads_mxfp4_codes():
-    _, _, st, packed = _packed_mx(70, 100, seed=2)
-    x = torch.randn(2, 100, generator=torch.Generator().manual_seed(2)).bfloat16()
-    y = int_matvec(x, packed, st["scales"], 70, 100, 4, 32, backend="triton", element="e2m1")
-    ref = int_matvec_reference(x, packed, st["scales"], 70, 100, 4, 32, element="e2m1")
+    """A short last block (104 = 3·32 + 8), both signs, E2M1 subnormal 0.5 (read through FP16's subnormal)."""
+    _, _, st, packed = _packed_mx(70, 104, seed=2)
+    x = torch.randn(2, 104, generator=torch.Generator().manual_seed(2)).bfloat16()
+    y = int_matvec(x, packed, st["scales"], 70, 104, 4, 32, backend="triton", element="e2m1")
+    ref = int_matvec_reference(x, packed, st["scales"], 70, 104, 4, 32, element="e2m1")
     assert float((y - ref).norm() / ref.norm()) < 1e-6
 
 

@@ -1,22 +1,25 @@
 """The Triton kernels of decoding from `adahop ptq`'s packed artifact (:mod:`adahop.ptq.decode`): the int matvec
 and one block stage of a rotation. Imported lazily, with Triton.
 
-``int_matvec_kernel`` (:func:`adahop.ptq.decode.int_matvec`): ``y = x·Wᵀ`` with ``W`` read as packed int codes.
+``int_matvec_kernel`` (:func:`adahop.ptq.decode.int_matvec`): ``y = x·Wᵀ`` with ``W`` read as packed codes.
 
-At decode time (a few rows of ``x``) the layer is a matvec bound by the bytes of ``W``: 2-bit codes are an eighth
-of a BF16 weight. Such a read is fast only with many loads in flight, so the work is split both ways: one
-program computes ``BLOCK_M`` outputs of one row of ``x`` over ``TILES`` consecutive tiles of ``BLOCK_K`` inputs
-(split-K), and writes its partial sums to its own slice of ``y`` (``[splits, rows, M]``, summed after, in a fixed
-order, so the result does not depend on the schedule).
+At decode time (a few rows of ``x``) the layer is a matvec bound by the bytes of ``W`` (2-bit codes are an eighth
+of a BF16 weight) and, once those are few, by the instructions that turn codes into numbers. So the work is split
+both ways: one program computes ``BLOCK_M`` outputs of one row of ``x`` over ``TILES`` consecutive tiles of the
+input dimension (split-K), and writes its partial sums to its own slice of ``y`` (``[splits, rows, M]``, summed
+after in a fixed order, so the result does not depend on the schedule).
 
-The little-endian bit stream :func:`adahop.ptq.quantize.pack_bits` writes is read in units of whole bytes holding
-whole codes: one byte of ``8 / BITS`` codes at 2 and 4 bits, three bytes of eight codes at 3 bits. Each byte is
-loaded once, as a ``[BLOCK_M, units]`` tile (at 3 bits its three bytes put together into one value first), then
-split into its codes along a third axis that lines up with the matching ``[units, codes a unit]`` view of ``x``.
-A code maps to ``(code − 2^(BITS−1) + ½)`` times its group's FP16 scale (the int grid), or with ``E2M1`` to its
-E2M1 value times its group's E8M0 scale (MXFP4 weights: 4 bits, groups of 32); ``BLOCK_K`` divides the group size, so a
-tile needs one scale per output. The caller guarantees that a row of ``W`` starts on a unit
-(``N·BITS % 8 == 0`` and, at 3 bits, ``N % 8 == 0``).
+The little-endian bit stream :func:`adahop.ptq.quantize.pack_bits` writes is read as 32-bit words, in units of
+whole words holding whole codes: one word of 16 codes at 2 bits, of 8 at 4 bits, three words of 32 codes at 3 bits
+(two of those codes straddle a word). A tile is ``[BLOCK_M, BLOCK_U]`` units, each word loaded once. Code ``j`` of
+every unit is pulled out of the tile with constant shifts, so all arithmetic stays on that one 2-D layout, and is
+multiplied with the matching strided slice ``x[u·codes + j]``. Codes become floats without an int→float
+conversion: an int code ``c`` ORed into the mantissa of 2^23 is the float ``2^23 + c``; an E2M1 code's 3 magnitude
+bits placed in an FP16's exponent and mantissa are its value times 2^-14 (subnormal at exponent 0, as E2M1's).
+The int grid's level is ``c − (2^(BITS−1) − ½)``: the offset times the unit's ``Σx`` is taken off once per unit.
+Each unit's sum is then multiplied by its group's scale (FP16, or E8M0 for MXFP4 weights: 4 bits, groups of 32),
+so the group size must be a multiple of a unit's codes. The caller guarantees that every row of ``W`` is whole
+units (``N`` a multiple of a unit's codes).
 
 ``stage_kernel`` (:func:`adahop.ptq.staged.apply_stages`): one stage of ``B × B`` blocks at stride ``S``,
 ``y[hi·B·S + c·S + lo] = Σ_a x[hi·B·S + a·S + lo] · K[hi·S + lo, a, c]``. A program takes ``BLOCKS`` blocks and
@@ -32,52 +35,60 @@ import triton.language as tl
 
 
 @triton.jit
-def int_matvec_kernel(x_ptr, codes_ptr, scales_ptr, y_ptr, M, N, G, ROWS, TILES,
-                      BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                      UNIT_BYTES: tl.constexpr, UNIT_CODES: tl.constexpr, UNIT_BYTES_P2: tl.constexpr,
-                      E2M1: tl.constexpr = False):
+def int_matvec_kernel(x_ptr, words_ptr, scales_ptr, y_ptr, M, N, G, ROWS, TILES, ROW_WORDS,
+                      BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_U: tl.constexpr,
+                      UNIT_WORDS: tl.constexpr, UNIT_CODES: tl.constexpr, E2M1: tl.constexpr = False):
     pid_m = tl.program_id(0)
     split = tl.program_id(1)
     row = tl.program_id(2).to(tl.int64)
-    NU: tl.constexpr = BLOCK_K // UNIT_CODES  # units (whole bytes of whole codes) per row of a tile
+    MASK: tl.constexpr = (1 << BITS) - 1
     ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     mmask = ms < M
-    us = tl.arange(0, NU)
-    js = tl.arange(0, UNIT_CODES)
-    row_bytes = N * BITS // 8
-    code_rows = codes_ptr + ms[:, None].to(tl.int64) * row_bytes
-    acc = tl.zeros([BLOCK_M], dtype=tl.float32)
+    units = N // UNIT_CODES
+    word_rows = words_ptr + ms[:, None].to(tl.int64) * ROW_WORDS
+    x_row = x_ptr + row * N
+    acc = tl.zeros([BLOCK_M, BLOCK_U], dtype=tl.float32)
     for t in range(split * TILES, (split + 1) * TILES):
-        k0 = t * BLOCK_K
-        kk = k0 + us[:, None] * UNIT_CODES + js[None, :]  # [NU, UNIT_CODES]: the input index of each code
-        xk = tl.load(x_ptr + row * N + kk, mask=kk < N, other=0.0).to(tl.float32)
-        b = (k0 // UNIT_CODES + us) * UNIT_BYTES  # each unit's first byte
-        if UNIT_BYTES == 1:  # 2 and 4 bits: codes never straddle a byte
-            unit = tl.load(code_rows + b[None, :], mask=mmask[:, None] & (b < row_bytes)[None, :], other=0).to(tl.int32)
-        else:  # 3 bits: eight codes in three bytes, their 24-bit value put together first
-            jb = tl.arange(0, UNIT_BYTES_P2)
-            bi = b[:, None] + jb[None, :]
-            byte = tl.load(code_rows[:, :, None] + bi[None, :, :],
-                           mask=mmask[:, None, None] & ((jb < UNIT_BYTES)[None, :] & (bi < row_bytes))[None, :, :],
-                           other=0).to(tl.int32)
-            unit = tl.sum(byte << (jb * 8)[None, None, :], axis=2)  # [BLOCK_M, NU]
-        code = (unit[:, :, None] >> (js * BITS)[None, None, :]) & ((1 << BITS) - 1)  # [BLOCK_M, NU, UNIT_CODES]
-        if E2M1:  # MXFP4: sign bit 3, then 2 exponent bits and 1 mantissa bit: 0, 0.5, 1, 1.5, 2, 3, 4, 6
-            e = (code >> 1) & 3
-            man = (code & 1).to(tl.float32)
-            mag = tl.where(e == 0, 0.5 * man, (1 << tl.maximum(e - 1, 0)).to(tl.float32) * (1.0 + 0.5 * man))
-            level = tl.where((code & 8) != 0, -mag, mag)
-        else:
-            level = code.to(tl.float32) - ((1 << (BITS - 1)) - 0.5)
-        part = tl.sum(tl.sum(level * xk[None, :, :], axis=2), axis=1)  # inputs past N have x = 0
-        g = tl.minimum(k0 // GROUP, G - 1)  # a tile past N (the last split's overhang) has part = 0
+        u = t * BLOCK_U + tl.arange(0, BLOCK_U)  # unit index along the row
+        umask = u < units
+        mask = mmask[:, None] & umask[None, :]
+        w0 = tl.load(word_rows + (u * UNIT_WORDS)[None, :], mask=mask, other=0).to(tl.uint32, bitcast=True)
+        if UNIT_WORDS == 3:  # 3 bits: 32 codes in three words
+            w1 = tl.load(word_rows + (u * 3 + 1)[None, :], mask=mask, other=0).to(tl.uint32, bitcast=True)
+            w2 = tl.load(word_rows + (u * 3 + 2)[None, :], mask=mask, other=0).to(tl.uint32, bitcast=True)
+        part = tl.zeros([BLOCK_M, BLOCK_U], dtype=tl.float32)
+        xsum = tl.zeros([BLOCK_U], dtype=tl.float32)
+        for j in tl.static_range(UNIT_CODES):
+            xj = tl.load(x_row + u * UNIT_CODES + j, mask=umask, other=0.0).to(tl.float32)
+            # code j's first bit in the unit is BITS·j: word BITS·j // 32, bit BITS·j % 32 (all constexpr, so
+            # each unrolled j keeps only its own branch)
+            if (BITS * j) // 32 == 0:
+                w = w0
+            elif (BITS * j) // 32 == 1:
+                w = w1
+            else:
+                w = w2
+            if (BITS * j) % 32 + BITS <= 32:
+                c = (w >> ((BITS * j) % 32)) & MASK
+            elif (BITS * j) // 32 == 0:  # straddles into the next word (3 bits: codes 10 and 21)
+                c = ((w >> ((BITS * j) % 32)) | (w1 << (32 - (BITS * j) % 32))) & MASK
+            else:
+                c = ((w >> ((BITS * j) % 32)) | (w2 << (32 - (BITS * j) % 32))) & MASK
+            if E2M1:  # magnitude bits to FP16 exponent and mantissa (value · 2^-14), sign bit to the sign
+                h = ((c & 7) << 9) | ((c & 8) << 12)
+                level = h.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+            else:
+                level = (c | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+                xsum += xj
+            part += level * xj[None, :]
+        g = (u * UNIT_CODES) // GROUP
         if E2M1:  # an E8M0 scale byte s is 2^(s − 127): s as a float32's exponent field (s = 0, 2^-127, reads 0)
-            sb = tl.load(scales_ptr + ms.to(tl.int64) * G + g, mask=mmask, other=0).to(tl.int32)
-            s = (sb << 23).to(tl.float32, bitcast=True)
+            sb = tl.load(scales_ptr + ms[:, None].to(tl.int64) * G + g[None, :], mask=mask, other=0).to(tl.int32)
+            acc += (part * 16384.0) * (sb << 23).to(tl.float32, bitcast=True)
         else:
-            s = tl.load(scales_ptr + ms.to(tl.int64) * G + g, mask=mmask, other=0.0).to(tl.float32)
-        acc += part * s
-    tl.store(y_ptr + (split * ROWS + row) * M + ms, acc, mask=mmask)
+            s = tl.load(scales_ptr + ms[:, None].to(tl.int64) * G + g[None, :], mask=mask, other=0.0).to(tl.float32)
+            acc += (part - ((1 << (BITS - 1)) - 0.5) * xsum[None, :]) * s
+    tl.store(y_ptr + (split * ROWS + row) * M + ms, tl.sum(acc, axis=1), mask=mmask)
 
 
 @triton.jit

@@ -89,25 +89,22 @@ def int_matvec_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Ten
     return x.float() @ (level * s.repeat_interleave(group_size, 1)[:, :n]).T
 
 
+TILE_CODES = 256
+"""Codes of a row of ``W`` per tile of the matvec kernel (16 words at 2 bits, 32 at 4, 24 at 3)."""
+
+
 def _unit(bits: int) -> tuple[int, int]:
-    """(bytes, codes) of the smallest run of whole bytes holding whole ``bits``-bit codes: (1, 4) at 2 bits,
-    (3, 8) at 3, (1, 2) at 4."""
-    g = math.gcd(bits, 8)
-    return bits // g, 8 // g
-
-
-def _block_k(bits: int, group_size: int) -> int:
-    """The kernel's tile width: the largest power of two dividing ``group_size``, at most 128 (a tile then
-    needs one scale per output); 0 where that holds less than one unit of codes (:func:`_unit`)."""
-    b = min(group_size & -group_size, 128)
-    return b if b >= _unit(bits)[1] else 0
+    """(words, codes) of the smallest run of whole 32-bit words holding whole ``bits``-bit codes: (1, 16) at
+    2 bits, (3, 32) at 3, (1, 8) at 4."""
+    g = math.gcd(bits, 32)
+    return bits // g, 32 // g
 
 
 def _kernel_runs(bits: int, n: int, group_size: int, device: torch.device) -> bool:
-    """Whether ``backend="auto"`` reads the codes with the Triton kernel: bits it reads, rows of ``W`` that start on
-    a unit of whole bytes of whole codes (:func:`_unit`), a group size whose power-of-two factor holds a unit, on a
-    device Triton runs on (:func:`~adahop.kernels.backend.triton_runs_on`). :func:`_why_not` says which fails."""
-    return (bits in KERNEL_BITS and n % _unit(bits)[1] == 0 and _block_k(bits, group_size) > 0
+    """Whether ``backend="auto"`` reads the codes with the Triton kernel: bits it reads, rows of ``W`` of whole units
+    of whole 32-bit words of whole codes (:func:`_unit`), groups of whole units, on a device Triton runs on
+    (:func:`~adahop.kernels.backend.triton_runs_on`). :func:`_why_not` says which fails."""
+    return (bits in KERNEL_BITS and n % _unit(bits)[1] == 0 and group_size % _unit(bits)[1] == 0
             and triton_runs_on(device))
 
 
@@ -122,11 +119,11 @@ def _why_not(bits: int, n: int, group_size: int, device: torch.device) -> str:
     if bits not in KERNEL_BITS:
         why.append(f"bits={bits} (it reads {KERNEL_BITS})")
     elif n % _unit(bits)[1]:
-        why.append(f"n={n}: rows of {bits}-bit codes that do not start on a whole byte of whole codes (n must be a "
+        why.append(f"n={n}: rows of {bits}-bit codes that are not whole 32-bit words of whole codes (n must be a "
                    f"multiple of {_unit(bits)[1]})")
-    elif not _block_k(bits, group_size):
-        why.append(f"group_size={group_size}: its largest power-of-two factor holds less than a byte of whole codes "
-                   f"(needs {_unit(bits)[1]} or more)")
+    elif group_size % _unit(bits)[1]:
+        why.append(f"group_size={group_size}: groups of {bits}-bit codes that are not whole 32-bit words of whole "
+                   f"codes (a multiple of {_unit(bits)[1]})")
     if not triton_runs_on(device):
         why.append(f"x on {device} (CUDA tensors, or the CPU under TRITON_INTERPRET=1)")
     return "; ".join(why)
@@ -145,9 +142,9 @@ def int_matvec(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, m: in
                sum_splits: bool = True, element: str = "int") -> torch.Tensor:
     """:func:`int_matvec_reference` with the codes read in place by a Triton kernel.
 
-    ``backend``: ``auto`` (the kernel where it reads the codes, :func:`_kernel_runs`: bits 2, 3 and 4 with ``n`` a
-    multiple of 4, 8 and 2 respectively and a group size whose power-of-two factor is at least that, on CUDA or
-    under ``TRITON_INTERPRET=1``; else the reference), ``triton`` or ``reference``. Same arguments, result and errors as the reference (FP32 sums in
+    ``backend``: ``auto`` (the kernel where it reads the codes, :func:`_kernel_runs`: bits 2, 3 and 4 with ``n`` and
+    the group size multiples of 16, 32 and 8 respectively, on CUDA or under ``TRITON_INTERPRET=1``; else the
+    reference), ``triton`` or ``reference``. Same arguments, result and errors as the reference (FP32 sums in
     another order, split over the input dimension in a fixed way: equal to float rounding, the same every call).
 
     ``block_m`` (outputs a program computes, a power of two) and ``per_sm`` (programs per SM the split-K aims
@@ -179,21 +176,24 @@ def int_matvec(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, m: in
     from ._triton_decode import int_matvec_kernel
 
     x = x.contiguous()
+    codes = codes.contiguous()
+    if codes.data_ptr() % 4:  # read as 32-bit words: a view needs them aligned
+        codes = codes.clone()
     rows, meta = x.shape[0], matvec_meta(bits, group_size, element, block_m)
-    tiles = triton.cdiv(n, meta["BLOCK_K"])
+    tiles = triton.cdiv(n // meta["UNIT_CODES"], meta["BLOCK_U"])
     splits = _splits(m, tiles, _sms(x.device), block_m, per_sm)
     y = torch.empty(splits, rows, m, dtype=torch.float32, device=x.device)
     int_matvec_kernel[(triton.cdiv(m, block_m), splits, rows)](
-        x, codes.contiguous(), scales.contiguous(), y, m, n, scales.shape[1], rows, triton.cdiv(tiles, splits), **meta)
+        x, codes.view(torch.int32), scales.contiguous(), y, m, n, scales.shape[1], rows, triton.cdiv(tiles, splits),
+        n * bits // 32, **meta)
     return y if not sum_splits else y[0] if splits == 1 else y.sum(0)
 
 
 def matvec_meta(bits: int, group_size: int, element: str, block_m: int) -> dict:
     """The matvec kernel's compile-time arguments for codes the kernel reads (:func:`_kernel_runs`)."""
-    unit_bytes, unit_codes = _unit(bits)
-    return {"BITS": bits, "GROUP": group_size, "BLOCK_M": block_m, "BLOCK_K": _block_k(bits, group_size),
-            "UNIT_BYTES": unit_bytes, "UNIT_CODES": unit_codes, "UNIT_BYTES_P2": 1 << (unit_bytes - 1).bit_length(),
-            "E2M1": element == "e2m1"}
+    unit_words, unit_codes = _unit(bits)
+    return {"BITS": bits, "GROUP": group_size, "BLOCK_M": block_m, "BLOCK_U": TILE_CODES // unit_codes,
+            "UNIT_WORDS": unit_words, "UNIT_CODES": unit_codes, "E2M1": element == "e2m1"}
 
 
 _BITS_OF = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
