@@ -104,6 +104,7 @@
 #      calls' tables on the dev machine (scripts/run_ptq_experiment.py --budget-s 0 over the merged folders)
 #   p13 env: PTQ_MODELS (llama-125m), PTQ_STEPS (1200), PTQ_BITS (2,3,4), PTQ_METHODS (all four), PTQ_NO_MX=1, PTQ_SEEDS (1),
 #      PTQ_REPEAT_BITS (2: the widths PTQ_SEEDS repeats), PTQ_THETA (fp16; int8: HARP's Θ as int8, table ...-theta8),
+#      PTQ_THETA8_TOO=1 (beside the table, harp-gptq with int8 Θ of the same model in ...-theta8, one slot of PTQ_CONC),
 #      PTQ_HARP_STEPS (1200), PTQ_COMPILE_LV2, PTQ_CONC (3), HARP_E2E (1); bench_decode --folder on PTQ_DECODE_FOLDERS (2) int cells;
 #      PTQ_PIPELINES ("MODEL:RECIPE:BITS:STEPS ...", instead of PTQ_MODELS x both recipes); DECODE_BENCH=1: bench_decode per
 #      layer (llama3.1-8b, llama-350m) alone after the pipelines, in the time left
@@ -376,8 +377,12 @@ if [ "$STAGE" = p13 ]; then  # issue 22: the models of our own, each quantized a
     # PTQ_THETA=int8: HARP's Θ stored as int8, in a table of its own (its cells' folders would shadow the FP16 ones)
     TABLE="scripts/run_ptq_experiment.py --data runs/issue19/main --models $D --out runs/ptq_table/${D#runs/ptq/}$([ "${PTQ_THETA:-fp16}" = int8 ] && echo -theta8) $SEEDS
       --harp-steps ${PTQ_HARP_STEPS:-1200} --bits $BITS --methods ${PTQ_METHODS:-rtn,gptq,rht-gptq,harp-gptq} $([ "${PTQ_NO_MX:-0}" = 1 ] && echo --no-mx) --theta-format ${PTQ_THETA:-fp16}"
+    # PTQ_THETA8_TOO=1: beside the FP16 table, harp-gptq with int8 Θ of the same model, in a table of its own
+    local TABLE8=; [ "${PTQ_THETA8_TOO:-0}" = 1 ] && TABLE8="scripts/run_ptq_experiment.py --data runs/issue19/main --models $D
+      --out runs/ptq_table/${D#runs/ptq/}-theta8 --harp-steps ${PTQ_HARP_STEPS:-1200} --bits $BITS --methods harp-gptq --no-mx --theta-format int8"
     # the table's options checked before anything trains: a usage error costs seconds, not the call
     python3 $TABLE --dry-run > $OUT/dry_${D#runs/ptq/}.log 2>&1 || { echo "table of $D refused: $(tail -1 $OUT/dry_${D#runs/ptq/}.log)"; return; }
+    [ -z "$TABLE8" ] || python3 $TABLE8 --dry-run > $OUT/dry8_${D#runs/ptq/}.log 2>&1 || { echo "int8 table of $D refused: $(tail -1 $OUT/dry8_${D#runs/ptq/}.log)"; return; }
     if [ ! -f $D/summary.json ] || grep -q '"interrupted": true' $D/summary.json; then
       [ -d $D/checkpoints ] && RES=--resume  # SIGINT at the budget writes a checkpoint; the next call resumes it
       T=$(( ${LIM:-560} - ${PTQ_RESERVE:-120} - $(el) )); [ $T -ge 60 ] || { echo "no time left to train $D"; return; }
@@ -394,6 +399,9 @@ if [ "$STAGE" = p13 ]; then  # issue 22: the models of our own, each quantized a
       mkdir -p runs/ptq_e2e; C=$(( C - 1 ))  # issue 22's "350m end to end in under 10 minutes", beside other cells: an upper bound
       timeout $(( ${LIM:-560} - 20 - $(el) )) python3 -m adahop ptq $D --method harp-gptq --bits 2 --quantizer int \
         --calib-data runs/issue19/main --calib-tokens 131072 --batch-size 8 --device auto --out runs/ptq_e2e/harp-gptq-w2-int > $OUT/harp_e2e_350m.log 2>&1 &
+    fi
+    if [ -n "$TABLE8" ]; then C=$(( C - 1 ))
+      timeout $(( ${LIM:-560} - $(el) )) python3 $TABLE8 --concurrent 1 --budget-s $(( ${LIM:-560} - 45 - $(el) )) > $OUT/ptq8_${D#runs/ptq/}.log 2>&1 &
     fi
     timeout $(( ${LIM:-560} - $(el) )) python3 $TABLE --concurrent $C --budget-s $(( ${LIM:-560} - 45 - $(el) )) > $OUT/ptq_${D#runs/ptq/}.log 2>&1
     echo "ptq $D: exit $? at $(el) s"; grep -E "^- W|ppl|^\| (rtn|gptq|rht|harp)" $OUT/ptq_${D#runs/ptq/}.log | head -20
@@ -415,7 +423,7 @@ if [ "$STAGE" = p13 ]; then  # issue 22: the models of our own, each quantized a
   for f in runs/ptq/*/summary.json; do python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print(sys.argv[1], d.get('steps'), d.get('final_val_loss'), d.get('interrupted'), round(d.get('tok_per_s') or 0))" $f; done
   [ -f $OUT/harp_e2e_350m.log ] && grep -E "^block|seconds|\| harp" $OUT/harp_e2e_350m.log | tail -4 | cut -c1-200
   (cd runs && tar czf $OUT/ptq.tgz --exclude='*.safetensors' --exclude=checkpoints --exclude='tokenizer*' ptq_table ptq ptq_e2e 2>/dev/null)
-  (cd $OUT && L=$(ls train_*.log ptq_*.log 2>/dev/null) && tar czf logs.tgz $L && rm -f $L)
+  (cd $OUT && L=$(ls train_*.log ptq_*.log ptq8_*.log dry*.log 2>/dev/null) && tar czf logs.tgz $L && rm -f $L)
   echo "stage $STAGE done at $(el) s"; exit 0
 fi
 if [ "$STAGE" = r19a ] || [ "$STAGE" = r19b ]; then  # issue 18's rows at today's code, side by side per process
