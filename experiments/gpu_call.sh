@@ -114,7 +114,8 @@
 #   p16 (issue 22, after round 25): the rebuilt decode path: validate_kernels --only matvec (matvec and stage kernels),
 #      bench_decode per layer (llama3.1-8b, llama-350m; W2/W3/W4 and MXFP4, --sweep), then a llama-125m trained DEC_STEPS
 #      (300) steps, W2 int by rtn and by harp-gptq (100 HARP steps), W4 MXFP4 by rht-gptq (32K calibration tokens), each
-#      decoded end to end (bench_decode --folder)
+#      decoded end to end (bench_decode --folder). DEC_SWEEP=0: no --sweep; DEC_CELLS: the cells, "METHOD BITS QUANTIZER
+#      [options]/..."
 #   p15 (issue 22, round 23): llama-350m bf16 trained as p13 trains it (runs/ptq/350m-bf16, PTQ_STEPS, compiled), then
 #      the end-to-end harp-gptq W2 int cell alone on the GPU (the issue's 10-minute target, runs/ptq_e2e, which p13 then
 #      skips), validate_kernels --only matvec first; bench_decode per layer (llama3.1-8b, llama-350m) and bench_harp at
@@ -310,7 +311,7 @@ if [ "$STAGE" = p16 ]; then  # issue 22: the decode path rebuilt after round 25 
   export CUDA_VISIBLE_DEVICES=0
   timeout 90 python3 scripts/validate_kernels.py --only matvec --log $OUT/validate_matvec.json > $OUT/validate_matvec.log 2>&1
   tail -1 $OUT/validate_matvec.log; grep -E "^FAIL" $OUT/validate_matvec.log; echo "validate done at $(el) s"
-  for M in llama3.1-8b llama-350m; do timeout 150 python3 scripts/bench_decode.py --model $M --bits 2,3,4 --sweep --json $OUT/bench_decode_$M.json > $OUT/bench_decode_$M.log 2>&1; \
+  for M in llama3.1-8b llama-350m; do timeout 150 python3 scripts/bench_decode.py --model $M --bits 2,3,4 $([ "${DEC_SWEEP:-1}" = 1 ] && echo --sweep) --json $OUT/bench_decode_$M.json > $OUT/bench_decode_$M.log 2>&1; \
     grep -v -i warn $OUT/bench_decode_$M.log | tail -24; done; echo "bench_decode per layer done at $(el) s"
   # end to end: a briefly trained llama-125m (the speed does not depend on how well), W2 int by rtn and by harp-gptq
   D=runs/ptq/125m-dec; mkdir -p runs/ptq runs/ptq_dec
@@ -318,8 +319,9 @@ if [ "$STAGE" = p16 ]; then  # issue 22: the decode path rebuilt after round 25 
     --steps ${DEC_STEPS:-300} --seq-len 1024 --batch-size 16 --lr 1e-3 --warmup-steps 60 --eval-every 100 --ckpt-every 100 \
     --log-every 20 --compile --out $D > $OUT/train_125m-dec.log 2>&1; echo "125m trained: exit $? at $(el) s"
   # METHOD BITS QUANTIZER [extra options]: W2 int without and with HARP, and W4 MXFP4 with the RHT
-  for C in "rtn 2 int" "harp-gptq 2 int --harp-steps 100" "rht-gptq 4 mxfp4"; do set -- $C; N=$1-w$2-$3; F=runs/ptq_dec/$N
-    [ -f $F/ptq.json ] || timeout $(( ${LIM:-570} - $(el) - 60 )) python3 -m adahop ptq $D --method $1 --bits $2 --quantizer $3 \
+  IFS=/ read -ra CELLS <<< "${DEC_CELLS:-rtn 2 int/harp-gptq 2 int --harp-steps 100/rht-gptq 4 mxfp4}"
+  for C in "${CELLS[@]}"; do set -- $C; N=$1-w$2-$3; F=runs/ptq_dec/$N
+    [ -f $F/ptq.json ] || timeout $(( ${LIM:-570} - $(el) - 45 )) python3 -m adahop ptq $D --method $1 --bits $2 --quantizer $3 \
       ${@:4} --calib-data runs/issue19/main --calib-tokens 32768 --batch-size 8 --device auto --skip-baseline --out $F \
       > $OUT/ptq_dec_$N.log 2>&1
     echo "ptq $N: exit $? at $(el) s"; cp $F/ptq.json $OUT/ptq_dec_$N.json 2>/dev/null

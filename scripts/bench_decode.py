@@ -210,7 +210,7 @@ def static_decode(model, tokens: int, dev, *, graph: bool) -> tuple[list[int], f
 
 def sweep(args) -> list[dict]:
     """The matvec kernel alone (no rotation) at each ``block_m`` × ``per_sm`` of :func:`int_matvec`, per shape and
-    width, graphed: where its defaults (64, 8) stand."""
+    width, graphed: where the defaults (:func:`~adahop.ptq.decode.matvec_tuning`) stand."""
     from adahop.ptq.decode import int_matvec
 
     dev, out = torch.device("cuda"), []

@@ -138,7 +138,7 @@ def _splits(m: int, tiles: int, sms: int, block_m: int, per_sm: int) -> int:
 
 
 def int_matvec(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, m: int, n: int, bits: int,
-               group_size: int, *, backend: str = "auto", block_m: int = 64, per_sm: int = 8,
+               group_size: int, *, backend: str = "auto", block_m: int | None = None, per_sm: int | None = None,
                sum_splits: bool = True, element: str = "int") -> torch.Tensor:
     """:func:`int_matvec_reference` with the codes read in place by a Triton kernel.
 
@@ -149,6 +149,7 @@ def int_matvec(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, m: in
 
     ``block_m`` (outputs a program computes, a power of two) and ``per_sm`` (programs per SM the split-K aims
     at) tune the kernel's speed only (``scripts/bench_decode.py --sweep``); they change the order of the sums.
+    None takes :func:`matvec_tuning`'s choice for the shape.
     ``element``: what a code means (:data:`ELEMENTS`): the int grid's levels, or ``e2m1`` for MXFP4 weights
     (bits 4, uint8 E8M0 scales, groups of 32 in `adahop ptq`'s artifact).
     ``sum_splits=False`` returns the split-K partial sums ``[splits, rows, m]`` unsummed (``[1, rows, m]`` from the
@@ -164,6 +165,9 @@ def int_matvec(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, m: in
     if backend == "triton" and not _kernel_runs(bits, n, group_size, x.device):
         raise ValueError(f"int_matvec: backend='triton' cannot read these codes: {_why_not(bits, n, group_size, x.device)};"
                          f" use backend='auto' or 'reference'")
+    auto_m, auto_sm = matvec_tuning(bits, m, n)
+    block_m = auto_m if block_m is None else block_m
+    per_sm = auto_sm if per_sm is None else per_sm
     if block_m not in (16, 32, 64, 128, 256):
         raise ValueError(f"int_matvec: block_m={block_m!r} must be a power of two from 16 to 256")
     if isinstance(per_sm, bool) or not isinstance(per_sm, int) or per_sm < 1:
@@ -187,6 +191,14 @@ def int_matvec(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, m: in
         x, codes.view(torch.int32), scales.contiguous(), y, m, n, scales.shape[1], rows, triton.cdiv(tiles, splits),
         n * bits // 32, **meta)
     return y if not sum_splits else y[0] if splits == 1 else y.sum(0)
+
+
+def matvec_tuning(bits: int, m: int, n: int) -> tuple[int, int]:
+    """``(block_m, per_sm)`` for an ``m × n`` weight of ``bits``-bit codes, from ``bench_decode --sweep`` on an H100
+    (docs/ptq.md, round 26): 128 outputs a program and 16 programs an SM for weights of 4M codes and more at 2 and 4
+    bits (4096 × 4096 W2: 10.8 µs against 12.4 at 64 × 8), else 32 and 8 (3 bits: three words a unit; and small
+    layers, where more programs hide more latency)."""
+    return (128, 16) if bits != 3 and m * n >= 1 << 22 else (32, 8)
 
 
 def matvec_meta(bits: int, group_size: int, element: str, block_m: int) -> dict:
