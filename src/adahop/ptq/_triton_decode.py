@@ -12,10 +12,11 @@ after in a fixed order, so the result does not depend on the schedule).
 The little-endian bit stream :func:`adahop.ptq.quantize.pack_bits` writes is read as 32-bit words, in units of
 whole words holding whole codes: one word of 16 codes at 2 bits, of 8 at 4 bits, three words of 32 codes at 3 bits
 (two of those codes straddle a word). A tile is ``[BLOCK_M, BLOCK_U]`` units, each word loaded once. Code ``j`` of
-every unit is pulled out of the tile with constant shifts, so all arithmetic stays on that one 2-D layout, and is
+every unit is pulled out of the tile with constant masks and shifts, so all arithmetic stays on that one 2-D layout, and is
 multiplied with the matching strided slice ``x[u·codes + j]``. Codes become floats without an int→float
-conversion: an int code ``c`` ORed into the mantissa of 2^23 is the float ``2^23 + c``; an E2M1 code's 3 magnitude
-bits placed in an FP16's exponent and mantissa are its value times 2^-14 (subnormal at exponent 0, as E2M1's).
+conversion: an int code's bits masked where they lie into the mantissa of 1.0 give ``1 + c·2^(pos−23)``, minus 1
+exactly (:func:`_int_level`; the power of two goes onto ``x``); an E2M1 code's 3 magnitude bits placed in an
+FP16's exponent and mantissa are its value times 2^-14 (subnormal at exponent 0, as E2M1's).
 The int grid's level is ``c − (2^(BITS−1) − ½)``: the offset times the unit's ``Σx`` is taken off once per unit.
 Each unit's sum is then multiplied by its group's scale (FP16, or E8M0 for MXFP4 weights: 4 bits, groups of 32),
 so the group size must be a multiple of a unit's codes. The caller guarantees that every row of ``W`` is whole
@@ -32,6 +33,39 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _code(w, w_next, POS: tl.constexpr, BITS: tl.constexpr):
+    """The ``BITS``-bit code at bit ``POS`` of the words ``w`` (uint32), its high bits in ``w_next`` past bit 31."""
+    if POS + BITS > 32:
+        c = ((w >> POS) | (w_next << (32 - POS))) & ((1 << BITS) - 1)
+    else:
+        c = (w >> POS) & ((1 << BITS) - 1)
+    return c
+
+
+@triton.jit
+def _int_level(w, w_next, xj, POS: tl.constexpr, BITS: tl.constexpr):
+    """``(c·2^-k, xj·2^k)`` for the int code ``c`` at bit ``POS`` of ``w``, their product ``c·xj``: the code's bits
+    masked in place into the mantissa of 1.0 (one AND-OR, ``1 + c·2^(POS−23)`` exactly) and 1.0 taken off, with
+    the power of two moved onto ``x`` (one multiply per unit, not per code). Codes above bit 22 are read from the
+    word's upper half (``w >> 16``, shared by those codes) and a code that straddles two words is shifted down."""
+    MASK: tl.constexpr = (1 << BITS) - 1
+    if POS + BITS > 32:
+        v = _code(w, w_next, POS, BITS)
+        k = 23
+    elif POS + BITS <= 23:
+        v = w & (MASK << POS)
+        k = 23 - POS
+    elif POS >= 16:
+        v = (w >> 16) & (MASK << (POS - 16))
+        k = 39 - POS
+    else:
+        v = (w >> POS) & MASK
+        k = 23
+    level = (v | 0x3F800000).to(tl.float32, bitcast=True) - 1.0
+    return level, xj * (1 << k)
 
 
 @triton.jit
@@ -68,19 +102,18 @@ def int_matvec_kernel(x_ptr, words_ptr, scales_ptr, y_ptr, M, N, G, ROWS, TILES,
                 w = w1
             else:
                 w = w2
-            if (BITS * j) % 32 + BITS <= 32:
-                c = (w >> ((BITS * j) % 32)) & MASK
-            elif (BITS * j) // 32 == 0:  # straddles into the next word (3 bits: codes 10 and 21)
-                c = ((w >> ((BITS * j) % 32)) | (w1 << (32 - (BITS * j) % 32))) & MASK
+            if (BITS * j) // 32 == 0:
+                w_next = w1 if UNIT_WORDS == 3 else w0  # the word a straddling code (3 bits: 10 and 21) ends in
             else:
-                c = ((w >> ((BITS * j) % 32)) | (w2 << (32 - (BITS * j) % 32))) & MASK
+                w_next = w2
             if E2M1:  # magnitude bits to FP16 exponent and mantissa (value · 2^-14), sign bit to the sign
+                c = _code(w, w_next, (BITS * j) % 32, BITS)
                 h = ((c & 7) << 9) | ((c & 8) << 12)
-                level = h.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+                part += h.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * xj[None, :]
             else:
-                level = (c | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+                level, xs = _int_level(w, w_next, xj, (BITS * j) % 32, BITS)
+                part += level * xs[None, :]
                 xsum += xj
-            part += level * xj[None, :]
         g = (u * UNIT_CODES) // GROUP
         if E2M1:  # an E8M0 scale byte s is 2^(s − 127): s as a float32's exponent field (s = 0, 2^-127, reads 0)
             sb = tl.load(scales_ptr + ms[:, None].to(tl.int64) * G + g[None, :], mask=mask, other=0).to(tl.int32)
