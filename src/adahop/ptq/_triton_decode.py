@@ -12,8 +12,8 @@ after in a fixed order, so the result does not depend on the schedule).
 The little-endian bit stream :func:`adahop.ptq.quantize.pack_bits` writes is read as 32-bit words, in units of
 whole words holding whole codes: one word of 16 codes at 2 bits, of 8 at 4 bits, three words of 32 codes at 3 bits
 (two of those codes straddle a word). A tile is ``[BLOCK_M, BLOCK_U]`` units, each word loaded once. Code ``j`` of
-every unit is pulled out of the tile with constant masks and shifts, so all arithmetic stays on that one 2-D layout, and is
-multiplied with the matching strided slice ``x[u·codes + j]``. Codes become floats without an int→float
+every unit is pulled out of the tile with constant masks and shifts, so all arithmetic stays on that one 2-D
+layout, and is multiplied with the matching strided slice ``x[u·codes + j]``. Codes become floats without an int→float
 conversion: an int code's bits masked where they lie into the mantissa of 1.0 give ``1 + c·2^(pos−23)``, minus 1
 exactly (:func:`_int_level`; the power of two goes onto ``x``); an E2M1 code's 3 magnitude bits placed in an
 FP16's exponent and mantissa are its value times 2^-14 (subnormal at exponent 0, as E2M1's).
