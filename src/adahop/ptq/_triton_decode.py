@@ -3,9 +3,8 @@ and one block stage of a rotation. Imported lazily, with Triton.
 
 ``int_matvec_kernel`` (:func:`adahop.ptq.decode.int_matvec`): ``y = x·Wᵀ`` with ``W`` read as packed codes.
 
-At decode time (a few rows of ``x``) the layer is a matvec bound by the bytes of ``W`` (2-bit codes are an eighth
-of a BF16 weight) and, once those are few, by the instructions that turn codes into numbers. So the work is split
-both ways: one program computes ``BLOCK_M`` outputs of one row of ``x`` over ``TILES`` consecutive tiles of the
+At decode time (a few rows of ``x``) the layer is a matvec of few bytes (2-bit codes are an eighth of a BF16
+weight), fast only with many loads in flight and few instructions a code. So the work is split both ways: one program computes ``BLOCK_M`` outputs of one row of ``x`` over ``TILES`` consecutive tiles of the
 input dimension (split-K), and writes its partial sums to its own slice of ``y`` (``[splits, rows, M]``, summed
 after in a fixed order, so the result does not depend on the schedule).
 
