@@ -164,7 +164,8 @@ def test_matvec_tuning_knobs_are_checked():
     _, _, st, packed = _packed(8, 64, 4, 64)
     x = torch.randn(1, 64)
     for kw, msg in (({"block_m": 48}, "block_m=48 must be a power of two"), ({"per_sm": 0}, "per_sm=0 must be"),
-                    ({"per_sm": True}, "per_sm=True must be")):
+                    ({"per_sm": True}, "per_sm=True must be"), ({"block_m": 16.0}, "block_m=16.0 must be"),
+                    ({"block_m": torch.tensor(32)}, r"block_m=tensor\(32\) must be")):  # both passed `in` (==)
         with pytest.raises(ValueError, match=msg):
             int_matvec(x, packed, st["scales"], 8, 64, 4, 64, **kw)
 
@@ -251,3 +252,42 @@ def test_interp_packed_linear_on_mxfp4_codes_equals_the_rebuilt_weight():
     x = torch.randn(3, 96, generator=gen)
     ref = x.double() @ w.double().T
     assert float((layer(x).double() - ref).norm() / ref.norm()) < 1e-6
+
+
+@interp
+def test_interp_matvec_kernel_at_the_edges_of_its_range(monkeypatch):
+    """Found by a probe (session 21): levels of ±½ against an x with a large common part (the kernel once took
+    the offset off as offset·Σx, 10× the reference's error); an x of 5e31 (once scaled by 2^23 into inf); MXFP4
+    with a tiny x (once a subnormal product) and E8M0 bytes 0 (2^-127, once read as 0) and 255 (NaN); more rows
+    than a launch grid takes go to the reference."""
+    gen = torch.Generator().manual_seed(7)
+    for bits in (2, 3, 4):
+        m, n, half = 8, 256, 2 ** (bits - 1)
+        codes = torch.tensor([half - 1, half] * (m * n // 2), dtype=torch.uint8).reshape(m, n)  # levels −½, +½
+        packed, scales = pack_bits(codes, bits), torch.ones(m, n // 128, dtype=torch.float16)
+        x = 1 + 1e-3 * torch.randn(1, n, generator=gen)
+        truth = x.double() @ (codes.double() - (half - 0.5)).T
+        y = int_matvec(x, packed, scales, m, n, bits, 128, backend="triton")
+        ref = int_matvec_reference(x, packed, scales, m, n, bits, 128)
+        err, ref_err = (float((v.double() - truth).norm() / truth.norm()) for v in (y, ref))
+        assert err <= ref_err, (bits, err, ref_err)  # FP32 sums of ±½·x that cancel: no worse than the reference
+        big = torch.zeros(1, n)
+        big[0, 0] = 5e31
+        torch.testing.assert_close(int_matvec(big, packed, scales, m, n, bits, 128, backend="triton"),
+                                   int_matvec_reference(big, packed, scales, m, n, bits, 128))
+    _, _, st, packed = _packed_mx(4, 64, seed=7)
+    for sb in (0, 255):
+        st2 = st["scales"].clone()
+        st2[:, 0] = sb
+        x = torch.randn(1, 64, generator=gen) * 1e30
+        y = int_matvec(x, packed, st2, 4, 64, 4, 32, backend="triton", element="e2m1")
+        ref = int_matvec_reference(x, packed, st2, 4, 64, 4, 32, element="e2m1")
+        assert torch.equal(y.isnan(), ref.isnan()) and (sb == 255 or torch.allclose(y, ref, rtol=1e-5)), (sb, y, ref)
+    tiny = torch.randn(2, 64, generator=gen) * 1e-37
+    ref = int_matvec_reference(tiny, packed, st["scales"], 4, 64, 4, 32, element="e2m1")
+    y = int_matvec(tiny, packed, st["scales"], 4, 64, 4, 32, backend="triton", element="e2m1")
+    assert float((y.double() - ref.double()).norm() / ref.double().norm()) < 1e-6  # (FP32 squares would underflow)
+    monkeypatch.setattr("adahop.ptq.decode.MAX_KERNEL_ROWS", 1)
+    assert torch.equal(int_matvec(tiny, packed, st["scales"], 4, 64, 4, 32, element="e2m1"), ref)
+    with pytest.raises(ValueError, match=r"cannot read these codes: 2 rows \(the kernel takes at most 1"):
+        int_matvec(tiny, packed, st["scales"], 4, 64, 4, 32, backend="triton", element="e2m1")

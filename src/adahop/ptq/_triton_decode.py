@@ -13,10 +13,10 @@ whole words holding whole codes: one word of 16 codes at 2 bits, of 8 at 4 bits,
 (two of those codes straddle a word). A tile is ``[BLOCK_M, BLOCK_U]`` units, each word loaded once. Code ``j`` of
 every unit is pulled out of the tile with constant masks and shifts, so all arithmetic stays on that one 2-D
 layout, and is multiplied with the matching strided slice ``x[u·codes + j]``. Codes become floats without an int→float
-conversion: an int code's bits masked where they lie into the mantissa of 1.0 give ``1 + c·2^(pos−23)``, minus 1
-exactly (:func:`_int_level`; the power of two goes onto ``x``); an E2M1 code's 3 magnitude bits placed in an
-FP16's exponent and mantissa are its value times 2^-14 (subnormal at exponent 0, as E2M1's).
-The int grid's level is ``c − (2^(BITS−1) − ½)``: the offset times the unit's ``Σx`` is taken off once per unit.
+conversion: an int code's bits masked where they lie into the mantissa of 1.0 give ``1 + c·2^(P−23)``, and
+a constant taken off leaves its level ``c − (2^(BITS−1) − ½)`` times ``2^(P−23)`` exactly (:func:`_int_level`; the
+power of two goes onto ``x``); an E2M1 code's 3 magnitude bits placed in an FP16's exponent and mantissa are its
+value times 2^-14 (subnormal at exponent 0, as E2M1's; the 2^14 goes onto ``x``).
 Each unit's sum is then multiplied by its group's scale (FP16, or E8M0 for MXFP4 weights: 4 bits, groups of 32),
 so the group size must be a multiple of a unit's codes. The caller guarantees that every row of ``W`` is whole
 units (``N`` a multiple of a unit's codes).
@@ -46,25 +46,24 @@ def _code(w, w_next, POS: tl.constexpr, BITS: tl.constexpr):
 
 @triton.jit
 def _int_level(w, w_next, xj, POS: tl.constexpr, BITS: tl.constexpr):
-    """``(c·2^-k, xj·2^k)`` for the int code ``c`` at bit ``POS`` of ``w``, their product ``c·xj``: the code's bits
-    masked in place into the mantissa of 1.0 (one AND-OR, ``1 + c·2^(POS−23)`` exactly) and 1.0 taken off, with
-    the power of two moved onto ``x`` (one multiply per unit, not per code). Codes above bit 22 are read from the
-    word's upper half (``w >> 16``, shared by those codes) and a code that straddles two words is shifted down."""
+    """``(level·2^-k, xj·2^k)`` for the int code ``c`` at bit ``POS`` of ``w``, whose product is ``level·xj`` with
+    ``level = c − (2^(BITS−1) − ½)``: the code's bits masked in place, at bit ``P ≥ 1`` of a shifted copy of the word
+    (``w << 1`` for the low codes, ``w >> 15`` for the high ones: two shifts a word, shared by its codes), into
+    the mantissa of 1.0, which gives ``1 + c·2^(P−23)`` exactly; the constant ``1 + (2^(BITS−1) − ½)·2^(P−23)``
+    taken off leaves the level times ``2^(P−23)`` exactly (both in [1, 2), and ``P ≥ 1`` holds the ½); the
+    power of two goes onto ``x`` (one multiply per unit, not per code). Exact for ``|x| < 2^(105+P)``."""
     MASK: tl.constexpr = (1 << BITS) - 1
-    if POS + BITS > 32:
-        v = _code(w, w_next, POS, BITS)
-        k = 23
-    elif POS + BITS <= 23:
-        v = w & (MASK << POS)
-        k = 23 - POS
-    elif POS >= 16:
-        v = (w >> 16) & (MASK << (POS - 16))
-        k = 39 - POS
-    else:
-        v = (w >> POS) & MASK
-        k = 23
-    level = (v | 0x3F800000).to(tl.float32, bitcast=True) - 1.0
-    return level, xj * (1 << k)
+    if POS + BITS > 32:  # straddles into w_next (3 bits)
+        v = _code(w, w_next, POS, BITS) << 1
+        P: tl.constexpr = 1
+    elif POS + BITS <= 22:
+        v = (w << 1) & (MASK << (POS + 1))
+        P: tl.constexpr = POS + 1
+    else:  # POS >= 19 for BITS <= 4
+        v = (w >> 15) & (MASK << (POS - 15))
+        P: tl.constexpr = POS - 15
+    level = (v | 0x3F800000).to(tl.float32, bitcast=True) - (1.0 + (MASK + 0.0) / (1 << (24 - P)))
+    return level, xj * (1 << (23 - P))
 
 
 @triton.jit
@@ -90,7 +89,6 @@ def int_matvec_kernel(x_ptr, words_ptr, scales_ptr, y_ptr, M, N, G, ROWS, TILES,
             w1 = tl.load(word_rows + (u * 3 + 1)[None, :], mask=mask, other=0).to(tl.uint32, bitcast=True)
             w2 = tl.load(word_rows + (u * 3 + 2)[None, :], mask=mask, other=0).to(tl.uint32, bitcast=True)
         part = tl.zeros([BLOCK_M, BLOCK_U], dtype=tl.float32)
-        xsum = tl.zeros([BLOCK_U], dtype=tl.float32)
         for j in tl.static_range(UNIT_CODES):
             xj = tl.load(x_row + u * UNIT_CODES + j, mask=umask, other=0.0).to(tl.float32)
             # code j's first bit in the unit is BITS·j: word BITS·j // 32, bit BITS·j % 32 (all constexpr, so
@@ -105,21 +103,24 @@ def int_matvec_kernel(x_ptr, words_ptr, scales_ptr, y_ptr, M, N, G, ROWS, TILES,
                 w_next = w1 if UNIT_WORDS == 3 else w0  # the word a straddling code (3 bits: 10 and 21) ends in
             else:
                 w_next = w2
-            if E2M1:  # magnitude bits to FP16 exponent and mantissa (value · 2^-14), sign bit to the sign
+            if E2M1:  # magnitude bits to FP16 exponent and mantissa (value · 2^-14), sign bit to the sign; the
+                # 2^14 goes onto x (a tiny x times a value·2^-14 would lose bits as a subnormal)
                 c = _code(w, w_next, (BITS * j) % 32, BITS)
                 h = ((c & 7) << 9) | ((c & 8) << 12)
-                part += h.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * xj[None, :]
+                part += h.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * (xj * 16384.0)[None, :]
             else:
                 level, xs = _int_level(w, w_next, xj, (BITS * j) % 32, BITS)
                 part += level * xs[None, :]
-                xsum += xj
         g = (u * UNIT_CODES) // GROUP
-        if E2M1:  # an E8M0 scale byte s is 2^(s − 127): s as a float32's exponent field (s = 0, 2^-127, reads 0)
-            sb = tl.load(scales_ptr + ms[:, None].to(tl.int64) * G + g[None, :], mask=mask, other=0).to(tl.int32)
-            acc += (part * 16384.0) * (sb << 23).to(tl.float32, bitcast=True)
+        if E2M1:  # an E8M0 scale byte s is 2^(s − 127): s as a float32's exponent field, but 0 (2^-127, a
+            # subnormal: two normal factors instead) and 255 (NaN)
+            sb = tl.load(scales_ptr + ms[:, None].to(tl.int64) * G + g[None, :], mask=mask, other=1).to(tl.int32)
+            scaled = tl.where(sb == 0, (part * 5.421010862427522e-20) * 1.0842021724855044e-19,
+                              part * (sb << 23).to(tl.float32, bitcast=True))
+            acc += tl.where(sb == 255, float("nan"), scaled)
         else:
             s = tl.load(scales_ptr + ms[:, None].to(tl.int64) * G + g[None, :], mask=mask, other=0.0).to(tl.float32)
-            acc += (part - ((1 << (BITS - 1)) - 0.5) * xsum[None, :]) * s
+            acc += part * s
     tl.store(y_ptr + (split * ROWS + row) * M + ms, tl.sum(acc, axis=1), mask=mmask)
 
 

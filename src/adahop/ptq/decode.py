@@ -30,6 +30,10 @@ __all__ = ["int_matvec", "int_matvec_reference", "PackedLinear", "load_packed_mo
 KERNEL_BITS = (2, 3, 4)
 """Code widths the Triton kernel reads (in units of whole bytes holding whole codes); others take the reference."""
 
+MAX_KERNEL_ROWS = 65535
+"""Rows of ``x`` the matvec kernel takes in one launch (its grid's third axis, CUDA's limit); more take the
+reference (a GEMM on the decoded weight, the right algorithm for that many rows anyway)."""
+
 MATVEC_ROWS = 8
 """Above this many rows (a prompt, not a decode step) :class:`PackedLinear` decodes its weight for the call and
 runs one GEMM: the matvec kernel reads the codes once per row."""
@@ -144,8 +148,10 @@ def int_matvec(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, m: in
 
     ``backend``: ``auto`` (the kernel where it reads the codes, :func:`_kernel_runs`: bits 2, 3 and 4 with ``n`` and
     the group size multiples of 16, 32 and 8 respectively, on CUDA or under ``TRITON_INTERPRET=1``; else the
-    reference), ``triton`` or ``reference``. Same arguments, result and errors as the reference (FP32 sums in
-    another order, split over the input dimension in a fixed way: equal to float rounding, the same every call).
+    reference; also the reference for more than :data:`MAX_KERNEL_ROWS` rows), ``triton`` or ``reference``. Same
+    arguments, result and errors as the reference (FP32 sums in another order, split over the input dimension in a
+    fixed way: equal to float rounding, the same every call), for ``|x| < 2^106`` (int codes; ``2^114`` for E2M1):
+    the kernel scales ``x`` by up to ``2^22`` (int) or ``2^14`` (E2M1) before it multiplies, and overflows beyond.
 
     ``block_m`` (outputs a program computes, a power of two) and ``per_sm`` (programs per SM the split-K aims
     at) tune the kernel's speed only (``scripts/bench_decode.py --sweep``); they change the order of the sums.
@@ -157,22 +163,24 @@ def int_matvec(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, m: in
 
     Raises:
         ValueError: as the reference; ``backend="triton"`` where the kernel does not read the codes; ``block_m``
-            not a power of two from 16 to 256, or ``per_sm`` below 1.
+            not an int power of two from 16 to 256, or ``per_sm`` not an int >= 1.
     """
     _check(x, codes, scales, m, n, bits, group_size, element)
     if backend not in ("auto", "triton", "reference"):
         raise ValueError(f"int_matvec: backend {backend!r}; use auto, triton or reference")
-    if backend == "triton" and not _kernel_runs(bits, n, group_size, x.device):
-        raise ValueError(f"int_matvec: backend='triton' cannot read these codes: {_why_not(bits, n, group_size, x.device)};"
-                         f" use backend='auto' or 'reference'")
+    runs = _kernel_runs(bits, n, group_size, x.device) and x.shape[0] <= MAX_KERNEL_ROWS
+    if backend == "triton" and not runs:
+        why = _why_not(bits, n, group_size, x.device) or (f"{x.shape[0]} rows (the kernel takes at most "
+                                                          f"{MAX_KERNEL_ROWS}: a launch grid's limit)")
+        raise ValueError(f"int_matvec: backend='triton' cannot read these codes: {why}; use backend='auto' or 'reference'")
     auto_m, auto_sm = matvec_tuning(bits, m, n)
     block_m = auto_m if block_m is None else block_m
     per_sm = auto_sm if per_sm is None else per_sm
-    if block_m not in (16, 32, 64, 128, 256):
-        raise ValueError(f"int_matvec: block_m={block_m!r} must be a power of two from 16 to 256")
-    if isinstance(per_sm, bool) or not isinstance(per_sm, int) or per_sm < 1:
+    if type(block_m) is not int or block_m not in (16, 32, 64, 128, 256):  # 16.0 or a tensor would pass `in`
+        raise ValueError(f"int_matvec: block_m={block_m!r} must be a power of two from 16 to 256 (an int)")
+    if type(per_sm) is not int or per_sm < 1:
         raise ValueError(f"int_matvec: per_sm={per_sm!r} must be an int >= 1")
-    if backend == "reference" or (backend == "auto" and not _kernel_runs(bits, n, group_size, x.device)):
+    if backend == "reference" or (backend == "auto" and not runs):
         y = int_matvec_reference(x, codes, scales, m, n, bits, group_size, element=element)
         return y if sum_splits else y[None]
     import triton
@@ -180,7 +188,7 @@ def int_matvec(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, m: in
     from ._triton_decode import int_matvec_kernel
 
     x = x.contiguous()
-    codes = codes.contiguous()
+    codes, scales = codes.to(x.device).contiguous(), scales.to(x.device)  # where x is, as the reference does
     if codes.data_ptr() % 4:  # read as 32-bit words: a view needs them aligned
         codes = codes.clone()
     rows, meta = x.shape[0], matvec_meta(bits, group_size, element, block_m)
