@@ -291,3 +291,35 @@ def test_interp_matvec_kernel_at_the_edges_of_its_range(monkeypatch):
     assert torch.equal(int_matvec(tiny, packed, st["scales"], 4, 64, 4, 32, element="e2m1"), ref)
     with pytest.raises(ValueError, match=r"cannot read these codes: 2 rows \(the kernel takes at most 1"):
         int_matvec(tiny, packed, st["scales"], 4, 64, 4, 32, backend="triton", element="e2m1")
+
+
+def test_packed_linear_state_dict_carries_its_rotations_and_drops_stale_caches(gen):
+    """load_state_dict from another layer of the same shape gives that layer's outputs: its signs and HARP Θ come
+    with its codes (they were left behind, so the outputs mixed two layers silently), and a weight decoded once
+    before the load (the CPU path) is not reused. A layer with other rotations is refused by name."""
+    def layer(seed, rot="harp"):
+        g = torch.Generator().manual_seed(seed)
+        grid, codes, st, packed = _packed(32, 64, 2, 32, seed=seed)
+        if rot == "harp":
+            u, v = HARPRotation(32), HARPRotation(64)
+            with torch.no_grad():
+                for th in [*u.thetas, *v.thetas]:
+                    th.copy_(torch.randn(th.shape, generator=g) * 0.3)
+        else:
+            u, v = RHTRotation(32), RHTRotation(64)
+        return PackedLinear(grid, {"codes": packed, **st}, TwoSided.random_signs(u, v, generator=g), (32, 64))
+
+    a, b = layer(1), layer(2)
+    x = torch.randn(3, 64, generator=gen)
+    ya, yb = a(x), b(x)  # b's weight is decoded and cached here (the CPU path)
+    assert not torch.allclose(ya, yb)
+    b.load_state_dict(a.state_dict())
+    assert torch.equal(b(x), ya)
+    b.to(torch.bfloat16)  # the rotations stay FP32: .to casts no extra state
+    assert b.transform.u.thetas[0].dtype == torch.float32 and torch.equal(b(x), ya)
+    with pytest.raises(ValueError, match=r"the state's u rotation .*\(harp\) is not this layer's .*\(RHTRotation\)"):
+        layer(3, "rht").load_state_dict(a.state_dict())
+    state = a.state_dict()
+    state["_extra_state"]["signs_in"] = state["_extra_state"]["signs_in"] * 2
+    with pytest.raises(ValueError, match="signs must be ±1 vectors of 64"):
+        b.load_state_dict(state)

@@ -23,6 +23,7 @@ from ..kernels.backend import triton_runs_on
 from .export import PACKED_FILE, load_packed
 from .grids import IntGrid, MXFP4Grid
 from .quantize import unpack_bits
+from .rotation import HARPRotation
 from .staged import apply_stages, fold_signs, merge_stages, rotation_stages
 
 __all__ = ["int_matvec", "int_matvec_reference", "PackedLinear", "load_packed_model", "ELEMENTS"]
@@ -232,11 +233,14 @@ class PackedLinear(nn.Module):
     codes at every call (for more than :data:`MATVEC_ROWS` rows it decodes the weight for that call instead);
     otherwise (the CPU, NVFP4, which no kernel of ours reads yet) the weight is decoded once per device, on first
     use (FP32). Input ``[..., n]`` of any float dtype; output ``[..., m]`` in the input's dtype.
-    ``.to(dtype)`` leaves the stored codes and scales as they are (only a bias is cast).
+    ``.to(dtype)`` leaves the stored codes and scales as they are (only a bias is cast). The ``state_dict``
+    holds the codes, the scales and, as extra state, the signs and the rotations' parameters (HARP's Θ), so a
+    ``load_state_dict`` from another layer of the same shape and rotation kinds gives that layer's outputs.
 
     Raises:
         ValueError: ``stored`` without the grid's tensors; an input whose last dim is not ``n`` or that is not
-            floating point.
+            floating point; ``load_state_dict`` of a layer with other rotations (kind, size or configuration), or
+            with signs that are not ±1.
     """
 
     def __init__(self, grid, stored: dict[str, torch.Tensor], transform, shape: tuple[int, int], bias=None):
@@ -264,6 +268,44 @@ class PackedLinear(nn.Module):
     def _apply(self, fn, recurse=True):
         self._cache.clear()  # what was derived for a device may be stale after a move or a cast
         return super()._apply(fn, recurse)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._cache.clear()  # new codes or rotations: a weight decoded once, or stages built, would be stale
+        return super()._load_from_state_dict(*args, **kwargs)
+
+    def get_extra_state(self) -> dict | None:
+        """The signs and rotations (HARP's Θ) in the ``state_dict``, beside the codes and scales: without them a
+        ``load_state_dict`` from another folder's layer would keep this layer's rotations. Not cast by ``.to``."""
+        t = self.transform
+        if t is None:
+            return None
+        return {"signs_out": t.s_out.detach().cpu().clone(), "signs_in": t.s_in.detach().cpu().clone(),
+                "u": _rotation_state(t.u), "v": _rotation_state(t.v)}
+
+    def set_extra_state(self, state) -> None:
+        mine = self.get_extra_state()
+        if (state is None) != (mine is None):
+            raise ValueError(f"PackedLinear({self.m}×{self.n}): the state is of a layer {'with' if mine is None else 'without'}"
+                             f" rotations, this one is {'without' if mine is None else 'with'}; load its folder with "
+                             f"load_packed_model instead")
+        if state is None:
+            return
+        for side in ("u", "v"):
+            if {k: v for k, v in state[side].items() if k != "thetas"} != {k: v for k, v in mine[side].items() if k != "thetas"}:
+                raise ValueError(f"PackedLinear({self.m}×{self.n}): the state's {side} rotation {state[side]['config']} "
+                                 f"({state[side]['kind']}) is not this layer's {mine[side]['config']} ({mine[side]['kind']}); "
+                                 f"load its folder with load_packed_model instead")
+        t = self.transform
+        with torch.no_grad():
+            for have, new in ((t.s_out, state["signs_out"]), (t.s_in, state["signs_in"])):
+                if new.shape != have.shape or not bool(((new == 1) | (new == -1)).all()):
+                    raise ValueError(f"PackedLinear({self.m}×{self.n}): the state's signs must be ±1 vectors of "
+                                     f"{have.shape[0]}")
+                have.copy_(new)
+            for side, r in (("u", t.u), ("v", t.v)):
+                for p, v in zip(r.thetas if isinstance(r, HARPRotation) else (), state[side].get("thetas", ())):
+                    p.copy_(v)
+        self._cache.clear()
 
     def _weight(self) -> torch.Tensor:
         """``Q``, the quantized weight decoded from the codes (float32 ``[m, n]``, on the codes' device)."""
@@ -317,6 +359,14 @@ class PackedLinear(nn.Module):
     def extra_repr(self) -> str:
         rot = "none" if self.transform is None else type(self.transform.u).__name__
         return f"{self.m}×{self.n}, {self.grid.name} {self.grid.bits}-bit, rotation {rot}"
+
+
+def _rotation_state(r) -> dict:
+    """A rotation's kind, configuration and (HARP) Θ, for :meth:`PackedLinear.get_extra_state`."""
+    if isinstance(r, HARPRotation):
+        return {"kind": "harp", "config": {k: getattr(r, k) for k in ("d", "radix", "max_radix", "passes", "mixer", "seed")},
+                "thetas": [th.detach().cpu().clone() for th in r.thetas]}
+    return {"kind": type(r).__name__, "config": {"d": r.d, "block": getattr(r, "block", None)}}
 
 
 def load_packed_model(folder: str | Path, *, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"):
