@@ -23,7 +23,7 @@ from compile_census import compile_one, specialize  # noqa: E402
 
 import triton  # noqa: E402
 from adahop.models import PRESETS  # noqa: E402
-from adahop.ptq.decode import _splits, matvec_meta  # noqa: E402
+from adahop.ptq.decode import matvec_launch  # noqa: E402
 from adahop.ptq.incoherence import RHTRotation  # noqa: E402
 from adahop.ptq.rotation import HARPRotation  # noqa: E402
 from adahop.ptq.staged import merge_stages, rotation_stages, stage_meta  # noqa: E402
@@ -43,13 +43,12 @@ def launches(model: str):
         # the int grid at 2, 3 and 4 bits (groups of 128); MXFP4 (E2M1 codes, E8M0 scales, groups of 32)
         for bits, group, e2m1 in ((2, 128, False), (3, 128, False), (4, 128, False), (4, 32, True)):
             for bm in (32, 64, 128):
-                meta, g = matvec_meta(bits, group, "e2m1" if e2m1 else "int", bm), -(-n // group)
-                tiles = triton.cdiv(n // meta["UNIT_CODES"], meta["BLOCK_U"])
-                sp = _splits(m, tiles, H100_SMS, bm, 8)
+                g = -(-n // group)
+                meta, sp, per_split = matvec_launch(m, n, bits, group, "e2m1" if e2m1 else "int", bm, 8, H100_SMS)
                 out.append((f"int_matvec {m}x{n} {'MXFP4' if e2m1 else f'W{bits}'} block_m {bm}", int_matvec_kernel, dict(
                     x_ptr=_meta(1, n, dtype=torch.bfloat16), words_ptr=_meta(m * n * bits // 32, dtype=torch.int32),
                     scales_ptr=_meta(m, g, dtype=torch.uint8 if e2m1 else torch.float16),
-                    y_ptr=_meta(sp, 1, m, dtype=torch.float32), M=m, N=n, G=g, ROWS=1, TILES=triton.cdiv(tiles, sp),
+                    y_ptr=_meta(sp, 1, m, dtype=torch.float32), M=m, N=n, G=g, ROWS=1, TILES=per_split,
                     ROW_WORDS=n * bits // 32, **meta)))
     for d in sorted(dims):
         for r in (HARPRotation(d), RHTRotation(d)):

@@ -73,7 +73,6 @@ def int_matvec_kernel(x_ptr, words_ptr, scales_ptr, y_ptr, M, N, G, ROWS, TILES,
     pid_m = tl.program_id(0)
     split = tl.program_id(1)
     row = tl.program_id(2).to(tl.int64)
-    MASK: tl.constexpr = (1 << BITS) - 1
     ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     mmask = ms < M
     units = N // UNIT_CODES
@@ -93,16 +92,13 @@ def int_matvec_kernel(x_ptr, words_ptr, scales_ptr, y_ptr, M, N, G, ROWS, TILES,
             xj = tl.load(x_row + u * UNIT_CODES + j, mask=umask, other=0.0).to(tl.float32)
             # code j's first bit in the unit is BITS·j: word BITS·j // 32, bit BITS·j % 32 (all constexpr, so
             # each unrolled j keeps only its own branch)
+            # (w_next: the word a straddling code, 3 bits' 10 and 21, ends in)
             if (BITS * j) // 32 == 0:
-                w = w0
+                w, w_next = w0, (w1 if UNIT_WORDS == 3 else w0)
             elif (BITS * j) // 32 == 1:
-                w = w1
+                w, w_next = w1, w2
             else:
-                w = w2
-            if (BITS * j) // 32 == 0:
-                w_next = w1 if UNIT_WORDS == 3 else w0  # the word a straddling code (3 bits: 10 and 21) ends in
-            else:
-                w_next = w2
+                w, w_next = w2, w2
             if E2M1:  # magnitude bits to FP16 exponent and mantissa (value · 2^-14), sign bit to the sign; the
                 # 2^14 goes onto x (a tiny x times a value·2^-14 would lose bits as a subnormal)
                 c = _code(w, w_next, (BITS * j) % 32, BITS)
@@ -111,16 +107,15 @@ def int_matvec_kernel(x_ptr, words_ptr, scales_ptr, y_ptr, M, N, G, ROWS, TILES,
             else:
                 level, xs = _int_level(w, w_next, xj, (BITS * j) % 32, BITS)
                 part += level * xs[None, :]
-        g = (u * UNIT_CODES) // GROUP
+        scale_ptrs = scales_ptr + ms[:, None].to(tl.int64) * G + ((u * UNIT_CODES) // GROUP)[None, :]
         if E2M1:  # an E8M0 scale byte s is 2^(s − 127): s as a float32's exponent field, but 0 (2^-127, a
             # subnormal: two normal factors instead) and 255 (NaN)
-            sb = tl.load(scales_ptr + ms[:, None].to(tl.int64) * G + g[None, :], mask=mask, other=1).to(tl.int32)
+            sb = tl.load(scale_ptrs, mask=mask, other=1).to(tl.int32)
             scaled = tl.where(sb == 0, (part * 5.421010862427522e-20) * 1.0842021724855044e-19,
                               part * (sb << 23).to(tl.float32, bitcast=True))
             acc += tl.where(sb == 255, float("nan"), scaled)
         else:
-            s = tl.load(scales_ptr + ms[:, None].to(tl.int64) * G + g[None, :], mask=mask, other=0.0).to(tl.float32)
-            acc += part * s
+            acc += part * tl.load(scale_ptrs, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + (split * ROWS + row) * M + ms, tl.sum(acc, axis=1), mask=mmask)
 
 

@@ -192,12 +192,11 @@ def int_matvec(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, m: in
     codes, scales = codes.to(x.device).contiguous(), scales.to(x.device)  # where x is, as the reference does
     if codes.data_ptr() % 4:  # read as 32-bit words: a view needs them aligned
         codes = codes.clone()
-    rows, meta = x.shape[0], matvec_meta(bits, group_size, element, block_m)
-    tiles = triton.cdiv(n // meta["UNIT_CODES"], meta["BLOCK_U"])
-    splits = _splits(m, tiles, _sms(x.device), block_m, per_sm)
+    rows = x.shape[0]
+    meta, splits, tiles_per_split = matvec_launch(m, n, bits, group_size, element, block_m, per_sm, _sms(x.device))
     y = torch.empty(splits, rows, m, dtype=torch.float32, device=x.device)
     int_matvec_kernel[(triton.cdiv(m, block_m), splits, rows)](
-        x, codes.view(torch.int32), scales.contiguous(), y, m, n, scales.shape[1], rows, triton.cdiv(tiles, splits),
+        x, codes.view(torch.int32), scales.contiguous(), y, m, n, scales.shape[1], rows, tiles_per_split,
         n * bits // 32, **meta)
     return y if not sum_splits else y[0] if splits == 1 else y.sum(0)
 
@@ -208,6 +207,16 @@ def matvec_tuning(bits: int, m: int, n: int) -> tuple[int, int]:
     bits (4096 × 4096 W2: 10.8 µs against 12.4 at 64 × 8), else 32 and 8 (3 bits: three words a unit; and small
     layers, where more programs hide more latency)."""
     return (128, 16) if bits != 3 and m * n >= 1 << 22 else (32, 8)
+
+
+def matvec_launch(m: int, n: int, bits: int, group_size: int, element: str, block_m: int, per_sm: int,
+                  sms: int) -> tuple[dict, int, int]:
+    """The matvec kernel's compile-time arguments (:func:`matvec_meta`), its split-K count (:func:`_splits`) and
+    tiles per split, for ``sms`` SMs."""
+    meta = matvec_meta(bits, group_size, element, block_m)
+    tiles = -(-(n // meta["UNIT_CODES"]) // meta["BLOCK_U"])
+    splits = _splits(m, tiles, sms, block_m, per_sm)
+    return meta, splits, -(-tiles // splits)
 
 
 def matvec_meta(bits: int, group_size: int, element: str, block_m: int) -> dict:
@@ -283,19 +292,19 @@ class PackedLinear(nn.Module):
                 "u": _rotation_state(t.u), "v": _rotation_state(t.v)}
 
     def set_extra_state(self, state) -> None:
-        mine = self.get_extra_state()
-        if (state is None) != (mine is None):
-            raise ValueError(f"PackedLinear({self.m}×{self.n}): the state is of a layer {'with' if mine is None else 'without'}"
-                             f" rotations, this one is {'without' if mine is None else 'with'}; load its folder with "
+        t = self.transform
+        if (state is None) != (t is None):
+            raise ValueError(f"PackedLinear({self.m}×{self.n}): the state is of a layer {'with' if t is None else 'without'}"
+                             f" rotations, this one is {'without' if t is None else 'with'}; load its folder with "
                              f"load_packed_model instead")
         if state is None:
             return
-        for side in ("u", "v"):
-            if {k: v for k, v in state[side].items() if k != "thetas"} != {k: v for k, v in mine[side].items() if k != "thetas"}:
+        for side, r in (("u", t.u), ("v", t.v)):
+            kind, config = _rotation_config(r)
+            if (state[side]["kind"], state[side]["config"]) != (kind, config):
                 raise ValueError(f"PackedLinear({self.m}×{self.n}): the state's {side} rotation {state[side]['config']} "
-                                 f"({state[side]['kind']}) is not this layer's {mine[side]['config']} ({mine[side]['kind']}); "
+                                 f"({state[side]['kind']}) is not this layer's {config} ({kind}); "
                                  f"load its folder with load_packed_model instead")
-        t = self.transform
         with torch.no_grad():
             for have, new in ((t.s_out, state["signs_out"]), (t.s_in, state["signs_in"])):
                 if new.shape != have.shape or not bool(((new == 1) | (new == -1)).all()):
@@ -361,12 +370,18 @@ class PackedLinear(nn.Module):
         return f"{self.m}×{self.n}, {self.grid.name} {self.grid.bits}-bit, rotation {rot}"
 
 
+def _rotation_config(r) -> tuple[str, dict]:
+    """A rotation's kind and the configuration that, with its Θ, determines it."""
+    if isinstance(r, HARPRotation):
+        return "harp", {k: getattr(r, k) for k in ("d", "radix", "max_radix", "passes", "mixer", "seed")}
+    return type(r).__name__, {"d": r.d, "block": getattr(r, "block", None)}
+
+
 def _rotation_state(r) -> dict:
     """A rotation's kind, configuration and (HARP) Θ, for :meth:`PackedLinear.get_extra_state`."""
-    if isinstance(r, HARPRotation):
-        return {"kind": "harp", "config": {k: getattr(r, k) for k in ("d", "radix", "max_radix", "passes", "mixer", "seed")},
-                "thetas": [th.detach().cpu().clone() for th in r.thetas]}
-    return {"kind": type(r).__name__, "config": {"d": r.d, "block": getattr(r, "block", None)}}
+    kind, config = _rotation_config(r)
+    thetas = {"thetas": [th.detach().cpu().clone() for th in r.thetas]} if isinstance(r, HARPRotation) else {}
+    return {"kind": kind, "config": config, **thetas}
 
 
 def load_packed_model(folder: str | Path, *, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"):
