@@ -212,7 +212,8 @@ def matvec_tuning(bits: int, m: int, n: int) -> tuple[int, int]:
 def matvec_launch(m: int, n: int, bits: int, group_size: int, element: str, block_m: int, per_sm: int,
                   sms: int) -> tuple[dict, int, int]:
     """The matvec kernel's compile-time arguments (:func:`matvec_meta`), its split-K count (:func:`_splits`) and
-    tiles per split, for ``sms`` SMs."""
+    tiles per split, for ``sms`` SMs. Ints in, no checks: for arguments :func:`int_matvec` has validated and
+    :func:`_kernel_runs` accepts."""
     meta = matvec_meta(bits, group_size, element, block_m)
     tiles = -(-(n // meta["UNIT_CODES"]) // meta["BLOCK_U"])
     splits = _splits(m, tiles, sms, block_m, per_sm)
@@ -292,6 +293,11 @@ class PackedLinear(nn.Module):
                 "u": _rotation_state(t.u), "v": _rotation_state(t.v)}
 
     def set_extra_state(self, state) -> None:
+        """Copy :meth:`get_extra_state`'s signs and Θ into this layer's rotations (in place) and drop its caches.
+
+        Raises:
+            ValueError: a state with rotations for a layer without (or the reverse), rotations of another kind,
+                size or configuration, or signs that are not ±1 vectors of this layer's sizes."""
         t = self.transform
         if (state is None) != (t is None):
             raise ValueError(f"PackedLinear({self.m}×{self.n}): the state is of a layer {'with' if t is None else 'without'}"
