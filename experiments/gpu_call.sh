@@ -127,6 +127,8 @@
 #      (bf16, mxfp4, adahop-lv2; auto), then 4 blocks of Llama-3.1-8B 4096 x 2 (same). Rows merge into $OUT/benchmarks.json
 #   r24m (issue 18, one GPU): the peak-memory row, Llama-3.2-1B 4096 x 8 (bf16, mxfp4, adahop-lv2): eager with
 #      bench model --max-batch MAXB (default 16), then compiled; rows in $OUT/benchmarks.json
+#   r27s (issue 18, one GPU): llama-125m 1024 x 16 with --bf16-small-gemms (bf16, mxfp4, adahop-lv2; auto), then torchao's
+#      float8 rowwise and tensorwise beside BF16 at llama-350m 1024 x 16 and Llama-3.2-1B 4096 x 4 (auto)
 #   r21a (issue 18, one GPU): where the 8B-shaped model's first compile goes (round 20: mxfp4's did not finish in ~260 s;
 #      scripts/compile_census.py puts adahop's Triton kernels at ~12 s of it): scripts/bench_compile.py --phases cold for
 #      mxfp4 and adahop-lv2 at 4 blocks of Llama-3.1-8B, 4096 x 2, each alone with empty caches (COLD_TIMEOUT s each,
@@ -451,6 +453,18 @@ if [ "$STAGE" = r24m ]; then  # issue 18's memory row: Llama-3.2-1B at 4096 x 8,
   grep -E "^row:" $OUT/bench_1b_mem_eager.log | python3 -c "import json, sys; [print({k: json.loads(l[4:]).get(k) for k in ('recipe', 'mode', 'tok_per_s', 'peak_mem_gib', 'largest_batch', 'batches_tried', 'error')}) for l in sys.stdin]"
   timeout $(( ${LIM:-570} - $(el) )) $BM --modes compiled > $OUT/bench_1b_mem_compiled.log 2>&1; echo "1b compiled: exit $? at $(el) s"
   grep -E "^row:" $OUT/bench_1b_mem_compiled.log | python3 -c "import json, sys; [print({k: json.loads(l[4:]).get(k) for k in ('recipe', 'mode', 'tok_per_s', 'peak_mem_gib', 'error')}) for l in sys.stdin]"
+  echo "stage $STAGE done at $(el) s"; exit 0
+fi
+if [ "$STAGE" = r27s ]; then  # issue 18: the small-GEMM rule's first GPU rows, and torchao's float8 beside BF16 at 350m and 1B
+  export CUDA_VISIBLE_DEVICES=0
+  BM="python3 -m adahop bench model --modes auto --json $OUT/benchmarks.json"
+  timeout 200 $BM --model llama-125m --seq-len 1024 --batch-size 16 --recipes bf16,mxfp4,adahop-lv2 --bf16-small-gemms \
+    > $OUT/bench_125m_small.log 2>&1; echo "125m small gemms: exit $? at $(el) s"; tail -5 $OUT/bench_125m_small.log | cut -c1-400
+  timeout 170 $BM --model llama-350m --seq-len 1024 --batch-size 16 --recipes bf16,torchao-fp8-rowwise,torchao-fp8-tensorwise \
+    > $OUT/bench_350m_ao.log 2>&1; echo "350m torchao: exit $? at $(el) s"; tail -5 $OUT/bench_350m_ao.log | cut -c1-400
+  timeout $(( ${LIM:-570} - $(el) )) $BM --model llama3.2-1b --seq-len 4096 --batch-size 4 \
+    --recipes bf16,torchao-fp8-rowwise,torchao-fp8-tensorwise > $OUT/bench_1b_ao.log 2>&1
+  echo "1b torchao: exit $? at $(el) s"; tail -5 $OUT/bench_1b_ao.log | cut -c1-400
   echo "stage $STAGE done at $(el) s"; exit 0
 fi
 if [ "$STAGE" = r21a ]; then  # issue 18: the 8B-shaped cold compile, with stack samples of the stuck child
