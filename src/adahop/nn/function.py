@@ -69,19 +69,30 @@ def _field_names(tp: type) -> tuple[str, ...]:
     return names
 
 
+_ATOMS = frozenset((type(None), bool, int, float, str, torch.dtype))
+"""Types :func:`_map` keeps as they are without calling ``fn``: no tensor hides in them."""
+
+
 def _map(obj, fn):
-    """``obj`` rebuilt through its tuples, lists and dataclasses (copies), ``fn`` applied to every other value."""
+    """``obj`` rebuilt through its tuples, lists and dataclasses (copies), ``fn`` applied to every other
+    value but atoms (:data:`_ATOMS`, kept as they are)."""
     if isinstance(obj, tuple):
         return tuple(_map(v, fn) for v in obj)
     if isinstance(obj, list):
         return [_map(v, fn) for v in obj]
     names = _field_names(type(obj))
     if names:
-        new = copy.copy(obj)
+        if hasattr(obj, "__dict__"):  # a plain dataclass: a quicker shallow copy than copy.copy's
+            new = object.__new__(type(obj))
+            new.__dict__.update(obj.__dict__)
+        else:
+            new = copy.copy(obj)
         for name in names:
-            object.__setattr__(new, name, _map(getattr(obj, name), fn))
+            v = getattr(obj, name)
+            if type(v) not in _ATOMS:  # most fields are None or ints: skipping the call halves the eager host time here
+                object.__setattr__(new, name, _map(v, fn))
         return new
-    return fn(obj)
+    return obj if type(obj) in _ATOMS else fn(obj)
 
 
 def flatten(obj, leaves: list):
