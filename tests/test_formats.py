@@ -515,16 +515,37 @@ def test_every_axis_of_a_3d_tensor(fmt, axis, gen):
 def test_dtypes(fmt, dtype, gen):
     x = torch.randn(6, 80, generator=gen).to(dtype)
     q = quantize(x, fmt)
-    ref = quantize(x.float(), fmt)  # float16/bfloat16 -> float32 is exact
-    if dtype != torch.float64:
-        assert torch.equal(q.codes, ref.codes)
-        assert torch.equal(q.scales.view(torch.uint8), ref.scales.view(torch.uint8))
+    ref = quantize(x.float(), fmt)  # float16/bfloat16 -> float32 is exact; float64 is rounded (documented)
+    assert torch.equal(q.codes, ref.codes)
+    assert torch.equal(q.scales.view(torch.uint8), ref.scales.view(torch.uint8))
     out = q.dequantize(dtype)
     assert out.dtype == dtype and out.shape == x.shape
     assert torch.equal(out, q.dequantize().to(dtype))
     assert torch.equal(fake_quantize(x, fmt), out)
     if fmt == "mxfp4":
         assert_within_half_step(x.float(), quantize_mxfp4(x, scale_rule="ceil"))
+
+
+def test_float64_is_rounded_to_float32_before_the_format():
+    # values float32 cannot hold: the documented rule takes amax and ties from their float32 roundings
+    xd = torch.tensor([[4.0, 0.25 + 1e-12, 0.75 - 1e-12, 2.5 + 1e-9] + [0.0] * 28], dtype=torch.float64)
+    q = quantize_mxfp4(xd)
+    assert q.dequantize(torch.float64)[0, :4].tolist() == [4.0, 0.0, 1.0, 2.0]  # ties of the float32 values, to even
+    x8 = torch.tensor([[8 - 1e-10] + [1.0] * 31], dtype=torch.float64)  # 8.0 in float32: the next binade's scale
+    assert quantize_mxfp4(x8).dequantize(torch.float64)[0, 0].item() == 8.0
+
+
+@pytest.mark.parametrize("rule, edge, exp", [("ceil", 1.75, 126), ("adahop", 1.75, 126), ("tseng", 1.6667, 125)])
+def test_amax_near_float32_max_rounds_to_2_pow_128(rule, edge, exp):
+    # documented in quantize_mxfp4: 2^126 x 4 (tseng: 2^125 x 6 x 4/3) is an MXFP4 value float32 cannot hold
+    below, at = torch.zeros(2, 32), torch.zeros(2, 32)
+    below[0, 0], at[0, 0] = 0.99 * edge * 2.0**127, edge * 2.0**127
+    assert torch.isfinite(quantize_mxfp4(below, scale_rule=rule).dequantize()).all()
+    q = quantize_mxfp4(at, scale_rule=rule)
+    assert int(q.scales[0, 0]) == exp + 127 and torch.isinf(q.dequantize()[0, 0])
+    big = torch.zeros(1, 32)
+    big[0, 0] = torch.finfo(torch.float32).max
+    assert torch.isfinite(quantize_mxfp4(big, scale_rule="floor").dequantize()).all()  # floor clips instead
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -163,7 +163,9 @@ def quantize_mxfp4(
     """Quantize ``x`` to MXFP4 with blocks of ``block_size`` along ``axis``.
 
     Args:
-        x: float32, float16, bfloat16 or float64 tensor of any rank ≥ 1, on any device.
+        x: float32, float16, bfloat16 or float64 tensor of any rank ≥ 1, on any device. A float64 ``x``
+            is rounded to float32 first: amaxes, scales and ties are those of its float32 values, as in the
+            fused kernels.
         axis: the blocked axis (the GEMM's contracted dimension). A length that is not a multiple
             of ``block_size`` is zero-padded per row; a block never spans two rows.
         block_size: elements per E8M0 scale, an even number (32 for MXFP4).
@@ -177,7 +179,10 @@ def quantize_mxfp4(
             fold exactly into FP8 E4M3 with one FP32 scale per row (`DESIGN.md` §3).
 
     Returns:
-        An :class:`MXTensor`. A block holding NaN or ±Inf gets scale code 255 and decodes to NaN.
+        An :class:`MXTensor`. A block holding NaN or ±Inf gets scale code 255 and decodes to NaN. A finite
+        block with amax ≥ 1.75·2^127 (``ceil``, ``adahop``) or ≥ 1.667·2^127 (``tseng``) can round up to
+        2^128: an MXFP4 value (2^126 × 4; ``tseng``: 2^125 × 6 × 4/3), but not a float32, so it dequantizes to
+        inf.
 
     Raises:
         TypeError: ``x`` is not a floating-point tensor (integer, bool, complex).

@@ -100,7 +100,7 @@ def quantize_nvfp4(
     """Quantize ``x`` to NVFP4 with blocks of 16 along ``axis`` (or 16×16 tiles).
 
     Args:
-        x: float32/float16/bfloat16/float64 tensor; 2-D when ``tile_2d``.
+        x: float32/float16/bfloat16/float64 tensor (float64 is rounded to float32 first); 2-D when ``tile_2d``.
         axis: blocked axis (the GEMM's contracted dimension); zero-padded per row to 16.
         rounding: ``"nearest"`` (half-to-even) or ``"stochastic"``. Under stochastic rounding the
             block scale is rounded *up* to E4M3 so the block maximum never exceeds 6 and nothing
