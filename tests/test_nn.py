@@ -278,11 +278,13 @@ def test_an_evaluation_leaves_the_next_training_step_unchanged(recipe, mode):
     assert out is not None and out.requires_grad is False and torch.isfinite(out).all()
 
 
-def _grads_checkpointed(recipe: str, checkpoint: str | None, micro: int = 2, shared: bool = False):
+def _grads_checkpointed(recipe: str, checkpoint: str | None, micro: int = 2, shared: bool = False,
+                        forwards_first: bool = False):
     """Loss and gradients of a two-block MLP over ``micro`` micro-batches of one optimizer step,
     each block one region of ``torch.utils.checkpoint`` when ``checkpoint`` is ``"non-reentrant"``
     (as ``gradient_checkpointing_enable()`` of transformers 5 does it) or ``"reentrant"`` (its
-    default before 5); ``shared``: one block applied twice, each use its own region."""
+    default before 5); ``shared``: one block applied twice, each use its own region;
+    ``forwards_first``: every micro-batch's forward, then their backwards in the same order."""
     from torch.utils.checkpoint import checkpoint as ckpt
 
     torch.manual_seed(0)
@@ -295,9 +297,12 @@ def _grads_checkpointed(recipe: str, checkpoint: str | None, micro: int = 2, sha
         for b in ([blocks[0]] * 2 if shared else blocks):
             h = ckpt(b, h, use_reentrant=checkpoint == "reentrant") if checkpoint else b(h)
         loss = h.square().mean()
+        if not forwards_first:
+            loss.backward()
+        losses.append(loss)
+    for loss in losses if forwards_first else ():
         loss.backward()
-        losses.append(loss.item())
-    return losses, [p.grad.clone() for p in blocks.parameters() if p.grad is not None]
+    return [v.item() for v in losses], [p.grad.clone() for p in blocks.parameters() if p.grad is not None]
 
 
 @pytest.mark.parametrize("checkpoint", ["non-reentrant", "reentrant"])
@@ -316,6 +321,20 @@ def test_gradient_checkpointing_recomputes_the_forward_with_its_own_random_bits(
     for a, b in zip(plain, ck):
         assert torch.equal(a, b), f"{recipe}: max |Δgrad| {(a - b).abs().max().item():.3g}"
     assert _grads_checkpointed(recipe, None, micro=1)[1][0].ne(plain[0]).any()  # the 2nd micro-batch counts
+
+
+@pytest.mark.parametrize("checkpoint", ["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("recipe", ["averis", "quartet"])
+def test_two_forwards_then_their_backwards_recompute_each_with_its_bits(recipe, checkpoint):
+    """Two micro-batches' forwards, then the first loss's backward: its recomputes took the latest
+    queued call's bits (the second forward's), so the gradients were 27-80% away from the same step
+    without checkpointing, silently. A recompute now takes the call of the graph its backward reaches."""
+    plain_loss, plain = _grads_checkpointed(recipe, None, forwards_first=True)
+    ck_loss, ck = _grads_checkpointed(recipe, checkpoint, forwards_first=True)
+    assert ck_loss == plain_loss and len(ck) == len(plain) == 8
+    for a, b in zip(plain, ck):
+        assert torch.equal(a, b), f"{recipe}: max |Δgrad| {(a - b).abs().max().item():.3g}"
+    assert all(torch.equal(a, b) for a, b in zip(plain, _grads_checkpointed(recipe, None)[1]))  # the order is no number
 
 
 @pytest.mark.parametrize("checkpoint", ["non-reentrant", "reentrant"])

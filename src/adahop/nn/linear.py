@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import collections
+import sys
 import warnings
 import weakref
 
@@ -49,6 +51,61 @@ def _runs_again() -> bool:
     ``torch.inference_mode`` turns both off as well, and is an evaluation: never a rerun."""
     return (not torch.is_grad_enabled() and not torch._C._is_fwd_grad_enabled()
             and not torch.is_inference_mode_enabled())
+
+
+class _Reach:
+    """The autograd nodes reachable from ``start`` through ``next_functions``, found lazily (breadth
+    first) and kept: every converted layer that one checkpointed region recomputes asks from the
+    same node (the one whose saved tensors backward was unpacking), so the walk is shared."""
+
+    def __init__(self, start):
+        self.start, self.seen, self.frontier = start, {id(start)}, collections.deque([start])
+
+    def has(self, node) -> bool:
+        key = id(node)
+        while key not in self.seen and self.frontier:
+            for nxt, _ in self.frontier.popleft().next_functions:
+                if nxt is not None and id(nxt) not in self.seen:
+                    self.seen.add(id(nxt))
+                    self.frontier.append(nxt)
+        return key in self.seen
+
+
+def _enclosing_function_node():
+    """The autograd node of the ``autograd.Function`` whose ``forward`` runs the caller (its ``ctx``, found on
+    the Python stack), or None: for a reentrant checkpoint's no-grad forward, that is the node whose
+    backward will recompute it (torch's ``CheckpointFunction``, and those built like it)."""
+    f = sys._getframe(2)
+    while f is not None:
+        code = f.f_code
+        if code.co_name == "forward" and "ctx" in code.co_varnames[:code.co_argcount]:
+            ctx = f.f_locals.get("ctx")
+            if isinstance(ctx, torch.autograd.function.BackwardCFunction):
+                return ctx
+        f = f.f_back
+    return None
+
+
+_REACH: list = [None]  # the last recompute's _Reach (node wrappers only: backward has freed their saved tensors)
+
+
+def _recomputed(queue: list) -> int:
+    """The position in ``queue`` (``[call, weakref to the forward's autograd node or None]`` entries, in
+    call order) of the forward that the running backward recomputes: the latest whose node the
+    backward reaches from the node it runs now. Forwards of a graph this backward does not reach
+    (a later forward whose backward comes later) are passed over. An entry without a node (a
+    reentrant checkpoint's no-grad forward) is taken as the latest, as are all when torch cannot
+    say which node runs."""
+    current = torch._C._current_autograd_node()
+    if current is None or len(queue) == 1:
+        return len(queue) - 1
+    if _REACH[0] is None or _REACH[0].start is not current:
+        _REACH[0] = _Reach(current)
+    for i in range(len(queue) - 1, -1, -1):
+        node = None if queue[i][1] is None else queue[i][1]()
+        if queue[i][1] is None or (node is not None and _REACH[0].has(node)):
+            return i
+    return len(queue) - 1
 
 
 class Controller:
@@ -214,7 +271,7 @@ class LowPrecisionLinear(nn.Linear):
         # a layer with all three so is an exact nn.Linear, as the recipe's BF16 edge layers are
         new.small_bf16 = () if force_bf16 else recipe.small_bf16_gemms(mod.in_features, mod.out_features)
         new.controller, new.force_bf16 = controller, force_bf16 or len(new.small_bf16) == len(GEMMS)
-        new.saved_bytes, new.patterns, new._calls = 0, {}, {}
+        new.saved_bytes, new.patterns, new._calls, new._unbound = 0, {}, {}, []
         new._specs = None
         controller.register(new)
         controller.place_sign_seed(new.weight.device)
@@ -222,9 +279,17 @@ class LowPrecisionLinear(nn.Linear):
         new.resolve_specs()
         return new
 
+    def __getstate__(self) -> dict:
+        # the queued forwards' autograd nodes belong to this process's graph (and weak references do not pickle)
+        state = self.__dict__.copy()
+        state["_calls"] = {k: [v[0], [[c, None] for c, _ in v[1]]] for k, v in self._calls.items()}
+        state["_unbound"] = []
+        return state
+
     def __setstate__(self, state: dict) -> None:
         # restored by copy.deepcopy or pickle: join the (copied) controller, which does not copy its
         # weak references to the original's layers
+        state.setdefault("_unbound", [])
         super().__setstate__(state)
         self.controller.register(self)
         opaque.register(self)
@@ -326,7 +391,9 @@ class LowPrecisionLinear(nn.Linear):
         the forward it recomputes, so checkpointing leaves every number as it was. That holds for
         ``use_reentrant=False`` and ``True`` (and other checkpoints built as an autograd.Function:
         their first forward is a training call, see :meth:`_forward_only`); ``rerun`` marks such a
-        forward (a no-grad forward that backward runs again).
+        forward (a no-grad forward that backward runs again). Several forwards may wait for their
+        backwards (micro-batches run forward first): a recompute takes the one whose autograd graph
+        the running backward reaches (:func:`_recomputed`).
 
         Raises:
             RuntimeError: a forward of this layer runs inside backward with no forward of this
@@ -356,13 +423,16 @@ class LowPrecisionLinear(nn.Linear):
             return None
         step = self.controller.step
         self._calls = {k: v for k, v in self._calls.items() if k[0] == step}
-        issued = self._calls.setdefault((step, gemm, stream), [0, []])  # [calls so far, indices of forwards not yet recomputed]
+        # [calls so far, [call, its forward's autograd node or None] of the forwards not yet recomputed]
+        issued = self._calls.setdefault((step, gemm, stream), [0, []])
         in_backward = torch._C._current_graph_task_id() != -1
         if stream == "eval" or not in_backward:  # a new call; a training one may be recomputed later
             call = issued[0]
             issued[0] += 1
             if stream == "train":
-                issued[1].append(call)
+                entry = [call, None]
+                issued[1].append(entry)
+                self._unbound.append(entry)  # _forward gives it the output's autograd node
             return call
         if not issued[1]:
             raise RuntimeError(
@@ -371,10 +441,12 @@ class LowPrecisionLinear(nn.Linear):
                 "each forward once per backward: use checkpoint(..., use_reentrant=False) (or use_reentrant=True) "
                 "without nesting one kind in the other, one backward per forward (no retain_graph through a "
                 "checkpointed region), and call adahop.on_step only after the step's backward")
-        # torch.utils.checkpoint recomputing a forward of this step, the latest one first, as backward
-        # visits them. A reentrant checkpoint's no-grad forward run inside such a recompute (nested
-        # checkpoints) runs once more, at its own recompute, which then takes the index
-        return issued[1][-1] if rerun else issued[1].pop()
+        # torch.utils.checkpoint recomputing a forward of this step: the latest one this backward reaches
+        # (_recomputed), as backward visits them. A reentrant checkpoint's no-grad forward run inside such a
+        # recompute (nested checkpoints) runs once more, at its own recompute, which then takes the index
+        if rerun:
+            return issued[1][-1][0]
+        return issued[1].pop(_recomputed(issued[1]))[0]
 
     def observe(self, tensor: str, t: torch.Tensor) -> None:
         """During calibration, record the pattern of ``tensor`` ("x" [T,K], "w" [N,K] or "dy" [T,N])."""
@@ -420,7 +492,11 @@ class LowPrecisionLinear(nn.Linear):
                 if self._compiled_opaque():  # the layer as two ops, not its traced GEMMs (adahop.nn.opaque)
                     y = opaque.lp_linear(self, x2, dtype, self._sign_seed(GEMMS))
                 else:
+                    self._unbound.clear()
                     y = LowPrecisionLinearFn.apply(x2, self.weight, self.bias, self, dtype, self._sign_seed(GEMMS))
+                    for entry in self._unbound:  # what a checkpoint's recompute of this call finds it by (_recomputed)
+                        entry[1] = weakref.ref(y.grad_fn) if y.grad_fn is not None else None
+                    self._unbound.clear()
             else:
                 y = self._forward_only(x2, dtype)
         if x.ndim == 2:
@@ -453,12 +529,17 @@ class LowPrecisionLinear(nn.Linear):
         spec = None if specs is None else specs["fprop"]
         rerun = _runs_again() if spec is not None and not torch.compiler.is_compiling() else False
         stream = "train" if rerun or torch.is_grad_enabled() else "eval"
+        self._unbound.clear()
         gen = None if spec is None else self.generator("fprop", stream=stream, rerun=rerun)
         if rerun:
             # its recompute draws the saved operands' bits: reserve the calls this forward would have
             # made, so that it takes theirs (as a non-reentrant recompute does) and plain runs match
             self._call_index("wgrad", "train", rerun)
             self._call_index("dgrad", "train", rerun)
+            node = _enclosing_function_node() if self._unbound else None
+            for entry in self._unbound:  # the checkpoint's node, whose backward recomputes this call (_recomputed)
+                entry[1] = None if node is None else weakref.ref(node)
+        self._unbound.clear()
         seed = None if spec is None else self._sign_seed(("fprop",))
         return fprop(x2, self.weight.to(dtype), self.bias, spec, gen, self.backend, dtype, seed, salt(self, "fprop"))
 
