@@ -25,6 +25,18 @@ def test_oe_indices_exact_is_topk_of_full_norm_and_foid_of_the_prefix():
     assert oe_indices(t.t(), 0, 5, prefix=64).tolist() == oe_indices(t, 1, 5, prefix=64).tolist()
 
 
+def test_oe_takes_float64_operands():
+    # vector_norm(dtype=float32) refused a float64 operand, so a float64 model crashed once its plan froze
+    g = torch.Generator().manual_seed(1)
+    t = torch.randn(40, 200, generator=g, dtype=torch.float64)
+    assert oe_indices(t, 1, 5).tolist() == torch.topk(t.norm(dim=1), 5).indices.tolist()
+    a, b = torch.randn(32, 64, generator=g, dtype=torch.float64), torch.randn(64, 48, generator=g, dtype=torch.float64)
+    for strategy in ("iht+oe_left", "iht+oe_right"):
+        c = lowp_matmul(a, b, strategy=strategy)
+        assert c.dtype == torch.float64
+        torch.testing.assert_close(c, lowp_matmul(a.float(), b.float(), strategy=strategy).double(), rtol=0, atol=1e-4)
+
+
 def test_oe_indices_rejects_bad_rank():
     with pytest.raises(ValueError, match="must be in"):
         oe_indices(torch.zeros(4, 8), 1, 5)

@@ -273,7 +273,9 @@ def oe_indices(t: torch.Tensor, kc_axis: int, k: int, prefix: int | None = None)
     if not 1 <= k <= outer:
         raise ValueError(f"k={k} must be in [1, {outer}] (the operand's outer size)")
     scan = t if prefix is None else t.narrow(kc_axis, 0, min(prefix, t.shape[kc_axis]))
-    return torch.topk(torch.linalg.vector_norm(scan, dim=kc_axis, dtype=torch.float32), k).indices  # no FP32 copy of t
+    # norms in FP32 without an FP32 copy of t (a float64 t keeps float64: vector_norm refuses to narrow)
+    dtype = torch.promote_types(t.dtype, torch.float32)
+    return torch.topk(torch.linalg.vector_norm(scan, dim=kc_axis, dtype=dtype), k).indices
 
 
 def _own(c: torch.Tensor, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
