@@ -162,6 +162,14 @@ def convert_layers(model: nn.Module, recipe: Recipe, names: list[str], *, layer_
                          f"model would pass for a {recipe.name} one. Use a model whose layer dims are multiples of the "
                          f"recipe's block size (32, or 16 for NVFP4) with more blocks than the recipe keeps in BF16, or "
                          f"the bf16 recipe")
+    small = [recipe.small_bf16_gemms(lin.in_features, lin.out_features) for _, _, _, lin, *_ in todo]
+    if todo and not recipe.is_bf16 and all(edge or not fits or len(sm) == len(GEMMS)
+                                           for (*_, edge, fits), sm in zip(todo, small)):
+        # a speed rule the user chose, so not refused as above; but the model would pass for a recipe one
+        warnings.warn(f"adahop: recipe {recipe.name!r} with bf16_small_gemms={recipe.bf16_small_gemms}: every GEMM of "
+                      f"the model's {len(todo)} linear layers is too small for the rule and runs BF16, so the model trains "
+                      f"as BF16. Lower the rule's min_kn/min_outer, or drop it (recipe.with_small_gemms_bf16(None))",
+                      stacklevel=3)
     if controller.plan is not None and recipe.calibration is not None:
         check_plan_shapes(controller.plan, [(n, lin.in_features, lin.out_features) for n, _, _, lin, edge, fits in todo
                                             if fits and not edge])
