@@ -100,6 +100,14 @@ def test_converter_refuses_an_unknown_recipe_and_a_double_listing():
         AdaHOPConverter.Config().build().convert(spec.model)
 
 
+def test_converter_warns_of_an_exclude_pattern_that_matches_nothing():
+    # a typo converted lm_head, which it meant to keep, with no word (convert_model warned; the converter did not)
+    spec = _debug_spec(recipe="mxfp4", exclude=["lm_hed"])
+    with pytest.warns(UserWarning, match="exclude pattern 'lm_hed' matches no module"), torch.device("meta"):
+        model = spec.model.build()
+    assert type(model.get_submodule("lm_head")).__name__ == "AdaHOPLinear"
+
+
 def test_torchtitan_trainer_trains_the_debug_model_and_the_hook_freezes_the_plan(titan_on_cpu):
     from torchtitan.components.dataloader import BaseDataLoader
     from torchtitan.components.tokenizer import BaseTokenizer

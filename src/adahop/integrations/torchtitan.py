@@ -33,7 +33,7 @@ try:
 except ImportError as e:
     raise missing_extra("torchtitan", "torchtitan", "adahop.integrations.torchtitan") from e
 
-from ..nn.convert import _excluded, convert_layers, describe, get_controller, register_step_hook
+from ..nn.convert import _excluded, convert_layers, describe, get_controller, register_step_hook, warn_unmatched_excludes
 from ..nn.linear import LowPrecisionLinear
 
 __all__ = ["AdaHOPConverter", "AdaHOPLinear", "with_adahop", "adahop_post_optimizer_build_fn", "llama3_debugmodel_adahop"]
@@ -117,6 +117,7 @@ def _adahop_model_cls(base: type) -> type:
 
 
 def _convert(model, cfg: AdaHOPConverter.Config) -> None:
+    warn_unmatched_excludes(model, cfg.exclude, stacklevel=3)  # under pipeline parallelism: of this stage's part
     # exactly torchtitan's Linear: subclasses (ScaledBiasRowwiseLinear) compute something else in forward
     names = [n for n, m in model.named_modules() if type(m) is Linear and not _excluded(n, cfg.exclude)
              and (not cfg.fqns or any(f in n for f in cfg.fqns))]

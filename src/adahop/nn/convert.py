@@ -105,11 +105,7 @@ def convert_model(model: nn.Module, recipe: str | Recipe, *, exclude=("lm_head",
     if any(isinstance(m, LowPrecisionLinear) for m in model.modules()):
         raise ValueError("this module already holds converted layers (a part of a converted model?); convert the "
                          "whole model once, from a fresh copy")
-    all_names = [n for n, _ in model.named_modules()]
-    for p in (exclude,) if isinstance(exclude, str) else exclude:
-        if p != "lm_head" and not any(_excluded(n, (p,)) for n in all_names):  # a typo would convert what it meant to keep
-            warnings.warn(f"adahop: exclude pattern {p!r} matches no module of the model, so it keeps nothing out of the "
-                          f"conversion; patterns match qualified names (e.g. 'lm_head', 'model.layers.0.*')", stacklevel=2)
+    warn_unmatched_excludes(model, exclude, stacklevel=3)
     names = [n for n, m in model.named_modules() if type(m) is nn.Linear and not _excluded(n, exclude)
              and _kept_by(module_filter_fn, m, n)]
     if not names and not recipe.is_bf16:  # nothing would run the recipe: the "MXFP4" run would be BF16
@@ -119,6 +115,17 @@ def convert_model(model: nn.Module, recipe: str | Recipe, *, exclude=("lm_head",
             else f"exclude={tuple(exclude)!r}" + (" and module_filter_fn" if module_filter_fn else "") + " leave none, or it has none"
         raise ValueError(f"convert_model: the model has no nn.Linear layer to run recipe {recipe.name!r}: {why}")
     return convert_layers(model, recipe, names, seed=seed, plan=plan, backend=backend)
+
+
+def warn_unmatched_excludes(model: nn.Module, exclude, *, stacklevel: int = 2) -> None:
+    """Warn of each ``exclude`` pattern (a string or several) that matches no module of ``model``: a typo
+    would convert what it meant to keep. ``"lm_head"``, the default, is not checked (models name it otherwise)."""
+    names = [n for n, _ in model.named_modules()]
+    for p in (exclude,) if isinstance(exclude, str) else exclude:
+        if p != "lm_head" and not any(_excluded(n, (p,)) for n in names):
+            warnings.warn(f"adahop: exclude pattern {p!r} matches no module of the model, so it keeps nothing out of the "
+                          f"conversion; patterns match qualified names (e.g. 'lm_head', 'model.layers.0.*')",
+                          stacklevel=stacklevel + 1)
 
 
 def convert_layers(model: nn.Module, recipe: Recipe, names: list[str], *, layer_cls=LowPrecisionLinear, seed: int = 0,
