@@ -107,10 +107,16 @@ def test_step_hook_counts_optimizer_steps_and_state_round_trips():
     assert state["plan"]["layers"].keys() == {"0", "2"} and state["calibration_history"] is None
 
     fresh = adahop.convert_model(make(), recipe, exclude=None)
+    x = torch.randn(8, 64)
+    fresh.load_state_dict(model.state_dict())
+    with torch.no_grad():  # the weights alone: a fresh model calibrates, with exact GEMMs (README: what to restore)
+        assert not torch.equal(fresh(x), model(x))
     load_controller_state(fresh, state)
     ctrl = adahop.get_controller(fresh)
     assert not ctrl.calibrating and ctrl.calibrator is None and ctrl.step == 5
     assert json.loads(ctrl.plan.to_json()) == state["plan"]
+    with torch.no_grad():
+        assert torch.equal(fresh(x), model(x))
 
     cont = adahop.convert_model(make(), recipe, exclude=None)
     load_controller_state(cont, mid)
