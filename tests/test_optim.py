@@ -483,6 +483,19 @@ def test_interp_fused_step_bit_exact(case):
     assert bit_mismatches(alg, w0, g, st0, s, rounding=rounding, seed=1234, stream=1)[:2] == (0, 0)  # weights, states
 
 
+@pytest.mark.parametrize("rounding", ROUNDINGS)
+@interp
+def test_interp_workshop_exponent_steps_beyond_one_octave_bit_exact(rounding):
+    # lr·mul·cap = 6: the exponent steps of the polynomial's range and beyond it, in kernel and reference alike
+    gen = torch.Generator().manual_seed(1)
+    n = 1100
+    w0 = (torch.randn(n, generator=gen) * 4).to(torch.bfloat16)
+    g = torch.randn(n, generator=gen).to(torch.bfloat16)
+    st0 = [(torch.rand(n, generator=gen) * 1e-3).to(torch.float32) for _ in STATE_NAMES["madam-workshop"]]
+    s = step_scalars(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, step=2, mul_lr=3.0, cap=2.0)
+    assert bit_mismatches("madam-workshop", w0, g, st0, s, rounding=rounding, seed=7, stream=0)[:2] == (0, 0)
+
+
 @pytest.mark.parametrize("pair", SEED_PAIRS, ids=["next", "high-half", "steps"])
 @interp
 def test_interp_sr_decisions_are_independent_across_seeds(pair):
@@ -665,3 +678,13 @@ def test_build_optimizer_refuses_low_precision_masters_declared_over_fp32_parame
     convert_master_weights(m, "bf16")
     opt = build_optimizer("sr-adamw", [{"params": (p for p in m.parameters())}], lr=1e-3, master="bf16")
     assert len(opt.param_groups[0]["params"]) == 2
+
+
+def test_workshop_exponent_step_beyond_one_octave_is_not_clamped():
+    """lr·mul_lr_scale·cap = 3: spec §3.2 A moves w = ±1.5 by (1.5 ∓ 0.3)·2^(∓3) in one step; the exponent
+    step was clamped to one octave (2^(∓1)), silently: [0.60, -3.60] (helper 26)."""
+    p = torch.nn.Parameter(torch.tensor([1.5, -1.5]))
+    opt = MAdam([p], lr=0.3, form="workshop", mul_lr_scale=10, cap=1, backend="reference")
+    p.grad = torch.tensor([1.0, 1.0])
+    opt.step()
+    torch.testing.assert_close(p.detach(), torch.tensor([0.15, -14.4]), rtol=1e-6, atol=0)

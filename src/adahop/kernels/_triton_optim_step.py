@@ -72,7 +72,10 @@ def _clamp(x, lo, hi):
 
 @triton.jit
 def _exp2_small(y):
-    t = _clamp(y, -1.0, 1.0) * _LN2
+    # the reference's steps (optim_step._exp2_small): y = n + f, n = 0 where |y| <= 1
+    y = _clamp(y, -126.0, 126.0)
+    n = tl.where(tl.abs(y) > 1.0, tl.floor(y + 0.5), 0.0)
+    t = (y - n) * _LN2
     p = t * 0.0 + _C0
     p = p * t + _C1
     p = p * t + _C2
@@ -82,7 +85,7 @@ def _exp2_small(y):
     p = p * t + _C6
     p = p * t + _C7
     p = p * t + _C8
-    return p
+    return p * ((n.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -122,12 +122,17 @@ def _sqrt(x: torch.Tensor) -> torch.Tensor:
 
 
 def _exp2_small(y: torch.Tensor) -> torch.Tensor:
-    """2^y for |y| <= 1 (clamped there) as the kernel computes it: Horner on e^(y·ln2)."""
-    t = y.clamp(-1.0, 1.0) * LN2
+    """2^y as the kernel computes it: Horner on e^(f·ln2), the polynomial of |f| <= 1, times 2^n for
+    ``y = n + f``; n is 0 where |y| <= 1 (those values are the polynomial's alone) and y rounded to an
+    integer beyond (a workshop exponent step over one octave: clamped to ±1 until 2026-12-05). |y| is
+    clamped to 126 octaves, beyond which w underflows or overflows anyway."""
+    y = y.clamp(-126.0, 126.0)
+    n = torch.where(y.abs() > 1.0, torch.floor(y + 0.5), torch.zeros_like(y))
+    t = (y - n) * LN2
     p = torch.full_like(t, EXP_COEFFS[0])
     for c in EXP_COEFFS[1:]:
         p = p * t + c
-    return p
+    return p * ((n.to(torch.int32) + 127) << 23).view(torch.float32)  # an exact power of two
 
 
 def _pow2_floor(a: torch.Tensor) -> torch.Tensor:
