@@ -639,6 +639,100 @@ def test_an_optimizer_built_before_the_masters_were_packed_refuses_to_step():
     assert not torch.equal(m.weight.dequantize(), before)
 
 
+def test_masters_packed_after_the_first_step_are_refused_too():
+    """From its second step the optimizer runs a kept plan, which skipped the check above: the packed weight
+    never trained and the old FP32 Parameter did, silently (helper 26)."""
+    from adahop.optim import MAdam, convert_master_weights
+
+    m = torch.nn.Linear(32, 16, bias=False)
+    opt = MAdam(m.parameters(), lr=1e-2)
+    m(torch.randn(4, 32)).square().mean().backward()
+    opt.step()
+    convert_master_weights(m, "fp8")
+    opt.zero_grad(set_to_none=False)  # the old Parameter keeps a (zero) gradient: the plan still fits
+    m(torch.randn(4, 32, dtype=torch.bfloat16)).float().square().mean().backward()
+    with pytest.raises(ValueError, match="replaced by convert_master_weights"):
+        opt.step()
+
+
+def test_parameter_groups_are_checked_as_the_constructor_checks_its_options():
+    """Only the constructor's defaults were checked: a group's lr=nan trained to NaN weights, and a group's
+    typo, negative mul_lr_scale or foreach=True were taken (helper 26)."""
+    from adahop.optim import MAdam
+
+    a, b = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(2))
+    for group, err, what in (({"lr": float("nan")}, ValueError, "group 0: lr=nan"),
+                             ({"mul_lr_scale": -5.0}, ValueError, "mul_lr_scale=-5"),
+                             ({"cap": 0.0}, ValueError, "cap=0.0"), ({"foreach": True}, TypeError, "foreach"),
+                             ({"mul_lr_sclae": 5.0}, TypeError, "mul_lr_sclae")):
+        with pytest.raises(err, match=what):
+            MAdam([{"params": [a], **group}])
+    opt = MAdam([a])
+    with pytest.raises(TypeError, match="group 1: unsupported option.*weight_decy"):
+        opt.add_param_group({"params": [b], "weight_decy": 0.1})
+    opt.add_param_group({"params": [b], "lr": 1e-2, "mul_lr_scale": 3.0, "name": "vectors", "foreach": False})
+    assert opt.param_groups[1]["mul_lr_scale"] == 3.0
+
+
+def test_a_pickled_or_copied_optimizer_keeps_its_storage_options_and_steps_alike():
+    """torch's __getstate__ keeps defaults, state and groups only: the copy lost state_dtype, seed, rounding
+    and the M+Adam form, and a deep copy failed at its first step (helper 26)."""
+    import copy
+    import pickle
+
+    from adahop.optim import MAdam, convert_master_weights
+
+    torch.manual_seed(0)
+    m = convert_master_weights(torch.nn.Linear(32, 16), "bf16")
+    opt = MAdam(m.parameters(), state_dtype=torch.bfloat16, rounding="stochastic", seed=5, form="workshop")
+    x = torch.randn(3, 32, dtype=torch.bfloat16)
+    m(x).float().sum().backward()
+    opt.step()
+    back = pickle.loads(pickle.dumps(opt))
+    assert (back.state_dtype, back.seed, back.rounding, back.form, back.algorithm) == \
+        (torch.bfloat16, 5, "stochastic", "workshop", "madam-workshop")
+    m2, opt2 = copy.deepcopy((m, opt))
+    for model, o in ((m, opt), (m2, opt2)):
+        o.zero_grad()
+        model(x).float().sum().backward()
+        o.step()
+    assert all(torch.equal(p, q) for p, q in zip(m.parameters(), m2.parameters()))
+
+
+def test_a_sparse_gradient_is_refused_by_name():
+    from adahop.optim import AdamW
+
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    opt = AdamW(emb.parameters())
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(ValueError, match="sparse gradient"):
+        opt.step()
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_an_nvfp4_master_keeps_its_block_scales_under_steps_below_half_an_ulp(rounding):
+    """Each write re-rounded the E4M3 block scale from the new block maximum: a step of 2^-4 on the block
+    maximum alone (half its ulp is 1/6) moved the scale 44 -> 48 and all 16 elements by 9% (helper 26)."""
+    from adahop.optim.master import pack, unpack
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.rand(64, 64, generator=g) * 2 - 1
+    d = pack(w, "nvfp4", "nearest")
+    w0 = unpack(d, "nvfp4", w.shape)
+    # every element moved by 1/16 of itself, toward and away from zero: below half of any E2M1 ulp
+    step = w0 * torch.where(torch.rand(w.shape, generator=g) < 0.5, 1.0, -1.0) / 16
+    gen = torch.Generator().manual_seed(1)
+    d1 = pack(w0 + step, "nvfp4", rounding, gen, global_scale=d["global_scale"], block_scales=d["scales"])
+    if rounding == "nearest":
+        assert torch.equal(unpack(d1, "nvfp4", w.shape), w0)
+    blocks = w0.reshape(64, 4, 16).abs().amax(-1)
+    kept = torch.equal(d1["scales"].float(), d["scales"].float())
+    grew = (w0 + step).reshape(64, 4, 16).abs().amax(-1) > blocks  # SR may not clip: a grown maximum may move it
+    assert kept or (rounding == "stochastic" and bool(grew.any()))
+    fresh = pack(w0 + step, "nvfp4", "nearest", global_scale=d["global_scale"])  # no stored scales: the old rule
+    assert not torch.equal(fresh["scales"].float(), d["scales"].float())  # which would have moved some
+
+
 def test_load_state_dict_refuses_another_rules_or_dtypes_states():
     """AdamW's states into Kahan's or M+Adam's failed at the next step on a bare KeyError; one M+Adam form's
     into another's loaded silently; FP32 states into an optimizer built for BF16 ones stayed FP32."""

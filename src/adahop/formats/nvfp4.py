@@ -96,6 +96,7 @@ def quantize_nvfp4(
     generator: torch.Generator | None = None,
     tile_2d: bool = False,
     global_scale: torch.Tensor | None = None,
+    block_scales: torch.Tensor | None = None,
 ) -> NVFP4Tensor:
     """Quantize ``x`` to NVFP4 with blocks of 16 along ``axis`` (or 16×16 tiles).
 
@@ -111,6 +112,14 @@ def quantize_nvfp4(
         global_scale: the FP32 tensor scale to use (a positive scalar tensor, at least
             t_amax/2688 so no block scale exceeds 448) instead of t_amax/2688: a master weight
             re-packed every step keeps its tensor scale (`adahop.optim.master.pack`).
+        block_scales: with ``global_scale``, the E4M3 block scales a master weight holds (the
+            :attr:`NVFP4Tensor.scales` of its last write, along ``axis``): a block keeps its scale
+            ``s`` while its new amax is within [3, 7)·s·global_scale ([3, 6] under stochastic
+            rounding, where nothing may clip): the binade below the top, as an MXFP4 scale holds
+            it. A write moving no element by half an ulp (half of 6 − 4 at the block maximum) then
+            changes nothing; re-rounding the scale from each write's amax re-rounded every element
+            of the block, and under SR churned a quarter of the scales per step. Other blocks take
+            the rule above.
 
     Returns:
         An :class:`NVFP4Tensor`. A block with NaN/Inf decodes to NaN; an all-zero tensor gets
@@ -118,7 +127,8 @@ def quantize_nvfp4(
 
     Raises:
         TypeError: non-floating ``x``. ValueError: empty axis, bad rounding, ``tile_2d`` on a
-            tensor that is not 2-D, a ``global_scale`` that is not one positive number.
+            tensor that is not 2-D, a ``global_scale`` that is not one positive number,
+            ``block_scales`` without ``global_scale``, with ``tile_2d``, or not of the blocks' shape.
     """
     check_float_input(x, axis, "quantize_nvfp4")
     if rounding not in ("nearest", "stochastic"):
@@ -152,6 +162,15 @@ def quantize_nvfp4(
         s_block = _e4m3_round_up(s_exact)
     else:
         s_block = s_exact.to(torch.float8_e4m3fn).float()
+    if block_scales is not None:
+        if global_scale is None or tile_2d or tuple(block_scales.shape) != tuple(s_block.shape):
+            raise ValueError(f"block_scales (shape {tuple(block_scales.shape)}) must come with global_scale, without "
+                             f"tile_2d, one per block of 16 along the axis ({tuple(s_block.shape)})")
+        prev = block_scales.to(device=s_block.device).float()
+        ratio = amax / (prev * s_global)  # where the block maximum falls on the kept scale's E2M1 grid
+        fits = ratio <= 6.0 if rounding == "stochastic" else ratio < 7.0  # SR must not clip; up to 7 rounds to 6
+        keep = (prev > 0) & torch.isfinite(prev) & (ratio >= 3.0) & fits
+        s_block = torch.where(keep, prev, s_block)
     denom = (s_block * s_global).unsqueeze(-1)
     scaled = torch.where(denom > 0, blocks / torch.where(denom > 0, denom, torch.ones_like(denom)), torch.zeros_like(blocks))
     codes = encode_e2m1(scaled, rounding=rounding, generator=generator)

@@ -17,11 +17,43 @@ import torch
 
 from ..kernels.optim_step import STATE_NAMES, MultiTensorStep, optim_step_multi, optim_update, step_scalars
 from ..utils import mix_seed
+from . import master
 from .master import PackedMaster, read_master, write_master
 
 __all__ = ["MasterOptimizer", "STATE_DTYPES"]
 
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+_TORCH_FLAGS = ("foreach", "fused", "maximize", "amsgrad", "capturable", "differentiable")
+_OWN_ATTRS = ("state_dtype", "seed", "backend", "rounding", "algorithm", "form")
+
+
+def _check_hparams(where: str, h: dict) -> None:
+    """Raise ValueError naming ``where`` for a hyper-parameter of ``h`` out of range (those present)."""
+    def bad(key, rule):
+        raise ValueError(f"{where}: {key}={h[key]!r} must be {rule}")
+
+    def number(v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+    if "lr" in h and not (number(h["lr"]) and h["lr"] > 0):
+        bad("lr", "a finite number > 0")
+    if "betas" in h:
+        b = h["betas"]
+        if not (isinstance(b, (tuple, list)) and len(b) == 2 and all(number(x) and 0 <= x < 1 for x in b)):
+            bad("betas", "two numbers in [0, 1)")
+    if "eps" in h and not (number(h["eps"]) and h["eps"] > 0):
+        bad("eps", "a finite number > 0")
+    if "weight_decay" in h and not (number(h["weight_decay"]) and h["weight_decay"] >= 0):
+        bad("weight_decay", "a finite number >= 0")
+    if "mul_lr_scale" in h and not (number(h["mul_lr_scale"]) and h["mul_lr_scale"] >= 0):
+        bad("mul_lr_scale", "a finite number >= 0")
+    if "tau" in h and not (number(h["tau"]) and h["tau"] > 0):
+        bad("tau", "a finite number > 0")
+    for key in ("cap", "w_max"):
+        if h.get(key) is not None and not (number(h[key]) and h[key] > 0):
+            bad(key, "a finite number > 0, or None (off)")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -61,14 +93,7 @@ class MasterOptimizer(torch.optim.Optimizer):
         if unknown:  # torch.optim.AdamW's maximize/amsgrad/foreach/fused, or a typo: kept in the groups, never read
             raise TypeError(f"{name}: unsupported option(s) {', '.join(unknown)}; it takes lr, betas, eps, weight_decay, "
                             f"state_dtype, seed, backend, rounding{''.join(', ' + o for o in self.rule_options)}")
-        if not (math.isfinite(lr) and lr > 0):
-            raise ValueError(f"{name}: lr={lr} must be a finite number > 0")
-        if len(tuple(betas)) != 2 or not all(0 <= b < 1 for b in betas):
-            raise ValueError(f"{name}: betas={betas} must be two numbers in [0, 1)")
-        if not (math.isfinite(eps) and eps > 0):
-            raise ValueError(f"{name}: eps={eps} must be a finite number > 0")
-        if not (math.isfinite(weight_decay) and weight_decay >= 0):
-            raise ValueError(f"{name}: weight_decay={weight_decay} must be a finite number >= 0")
+        _check_hparams(name, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **extra))
         if state_dtype not in STATE_DTYPES.values():
             raise ValueError(f"state_dtype={state_dtype}; use torch.float32 or torch.bfloat16")
         if rounding not in ("nearest", "stochastic"):
@@ -80,6 +105,38 @@ class MasterOptimizer(torch.optim.Optimizer):
         self.state_dtype, self.seed, self.backend, self.rounding = state_dtype, seed, backend, rounding
         self._stash = None
         self._plans: dict[int, _Plan] = {}  # group index → its kept buckets (step)
+        self.register_load_state_dict_pre_hook(lambda opt, sd: opt._check_loaded(sd))
+        self.register_load_state_dict_post_hook(lambda opt: opt._restore_state_dtypes())
+
+    def add_param_group(self, param_group: dict) -> None:
+        """``torch.optim.Optimizer.add_param_group``, then the group's own hyper-parameters checked as the
+        constructor checks its defaults (a group may set any of them; the constructor's groups too).
+
+        Raises:
+            ValueError: a bad value (as the constructor's). TypeError: an option the rule does not read,
+                or one of torch's flags (``foreach``, ``fused``, ...) turned on."""
+        if isinstance(param_group, dict):  # checked before torch appends it (a refused group must not stay)
+            self._check_group({**self.defaults, **param_group}, len(self.param_groups))
+        super().add_param_group(param_group)
+
+    def _check_group(self, group: dict, index: int) -> None:
+        where = f"{type(self).__name__} param group {index}"
+        known = set(self.defaults) | {"params", "param_names", "name", "initial_lr"}
+        unknown = sorted(k for k in group if k not in known and k not in _TORCH_FLAGS)
+        flags = sorted(k for k in _TORCH_FLAGS if group.get(k))  # torch's own, False: nothing to read
+        if unknown or flags:
+            raise TypeError(f"{where}: unsupported option(s) {', '.join(unknown + flags)}; a group takes lr, betas, eps, "
+                            f"weight_decay{''.join(', ' + o for o in self.rule_options)}")
+        _check_hparams(where, group)
+
+    def __getstate__(self) -> dict:
+        # torch's keeps defaults, state and param groups: a deep copy or pickle lost the storage options
+        # (state_dtype, seed, rounding, backend, the M+Adam form) and failed at its first step
+        return {**super().__getstate__(), **{k: self.__dict__[k] for k in _OWN_ATTRS if k in self.__dict__}}
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._stash, self._plans = None, {}
         self.register_load_state_dict_pre_hook(lambda opt, sd: opt._check_loaded(sd))
         self.register_load_state_dict_post_hook(lambda opt: opt._restore_state_dtypes())
 
@@ -169,6 +226,9 @@ class MasterOptimizer(torch.optim.Optimizer):
                                  "would never train; build the optimizer after convert_master_weights")
             if p.grad is None:
                 continue
+            if p.grad.is_sparse:
+                raise ValueError(f"{type(self).__name__}: parameter {index} has a sparse gradient (an Embedding(sparse=True)?), "
+                                 "which the fused step does not take; use a dense one (sparse=False)")
             st = self._init_state(p)
             st["step"] += 1
             step = st["step"]
@@ -216,6 +276,7 @@ class _Plan:
             return None
         self = cls()
         self.params, self.n, self.base, self.cfg = params, len(params), base, (opt.rounding, opt.backend)
+        self.replacements = master.REPLACEMENTS[0]  # a parameter replaced since: the general step refuses it
         self.states, self.count = sts, sts[0]["step"]
         self.local = any(hasattr(p, "_local_tensor") for p in params)
         names = STATE_NAMES[opt.algorithm]
@@ -235,7 +296,7 @@ class _Plan:
         """One step of the group; False (nothing done) if the plan no longer fits it."""
         params = group["params"]
         if params is not self.params or len(params) != self.n or base != self.base or \
-                self.cfg != (opt.rounding, opt.backend):
+                self.cfg != (opt.rounding, opt.backend) or master.REPLACEMENTS[0] != self.replacements:
             return False
         gs = [p.grad for p in params]
         for g in gs:

@@ -34,7 +34,8 @@ class MAdam(MasterOptimizer):
         **kw: :class:`MasterOptimizer` (``state_dtype``, ``seed``, ``backend``, ``rounding``).
 
     Raises:
-        ValueError: an unknown ``form``, or ``mul_lr_scale < 0``.
+        ValueError: an unknown ``form``, or a hyper-parameter out of range (``mul_lr_scale < 0``, ``tau <= 0``,
+            ``cap`` or ``w_max`` <= 0), here or in a parameter group.
     """
 
     rule_options = ("mul_lr_scale", "tau", "cap", "w_max")
@@ -44,8 +45,6 @@ class MAdam(MasterOptimizer):
                  w_max: float | None = None, **kw):
         if form not in MADAM_FORMS:
             raise ValueError(f"form={form!r}; M+Adam forms are {tuple(MADAM_FORMS)}")
-        if mul_lr_scale < 0:
-            raise ValueError(f"mul_lr_scale={mul_lr_scale} must be >= 0")
         self.algorithm = MADAM_FORMS[form]
         self.form = form
         super().__init__(params, lr, betas, eps, weight_decay, mul_lr_scale=mul_lr_scale, tau=tau, cap=cap,

@@ -49,6 +49,9 @@ E4M3_MAX = 448.0
 E4M3_RNE_LIMIT = 464.0  # halfway between 448 and the next E4M3 step (480): RNE rounds (448, 464] to 448
 FP8_BLOCK = 32
 _SEP = "::"  # checkpoint keys of packed parts: "<param>::<format>.<part>"
+REPLACEMENTS = [0]
+"""How many parameters :func:`convert_master_weights` has replaced in this process: an optimizer's kept step
+plan (`adahop.optim.base`) compares it, one int a step, instead of checking each parameter."""
 
 aten = torch.ops.aten
 
@@ -87,7 +90,7 @@ def _dequantize_fp8(d: dict, shape) -> torch.Tensor:
 
 
 def pack(x: torch.Tensor, fmt: str, rounding: str = "nearest", generator=None,
-         global_scale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+         global_scale: torch.Tensor | None = None, block_scales: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """The packed parts of FP32 ``x`` (blocks along the last dim) in ``fmt`` (:data:`PACKED_FORMATS`).
 
     Scales are chosen so that re-packing a stored master plus a step smaller than half an ulp of
@@ -103,7 +106,10 @@ def pack(x: torch.Tensor, fmt: str, rounding: str = "nearest", generator=None,
       fits under it (t_amax ≤ 448·6·global_scale under SR, ≤ 448·7·global_scale under RNE, where
       a block maximum up to 7 rounds to 6); else (and when None) it is t_amax/2688, as
       :func:`adahop.formats.quantize_nvfp4` picks it. Recomputing it from every write moved every
-      block scale of the tensor on every step.
+      block scale of the tensor on every step. With the tensor scale kept, each block keeps its stored
+      E4M3 scale (``block_scales``) while its new maximum is within [3, 7) of it ([3, 6] under SR):
+      re-rounding it from each write's block maximum re-rounded all 16 elements of a block whenever
+      that maximum crossed an E4M3 rounding boundary, by a step below half of any element's ulp.
     """
     if fmt == "fp8":
         return _quantize_fp8(x, rounding, generator)
@@ -116,7 +122,10 @@ def pack(x: torch.Tensor, fmt: str, rounding: str = "nearest", generator=None,
             top = 6.0 if rounding == "stochastic" else 7.0  # the largest block maximum / 448 that rounds to ≤ 6
             fits = bool(x.detach().abs().amax().float() <= global_scale.float().reshape(()) * (448.0 * top))
             global_scale = global_scale.float().reshape(()) if fits else None
-        q = quantize_nvfp4(x, axis=-1, rounding=rounding, generator=generator, global_scale=global_scale)
+        if global_scale is None:
+            block_scales = None  # a new tensor scale: every block scale is derived afresh
+        q = quantize_nvfp4(x, axis=-1, rounding=rounding, generator=generator, global_scale=global_scale,
+                           block_scales=block_scales)
         return {"codes": q.codes, "scales": q.scales, "global_scale": q.global_scale.reshape(1)}
     raise ValueError(f"fmt={fmt!r}: packed master formats are {PACKED_FORMATS}")
 
@@ -266,6 +275,7 @@ def convert_master_weights(model: nn.Module, fmt: str) -> nn.Module:
                     done[id(p)] = nn.Parameter(PackedMaster(pack(p.detach().float(), fmt), fmt, p.shape),
                                                requires_grad=p.requires_grad)
                     p._adahop_replaced = fmt  # an adahop optimizer built before this call refuses to step it
+                    REPLACEMENTS[0] += 1
                 else:
                     p.data = p.data.to(torch.bfloat16)
                     done[id(p)] = p
@@ -285,7 +295,8 @@ def write_master(p: torch.Tensor, w: torch.Tensor, rounding: str = "nearest", ge
     """Store FP32 values ``w`` into packed master ``p``, rounded once to its format (``rounding``
     ``nearest`` or ``stochastic``, bits from ``generator``); block scales follow the new values by
     :func:`pack`'s rules, and an NVFP4 tensor scale is kept while the values fit under it."""
-    for k, t in pack(w, p.fmt, rounding, generator, global_scale=p.parts.get("global_scale")).items():
+    for k, t in pack(w, p.fmt, rounding, generator, global_scale=p.parts.get("global_scale"),
+                     block_scales=p.parts.get("scales") if p.fmt == "nvfp4" else None).items():
         p.parts[k].copy_(t)
 
 
