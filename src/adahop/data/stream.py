@@ -67,6 +67,8 @@ class TokenStream:
                              f"--seq-len + 1 = {seq_len + 1} in any shard; lower --seq-len or prepare more data"
                              + (" (or a larger --val-fraction)" if split == "val" else ""))
         self._perm_epoch, self._perm = -1, np.empty(0, dtype=np.int64)
+        self._scored_bpt: dict[int, float] = {}  # max_batches -> bytes per scored target token
+        self._table = False  # the tokenizer's bytes per id, loaded on first use (None: cannot be loaded)
 
     @property
     def tokens_per_epoch(self) -> int:
@@ -83,12 +85,40 @@ class TokenStream:
         """UTF-8 text bytes per token of this split, from the manifest (EOS tokens included in the count)."""
         return self.info.text_bytes / self.info.tokens
 
-    def bits_per_byte(self, loss_nats: float) -> float:
-        """Bits per UTF-8 byte of a mean cross-entropy ``loss_nats`` (nats/token) on this split.
+    def scored_bytes_per_token(self, max_batches: int | None = None) -> float:
+        """UTF-8 text bytes per target token of the windows :meth:`val_batches` (``max_batches``) scores on
+        all ranks together (EOS targets count 0 bytes), from the data folder's tokenizer
+        (:meth:`adahop.data.tokenizer.Tokenizer.token_bytes`); cached per ``max_batches``. Falls back to
+        the split's :attr:`bytes_per_token` when the tokenizer cannot be loaded here."""
+        key = self.steps_per_epoch if max_batches is None else min(max_batches, self.steps_per_epoch)
+        cache = self._scored_bpt
+        if key not in cache:
+            table = self._token_bytes()
+            if table is None:
+                cache[key] = self.bytes_per_token
+            else:
+                windows = range(key * self.world_size * self.batch_size)  # val_batches' windows, every rank's
+                nbytes = sum(int(table[self._window(j)[1:].astype(np.int64)].sum()) for j in windows)
+                cache[key] = nbytes / (len(windows) * self.seq_len)
+        return cache[key]
 
-        ``bpb = loss_nats * tokens / (text_bytes * ln 2)``, with the split's token and byte counts.
-        """
-        return loss_nats / (math.log(2) * self.bytes_per_token)
+    def _token_bytes(self) -> np.ndarray | None:
+        if self._table is False:  # not loaded yet (None: cannot be here)
+            from .tokenizer import load_tokenizer
+
+            try:
+                self._table = load_tokenizer(self.manifest.tokenizer.spec, base_dir=self.data_dir).token_bytes()
+            except (OSError, ValueError, ImportError):
+                self._table = None
+        return self._table
+
+    def bits_per_byte(self, loss_nats: float, max_batches: int | None = None) -> float:
+        """Bits per UTF-8 byte of a mean cross-entropy ``loss_nats`` (nats/token) over the windows
+        ``val_batches(max_batches)`` scores: ``loss_nats / (ln 2 · their bytes per target token)``
+        (:meth:`scored_bytes_per_token`). Until 2026-12-05 the split's bytes per token was used for any
+        ``max_batches``: on the default corpus the first windows hold ~7% more bytes per token than the
+        split, so a run's val bpb read ~7% high."""
+        return loss_nats / (math.log(2) * self.scored_bytes_per_token(max_batches))
 
     def _window(self, j: int) -> np.ndarray:
         """Window ``j`` in ``[0, n_windows)``: ``seq_len + 1`` tokens, shape [seq_len + 1], shard dtype."""

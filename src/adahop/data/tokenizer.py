@@ -28,6 +28,8 @@ import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+import numpy as np
+
 __all__ = ["Tokenizer", "BPETokenizer", "TiktokenTokenizer", "HFTokenizer", "transformers_fingerprint", "train_bpe", "check_bpe_vocab_size",
            "load_tokenizer", "EOS"]
 
@@ -89,8 +91,37 @@ class Tokenizer:
         vocabulary is never taken for the one a run trained on."""
         raise NotImplementedError
 
+    def token_bytes(self) -> np.ndarray:
+        """int64 ``[vocab_size]``: the UTF-8 bytes of text each id stands for (special tokens such as EOS:
+        0), so that a stretch of ids covers the sum of its entries' bytes (bits per byte of a scored
+        stretch). This generic form decodes each id alone, exact where every id decodes to whole
+        characters; the byte-level backends override it with the exact count."""
+        out = np.array([len(self.decode([i]).encode("utf-8")) for i in range(self.vocab_size)], dtype=np.int64)
+        out[self.eos_id] = 0
+        return out
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, vocab_size={self.vocab_size}, eos_id={self.eos_id})"
+
+
+def _backend_token_bytes(tok, vocab_size: int, special: set[int]) -> np.ndarray | None:
+    """:meth:`Tokenizer.token_bytes` of a ``tokenizers.Tokenizer`` with a byte-level decoder, where every
+    character of a token's string is one byte; None for other decoders."""
+    from tokenizers import pre_tokenizers
+
+    if type(tok.decoder).__name__ != "ByteLevel":
+        return None
+    alphabet = set(pre_tokenizers.ByteLevel.alphabet())
+    out = np.zeros(vocab_size, dtype=np.int64)
+    for i in range(vocab_size):
+        piece = tok.id_to_token(i)
+        if i in special or piece is None:
+            continue
+        if not set(piece) <= alphabet:  # an added token spelled in plain text
+            out[i] = len(piece.encode("utf-8"))
+        else:
+            out[i] = len(piece)
+    return out
 
 
 class BPETokenizer(Tokenizer):
@@ -125,6 +156,11 @@ class BPETokenizer(Tokenizer):
 
     def fingerprint(self) -> str:
         return _tokenizers_fingerprint(self._tok)
+
+    def token_bytes(self) -> np.ndarray:
+        special = set(self._tok.get_added_tokens_decoder())
+        out = _backend_token_bytes(self._tok, self.vocab_size, special)
+        return super().token_bytes() if out is None else out
 
     def to_transformers(self):
         from transformers import PreTrainedTokenizerFast
@@ -226,6 +262,14 @@ class TiktokenTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int]) -> str:
         return self._enc.decode(list(ids))
 
+    def token_bytes(self) -> np.ndarray:
+        special = self._enc.special_tokens_set
+        out = np.zeros(self.vocab_size, dtype=np.int64)
+        for i in range(self.vocab_size):
+            b = self._enc.decode_single_token_bytes(i)
+            out[i] = 0 if b.decode("utf-8", "replace") in special else len(b)
+        return out
+
     def to_transformers(self):
         # transformers' own tiktoken converter rebuilds the byte-level BPE from the ranks (id for id)
         from transformers import PreTrainedTokenizerFast
@@ -305,6 +349,14 @@ class HFTokenizer(Tokenizer):
 
     def fingerprint(self) -> str:
         return transformers_fingerprint(self._tok)
+
+    def token_bytes(self) -> np.ndarray:
+        out = None
+        if getattr(self._tok, "is_fast", False):
+            backend = self._tok.backend_tokenizer
+            special = set(backend.get_added_tokens_decoder()) | set(self._tok.all_special_ids)
+            out = _backend_token_bytes(backend, self.vocab_size, special)
+        return super().token_bytes() if out is None else out
 
     def to_transformers(self):
         return self._tok

@@ -107,7 +107,7 @@ def evaluate(model, val, device, autocast, max_batches: int) -> tuple[float, flo
         n += 1
     model.train()
     loss = total / max(n, 1)
-    return loss, val.bits_per_byte(loss)
+    return loss, val.bits_per_byte(loss, max_batches)
 
 
 def train(cfg: TrainConfig, *, rank: int = 0, world: int = 1) -> dict:
@@ -285,7 +285,7 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
 
     def validate(step: int) -> None:  # the val loss of the weights after ``step`` steps, into the metrics
         vl = dp.mean_over_ranks(evaluate(model, val_s, device, autocast, cfg.eval_batches)[0])
-        metrics.log(step=step, val_loss=vl, val_bpb=val_s.bits_per_byte(vl))
+        metrics.log(step=step, val_loss=vl, val_bpb=val_s.bits_per_byte(vl, cfg.eval_batches))
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _on_sigint(stop))
