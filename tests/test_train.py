@@ -165,6 +165,11 @@ def test_gpt2_config_tied_embeddings_checkpoint_and_resume(data_dir, tmp_path, s
     assert s["steps"] == 6
     m = AutoModelForCausalLM.from_pretrained(tmp_path / "g")
     assert m.lm_head.weight.data_ptr() == m.transformer.wte.weight.data_ptr()  # still tied after the export
+    # the same path, its file edited: --resume ran the new architecture on the old weights, silently
+    gpt2.write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 2, "n_positions": 64,
+                                "vocab_size": 512, "activation_function": "relu"}))
+    with pytest.raises(ValueError, match="--model-config .* was edited since the run \\(activation_function None → 'relu'\\)"):
+        train(_cfg(data_dir, tmp_path / "g", **dict(kw, steps=8), resume=True))
     with pytest.raises(ValueError, match="Conv1D"):
         train(_cfg(data_dir, tmp_path / "h", **dict(kw, recipe="mxfp4")))
 

@@ -41,7 +41,19 @@ def write_config(run: Path, cfg: TrainConfig, model, data_dir: Path, recipe) -> 
     d["adahop"] = dict(config=cfg.to_dict(), recipe=repr(recipe), data_dir=str(data_dir),
                        data_identity=manifest_identity(Manifest.load(data_dir)), version=__version__,
                        git_revision=git_revision())
+    if cfg.model_config:  # the file's content: --resume and compare check that it was not edited since
+        d["adahop"]["model_config_file"] = model_config_file(cfg.model_config)
     atomic_write_text(run / "config.json", json.dumps(d, indent=1, default=str))
+
+
+def model_config_file(path: str | Path) -> dict | None:
+    """The JSON of a ``--model-config`` (a file, or a folder's ``config.json``) as written, or None when it
+    cannot be read."""
+    p = Path(path)
+    try:
+        return json.loads((p / "config.json" if p.is_dir() else p).read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def read_run_section(run: str | Path) -> dict | None:

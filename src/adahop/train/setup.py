@@ -47,13 +47,22 @@ def settings_diff(cfg: TrainConfig, run: Path, keys) -> list[str]:
     Raises:
         ValueError: ``run/config.json`` is not valid JSON, or ``cfg.data`` names a missing path.
     """
-    from .export import read_run_section
+    from .export import model_config_file, read_run_section
 
     if (section := read_run_section(run)) is None:
         return []
     saved, now = section.get("config", {}), cfg.to_dict()
     diff = []
     for k in keys:
+        if k == "model_config" and now.get(k) and saved.get(k) == now[k] and "model_config_file" in section:
+            old, new = section["model_config_file"], model_config_file(now[k])  # the same path: the same file?
+            if old != new:
+                changed = sorted(set(old or {}) | set(new or {}), key=str)
+                changed = [f"{c} {(old or {}).get(c)!r} → {(new or {}).get(c)!r}" for c in changed
+                           if (old or {}).get(c) != (new or {}).get(c)]
+                diff.append(f"--model-config {now[k]!r} was edited since the run ({', '.join(changed[:4]) or 'unreadable'}"
+                            f"{', ...' if len(changed) > 4 else ''})")
+            continue
         if k not in saved or saved[k] == now.get(k):
             continue
         if k == "data_seed" and (data_order_seed(saved.get("seed"), saved["data_seed"])
