@@ -220,7 +220,7 @@ def compare(recipes: list[str], cfg: TrainConfig, out: Path, *, eval_tasks: str 
         if code != 0 or not summary_path.exists():
             err = out / r / ERROR_FILE
             first = err.read_text().strip().splitlines()[:1] if err.exists() else []  # the one-line message
-            why = first[0].removeprefix("adahop train: error: ") if first else f"see {out / r}"
+            why = first[0].removeprefix("adahop train: error: ").removeprefix("adahop train: ") if first else f"see {out / r}"
             summaries[r] = {"error": f"{why} (exit code {code})"}
             continue
         summaries[r] = read_json(summary_path, "the run summary")
