@@ -640,8 +640,19 @@ def test_an_out_that_cannot_be_written_is_refused_before_the_scoring(tmp_path, c
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "config.json").write_text("{}")  # MODEL's own file: overwriting it would break the run
     assert main(["eval", str(tmp_path / "run"), "--tasks", "none", "--data", "x", "--out", str(tmp_path / "run" / "config.json")]) == 2
-    assert f"--out {tmp_path / 'run' / 'config.json'} is a file of MODEL itself; pass a new path" in capsys.readouterr().err
+    assert f"--out {tmp_path / 'run' / 'config.json'} is a file of a model or run folder (inside MODEL)" in capsys.readouterr().err
     assert (tmp_path / "run" / "config.json").read_text() == "{}"
+    # deeper inside MODEL (a checkpoint's state.json: overwritten, --resume broke), and another folder's results
+    ck = tmp_path / "run" / "checkpoints" / "step_0000040"
+    ck.mkdir(parents=True)
+    (ck / "state.json").write_text("{}")
+    (tmp_path / "q").mkdir()
+    (tmp_path / "q" / "ptq.json").write_text("{}")
+    for out in (ck / "state.json", ck / "notes.json", tmp_path / "q" / "ptq.json"):
+        if out.name == "notes.json":
+            out.write_text("{}")
+        assert main(["eval", str(tmp_path / "run"), "--tasks", "none", "--data", "x", "--out", str(out)]) == 2
+        assert "is a file of a model or run folder" in capsys.readouterr().err and out.read_text() == "{}"
 
 
 def test_a_refusal_after_the_model_loads_is_one_line_without_third_party_noise(run_dir, tmp_path):

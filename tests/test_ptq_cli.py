@@ -499,6 +499,15 @@ def test_text_calib_data_is_tokenized_with_the_models_tokenizer(run_dir, tmp_pat
     assert json.loads((tmp_path / "q" / "ptq.json").read_text())["calib_data"] == str(data)
 
 
+def test_a_window_past_the_trained_length_is_warned_of(run_dir, tmp_path, capsys):
+    """`adahop eval` warned of --seq-len beyond the run's; ptq calibrated and scored there silently (helper 25)."""
+    run_cfg = json.loads((run_dir / "config.json").read_text())["adahop"]
+    assert _ptq(run_dir, tmp_path / "q", "--method", "rtn", "--bits", "4", "--calib-data", run_cfg["data_dir"],
+                "--calib-tokens", "256", "--seq-len", "64", "--skip-baseline") == 0
+    assert ("warning: --seq-len 64 calibrates and scores positions beyond the 32 tokens the run trained at"
+            in capsys.readouterr().err)
+
+
 def test_the_runs_own_corpus_given_as_text_reuses_its_prepared_folder(run_dir, tmp_path, monkeypatch):
     """A run trained on a prepared folder (as `adahop compare`'s children are), evaluated with the text that
     folder was made from: the same tokens, so the run's folder is used, not prepared again under its tokenizer.json."""

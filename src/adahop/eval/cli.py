@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 __all__ = ["add_arguments", "run", "settings", "ALL_TASKS"]
 
 ALL_TASKS = "piqa,hellaswag,arc_easy,arc_challenge,lambada_openai,winogrande"
+
+
+#: Files of a run, checkpoint, export or quantized folder that ``--out`` must never replace.
+_FOLDER_FILES = frozenset(("config.json", "summary.json", "ptq.json", "state.json", "plan.json", "metrics.jsonl",
+                           "manifest.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -74,10 +78,14 @@ def run(args: argparse.Namespace) -> dict:
     if args.out:
         check_out_path(args.out, "--out", folder=False)
         out = Path(args.out).resolve()
-        if out.exists() and out.parent == Path(args.model).resolve() and out.name != "eval.json":
-            # MODEL's own config, summary, plan or weights: a run folder holds eval.json only as a result
-            raise ValueError(f"--out {args.out} is a file of MODEL itself; pass a new path, e.g. "
-                             f"{Path(args.model) / 'eval.json'}")
+        inside = out.is_relative_to(Path(args.model).resolve())
+        if out.exists() and (out.name in _FOLDER_FILES or out.suffix == ".safetensors"
+                             or (inside and not out.name.startswith("eval"))):
+            # a file a run, checkpoint, export or quantized folder is made of (MODEL's own at any depth:
+            # a checkpoint's state.json overwritten broke --resume); an earlier eval*.json may be replaced
+            raise ValueError(f"--out {args.out} is a file of a model or run folder"
+                             f"{' (inside MODEL)' if inside else ''}, which the results would overwrite; pass a new "
+                             f"path, e.g. {Path(args.model) / 'eval.json'}")
     specs = parse_tasks(args.tasks)
     if not specs and args.data is None:
         raise ValueError("nothing to do: --tasks none and no --data; pass tasks, a data folder, or both")
@@ -96,16 +104,13 @@ def run(args: argparse.Namespace) -> dict:
         require_lm_eval()
     root = task_root(specs, args.task_data) if specs else None
     loaded = load_model(args.model, device=device, recipe=args.recipe, plan=args.plan)
-    from .model import check_window
+    from .model import check_window, warn_beyond_training
 
     check_window(loaded.model, args.seq_len if args.data is not None else None, "--seq-len")
     check_window(loaded.model, args.max_length if specs else None, "--max-length")
     trained = (loaded.run_config or {}).get("seq_len")
-    for flag, tokens in (("--seq-len", args.seq_len if args.data is not None else None),
-                         ("--max-length", args.max_length if specs else None)):
-        if trained and tokens and tokens > trained:  # RoPE runs past its training length, usually worse
-            print(f"warning: {flag} {tokens} scores positions beyond the {trained} tokens the run trained at; a RoPE model "
-                  f"is usually worse there, so this is not the trained window's score", file=sys.stderr)
+    warn_beyond_training(trained, "--seq-len", args.seq_len if args.data is not None else None)
+    warn_beyond_training(trained, "--max-length", args.max_length if specs else None)
     from .. import __version__
 
     res = {"model": loaded.info, "dtype": "bf16" if bf16 else "fp32", "device": str(device),

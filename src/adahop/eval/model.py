@@ -28,6 +28,14 @@ def check_window(model: torch.nn.Module, tokens: int | None, flag: str) -> None:
                          f"(max_position_embeddings) and cannot score longer windows; pass {flag} {n} or less")
 
 
+def warn_beyond_training(trained: int | None, flag: str, tokens: int | None, what: str = "scores") -> None:
+    """Print a warning (stderr) when windows of ``tokens`` (``flag``) run past the ``trained`` sequence length
+    of the run: a RoPE model is usually worse there, so the number is not the trained window's."""
+    if trained and tokens and tokens > trained:
+        print(f"warning: {flag} {tokens} {what} positions beyond the {trained} tokens the run trained at; a RoPE model "
+              f"is usually worse there, so this is not the trained window's score", file=sys.stderr)
+
+
 @dataclass
 class LoadedModel:
     """A model ready to score, its tokenizer, and what was loaded (for the results JSON)."""

@@ -202,12 +202,14 @@ def run(args: argparse.Namespace) -> dict:
         _check_rht_dims(model, args.method)  # each layer's check came only when its block was reached
     if args.method.startswith("harp-") and args.hbd_lambda > 0:
         _check_hbd_block(model, args.hbd_block)
-    from ..eval.model import check_window
+    from ..eval.model import check_window, warn_beyond_training
     from ..eval.perplexity import default_window, scored_batches
 
     seq_len = args.seq_len or default_window(rc, getattr(model.config, "max_position_embeddings", None))
     check_window(model, seq_len, "--seq-len")
     check_window(model, args.eval_max_length if tasks is not None else None, "--eval-max-length")
+    warn_beyond_training(rc.get("seq_len"), "--seq-len", seq_len, "calibrates and scores")
+    warn_beyond_training(rc.get("seq_len"), "--eval-max-length", args.eval_max_length if tasks is not None else None)
 
     # both splits are checked now: a val split short of one batch failed only after the whole quantization
     shown = data if Path(args.calib_data).resolve() == Path(data).resolve() else f"{args.calib_data} (prepared into {data})"
