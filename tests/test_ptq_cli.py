@@ -506,6 +506,9 @@ def test_a_window_past_the_trained_length_is_warned_of(run_dir, tmp_path, capsys
                 "--calib-tokens", "256", "--seq-len", "64", "--skip-baseline") == 0
     assert ("warning: --seq-len 64 calibrates and scores positions beyond the 32 tokens the run trained at"
             in capsys.readouterr().err)
+    meta = json.loads((tmp_path / "q" / "ptq.json").read_text())
+    # which weights were quantized: an absolute path and the file (a checkpoint's, for an unfinished run)
+    assert meta["source_model"] == str(run_dir.resolve()) and meta["source"]["weights"]
 
 
 def test_the_runs_own_corpus_given_as_text_reuses_its_prepared_folder(run_dir, tmp_path, monkeypatch):

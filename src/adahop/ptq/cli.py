@@ -262,7 +262,8 @@ def run(args: argparse.Namespace) -> dict:
             "seed": args.seed, "rotation": {k: getattr(rot_opts, k) for k in rot_opts.__slots__},
             # the method's own settings (rotation's are above), so that a folder says how it was made
             "method_options": {k: getattr(args, k) for k in _method_options(args.method) if k not in rot_opts.__slots__},
-            "source_model": str(args.model), "calib_data": str(data), "calib_tokens": len(batches) * args.batch_size * seq_len,
+            "source_model": str(Path(args.model).resolve()), "source": loaded.info,  # which weights (a checkpoint's?)
+            "calib_data": str(data), "calib_tokens": len(batches) * args.batch_size * seq_len,
             "seq_len": seq_len}  # the window it is scored at: `adahop eval` of the folder takes it by default
     out = Path(args.out)
     save_quantized(model, loaded.tokenizer, out, layers, meta)
