@@ -124,6 +124,15 @@ def _version() -> str:
     return version("lm_eval")
 
 
+def _close_progress_bars() -> None:
+    """Close the tqdm bars still open, which ends their line: our error message followed the bar on it, and
+    the bar's last refresh came after the message."""
+    from tqdm import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
+
+
 def score(lm, specs: list[TaskSpec], root: Path, *, limit: int | None = None, seed: int = 0) -> dict:
     """Score ``lm`` on ``specs`` with lm-eval, zero-shot, from the documents under ``root``.
 
@@ -159,6 +168,7 @@ def score(lm, specs: list[TaskSpec], root: Path, *, limit: int | None = None, se
                                           random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
                                           fewshot_random_seed=seed)
         except AssertionError as e:  # HFLM asserts that each continuation fits its window
+            _close_progress_bars()  # lm-eval's bar was left open: the message would follow it on its line
             window = getattr(lm, "max_length", None)
             raise ValueError(f"lm-eval stopped on its check {str(e)[:100] or 'of a request'}: most likely an answer "
                              f"longer than the model's window of {window} tokens (a model trained at a short --seq-len); "
