@@ -145,3 +145,19 @@ if __name__ == "__main__":  # regenerate the frozen listing after a deliberate c
                       for cmd, opts in cli_surface().items())  # one option a line: small diffs, easy merges
     SURFACE.write_text("{\n" + body + "\n}\n")
     print(f"wrote {SURFACE}")
+
+
+def test_adahops_own_warnings_print_as_one_line(monkeypatch):
+    """A library warning under a command showed its file, line and source line (`controller = Controller(...)`),
+    where the commands print `warning: ...` lines themselves (helper 25)."""
+    import warnings
+
+    from adahop import cli
+
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)
+    cli._one_line_warnings()
+    cli._one_line_warnings()  # once per process, not a wrapper per call
+    assert warnings.formatwarning("adahop: the plan was frozen", UserWarning, "linear.py", 147, "x = 1") == \
+        "warning: the plan was frozen\n"
+    other = warnings.formatwarning("deprecated", FutureWarning, "lib.py", 3, "y = 2")
+    assert "lib.py:3" in other and "FutureWarning" in other

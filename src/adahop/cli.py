@@ -102,6 +102,26 @@ def _leave_error(args, message: str) -> None:
         pass
 
 
+def _one_line_warnings() -> None:
+    """Show adahop's own warnings (their text starts with "adahop") as ``warning: MESSAGE`` lines, as the
+    commands print theirs; Python's default format adds the file, the line number and the source line
+    of the call. Other libraries' warnings keep that format."""
+    import warnings
+
+    default = warnings.formatwarning
+    if getattr(default, "_adahop", False):  # main() runs many times in one process (tests): wrap once
+        return
+
+    def fmt(message, category, filename, lineno, line=None):
+        text = str(message)
+        if not text.startswith("adahop"):
+            return default(message, category, filename, lineno, line)
+        return f"warning: {text.removeprefix('adahop: ')}\n"
+
+    fmt._adahop = True
+    warnings.formatwarning = fmt
+
+
 def _quiet_imports() -> None:
     """Import transformers' model code with two third-party loggers muted. When torchao is installed
     (the test extras), transformers imports it for its torchao quantizer, which adahop never uses;
@@ -184,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the ``adahop`` command line; returns the exit code: 0 done, 1 a run that failed (diverged,
     a recipe of ``compare`` failed), 2 a bad option or path (named in the message), 130 interrupted."""
     args = build_parser().parse_args(argv)
+    _one_line_warnings()
     try:
         if args.cmd == "data":
             _prepare(args)
