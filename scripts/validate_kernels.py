@@ -582,16 +582,17 @@ def check_baseline(how, t, k, n, dev, gen):
            rel_err_y_dx_dw=[f"{v:.1e}" for v in errs])
 
 
-def check_optim_step(name, n, alg, w_dtype, s_dtype, rounding, dev, gen):
+def check_optim_step(name, n, alg, w_dtype, s_dtype, rounding, dev, gen, mul_lr=3e-2):
     """The fused optimizer step (Triton) vs its reference: weights and states bit for bit, under a
-    fixed Philox seed for stochastic rounding; then SR fresh across seeds."""
+    fixed Philox seed for stochastic rounding; then SR fresh across seeds. ``mul_lr`` 3 with cap 2 takes the
+    workshop form's exponent steps past one octave (2^y's range reduction, 2026-12-05)."""
     from adahop.kernels.optim_step import STATE_NAMES, bit_mismatches, optim_step, step_scalars
 
     w0 = (torch.randn(n, device=dev, generator=gen)
           * torch.exp2(torch.randint(-10, 10, (n,), device=dev, generator=gen).float())).to(w_dtype)
     g = torch.randn(n, device=dev, generator=gen).to(torch.bfloat16)
     st0 = [(torch.rand(n, device=dev, generator=gen) * 1e-3).to(s_dtype) for _ in STATE_NAMES[alg]]
-    sc = step_scalars(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=7, mul_lr=3e-2, cap=2.0)
+    sc = step_scalars(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=7, mul_lr=mul_lr, cap=2.0)
     # stream 1: Triton passes a scalar argument equal to 1 as a constexpr (round 16 failed on it)
     bad_w, bad_s, w_triton = bit_mismatches(alg, w0, g, st0, sc, rounding=rounding, seed=20261201, stream=1)
     bits = lambda t: t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)  # noqa: E731
@@ -836,6 +837,10 @@ def main() -> int:
                 n = (1 << 22) + 123 if s else 3000  # a ragged last block
                 check_optim_step(f"optim {alg} w={str(wdt)[6:]} states={str(sdt)[6:]} {rnd}", n, alg, wdt, sdt, rnd,
                                  dev, gen)
+            if alg == "madam-workshop":
+                for wdt, rnd in ((bf, "nearest"), (bf, "stochastic"), (f32, "nearest")):
+                    check_optim_step(f"optim {alg} w={str(wdt)[6:]} {rnd}, exponent steps past one octave", 3000, alg,
+                                     wdt, f32, rnd, dev, gen, mul_lr=3.0)
             for wdt, sdt, rnd in ((bf, bf, "nearest"), (bf, bf, "stochastic"), (f32, f32, "nearest")):
                 check_optim_multi(f"optim multi-tensor {alg} w={str(wdt)[6:]} states={str(sdt)[6:]} {rnd}", alg, wdt,
                                   sdt, rnd, dev, gen, not s)
