@@ -127,7 +127,7 @@
 #      (bf16, mxfp4, adahop-lv2; auto), then 4 blocks of Llama-3.1-8B 4096 x 2 (same). Rows merge into $OUT/benchmarks.json
 #   r24m (issue 18, one GPU): the peak-memory row, Llama-3.2-1B 4096 x 8 (bf16, mxfp4, adahop-lv2): eager with
 #      bench model --max-batch MAXB (default 16), then compiled; rows in $OUT/benchmarks.json
-#   r27s (issue 18, one GPU): llama-125m 1024 x 16 with --bf16-small-gemms (bf16, mxfp4, adahop-lv2; auto), then torchao's
+#   r27s (issue 18, one GPU): validate_kernels --only optim, then llama-125m 1024 x 16 with --bf16-small-gemms (bf16, mxfp4, adahop-lv2; auto), then torchao's
 #      float8 rowwise and tensorwise beside BF16 at llama-350m 1024 x 16 and Llama-3.2-1B 4096 x 4 (auto)
 #   r21a (issue 18, one GPU): where the 8B-shaped model's first compile goes (round 20: mxfp4's did not finish in ~260 s;
 #      scripts/compile_census.py puts adahop's Triton kernels at ~12 s of it): scripts/bench_compile.py --phases cold for
@@ -457,6 +457,9 @@ if [ "$STAGE" = r24m ]; then  # issue 18's memory row: Llama-3.2-1B at 4096 x 8,
 fi
 if [ "$STAGE" = r27s ]; then  # issue 18: the small-GEMM rule's first GPU rows, and torchao's float8 beside BF16 at 350m and 1B
   export CUDA_VISIBLE_DEVICES=0
+  # first the fused optimizer step (its 2^y range reduction of 2026-12-05 has run only in the interpreter)
+  timeout 90 python3 scripts/validate_kernels.py --only optim --log $OUT/validate_optim.json > $OUT/validate_optim.log 2>&1
+  tail -1 $OUT/validate_optim.log; grep -E "^FAIL" $OUT/validate_optim.log | head
   BM="python3 -m adahop bench model --modes auto --json $OUT/benchmarks.json"
   timeout 200 $BM --model llama-125m --seq-len 1024 --batch-size 16 --recipes bf16,mxfp4,adahop-lv2 --bf16-small-gemms \
     > $OUT/bench_125m_small.log 2>&1; echo "125m small gemms: exit $? at $(el) s"; tail -5 $OUT/bench_125m_small.log | cut -c1-400
