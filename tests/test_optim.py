@@ -692,11 +692,33 @@ def test_a_pickled_or_copied_optimizer_keeps_its_storage_options_and_steps_alike
     assert (back.state_dtype, back.seed, back.rounding, back.form, back.algorithm) == \
         (torch.bfloat16, 5, "stochastic", "workshop", "madam-workshop")
     m2, opt2 = copy.deepcopy((m, opt))
+    back.load_state_dict(opt.state_dict())  # a copy still loads states (its hooks are there, once)
+    assert len(back._optimizer_load_state_dict_post_hooks) == 1
     for model, o in ((m, opt), (m2, opt2)):
         o.zero_grad()
         model(x).float().sum().backward()
         o.step()
     assert all(torch.equal(p, q) for p, q in zip(m.parameters(), m2.parameters()))
+
+
+@pytest.mark.parametrize("master", ["bf16", "fp8"])
+def test_load_state_dict_keeps_fp32_states_of_low_precision_masters(master):
+    """The pickling __setstate__ (61496a9) ran inside torch's load_state_dict too and dropped the stash the
+    post-hook restores state dtypes from: FP32 moments of BF16/FP8 masters came back BF16, so every resume of
+    such a run changed the next steps and the one after it was refused (helper 27)."""
+    from adahop.optim import AdamW, convert_master_weights
+
+    torch.manual_seed(0)
+    m = convert_master_weights(torch.nn.Linear(32, 16, bias=False), master)
+    opt = AdamW(m.parameters(), state_dtype=torch.float32)
+    m(torch.randn(4, 32, dtype=torch.bfloat16)).float().square().sum().backward()
+    opt.step()
+    before = {k: v.clone() for k, v in opt.state[m.weight].items() if torch.is_tensor(v)}
+    opt.load_state_dict(opt.state_dict())
+    for k, v in before.items():
+        assert opt.state[m.weight][k].dtype == v.dtype and torch.equal(opt.state[m.weight][k], v), k
+    assert len(opt._optimizer_load_state_dict_post_hooks) == 1
+    opt.load_state_dict(opt.state_dict())  # and again: the states are still the dtype it keeps
 
 
 def test_a_sparse_gradient_is_refused_by_name():

@@ -135,10 +135,15 @@ class MasterOptimizer(torch.optim.Optimizer):
         return {**super().__getstate__(), **{k: self.__dict__[k] for k in _OWN_ATTRS if k in self.__dict__}}
 
     def __setstate__(self, state: dict) -> None:
+        # torch's load_state_dict calls this too, on a live optimizer between its pre- and post-hooks: only a
+        # new object (unpickled, deep-copied) gets fresh plans and hooks, or the stash the post-hook restores
+        # the state dtypes from was dropped (FP32 states came back cast to the BF16 masters' dtype)
+        fresh = "_plans" not in self.__dict__
         super().__setstate__(state)
-        self._stash, self._plans = None, {}
-        self.register_load_state_dict_pre_hook(lambda opt, sd: opt._check_loaded(sd))
-        self.register_load_state_dict_post_hook(lambda opt: opt._restore_state_dtypes())
+        if fresh:
+            self._stash, self._plans = None, {}
+            self.register_load_state_dict_pre_hook(lambda opt, sd: opt._check_loaded(sd))
+            self.register_load_state_dict_post_hook(lambda opt: opt._restore_state_dtypes())
 
     # -- state ------------------------------------------------------------------------------
     def _init_state(self, p: torch.Tensor) -> dict:
