@@ -444,3 +444,13 @@ def test_strategy_table_names_are_the_ones_calib_spec_accepts():
     assert sorted(STRATEGY_TABLES) == sorted(STRATEGY_TABLE_NAMES)
     # the 'foid' variant's check: the tables where some pattern pair extracts outliers
     assert sorted(OE_STRATEGY_TABLES) == sorted(t for t, tab in STRATEGY_TABLES.items() if any("oe" in s for s in tab.values()))
+
+
+@pytest.mark.parametrize("kw, what", [(dict(seeds=()), "no seed"), (dict(n_out=0), "--synthetic-n-out 0"),
+                                      (dict(scale=float("nan")), "--synthetic-scale nan"),
+                                      (dict(m=64, k=64, n=64, oe_rank=64), "--oe-rank 64 with 64×64·64×64")])
+def test_figure3_table_refuses_settings_that_make_its_numbers_meaningless(kw, what):
+    """At 64³ with OE rank 64 OE sent the whole matrix through BF16 and read 0.0000 in every row; no seed
+    divided by zero; a NaN scale gave a NaN table (helper 27)."""
+    with pytest.raises(ValueError, match=what):
+        figure3_table(**{**FIG3, **kw}, strategies=LOWP_STRATEGIES)

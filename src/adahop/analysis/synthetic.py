@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import csv
 import io
+import math
 from dataclasses import dataclass
 
 import torch
@@ -135,7 +136,21 @@ def figure3_table(
 
     Returns:
         One :class:`Fig3Row` per pair, in the order of ``pairs``.
+
+    Raises:
+        ValueError: no seed; ``n_out`` not in [1, min(m, k, n)]; ``scale`` not a finite number > 0; ``oe_rank``
+            not in [1, min(m, n) / 4] (OE would route most of the operand exact, and its error read as 0).
     """
+    if not seeds:
+        raise ValueError("no seed to average over; pass --synthetic-seeds 0,1,2 (or any others)")
+    if not 1 <= n_out <= min(m, k, n):
+        raise ValueError(f"--synthetic-n-out {n_out}: must be between 1 and the matrix size {min(m, k, n)}")
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"--synthetic-scale {scale}: must be a finite number > 0 (10 or 50 in the paper)")
+    if not 1 <= oe_rank <= min(m, n) // 4:
+        raise ValueError(f"--oe-rank {oe_rank} with {m}×{k}·{k}×{n} operands: OE would send more than a quarter of an "
+                         f"operand through the exact path, and its error would read as the exact GEMM's; pass --oe-rank "
+                         f"{max(1, min(m, n) // 4)} or less, or a --synthetic-size of at least {4 * oe_rank}")
     rows = []
     for pair in pairs:
         per_seed: dict[str, list[float]] = {s: [] for s in strategies}
