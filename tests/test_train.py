@@ -26,6 +26,8 @@ def _cfg(data_dir: Path, out: Path, **kw) -> TrainConfig:
                 lr=3e-3, warmup_steps=2, eval_every=4, eval_batches=2, ckpt_every=4, log_every=1, device="cpu",
                 recipe="adahop-lv2", calib_steps=3)
     base.update(kw)
+    if base.get("plan") and "calib_steps" not in kw:  # a frozen plan: no calibration to set (refused with one)
+        base["calib_steps"] = None
     return TrainConfig(**base)
 
 
@@ -295,6 +297,8 @@ def test_bad_options_fail_before_training(data_dir, tmp_path):
     plan.write_text("not json")
     with pytest.raises(ValueError, match=r"--plan .*plan.json: .*not valid JSON|--plan .*plan.json: Expecting value"):
         train(_cfg(data_dir, tmp_path / "v", plan=str(plan)))
+    with pytest.raises(ValueError, match="--calib-steps: 3 with --plan: the plan is frozen, so no calibration runs"):
+        _cfg(data_dir, tmp_path / "u", plan=str(plan), calib_steps=3)  # the start-up table announced 3 steps
 
 
 def test_reschedule_without_resume_is_refused(tmp_path, capsys):

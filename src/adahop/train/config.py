@@ -141,6 +141,9 @@ class TrainConfig:
             bad("parallel", f"{self.parallel!r}; use none, ddp or fsdp")
         if self.calib_steps is not None and self.calib_steps < 1:
             bad("calib_steps", f"must be >= 1, got {self.calib_steps}")
+        if self.calib_steps is not None and self.plan:  # the start-up table said "calibration: N steps" regardless
+            bad("calib_steps", f"{self.calib_steps} with --plan: the plan is frozen, so no calibration runs; drop one "
+                "(AdaHOPCallback and prepare_adahop refuse the same)")
         if self.reschedule and not self.resume:  # it only changes the schedule a resumed run keeps
             bad("reschedule", "only applies with --resume (it stretches a resumed run's cosine decay over a larger "
                 "--steps); add --resume to continue the run in --out, or drop --reschedule")

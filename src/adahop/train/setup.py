@@ -440,7 +440,7 @@ def _run_notes(cfg: TrainConfig, recipe=None) -> list[str]:
                      "calibration (its GEMM strategies are fixed); drop --calib-steps, or use a calibrating recipe "
                      "such as adahop-lv2")
     if cfg.plan:
-        notes.append(f"  plan            frozen from {cfg.plan}: no calibration runs (--calib-steps has no effect)")
+        notes.append(f"  plan            frozen from {cfg.plan}: no calibration runs")
     if cfg.master_weights in PACKED_FORMATS and resolved_rounding(cfg.optimizer, cfg.master_rounding) == "nearest":
         notes.append(f"  warning         --master-weights {cfg.master_weights} with round to nearest: updates below half a "
                      "step of the format are lost (docs/results.md: an FP4 master stalled at 6.69, FP8 ended 5.8% behind); "
