@@ -161,3 +161,12 @@ def test_adahops_own_warnings_print_as_one_line(monkeypatch):
         "warning: the plan was frozen\n"
     other = warnings.formatwarning("deprecated", FutureWarning, "lib.py", 3, "y = 2")
     assert "lib.py:3" in other and "FutureWarning" in other
+
+
+def test_analyze_synthetic_refuses_the_model_flags_it_would_not_use(tmp_path, capsys):
+    """--synthetic runs no model: --run, --model, --steps were taken and silently unused (helper 27)."""
+    from adahop.cli import main
+
+    for flags in (["--steps", "10"], ["--model", "llama-20m"], ["--run", str(tmp_path)]):
+        assert main(["analyze", "--synthetic", *flags, "--out", str(tmp_path / "o")]) == 2
+        assert f"{flags[0]} is for the model analysis and --synthetic runs none" in capsys.readouterr().err

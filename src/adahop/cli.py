@@ -249,6 +249,13 @@ def main(argv: list[str] | None = None) -> int:
 
             print(describe_recipes(args.names))
         elif args.cmd == "analyze":
+            if args.synthetic:  # the model flags would be silently unused (the results do not record them)
+                from .utils import refuse_unused
+
+                defaults = vars(build_parser().parse_args(["analyze"]))
+                refuse_unused(args, {k: v for k, v in defaults.items() if k not in ("cmd", "out", "synthetic", "oe_rank",
+                                                                                     "table") and not k.startswith("synthetic_")},
+                              "the model analysis and --synthetic runs none", "drop it, or drop --synthetic")
             _quiet_imports()
             from .analysis.cli import run
 
