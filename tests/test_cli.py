@@ -170,3 +170,12 @@ def test_analyze_synthetic_refuses_the_model_flags_it_would_not_use(tmp_path, ca
     for flags in (["--steps", "10"], ["--model", "llama-20m"], ["--run", str(tmp_path)]):
         assert main(["analyze", "--synthetic", *flags, "--out", str(tmp_path / "o")]) == 2
         assert f"{flags[0]} is for the model analysis and --synthetic runs none" in capsys.readouterr().err
+
+
+def test_analyze_under_torchrun_is_refused(tmp_path, capsys, monkeypatch):
+    from adahop.cli import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["analyze", "--synthetic", "--out", str(tmp_path / "o")]) == 2
+    assert "adahop analyze runs in one process, and torchrun started 2" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

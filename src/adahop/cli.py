@@ -249,6 +249,11 @@ def main(argv: list[str] | None = None) -> int:
 
             print(describe_recipes(args.names))
         elif args.cmd == "analyze":
+            import os
+
+            if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # every process would run it whole into the same --out
+                raise ValueError(f"adahop analyze runs in one process, and torchrun started {os.environ['WORLD_SIZE']} of "
+                                 "them (each would run the whole analysis into the same --out); run it without torchrun")
             if args.synthetic:  # the model flags would be silently unused (the results do not record them)
                 from .utils import refuse_unused
 
