@@ -179,3 +179,18 @@ def test_analyze_under_torchrun_is_refused(tmp_path, capsys, monkeypatch):
     assert main(["analyze", "--synthetic", "--out", str(tmp_path / "o")]) == 2
     assert "adahop analyze runs in one process, and torchrun started 2" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_analyze_run_names_a_sharded_checkpoint(tmp_path, capsys):
+    """A --parallel ddp/fsdp run's checkpoints are torch.distributed.checkpoint shards: analyze said only that
+    there was no model.safetensors (helper 27)."""
+    import json
+
+    from adahop.cli import main
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_0000003").mkdir(parents=True)
+    (run / "checkpoints" / "step_0000003" / "__0_0.distcp").write_bytes(b"")
+    (run / "config.json").write_text(json.dumps({"adahop": {"config": {"model": "llama-tiny"}, "data_dir": "x"}}))
+    assert main(["analyze", "--run", str(run), "--out", str(tmp_path / "o")]) == 2
+    assert "is a sharded one of --parallel ddp/fsdp" in capsys.readouterr().err

@@ -183,6 +183,10 @@ def _load_run(args) -> tuple[TrainConfig, Path, Path]:
     cfg = TrainConfig(**{k: v for k, v in section["config"].items() if k in known})
     cfg = dataclasses.replace(cfg, device=args.device, resume=False, reschedule=False)  # a run resumed --reschedule
     cks = sorted((run_dir / "checkpoints").glob("step_*"))
+    if cks and not (cks[-1] / "model.safetensors").exists() and any(cks[-1].glob("*.distcp")):
+        raise ValueError(f"--run {run_dir}: its newest checkpoint ({cks[-1].name}) is a sharded one of --parallel ddp/fsdp "
+                         "(torch.distributed.checkpoint), which analyze does not read; resume the run in one process "
+                         "for a step (adahop train --out RUN --resume --steps N+1) to write a single-file checkpoint")
     if not cks or not (cks[-1] / "model.safetensors").exists():
         raise ValueError(f"--run {run_dir}: no checkpoints/step_*/model.safetensors")
     return cfg, Path(section["data_dir"]), cks[-1]
