@@ -197,7 +197,9 @@ def test_recorder_hooks_x_w_dy_in_storage_layout(gen, tmp_path):
 def test_record_steps_layers_and_choices():
     assert record_steps(10, None, None) == list(range(1, 11))
     assert record_steps(12, 5, None) == [1, 5, 10, 12]
-    assert record_steps(12, None, [3, 7, 99]) == [3, 7]
+    assert record_steps(12, None, [3, 7]) == [3, 7]
+    with pytest.raises(ValueError, match="--record-steps 0,99: outside the run's steps 1..12"):
+        record_steps(12, None, [3, 7, 99, 0])  # they were dropped silently
     assert record_steps(12, 5, [3]) == [1, 3, 5, 10, 12]
     with pytest.raises(ValueError, match="record-every"):
         record_steps(10, 0, None)

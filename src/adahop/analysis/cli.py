@@ -46,19 +46,20 @@ def record_steps(total: int, every: int | None, explicit: list[int] | None) -> l
     when neither is given), within ``1 … total``.
 
     Raises:
-        ValueError: ``every`` < 1, or no step inside ``1 … total``.
+        ValueError: ``every`` < 1, or an ``explicit`` step outside ``1 … total`` (it would be dropped silently).
     """
     if every is not None and every < 1:
         raise ValueError(f"--record-every must be >= 1, got {every}")
+    outside = sorted(x for x in explicit or [] if not 1 <= x <= total)
+    if outside:
+        raise ValueError(f"--record-steps {','.join(map(str, outside))}: outside the run's steps 1..{total} (--steps); "
+                         f"drop them or raise --steps")
     if every is None and not explicit:
         every = 1
     s = set(explicit or [])
     if every:
         s |= {1, *range(every, total + 1, every), total}
-    out = sorted(x for x in s if 1 <= x <= total)
-    if not out:
-        raise ValueError(f"--record-steps {explicit}: no step within 1..{total} (--steps)")
-    return out
+    return sorted(x for x in s if 1 <= x <= total)
 
 
 def vote_window(total: int, calib_steps: int) -> list[int]:
