@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -672,6 +673,13 @@ def test_parameter_groups_are_checked_as_the_constructor_checks_its_options():
         opt.add_param_group({"params": [b], "weight_decy": 0.1})
     opt.add_param_group({"params": [b], "lr": 1e-2, "mul_lr_scale": 3.0, "name": "vectors", "foreach": False})
     assert opt.param_groups[1]["mul_lr_scale"] == 3.0
+    # a group held still at lr 0 (torch allows it; refused for a while), NumPy and tensor numbers
+    c, d = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
+    opt.add_param_group({"params": [c], "lr": 0.0})
+    opt.add_param_group({"params": [d], "lr": np.float32(1e-3), "eps": torch.tensor(1e-8)})
+    c.grad = torch.ones(3)
+    opt.step()
+    assert torch.equal(c.detach(), torch.ones(3))
 
 
 def test_a_pickled_or_copied_optimizer_keeps_its_storage_options_and_steps_alike():

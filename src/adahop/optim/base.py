@@ -29,16 +29,22 @@ _TORCH_FLAGS = ("foreach", "fused", "maximize", "amsgrad", "capturable", "differ
 _OWN_ATTRS = ("state_dtype", "seed", "backend", "rounding", "algorithm", "form")
 
 
-def _check_hparams(where: str, h: dict) -> None:
-    """Raise ValueError naming ``where`` for a hyper-parameter of ``h`` out of range (those present)."""
+def _check_hparams(where: str, h: dict, *, group: bool = False) -> None:
+    """Raise ValueError naming ``where`` for a hyper-parameter of ``h`` out of range (those present). A parameter
+    ``group`` may sit at lr 0 (a part of the model held still, as torch allows); the constructor's default may not."""
     def bad(key, rule):
         raise ValueError(f"{where}: {key}={h[key]!r} must be {rule}")
 
-    def number(v) -> bool:
-        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    def number(v) -> bool:  # a Python, NumPy or 0-d tensor number (torch takes all three), finite
+        if isinstance(v, bool) or (torch.is_tensor(v) and v.numel() != 1):
+            return False
+        try:
+            return math.isfinite(float(v))
+        except (TypeError, ValueError):
+            return False
 
-    if "lr" in h and not (number(h["lr"]) and h["lr"] > 0):
-        bad("lr", "a finite number > 0")
+    if "lr" in h and not (number(h["lr"]) and (h["lr"] >= 0 if group else h["lr"] > 0)):
+        bad("lr", "a finite number >= 0" if group else "a finite number > 0")
     if "betas" in h:
         b = h["betas"]
         if not (isinstance(b, (tuple, list)) and len(b) == 2 and all(number(x) and 0 <= x < 1 for x in b)):
@@ -127,7 +133,7 @@ class MasterOptimizer(torch.optim.Optimizer):
         if unknown or flags:
             raise TypeError(f"{where}: unsupported option(s) {', '.join(unknown + flags)}; a group takes lr, betas, eps, "
                             f"weight_decay{''.join(', ' + o for o in self.rule_options)}")
-        _check_hparams(where, group)
+        _check_hparams(where, group, group=True)
 
     def __getstate__(self) -> dict:
         # torch's keeps defaults, state and param groups: a deep copy or pickle lost the storage options
