@@ -86,7 +86,11 @@ def _enclosing_function_node():
     return None
 
 
-_REACH: list = [None]  # the last recompute's _Reach (node wrappers only: backward has freed their saved tensors)
+_REACH: list = [None]  # the running recompute's _Reach; cleared when its backward ends (it holds graph nodes)
+
+
+def _forget_reach() -> None:
+    _REACH[0] = None
 
 
 def _recomputed(queue: list) -> int:
@@ -100,11 +104,20 @@ def _recomputed(queue: list) -> int:
     if current is None or len(queue) == 1:
         return len(queue) - 1
     if _REACH[0] is None or _REACH[0].start is not current:
+        if _REACH[0] is None:  # dropped at the end of this backward: its nodes (and the parameters behind them) stay no longer
+            torch.autograd.Variable._execution_engine.queue_callback(_forget_reach)
         _REACH[0] = _Reach(current)
     for i in range(len(queue) - 1, -1, -1):
         node = None if queue[i][1] is None else queue[i][1]()
         if queue[i][1] is None or (node is not None and _REACH[0].has(node)):
             return i
+    live = sum(e[1] is not None and e[1]() is not None for e in queue)
+    if live > 1:  # several forwards' graphs wait and none is reached from here: any pick could be the wrong one
+        raise RuntimeError(
+            "adahop: a checkpointed region is recomputed from a node that reaches none of the forwards waiting for "
+            f"their backward ({live} of this layer's); its random bits cannot be matched to the right forward (a region "
+            "of parallel branches, such as a GPT-NeoX-style block, with several micro-batches' forwards run before their "
+            "backwards). Run each micro-batch's backward right after its forward, or one backward for their summed loss")
     return len(queue) - 1
 
 
@@ -393,10 +406,14 @@ class LowPrecisionLinear(nn.Linear):
         their first forward is a training call, see :meth:`_forward_only`); ``rerun`` marks such a
         forward (a no-grad forward that backward runs again). Several forwards may wait for their
         backwards (micro-batches run forward first): a recompute takes the one whose autograd graph
-        the running backward reaches (:func:`_recomputed`).
+        the running backward reaches (:func:`_recomputed`). Not matched (documented in
+        `docs/integrations.md`): a layer called twice inside one checkpointed region (its two calls'
+        bits are swapped), and, with several forwards waiting, a frozen layer's calls (no autograd node)
+        or nested reentrant checkpoints; a region of parallel branches then raises.
 
         Raises:
-            RuntimeError: a forward of this layer runs inside backward with no forward of this
+            RuntimeError: a recompute that reaches none of several waiting forwards (:func:`_recomputed`);
+                a forward of this layer runs inside backward with no forward of this
                 step left for it to repeat (a reentrant checkpoint inside a non-reentrant one, a
                 second backward through a checkpointed region, ``adahop.on_step`` between a forward
                 and its backward, a forward from a backward hook): its bits would differ from the
