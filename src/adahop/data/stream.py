@@ -15,6 +15,7 @@ walks the windows in order instead.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -108,7 +109,10 @@ class TokenStream:
 
             try:
                 self._table = load_tokenizer(self.manifest.tokenizer.spec, base_dir=self.data_dir).token_bytes()
-            except (OSError, ValueError, ImportError):
+            except (OSError, ValueError, ImportError) as e:
+                warnings.warn(f"adahop: bits per byte of {self.data_dir} use the split's bytes per token, not the scored "
+                              f"windows': its tokenizer ({self.manifest.tokenizer.spec}) cannot be loaded here ({e})",
+                              stacklevel=3)
                 self._table = None
         return self._table
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterable, Sequence
@@ -104,23 +105,34 @@ class Tokenizer:
         return f"{type(self).__name__}(name={self.name!r}, vocab_size={self.vocab_size}, eos_id={self.eos_id})"
 
 
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
 def _backend_token_bytes(tok, vocab_size: int, special: set[int]) -> np.ndarray | None:
-    """:meth:`Tokenizer.token_bytes` of a ``tokenizers.Tokenizer`` with a byte-level decoder, where every
-    character of a token's string is one byte; None for other decoders."""
+    """:meth:`Tokenizer.token_bytes` of a ``tokenizers.Tokenizer``: with a byte-level decoder every character of
+    a token's string is one byte (exact); with SentencePiece's metaspace (``▁`` for a space, ``<0xNN>`` byte
+    pieces: Llama-2, Mistral, Gemma) a piece is its text with ``▁`` as one space byte (the decoder's strip of
+    a text's first space is not subtracted: one byte per document). None for other decoders."""
     from tokenizers import pre_tokenizers
 
-    if type(tok.decoder).__name__ != "ByteLevel":
+    decoder = json.loads(tok.to_str()).get("decoder")
+    byte_level = type(tok.decoder).__name__ == "ByteLevel"
+    if not byte_level and "\u2581" not in json.dumps(decoder, ensure_ascii=False):
         return None
     alphabet = set(pre_tokenizers.ByteLevel.alphabet())
     out = np.zeros(vocab_size, dtype=np.int64)
     for i in range(vocab_size):
         piece = tok.id_to_token(i)
-        if i in special or piece is None:
+        if piece is None:
             continue
-        if not set(piece) <= alphabet:  # an added token spelled in plain text
-            out[i] = len(piece.encode("utf-8"))
-        else:
+        if not byte_level and _BYTE_PIECE.fullmatch(piece):
+            out[i] = 1
+        elif i in special:
+            continue
+        elif byte_level and set(piece) <= alphabet:
             out[i] = len(piece)
+        else:  # a metaspace piece, or an added token spelled in plain text
+            out[i] = len(piece.replace("\u2581", " ").encode("utf-8"))
     return out
 
 
@@ -354,8 +366,7 @@ class HFTokenizer(Tokenizer):
         out = None
         if getattr(self._tok, "is_fast", False):
             backend = self._tok.backend_tokenizer
-            special = set(backend.get_added_tokens_decoder()) | set(self._tok.all_special_ids)
-            out = _backend_token_bytes(backend, self.vocab_size, special)
+            out = _backend_token_bytes(backend, self.vocab_size, set(self._tok.all_special_ids))
         return super().token_bytes() if out is None else out
 
     def to_transformers(self):
