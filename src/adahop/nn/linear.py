@@ -93,6 +93,25 @@ def _forget_reach() -> None:
     _REACH[0] = None
 
 
+def _region_tag():
+    """A weak reference that names the non-reentrant checkpoint region a forward runs in (the unpack hook of the
+    saved-tensor hooks torch.utils.checkpoint installs for it, alive while its graph waits), or None outside one."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    try:
+        return None if not hooks else weakref.ref(hooks[1])
+    except TypeError:  # a hook that takes no weak reference: no region to name
+        return None
+
+
+def _oldest_of_region(queue: list, i: int) -> int:
+    """``i``, or the oldest entry of ``queue`` from the same checkpoint region as entry ``i``: a recompute replays
+    its region in forward order, so a layer called twice there takes its first call's bits first."""
+    tag = queue[i][2]() if queue[i][2] is not None else None
+    if tag is None:
+        return i
+    return next(k for k, e in enumerate(queue) if e[2] is not None and e[2]() is tag)
+
+
 def _recomputed(queue: list) -> int:
     """The position in ``queue`` (``[call, weakref to the forward's autograd node or None]`` entries, in
     call order) of the forward that the running backward recomputes: the latest whose node the
@@ -101,8 +120,10 @@ def _recomputed(queue: list) -> int:
     reentrant checkpoint's no-grad forward) is taken as the latest, as are all when torch cannot
     say which node runs."""
     current = torch._C._current_autograd_node()
-    if current is None or len(queue) == 1:
-        return len(queue) - 1
+    if len(queue) == 1:
+        return 0
+    if current is None:
+        return _oldest_of_region(queue, len(queue) - 1)
     if _REACH[0] is None or _REACH[0].start is not current:
         if _REACH[0] is None:  # dropped at the end of this backward: its nodes (and the parameters behind them) stay no longer
             torch.autograd.Variable._execution_engine.queue_callback(_forget_reach)
@@ -110,7 +131,7 @@ def _recomputed(queue: list) -> int:
     for i in range(len(queue) - 1, -1, -1):
         node = None if queue[i][1] is None else queue[i][1]()
         if queue[i][1] is None or (node is not None and _REACH[0].has(node)):
-            return i
+            return _oldest_of_region(queue, i)
     live = sum(e[1] is not None and e[1]() is not None for e in queue)
     if live > 1:  # several forwards' graphs wait and none is reached from here: any pick could be the wrong one
         raise RuntimeError(
@@ -295,7 +316,7 @@ class LowPrecisionLinear(nn.Linear):
     def __getstate__(self) -> dict:
         # the queued forwards' autograd nodes belong to this process's graph (and weak references do not pickle)
         state = self.__dict__.copy()
-        state["_calls"] = {k: [v[0], [[c, None] for c, _ in v[1]]] for k, v in self._calls.items()}
+        state["_calls"] = {k: [v[0], [[e[0], None, None] for e in v[1]]] for k, v in self._calls.items()}
         state["_unbound"] = []
         return state
 
@@ -406,10 +427,10 @@ class LowPrecisionLinear(nn.Linear):
         their first forward is a training call, see :meth:`_forward_only`); ``rerun`` marks such a
         forward (a no-grad forward that backward runs again). Several forwards may wait for their
         backwards (micro-batches run forward first): a recompute takes the one whose autograd graph
-        the running backward reaches (:func:`_recomputed`). Not matched (documented in
-        `docs/integrations.md`): a layer called twice inside one checkpointed region (its two calls'
-        bits are swapped), and, with several forwards waiting, a frozen layer's calls (no autograd node)
-        or nested reentrant checkpoints; a region of parallel branches then raises.
+        the running backward reaches (:func:`_recomputed`), and within one checkpoint region its calls in
+        forward order. Not matched (documented in `docs/integrations.md`): with several forwards waiting,
+        a frozen layer's calls (no autograd node) or nested reentrant checkpoints; a region of parallel
+        branches then raises.
 
         Raises:
             RuntimeError: a recompute that reaches none of several waiting forwards (:func:`_recomputed`);
@@ -447,7 +468,7 @@ class LowPrecisionLinear(nn.Linear):
             call = issued[0]
             issued[0] += 1
             if stream == "train":
-                entry = [call, None]
+                entry = [call, None, _region_tag()]
                 issued[1].append(entry)
                 self._unbound.append(entry)  # _forward gives it the output's autograd node
             return call
@@ -555,7 +576,7 @@ class LowPrecisionLinear(nn.Linear):
             self._call_index("dgrad", "train", rerun)
             node = _enclosing_function_node() if self._unbound else None
             for entry in self._unbound:  # the checkpoint's node, whose backward recomputes this call (_recomputed)
-                entry[1] = None if node is None else weakref.ref(node)
+                entry[1] = entry[2] = None if node is None else weakref.ref(node)  # its region, too
         self._unbound.clear()
         seed = None if spec is None else self._sign_seed(("fprop",))
         return fprop(x2, self.weight.to(dtype), self.bias, spec, gen, self.backend, dtype, seed, salt(self, "fprop"))
