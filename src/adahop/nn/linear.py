@@ -93,6 +93,11 @@ def _forget_reach() -> None:
     _REACH[0] = None
 
 
+def _alive(ref):
+    """The object a weak reference ``ref`` names, or None (no reference, or its object is gone)."""
+    return None if ref is None else ref()
+
+
 def _region_tag():
     """A weak reference that names the non-reentrant checkpoint region a forward runs in (the unpack hook of the
     saved-tensor hooks torch.utils.checkpoint installs for it, alive while its graph waits), or None outside one."""
@@ -106,22 +111,25 @@ def _region_tag():
 def _oldest_of_region(queue: list, i: int) -> int:
     """``i``, or the oldest entry of ``queue`` from the same checkpoint region as entry ``i``: a recompute replays
     its region in forward order, so a layer called twice there takes its first call's bits first."""
-    tag = queue[i][2]() if queue[i][2] is not None else None
+    tag = _alive(queue[i][2])
     if tag is None:
         return i
-    return next(k for k, e in enumerate(queue) if e[2] is not None and e[2]() is tag)
+    return next(k for k, e in enumerate(queue) if _alive(e[2]) is tag)
 
 
 def _recomputed(queue: list) -> int:
-    """The position in ``queue`` (``[call, weakref to the forward's autograd node or None]`` entries, in
-    call order) of the forward that the running backward recomputes: the latest whose node the
-    backward reaches from the node it runs now. Forwards of a graph this backward does not reach
-    (a later forward whose backward comes later) are passed over. An entry without a node (a
-    reentrant checkpoint's no-grad forward) is taken as the latest, as are all when torch cannot
-    say which node runs."""
-    current = torch._C._current_autograd_node()
+    """The position in ``queue`` (``[call, weak reference to the forward's autograd node or None, to its
+    checkpoint region (:func:`_region_tag`) or None]`` entries, in call order) of the forward that the running
+    backward recomputes: the latest whose node the backward reaches from the node it runs now, then the
+    oldest call of that one's region (:func:`_oldest_of_region`). Forwards of a graph this backward does not
+    reach (a later forward whose backward comes later) are passed over. An entry without a node (a frozen
+    layer's call) is taken as it comes, as are all when torch cannot say which node runs.
+
+    Raises:
+        RuntimeError: several forwards wait and the running node reaches none of them."""
     if len(queue) == 1:
         return 0
+    current = torch._C._current_autograd_node()
     if current is None:
         return _oldest_of_region(queue, len(queue) - 1)
     if _REACH[0] is None or _REACH[0].start is not current:
@@ -129,10 +137,10 @@ def _recomputed(queue: list) -> int:
             torch.autograd.Variable._execution_engine.queue_callback(_forget_reach)
         _REACH[0] = _Reach(current)
     for i in range(len(queue) - 1, -1, -1):
-        node = None if queue[i][1] is None else queue[i][1]()
+        node = _alive(queue[i][1])
         if queue[i][1] is None or (node is not None and _REACH[0].has(node)):
             return _oldest_of_region(queue, i)
-    live = sum(e[1] is not None and e[1]() is not None for e in queue)
+    live = sum(_alive(e[1]) is not None for e in queue)
     if live > 1:  # several forwards' graphs wait and none is reached from here: any pick could be the wrong one
         raise RuntimeError(
             "adahop: a checkpointed region is recomputed from a node that reaches none of the forwards waiting for "
@@ -461,7 +469,7 @@ class LowPrecisionLinear(nn.Linear):
             return None
         step = self.controller.step
         self._calls = {k: v for k, v in self._calls.items() if k[0] == step}
-        # [calls so far, [call, its forward's autograd node or None] of the forwards not yet recomputed]
+        # [calls so far, the entries of the forwards not yet recomputed (_recomputed: call, node, region)]
         issued = self._calls.setdefault((step, gemm, stream), [0, []])
         in_backward = torch._C._current_graph_task_id() != -1
         if stream == "eval" or not in_backward:  # a new call; a training one may be recomputed later
@@ -485,6 +493,16 @@ class LowPrecisionLinear(nn.Linear):
         if rerun:
             return issued[1][-1][0]
         return issued[1].pop(_recomputed(issued[1]))[0]
+
+    def _bind_calls(self, node, region: bool = False) -> None:
+        """Give the calls this forward queued (:attr:`_unbound`) the autograd ``node`` a checkpoint's recompute
+        finds them by (:func:`_recomputed`; ``region``: the node names their region too), and forget them."""
+        ref = None if node is None else weakref.ref(node)
+        for entry in self._unbound:
+            entry[1] = ref
+            if region:
+                entry[2] = ref
+        self._unbound.clear()
 
     def observe(self, tensor: str, t: torch.Tensor) -> None:
         """During calibration, record the pattern of ``tensor`` ("x" [T,K], "w" [N,K] or "dy" [T,N])."""
@@ -532,9 +550,8 @@ class LowPrecisionLinear(nn.Linear):
                 else:
                     self._unbound.clear()
                     y = LowPrecisionLinearFn.apply(x2, self.weight, self.bias, self, dtype, self._sign_seed(GEMMS))
-                    for entry in self._unbound:  # what a checkpoint's recompute of this call finds it by (_recomputed)
-                        entry[1] = weakref.ref(y.grad_fn) if y.grad_fn is not None else None
-                    self._unbound.clear()
+                    if self._unbound:  # eager training calls only (dynamo cannot trace grad_fn)
+                        self._bind_calls(y.grad_fn)
             else:
                 y = self._forward_only(x2, dtype)
         if x.ndim == 2:
@@ -574,9 +591,8 @@ class LowPrecisionLinear(nn.Linear):
             # made, so that it takes theirs (as a non-reentrant recompute does) and plain runs match
             self._call_index("wgrad", "train", rerun)
             self._call_index("dgrad", "train", rerun)
-            node = _enclosing_function_node() if self._unbound else None
-            for entry in self._unbound:  # the checkpoint's node, whose backward recomputes this call (_recomputed)
-                entry[1] = entry[2] = None if node is None else weakref.ref(node)  # its region, too
+            # the checkpoint Function's node, whose backward recomputes this call: its region, too
+            self._bind_calls(_enclosing_function_node() if self._unbound else None, region=True)
         self._unbound.clear()
         seed = None if spec is None else self._sign_seed(("fprop",))
         return fprop(x2, self.weight.to(dtype), self.bias, spec, gen, self.backend, dtype, seed, salt(self, "fprop"))

@@ -111,12 +111,16 @@ class MasterOptimizer(torch.optim.Optimizer):
         self.state_dtype, self.seed, self.backend, self.rounding = state_dtype, seed, backend, rounding
         self._stash = None
         self._plans: dict[int, _Plan] = {}  # group index → its kept buckets (step)
+        self._register_load_hooks()
+
+    def _register_load_hooks(self) -> None:
+        # states of another rule or dtype refused before a load, the saved dtypes restored after it
         self.register_load_state_dict_pre_hook(lambda opt, sd: opt._check_loaded(sd))
         self.register_load_state_dict_post_hook(lambda opt: opt._restore_state_dtypes())
 
     def add_param_group(self, param_group: dict) -> None:
-        """``torch.optim.Optimizer.add_param_group``, then the group's own hyper-parameters checked as the
-        constructor checks its defaults (a group may set any of them; the constructor's groups too).
+        """``torch.optim.Optimizer.add_param_group``, with the group's own hyper-parameters (merged over the
+        defaults) checked first as the constructor checks its own (the constructor's groups pass here too).
 
         Raises:
             ValueError: a bad value (as the constructor's). TypeError: an option the rule does not read,
@@ -148,8 +152,7 @@ class MasterOptimizer(torch.optim.Optimizer):
         super().__setstate__(state)
         if fresh:
             self._stash, self._plans = None, {}
-            self.register_load_state_dict_pre_hook(lambda opt, sd: opt._check_loaded(sd))
-            self.register_load_state_dict_post_hook(lambda opt: opt._restore_state_dtypes())
+            self._register_load_hooks()
 
     # -- state ------------------------------------------------------------------------------
     def _init_state(self, p: torch.Tensor) -> dict:

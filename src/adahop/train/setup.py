@@ -57,9 +57,9 @@ def settings_diff(cfg: TrainConfig, run: Path, keys) -> list[str]:
         if k == "model_config" and now.get(k) and saved.get(k) == now[k] and "model_config_file" in section:
             old, new = section["model_config_file"], model_config_file(now[k])  # the same path: the same file?
             if old != new:
-                changed = sorted(set(old or {}) | set(new or {}), key=str)
-                changed = [f"{c} {(old or {}).get(c)!r} → {(new or {}).get(c)!r}" for c in changed
-                           if (old or {}).get(c) != (new or {}).get(c)]
+                old, new = old or {}, new or {}
+                changed = [f"{c} {old.get(c)!r} → {new.get(c)!r}" for c in sorted(set(old) | set(new), key=str)
+                           if old.get(c) != new.get(c)]
                 diff.append(f"--model-config {now[k]!r} was edited since the run ({', '.join(changed[:4]) or 'unreadable'}"
                             f"{', ...' if len(changed) > 4 else ''})")
             continue
