@@ -292,6 +292,24 @@ def test_packed_masters_deepcopy_and_pickle(fmt):
     assert torch.equal(read_master(sd["weight"]), read_master(lin.weight))
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "fp4", "nvfp4"])
+def test_packed_masters_refuse_a_dtype_cast_and_keep_bf16_and_device_moves(fmt):
+    """model.to(float32) set a packed weight's dtype to float32 while its reads stayed BF16, so the next
+    forward failed deep in F.linear ("self and mat2 must have the same dtype"); model.to(bfloat16) and a
+    move to the device it is on keep the packed values."""
+    lin = torch.nn.Linear(64, 16)
+    convert_master_weights(lin, fmt)
+    before = read_master(lin.weight)
+    lin.to(torch.bfloat16)
+    lin.to("cpu")
+    assert isinstance(lin.weight, PackedMaster) and lin.weight.dtype == torch.bfloat16
+    assert torch.equal(read_master(lin.weight), before)
+    for cast in (lambda: lin.to(torch.float32), lin.float, lin.half):
+        with pytest.raises(RuntimeError, match="cannot cast a packed .* before convert_master_weights"):
+            cast()
+    assert lin.weight.dtype == torch.bfloat16 and lin(torch.randn(2, 64, dtype=torch.bfloat16)).dtype == torch.bfloat16
+
+
 def _save_load(obj, io):
     buf = io.BytesIO()
     torch.save(obj, buf)

@@ -209,6 +209,26 @@ class PackedMaster(torch.Tensor):
     def _param_state(self) -> tuple[bool, bool]:
         return bool(getattr(self, "_is_param", False)), self.requires_grad
 
+    # nn.Module._apply (model.to(dtype), .float(), .half(), .to(device)) assigns `param.data = param.to(...)`:
+    # a plain tensor there would leave a float32 "packed" weight whose reads still give BF16
+    @property
+    def data(self):
+        return torch.Tensor.data.__get__(self)
+
+    @data.setter
+    def data(self, value):
+        if isinstance(value, PackedMaster) and value.fmt == self.fmt and value.shape == self.shape:
+            torch.Tensor.data.__set__(self, value)
+            self.parts = value.parts
+            return
+        if isinstance(value, torch.Tensor) and value.dtype == torch.bfloat16 and value.device == self.device \
+                and value.shape == self.shape and not isinstance(value, PackedMaster):
+            return  # model.to(bfloat16) or to its own device: the packed values already are these
+        raise RuntimeError(
+            f"cannot cast a packed ({self.fmt}) master weight of shape {tuple(self.shape)} to "
+            f"{getattr(value, 'dtype', type(value).__name__)}: it stores {self.fmt} codes and computes in BF16. "
+            "Cast or move the model before convert_master_weights, or run float32 compute under torch.autocast")
+
     def to(self, *args, **kwargs):
         # `.to(bfloat16)` of a BF16 tensor would return the packed tensor itself: give the values
         device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
