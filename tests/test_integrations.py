@@ -151,14 +151,15 @@ class _Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.x[i], "labels": self.x[i]}
 
 
-def _trainer(out: Path, steps: int, callback_kw: dict | None = None, report_to=("tensorboard",), recipe="adahop-lv2"):
+def _trainer(out: Path, steps: int, callback_kw: dict | None = None, report_to=("tensorboard",), recipe="adahop-lv2",
+             **args_kw):
     from transformers import Trainer, TrainingArguments
 
     from adahop.integrations.transformers import AdaHOPCallback
 
     args = TrainingArguments(output_dir=str(out), max_steps=steps, per_device_train_batch_size=4, learning_rate=2e-3,
                              save_steps=20, logging_steps=10, report_to=list(report_to), use_cpu=True, seed=0,
-                             disable_tqdm=True, dataloader_num_workers=0)
+                             disable_tqdm=True, dataloader_num_workers=0, **args_kw)
     trainer = Trainer(model=_tiny_llama(), args=args, train_dataset=_Tokens())
     cb = AdaHOPCallback(recipe, trainer=trainer, **(callback_kw or {}))
     trainer.add_callback(cb)
@@ -218,6 +219,29 @@ def test_trainer_40_steps_then_resume_keeps_the_plan(tmp_path, monkeypatch):
     shutil.copytree(tmp_path / "run" / "checkpoint-20", tmp_path / "mid" / "checkpoint-20")
     mid.train(resume_from_checkpoint=str(tmp_path / "mid" / "checkpoint-20"))
     assert json.loads(adahop.get_controller(mid.model).plan.to_json()) == plan
+
+    # the same with the Trainer restoring callbacks itself: it replaces the callback by one built from the saved
+    # JSON args (no trainer=, no module_filter_fn=); the replacement takes them back, so the freeze at step 30 is
+    # logged and the filter applies (before: no strategy counts, and every linear converted)
+    seen_names = []
+    keep = lambda mod, name: seen_names.append(name) or "down_proj" not in name  # noqa: E731
+    first, _ = _trainer(tmp_path / "restored", 20, callback_kw={"module_filter_fn": keep})
+    first.train()
+    restored, cb3 = _trainer(tmp_path / "restored", 40, callback_kw={"module_filter_fn": keep},
+                             restore_callback_states_from_checkpoint=True)
+    seen_names.clear()
+    restored.train(resume_from_checkpoint=str(tmp_path / "restored" / "checkpoint-20"))
+    from adahop.integrations.transformers import AdaHOPCallback
+
+    (now,) = [c for c in restored.callback_handler.callbacks if isinstance(c, AdaHOPCallback)]
+    assert now is not cb3 and now.trainer is restored and seen_names
+    layers = json.loads(adahop.get_controller(restored.model).plan.to_json())["layers"]
+    assert len(layers) == 12 and not any("down_proj" in k for k in layers)
+    assert [r["step"] for r in restored.state.log_history if any(k.startswith("adahop/") for k in r)] == [30]
+    # votes saved for layers this conversion leaves out would enter the plan and its counts: refused
+    foreign, _ = _trainer(tmp_path / "mid", 40, callback_kw={"module_filter_fn": keep})
+    with pytest.raises(ValueError, match="votes for 2 layer.*down_proj.*another exclude"):
+        foreign.train(resume_from_checkpoint=str(tmp_path / "mid" / "checkpoint-20"))
 
     # a checkpoint of one recipe resumed under another is refused, before a step runs
     other, _ = _trainer(tmp_path / "run", 45, recipe="mxfp4")

@@ -9,6 +9,7 @@ plan, and keeps it in every checkpoint.
 from __future__ import annotations
 
 import logging
+import weakref
 from pathlib import Path
 
 from . import check_converted, missing_extra, resolve_plan, resolve_recipe
@@ -25,6 +26,7 @@ from ..nn.convert import (PLAN_COLUMNS, controller_state, convert_model, describ
 __all__ = ["AdaHOPCallback"]
 
 log = logging.getLogger(__name__)
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # every AdaHOPCallback: a restored one finds the one it replaced
 
 
 class AdaHOPCallback(TrainerCallback, ExportableState):
@@ -66,6 +68,22 @@ class AdaHOPCallback(TrainerCallback, ExportableState):
         self.calib_steps, self.trainer = calib_steps, trainer
         self.adahop_state = None  # set by the Trainer when it restores callbacks itself (restore_callback_states_from_checkpoint)
         self.model = None
+        _LIVE.add(self)
+
+    def _inherit_from_replaced(self) -> None:
+        """With ``restore_callback_states_from_checkpoint`` the Trainer replaces this callback by one built from
+        :meth:`state`'s JSON ``args``, which cannot hold ``trainer``, ``module_filter_fn`` or ``plan``: the
+        replacement then logged no strategy counts and converted without the filter. It takes them back from
+        the callback it replaced (the one whose Trainer now holds it)."""
+        if self.trainer is not None:
+            return
+        for old in list(_LIVE):
+            if old is not self and old.trainer is not None and any(
+                    cb is self for cb in old.trainer.callback_handler.callbacks):
+                self.trainer = old.trainer
+                self.module_filter_fn = self.module_filter_fn or old.module_filter_fn
+                self.plan = self.plan if self.plan is not None else old.plan
+                return
 
     # ---- ExportableState: what trainer_state.json keeps of this callback ----------------------------
     def state(self) -> dict:
@@ -75,6 +93,7 @@ class AdaHOPCallback(TrainerCallback, ExportableState):
 
     # ---- events ------------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self._inherit_from_replaced()
         if getattr(model, "_adahop_controller", None) is None:
             convert_model(model, self.recipe, exclude=self.exclude, module_filter_fn=self.module_filter_fn, seed=self.seed,
                           plan=self.plan, backend=self.backend)

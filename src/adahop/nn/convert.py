@@ -254,7 +254,8 @@ def load_controller_state(model: nn.Module, state: dict) -> None:
 
     Raises:
         ValueError: ``model`` is not converted, the state was saved under another recipe (states saved
-            before the recipe was recorded are not checked), or the plan was made for another model."""
+            before the recipe was recorded are not checked), the plan was made for another model, or the
+            calibration history has votes for layers the model does not convert (another exclude / filter)."""
     ctrl = get_controller(model)
     saved = state.get("recipe")
     if saved is not None and saved != ctrl.recipe.name:
@@ -264,7 +265,14 @@ def load_controller_state(model: nn.Module, state: dict) -> None:
     if state.get("plan"):
         ctrl.set_plan(Plan.from_dict(state["plan"]))
     elif state.get("calibration_history") is not None and ctrl.calibrator is not None:
-        ctrl.calibrator.history = state["calibration_history"]
+        history = state["calibration_history"]
+        converted = {l.name for l in ctrl.layers if not l.force_bf16}
+        foreign = sorted(set(history) - converted)
+        if foreign:  # their votes would enter the plan (and its strategy counts) for layers this model does not run
+            raise ValueError(f"the saved calibration history has votes for {len(foreign)} layer(s) this model does not "
+                             f"convert ({foreign[0]!r} ...): the checkpoint was made with another exclude / "
+                             "module_filter_fn; resume with the conversion it was made with, or start a new run")
+        ctrl.calibrator.history = history
         ctrl.calibrator.first_step = state.get("calibration_from", 0)
     ctrl.step = int(state["step"])
     ctrl.seed_signs(ctrl.step)
