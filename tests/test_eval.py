@@ -173,6 +173,22 @@ def test_a_first_choice_model_scores_the_share_of_golds_that_are_first(task_root
     assert t["piqa"]["source_sha256"] == wheel.sha256_of(task_root / TASKS["piqa"].source)
 
 
+def test_scoring_outside_a_git_repository_prints_no_git_error(task_root, tmp_path, monkeypatch, capfd):
+    """lm-eval records `git describe` of the working folder; outside a repository git's "fatal: not a git
+    repository" went to the terminal in the middle of every evaluation. Now git_hash is None there, quietly."""
+    pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install 'adahop[eval]')")
+    import lm_eval.evaluator
+
+    from adahop.eval.harness import score
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
+    res = score(_first_choice_lm(), get_tasks(["piqa"]), task_root, limit=2)
+    assert res["tasks"]["piqa"]["metrics"]["acc"] == sum(x == 0 for x in PIQA_LABELS[:2]) / 2
+    assert "not a git repository" not in capfd.readouterr().err
+    assert lm_eval.evaluator.get_git_commit_hash.__module__.startswith("lm_eval")  # put back after the call
+
+
 # ---- the table ----------------------------------------------------------------------------------
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -71,12 +72,29 @@ def _quiet():
     level, bars = log.level, datasets.is_progress_bar_enabled()
     log.setLevel(logging.ERROR)
     datasets.disable_progress_bars()
+    import lm_eval.evaluator as ev  # callers have checked that lm-eval is installed (require_lm_eval)
+
+    git_hash = getattr(ev, "get_git_commit_hash", None)
+    if git_hash is not None:  # its `git describe` printed "fatal: not a git repository" outside a repository
+        ev.get_git_commit_hash = _git_commit_hash
     try:
         yield
     finally:
         log.setLevel(level)
         if bars:
             datasets.enable_progress_bars()
+        if git_hash is not None:
+            ev.get_git_commit_hash = git_hash
+
+
+def _git_commit_hash() -> str | None:
+    """What lm-eval records as ``git_hash`` (``git describe --always`` in the working folder), with git's
+    error output dropped: outside a repository it is None."""
+    try:
+        out = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
 
 
 def _write_task_configs(specs: list[TaskSpec], root: Path, folder: Path) -> dict[str, dict]:
