@@ -571,6 +571,32 @@ def test_eval_of_a_ptq_folder_scores_at_the_window_ptq_printed(run_dir, tmp_path
     assert ppl == res["perplexity"]["perplexity"]  # the same window (16, not the model's 32), the same number
 
 
+def test_eval_of_a_ptq_folder_of_a_text_trained_run_scores_the_split_and_batches_ptq_printed(
+        prepare_real_text, tmp_path, capsys):
+    """A run trained on a text file with a 5% validation share, quantized with --calib-data that text and
+    --batch-size 3: `adahop eval FOLDER --data TEXT` with no other option scored a corpus prepared anew at
+    the default 1% share (mostly the run's training text) in batches of 8 (another last partial batch),
+    silently; it now prepares the text as the source run did and batches as ptq did: the same number."""
+    from adahop.cli import main
+    from adahop.train import TrainConfig, train
+
+    text = prepare_real_text(150_000).parent / "text.txt"
+    run = tmp_path / "run"
+    train(TrainConfig(model="llama-tiny", data=str(text), val_fraction=0.05, tokenizer="bpe", vocab_size=512,
+                      out=str(run), seq_len=32, batch_size=4, steps=2, warmup_steps=1, eval_every=2, eval_batches=2,
+                      ckpt_every=2, log_every=1, device="cpu", recipe="bf16"))
+    q = tmp_path / "q"
+    assert main(["ptq", str(run), "--calib-data", str(text), "--calib-tokens", "256", "--batch-size", "3",
+                 "--method", "rtn", "--bits", "4", "--skip-baseline", "--out", str(q)]) == 0
+    res = json.loads((q / "ptq.json").read_text())
+    assert res["data_settings"]["val_fraction"] == 0.05 and res["batch_size"] == 3
+    capsys.readouterr()
+    assert main(["eval", str(q), "--tasks", "none", "--data", str(text), "--out", str(tmp_path / "e.json")]) == 0
+    got = json.loads((tmp_path / "e.json").read_text())["perplexity"]
+    assert (got["tokens"], got["batch_size"]) == (res["perplexity"]["tokens"], 3)
+    assert got["perplexity"] == res["perplexity"]["perplexity"]
+
+
 def test_a_model_with_nan_weights_is_refused_before_the_calibration(run_dir, tmp_path, capsys, monkeypatch):
     """A diverged checkpoint's NaN reached GPTQ's Cholesky and was reported as "raise --damp"."""
     import shutil

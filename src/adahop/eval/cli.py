@@ -42,11 +42,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "for another model its max_position_embeddings, "
                         "at most 2048)")
     g.add_argument("--eval-batches", type=int, default=None, metavar="N",
-                   help="the first N batches only, as `adahop train --eval-batches` (default: the whole split)")
+                   help="the first N batches only, as `adahop train --eval-batches` (default: the whole split; for an "
+                        "`adahop ptq` folder, what it was scored on)")
     g = p.add_argument_group("model and numerics")
     g.add_argument("--recipe", default=None, help="score with this recipe's forward numerics (e.g. mxfp4, adahop-lv2)")
     g.add_argument("--plan", default=None, help="the frozen plan of an AdaHOP --recipe (default: MODEL/plan.json)")
-    g.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass (default: 8)")
+    g.add_argument("--batch-size", type=int, default=None,
+                   help="sequences per forward pass (default: 8; for the perplexity of an `adahop ptq` folder, the batch "
+                        "size it was scored with)")
     g.add_argument("--max-length", type=int, default=None, metavar="TOKENS",
                    help="context window of the zero-shot tasks: longer prompts lose their left part (default: the "
                         "model's max_position_embeddings, which `adahop train` sets to its --seq-len)")
@@ -104,6 +107,13 @@ def run(args: argparse.Namespace) -> dict:
         require_lm_eval()
     root = task_root(specs, args.task_data) if specs else None
     loaded = load_model(args.model, device=device, recipe=args.recipe, plan=args.plan)
+    ptq_meta = getattr(loaded.model.config, "adahop_ptq", None) or {}
+    if args.data is not None and ptq_meta:  # score the windows `adahop ptq` printed its perplexity of
+        if args.batch_size is None:
+            args.batch_size = ptq_meta.get("batch_size")
+        if args.eval_batches is None:
+            args.eval_batches = ptq_meta.get("eval_batches")
+    args.batch_size = args.batch_size or 8
     from .model import check_window, warn_beyond_training
 
     check_window(loaded.model, args.seq_len if args.data is not None else None, "--seq-len")
@@ -147,13 +157,24 @@ def settings(args: argparse.Namespace) -> dict:
     """The options of an `adahop eval` run that decide its numbers (stored in the results JSON)."""
     keys = ("model", "tasks", "limit", "task_data", "data", "split", "seq_len", "eval_batches", "recipe", "plan",
             "batch_size", "max_length", "device", "dtype")
-    return {k: getattr(args, k) for k in keys}
+    # --batch-size left out is 8 (an `adahop ptq` folder's own is set into args before this is called)
+    return {k: getattr(args, k) if k != "batch_size" else args.batch_size or 8 for k in keys}
 
 
 def _perplexity(args, loaded, device, bf16: bool) -> dict:
+    import warnings
+
     from .perplexity import check_same_tokenizer, default_window, perplexity, prepared_data
 
     rc = loaded.run_config or {}
+    meta = getattr(loaded.model.config, "adahop_ptq", None) or {}
+    if not rc and meta:  # an `adahop ptq` folder: its text is prepared as the source run's was
+        if "data_settings" in meta:
+            rc = meta["data_settings"]
+        elif not (Path(args.data) / "manifest.json").exists():
+            warnings.warn(f"{args.model} was written by an `adahop ptq` that did not record how its data was prepared: "
+                          f"--data {args.data} may be prepared with another split than the one it printed its perplexity "
+                          f"of; pass --data {meta.get('calib_data')} (the folder it scored) for that number")
     data = prepared_data(args.data, rc, args.model)
     check_same_tokenizer(data, Path(args.model), loaded.model.config.vocab_size)
     seq_len = args.seq_len or default_window(rc, getattr(loaded.model.config, "max_position_embeddings", None),

@@ -35,6 +35,10 @@ def default_window(run_config: dict | None, max_position_embeddings: int | None,
     return min(max_position_embeddings or FOREIGN_WINDOW, FOREIGN_WINDOW)
 
 
+#: The training settings that decide how ``--data`` text becomes a prepared folder (which tokens, which split).
+DATA_SETTINGS = ("data", "tokenizer", "vocab_size", "val_fraction")
+
+
 def prepared_data(data: str, run_config: dict | None, model_dir: str | Path | None = None) -> Path:
     """The prepared folder of ``--data``: itself when it holds a ``manifest.json``, else what
     ``adahop train --data`` makes of it ('default' or text files, prepared once and cached) with the
@@ -58,9 +62,8 @@ def prepared_data(data: str, run_config: dict | None, model_dir: str | Path | No
         own = f"pass the data it trained on, {section['data_dir']}" if section.get("data_dir") else \
             "pass a folder made by `adahop data prepare`, 'default', or text files"
         raise ValueError(f"--data {p} is a model folder (config.json), not data; {own}")
-    keys = ("tokenizer", "vocab_size", "val_fraction")
     rc = run_config or {}
-    kw = {k: rc[k] for k in keys if k in rc}
+    kw = {k: rc[k] for k in DATA_SETTINGS if k != "data" and k in rc}
     own_tok = Path(model_dir) / "tokenizer.json" if model_dir is not None else None
     if rc.get("data") != data and own_tok is not None and own_tok.is_file():
         kw["tokenizer"] = f"bpe:{own_tok.resolve()}"  # the name a manifest records for a tokenizer.json

@@ -168,7 +168,7 @@ def run(args: argparse.Namespace) -> dict:
     import torch
 
     from ..eval.model import load_model
-    from ..eval.perplexity import check_same_tokenizer, perplexity
+    from ..eval.perplexity import DATA_SETTINGS, check_same_tokenizer, perplexity
     from ..train.export import git_revision
     from ..train.setup import resolve_device
     from ..utils import atomic_write_text
@@ -264,7 +264,11 @@ def run(args: argparse.Namespace) -> dict:
             "method_options": {k: getattr(args, k) for k in _method_options(args.method) if k not in rot_opts.__slots__},
             "source_model": str(Path(args.model).resolve()), "source": loaded.info,  # which weights (a checkpoint's?)
             "calib_data": str(data), "calib_tokens": len(batches) * args.batch_size * seq_len,
-            "seq_len": seq_len}  # the window it is scored at: `adahop eval` of the folder takes it by default
+            # what `adahop eval` of the folder takes by default, so that it scores the number printed here: the
+            # window, the batching (a last partial batch is left out) and how the text was prepared (the source
+            # run's settings; without them 'default' was prepared anew with another validation share)
+            "seq_len": seq_len, "batch_size": args.batch_size, "eval_batches": args.eval_batches,
+            "data_settings": {k: rc[k] for k in DATA_SETTINGS if k in rc}}
     out = Path(args.out)
     save_quantized(model, loaded.tokenizer, out, layers, meta)
     del model
