@@ -295,10 +295,14 @@ def test_splits_too_small_for_the_options_are_refused_before_the_quantization(ru
         return sum((s.tokens - 1) // seq for s in m.split(split).shards if s.tokens > seq)
 
     windows = n_windows("train")
-    assert _ptq(run_dir, tmp_path / "a", "--method", "rtn", "--bits", "4", "--calib-tokens", str(windows * seq + 1)) == 2
+    most = windows // 4 * 4 * seq  # whole batches of 4 windows (_ptq's --batch-size)
+    # one token past the whole batches the split holds: drawn as whole batches, that repeated up to 3 windows
+    # (accepted while the request alone was under the split's tokens)
+    assert _ptq(run_dir, tmp_path / "a", "--method", "rtn", "--bits", "4", "--calib-tokens", str(most + 1)) == 2
     err = capsys.readouterr().err
-    assert f"--calib-tokens {windows * seq + 1:,} is more than the train split of {data} holds in windows of " \
-           f"--seq-len {seq} ({windows * seq:,}); pass --calib-tokens {windows * seq} or less" in err
+    n = windows // 4 + 1
+    assert f"--calib-tokens {most + 1:,} takes {n} batches of 4 x {seq} tokens ({n * 4 * seq:,}), more than the train " \
+           f"split of {data} holds in windows of --seq-len {seq} ({windows * seq:,}); pass --calib-tokens {most} or less" in err
     assert not (tmp_path / "a").exists()
     big = n_windows("val") + 1  # one window more than the val split holds
     assert _ptq(run_dir, tmp_path / "b", "--method", "rtn", "--bits", "4", "--skip-baseline", "--batch-size", str(big)) == 2

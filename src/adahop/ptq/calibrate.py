@@ -92,11 +92,16 @@ def calibration_batches(data_dir: str | Path, *, tokens: int, seq_len: int, batc
     if tokens < 1:
         raise ValueError(f"--calib-tokens {tokens} must be >= 1")
     stream = TokenStream(data_dir, "train", seq_len, batch_size, seed=seed)
-    if tokens > stream.tokens_per_epoch:  # later epochs repeat the same windows: no new statistics, only time
-        raise ValueError(f"--calib-tokens {tokens:,} is more than the train split of {data_dir} holds in windows of "
-                         f"--seq-len {seq_len} ({stream.tokens_per_epoch:,}); pass --calib-tokens "
-                         f"{stream.tokens_per_epoch} or less, or prepare more data")
-    return [stream.batch(i)[0] for i in range(math.ceil(tokens / (seq_len * batch_size)))]
+    per_batch = seq_len * batch_size
+    n = math.ceil(tokens / per_batch)
+    if n * per_batch > stream.tokens_per_epoch:  # later epochs repeat the same windows: no new statistics, only time
+        # (whole batches are drawn: a request just under the split's size was rounded up into repeated windows)
+        most = stream.tokens_per_epoch // per_batch * per_batch
+        raise ValueError(f"--calib-tokens {tokens:,} takes {n} batches of {batch_size} x {seq_len} tokens "
+                         f"({n * per_batch:,}), more than the train split of {data_dir} holds in windows of --seq-len "
+                         f"{seq_len} ({stream.tokens_per_epoch:,}); pass --calib-tokens {most} or less, or prepare "
+                         "more data")
+    return [stream.batch(i)[0] for i in range(n)]
 
 
 class _Stop(Exception):
