@@ -8,7 +8,8 @@
 
 Each cell is one `adahop ptq` process (a crash or an out-of-memory error costs that cell only) writing
 ``OUT/<model>/<method>-w<bits>-<quantizer>/``; a cell whose ``ptq.json`` exists is finished and is
-skipped when the script runs again, so an interrupted or budget-cut run resumes where it stopped.
+skipped when the script runs again, so an interrupted or budget-cut run resumes where it stopped
+(``OUT/settings.json`` keeps the options that decide the numbers; a run with others is refused).
 The unquantized perplexity of each model (Δ's reference) is the first cell's `adahop ptq` baseline: the
 model rounded to BF16 as its export reloads, on the same windows (``OUT/<model>/baseline.json``). Cells start
 only while ``--budget-s`` lasts, and each is given what is left of it as its timeout. The results go
@@ -207,6 +208,33 @@ def collect(d: Path, model, method, bits, quantizer, seed, status) -> dict:
     return row
 
 
+#: The options that decide a cell's numbers: a resumed table must keep them, or its kept cells (and the kept
+#: baseline) would be compared with new ones made otherwise.
+TABLE_SETTINGS = ("data", "calib_tokens", "harp_steps", "theta_format", "group_size", "seq_len", "batch_size",
+                  "eval_batches", "device")
+
+
+def check_settings(out: Path, args) -> None:
+    """Write ``OUT/settings.json`` on the first run; on a later one, stop if an option of
+    :data:`TABLE_SETTINGS` differs from it (the message names each)."""
+    now = {k: getattr(args, k) for k in TABLE_SETTINGS}
+    now["data"] = str(Path(args.data).resolve())
+    if now["device"] == "auto":  # a GPU scores under BF16 autocast, the CPU in FP32: other numbers
+        import torch
+
+        now["device"] = "cuda" if torch.cuda.is_available() else "cpu"
+    path = out / "settings.json"
+    if not path.exists():
+        path.write_text(json.dumps(now, indent=1))
+        return
+    old = json.loads(path.read_text())
+    diff = [f"--{k.replace('_', '-')} {old.get(k)} then, {now[k]} now" for k in TABLE_SETTINGS if old.get(k) != now[k]]
+    if diff:
+        raise SystemExit(f"{out} holds cells made with other settings ({'; '.join(diff)}): its kept cells and baseline "
+                         "would be compared with new ones made otherwise. Pass the same settings to resume that table, "
+                         "or another --out for a new one")
+
+
 def run_cells(args, out: Path, todo: list, bases: dict, deadline: float) -> dict:
     """Run the unfinished cells of ``todo``, up to ``args.concurrent`` at once, in ``todo``'s order;
     returns ``{cell: status}``. The first cell started for a model scores its baseline; while that
@@ -220,6 +248,10 @@ def run_cells(args, out: Path, todo: list, bases: dict, deadline: float) -> dict
 
     for c in todo:
         if (cell_dir(out, *c) / "ptq.json").exists():
+            made_from = json.loads((cell_dir(out, *c) / "ptq.json").read_text()).get("source_model")
+            if made_from not in (None, str(Path(c[0]).resolve())):
+                raise SystemExit(f"{cell_dir(out, *c)} holds a cell of {made_from}, not of {c[0]}: give each model "
+                                 "its own folder name, or another --out")
             status[c] = "done"
             print(f"{tag(c)}: finished before, skipped")
         else:
@@ -298,6 +330,11 @@ def main(argv=None) -> int:
     if not args.models:
         p.error("--models is required (or --smoke)")
     models = [m.strip() for m in args.models.split(",") if m.strip()]
+    names = [Path(m).name for m in models]
+    if len(set(names)) < len(names):  # their cells would share OUT/<name>/ and one would be shown as the other
+        twice = sorted({n for n in names if names.count(n) > 1})
+        p.error(f"--models: {', '.join(twice)} is the folder name of more than one model; each model's cells go to "
+                "OUT/<folder name>/, so rename or link them under distinct names")
     if not args.data and args.dry_run:
         p.error("--dry-run needs --data (the models may not exist yet to name theirs)")
     if not args.data:
@@ -330,6 +367,7 @@ def main(argv=None) -> int:
             print(" ", c)
         return 0
     out.mkdir(parents=True, exist_ok=True)
+    check_settings(out, args)
     bases = {Path(m).name: baseline(out, m) for m in models}
     rows = write_summary(out, todo, run_cells(args, out, todo, bases, deadline), bases)
     md = summarize(out, rows, bases)

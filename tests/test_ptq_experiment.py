@@ -171,3 +171,30 @@ def test_repeat_seeds_are_checked(s, tmp_path, capsys):
     assert "('m', 'rht-gptq', 4, 'int', 1)" in capsys.readouterr().out
     todo = s.cells(["m"], [2], ["rtn", "rht-rtn", "gptq", "harp-gptq"], mx=False, seeds=[1])
     assert [c[1] for c in todo if c[4]] == ["gptq", "harp-gptq"]  # only the GPTQ methods are repeated
+
+
+def test_a_table_resumed_with_other_settings_or_two_models_of_one_name_are_refused(s, tmp_path, monkeypatch, capsys):
+    """A second run with --eval-batches 20 (the first had 2) kept the first run's cells and baseline and showed
+    them beside new ones scored on other windows; two models named 'run' shared OUT/run/ and the second was
+    summarized as done with the first's numbers (helper 29)."""
+    monkeypatch.setattr(s, "run", lambda cmd, log, timeout: (2, 0.1))  # every cell fails: none is needed here
+    out = tmp_path / "out"
+    base = ["--models", str(tmp_path / "run"), "--data", str(tmp_path), "--out", str(out), "--bits", "4",
+            "--methods", "rtn", "--no-mx", "--device", "cpu", "--eval-batches", "2"]
+    assert s.main(base) == 1
+    assert json.loads((out / "settings.json").read_text())["eval_batches"] == 2
+    assert s.main(base) == 1  # the same settings resume
+    with pytest.raises(SystemExit, match=r"other settings \(--calib-tokens 131072 then, 1024 now; --eval-batches 2 "
+                                         r"then, 20 now\)"):
+        s.main(base[:-1] + ["20", "--calib-tokens", "1024"])
+    (tmp_path / "b").mkdir()
+    with pytest.raises(SystemExit):
+        s.main(["--models", f"{tmp_path / 'run'},{tmp_path / 'b' / 'run'}", "--data", str(tmp_path), "--out",
+                str(tmp_path / "o2"), "--bits", "4", "--methods", "rtn", "--no-mx"])
+    assert "run is the folder name of more than one model" in capsys.readouterr().err
+    # a kept cell of another model under the same name is not shown as this one's
+    d = s.cell_dir(out, str(tmp_path / "run"), "rtn", 4, "int")
+    d.mkdir(parents=True, exist_ok=True)
+    d.joinpath("ptq.json").write_text(json.dumps({"source_model": str(tmp_path / "b" / "run")}))
+    with pytest.raises(SystemExit, match="holds a cell of .*b/run, not of"):
+        s.main(base)
