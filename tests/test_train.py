@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -1003,3 +1004,34 @@ def test_perplexity_of_a_diverged_model_is_inf_not_an_overflow(data_dir, monkeyp
     res = pp.perplexity(torch.nn.Linear(2, 2), data_dir, split="val", seq_len=32, batch_size=2, max_batches=1,
                         device=torch.device("cpu"), bf16=False)
     assert res["loss"] == 800.0 and res["perplexity"] == float("inf")
+
+
+def test_validation_under_grad_accum_runs_micro_batches_with_the_same_loss(data_dir, tmp_path, monkeypatch):
+    """With --grad-accum the validation ran the whole --batch-size in one forward: its activations set the run's
+    peak memory (1112 vs 652 MiB at 64 / 16, helper 30) and could run out of memory where training fits. It now
+    runs the micro-batches, and their mean loss is the batch's."""
+    import adahop.train.loop as loop
+    from adahop.data import Manifest, TokenStream
+    from adahop.models import build_model
+
+    seen = []
+    orig = loop.evaluate
+
+    def spy(model, *a, **kw):
+        h = model.register_forward_pre_hook(lambda m, args, kwargs: seen.append(kwargs["input_ids"].shape[0]),
+                                            with_kwargs=True)
+        try:
+            return orig(model, *a, **kw)
+        finally:
+            h.remove()
+
+    monkeypatch.setattr(loop, "evaluate", spy)
+    train(_cfg(data_dir, tmp_path / "acc", recipe="bf16", calib_steps=None, batch_size=4, grad_accum=2, steps=2,
+               eval_every=2, eval_batches=2, ckpt_every=0))
+    assert seen and set(seen) == {2}  # 2 windows per forward, not 4
+
+    model = build_model("llama-tiny", vocab_size=Manifest.load(data_dir).tokenizer.vocab_size, max_seq_len=32).eval()
+    val = TokenStream(data_dir, "val", 32, 4, seed=0)
+    whole = orig(model, val, torch.device("cpu"), contextlib.nullcontext(), 2)
+    halves = orig(model, val, torch.device("cpu"), contextlib.nullcontext(), 2, 2)
+    assert halves[0] == pytest.approx(whole[0], rel=1e-6) and halves[1] == pytest.approx(whole[1], rel=1e-6)

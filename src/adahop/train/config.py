@@ -44,7 +44,8 @@ class TrainConfig:
     batch_size: int = 16
     """Sequences per optimizer step (all ranks and micro-batches together)."""
     grad_accum: int = 1
-    """Micro-batches per optimizer step; --batch-size must be divisible by it."""
+    """Micro-batches per optimizer step; --batch-size must be divisible by it. AdaHOP's calibration observes the
+    first micro-batch of each step, so its plan may differ from that of --grad-accum 1."""
     steps: int = 300
     """Optimizer steps."""
     lr: float = 3e-3
@@ -76,7 +77,9 @@ class TrainConfig:
     eval_every: int = 50
     """Steps between validation passes (and at the last step); 0: no validation at all."""
     eval_batches: int = 8
-    """Validation batches per pass."""
+    """Validation batches per pass: the first --eval-batches × --batch-size windows of the val split, so runs of
+    other --batch-size score other windows (compare val losses at one batch size); run in --grad-accum's
+    micro-batches."""
     ckpt_every: int = 100
     """Steps between checkpoints (and at the last step); 0 keeps only the final one."""
     keep_ckpts: int = 2

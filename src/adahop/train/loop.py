@@ -96,14 +96,21 @@ def _graph_breaks() -> int:
 
 
 @torch.no_grad()
-def evaluate(model, val, device, autocast, max_batches: int) -> tuple[float, float]:
-    """Mean validation loss (nats/token) over ``max_batches`` fixed batches, and bits per byte."""
+def evaluate(model, val, device, autocast, max_batches: int, micro: int = 1) -> tuple[float, float]:
+    """Mean validation loss (nats/token) over ``max_batches`` fixed batches, and bits per byte.
+
+    ``micro``: forward each batch as this many equal slices (``--grad-accum``'s micro-batches: a whole batch
+    in one forward set the run's peak memory, and ran out of memory where only the micro-batch fits); each
+    slice holds as many tokens, so the mean of their means is the batch's."""
     model.eval()
     total, n = 0.0, 0
     for x, y in val.val_batches(max_batches):
-        with autocast:
-            logits = model(input_ids=x.to(device), use_cache=False).logits
-        total += F.cross_entropy(logits.float().flatten(0, 1), y.to(device).flatten()).item()
+        part = 0.0
+        for xs, ys in zip(x.chunk(micro), y.chunk(micro)):
+            with autocast:
+                logits = model(input_ids=xs.to(device), use_cache=False).logits
+            part += F.cross_entropy(logits.float().flatten(0, 1), ys.to(device).flatten()).item()
+        total += part / micro
         n += 1
     model.train()
     loss = total / max(n, 1)
@@ -284,7 +291,7 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
     stop = {"now": False}
 
     def validate(step: int) -> None:  # the val loss of the weights after ``step`` steps, into the metrics
-        vl = dp.mean_over_ranks(evaluate(model, val_s, device, autocast, cfg.eval_batches)[0])
+        vl = dp.mean_over_ranks(evaluate(model, val_s, device, autocast, cfg.eval_batches, cfg.grad_accum)[0])
         metrics.log(step=step, val_loss=vl, val_bpb=val_s.bits_per_byte(vl, cfg.eval_batches))
 
     for sig in (signal.SIGINT, signal.SIGTERM):
