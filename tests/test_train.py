@@ -375,6 +375,30 @@ def test_compare_refuses_a_recipe_named_twice_and_calib_steps_no_recipe_uses(tmp
         "strategies are fixed), so it would do nothing; drop --calib-steps, or add a calibrating recipe such as adahop-lv2"]
 
 
+def test_compare_passes_a_plan_to_the_calibrating_recipes_only(tmp_path, capsys, monkeypatch):
+    """`compare --recipes bf16,adahop-lv2 --plan P` gave --plan to bf16 too, whose run refused it after the
+    AdaHOP run had trained: the baseline row failed and the gap column was empty (helper 30)."""
+    import adahop.train.compare as cmp
+    from adahop.cli import main
+
+    argvs = {}
+
+    def child(argv):
+        argvs[Path(argv[argv.index("--out") + 1]).name] = argv
+        return 1, 0
+
+    monkeypatch.setattr(cmp, "resolve_data", lambda cfg: tmp_path)
+    monkeypatch.setattr(cmp, "_run_child", child)
+    plan = tmp_path / "plan.json"
+    plan.write_text("{}")
+    main(["compare", "--recipes", "bf16,adahop-lv2,mxfp4", "--plan", str(plan), "--out", str(tmp_path / "c")])
+    assert "--plan" not in argvs["bf16"] and "--plan" not in argvs["mxfp4"]
+    assert argvs["adahop-lv2"][argvs["adahop-lv2"].index("--plan") + 1] == str(plan)
+    assert "note: --plan is for the calibrating recipes; bf16, mxfp4 (fixed strategies) run without it" in capsys.readouterr().out
+    assert main(["compare", "--recipes", "bf16,mxfp4", "--plan", str(plan), "--out", str(tmp_path / "d")]) == 2
+    assert "none of --recipes bf16,mxfp4 is an AdaHOP recipe" in capsys.readouterr().err
+
+
 def test_compare_exits_nonzero_when_a_recipe_fails(monkeypatch, tmp_path):
     import adahop.train.compare as cmp
     from adahop.cli import main

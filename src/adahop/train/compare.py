@@ -152,6 +152,13 @@ def _interrupted(out: Path, recipe: str, left: list[str], *, aborted: bool) -> s
             f"again (same --out and settings) to resume {recipe}{rest}; the table is written when every recipe is done")
 
 
+def _recipe_cfg(cfg: TrainConfig, recipe: str) -> TrainConfig:
+    """``cfg`` for ``recipe``'s run: a ``--plan`` goes to the recipes that calibrate (AdaHOP) only; the others
+    (BF16, the fixed-strategy baselines) would refuse it, and failed after the AdaHOP runs had trained."""
+    plan = cfg.plan if get_recipe(recipe).calibration is not None else None
+    return dataclasses.replace(cfg, recipe=recipe, plan=plan)
+
+
 def compare(recipes: list[str], cfg: TrainConfig, out: Path, *, eval_tasks: str | None = None,
             eval_limit: int | None = None, task_data: str | None = None, eval_max_length: int | None = None) -> dict[str, dict]:
     """Train ``cfg`` under each recipe into ``out/<recipe>``; write compare.md, compare.csv,
@@ -190,8 +197,12 @@ def compare(recipes: list[str], cfg: TrainConfig, out: Path, *, eval_tasks: str 
                 raise ValueError(f"{flag} {v}: must be >= 1")
     out = Path(out)
     keys = [f.name for f in dataclasses.fields(cfg) if f.name not in (*RESULT_NEUTRAL_KEYS, "recipe")]
+    fixed = [r for r in recipes if get_recipe(r).calibration is None]
+    if cfg.plan and fixed:
+        print(f"note: --plan is for the calibrating recipes; {', '.join(fixed)} (fixed strategies) run without it",
+              flush=True)
     for r in recipes:  # every earlier run must be this comparison's, or its numbers would be mixed in
-        diff = settings_diff(dataclasses.replace(cfg, recipe=r), out / r, keys)
+        diff = settings_diff(_recipe_cfg(cfg, r), out / r, keys)
         if diff:
             raise ValueError(f"compare: {out / r} holds a {r} run with other settings ({'; '.join(diff)}); its results "
                              f"would not be comparable. Use a new --out, or delete {out / r}")
@@ -203,7 +214,7 @@ def compare(recipes: list[str], cfg: TrainConfig, out: Path, *, eval_tasks: str 
     data_dir = resolve_data(cfg)  # prepare once, before the recipes run
     summaries, curves = {}, {}
     for r in recipes:
-        run_cfg = dataclasses.replace(cfg, recipe=r, out=str(out / r), data=str(data_dir))
+        run_cfg = dataclasses.replace(_recipe_cfg(cfg, r), out=str(out / r), data=str(data_dir))
         summary_path = out / r / "summary.json"
         done = read_json(summary_path, "the run summary") if summary_path.exists() else {}
         if done.get("steps") == cfg.steps and not done.get("interrupted") and (out / r / "model.safetensors").exists():
