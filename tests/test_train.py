@@ -1059,3 +1059,22 @@ def test_validation_under_grad_accum_runs_micro_batches_with_the_same_loss(data_
     whole = orig(model, val, torch.device("cpu"), contextlib.nullcontext(), 2)
     halves = orig(model, val, torch.device("cpu"), contextlib.nullcontext(), 2, 2)
     assert halves[0] == pytest.approx(whole[0], rel=1e-6) and halves[1] == pytest.approx(whole[1], rel=1e-6)
+
+
+def test_cpu_peak_memory_starts_at_the_reset_not_at_the_process_start():
+    """On the CPU the peak was the process's lifetime maximum RSS, so a run that trained its tokenizer first
+    reported 594 MiB where the same run from the cache reported 520 (helper 30); the reset now restarts it
+    (Linux: /proc/self/clear_refs)."""
+    import os
+
+    from adahop.train.metrics import peak_memory, reset_peak_memory
+
+    if not os.access("/proc/self/clear_refs", os.W_OK):
+        pytest.skip("no /proc/self/clear_refs to reset the peak RSS with (not Linux)")
+    cpu = torch.device("cpu")
+    big = torch.ones(64 * 2**20)  # 256 MiB, touched
+    before = peak_memory(cpu)
+    del big
+    reset_peak_memory(cpu)
+    after = peak_memory(cpu)
+    assert before - after > 200 * 2**20, (before, after)

@@ -155,14 +155,31 @@ class _Wandb:
 
 
 def reset_peak_memory(device: torch.device) -> None:
-    """Start a new peak-memory measurement on ``device`` (CUDA only)."""
+    """Start a new peak-memory measurement on ``device``: the CUDA allocator's peak, or on a Linux CPU the
+    process's peak RSS (``/proc/self/clear_refs``; the data preparation and checkpoint load before training
+    counted in it: 594 against 520 MiB for one run with and without a tokenizer to train). Elsewhere on the CPU
+    nothing can be reset, and the peak is the process's."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    else:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # 5: reset the peak resident set size (Linux >= 4.0)
+        except OSError:
+            pass
 
 
 def peak_memory(device: torch.device) -> int:
-    """Peak bytes: the CUDA allocator's peak on a GPU, the process's peak RSS on the CPU."""
+    """Peak bytes: the CUDA allocator's peak on a GPU; on the CPU the peak RSS since
+    :func:`reset_peak_memory` (Linux's VmHWM), else the process's."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)
