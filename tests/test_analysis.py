@@ -312,6 +312,16 @@ def test_end_to_end_writes_every_output(data_dir, tmp_path, single_thread, capsy
     plan = Plan.load(out / "plan.json")
     model = build_model("llama-tiny", vocab_size=512, max_seq_len=32)
     assert set(plan.layers) == set(linear_names(model))  # the names `adahop train --plan` looks up
+    mods = dict(model.named_modules())  # and their shapes: a model of other widths under the same names is refused
+    assert plan.shapes == {n: [mods[n].in_features, mods[n].out_features] for n in plan.layers}
+    import transformers
+
+    import adahop
+
+    cfg = dict(model.config.to_dict(), hidden_size=64, intermediate_size=192)  # same names, half the widths
+    narrow = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg))
+    with pytest.raises(ValueError, match="the plan was frozen on another model: layer .* is 64->"):
+        adahop.convert_model(narrow, "adahop-lv2", plan=str(out / "plan.json"))
     csv_rows = (out / "census.csv").read_text().splitlines()[1:]
     assert sum(int(r.split(",")[1]) for r in csv_rows) == 14  # 14 layers on fprop
     rep = (out / "report.md").read_text()

@@ -246,7 +246,7 @@ class Plan:
     ``{"steps": [first, last], "observation": ..., "rule": ..., ...}``; None when unknown."""
     shapes: dict[str, list[int]] | None = None
     """``{layer_fqn: [in_features, out_features]}`` of the model it was frozen on (a converted model checks
-    its layers against it); None for plans written before it was recorded, or by the census."""
+    its layers against it); None for plans written before it was recorded (by `adahop analyze` before 2026-12-05)."""
 
     def strategy(self, layer: str, gemm: str) -> str:
         """Strategy of ``gemm`` (fprop/dgrad/wgrad) for ``layer`` (its qualified name).

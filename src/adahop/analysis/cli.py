@@ -274,6 +274,9 @@ def _run_model(args, out: Path) -> dict[str, Path]:
                    "rule": args.rule, "threshold": args.threshold, "floor": args.floor, "min_peak": args.min_peak,
                    "source": "adahop analyze"}
     plan = Plan.from_patterns(voted, args.table, calibration=calibration)
+    # the layer shapes, so that training with this plan refuses a model of other widths (same layer names)
+    mods = dict(model.named_modules())
+    plan.shapes = {n: [mods[n].in_features, mods[n].out_features] for n in plan.layers if n in mods}
     window_text = window_sentence(window, args.calib_steps, calibration)
     q = get_recipe(f"adahop-{args.table}").fprop.a  # the quantizer settings training would use
     gain_rows = cs.iht_gain(rec.captures, patterns=rec.patterns_at(rec.capture_step), oe_rank=args.oe_rank,
