@@ -736,3 +736,32 @@ def test_an_eval_mode_forward_with_gradients_on_is_warned_about_once(monkeypatch
         m(x)
     said = [w for w in seen if "eval mode with gradients enabled" in str(w.message)]
     assert len(said) == 1 and "torch.no_grad()" in str(said[0].message)
+
+
+def test_a_linear_held_under_two_names_is_converted_at_both():
+    """named_modules lists a shared module once, so its second holder kept the exact nn.Linear: half of a
+    weight-shared model's calls ran unquantized while describe() showed it converted (helper 31)."""
+    import adahop
+
+    lin = torch.nn.Linear(64, 64)
+    m = torch.nn.Module()
+    m.a, m.b = lin, lin
+    adahop.convert_model(m, "mxfp4", exclude=None)
+    assert isinstance(m.a, adahop.nn.LowPrecisionLinear) and m.b is m.a
+
+
+def test_weights_of_three_dimensions_are_warned_about_as_unconverted():
+    """transformers 5 stores a mixture of experts' experts as 3-D Parameters (Qwen3-MoE: 80% of the tiny
+    model's matrix weights): they stayed exact with no word while the model passed for an MXFP4 one."""
+    import adahop
+
+    m = torch.nn.Module()
+    m.attn = torch.nn.Linear(64, 64)
+    m.experts = torch.nn.Module()
+    m.experts.gate_up_proj = torch.nn.Parameter(torch.randn(3, 128, 64))
+    with pytest.warns(UserWarning, match=r"1 weights of 3 or more dimensions .*experts.gate_up_proj.*: 86% of the "
+                                         r"matrix weights outside the embeddings run unconverted, not in 'mxfp4'"):
+        adahop.convert_model(m, "mxfp4", exclude=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        adahop.convert_model(torch.nn.Sequential(torch.nn.Linear(64, 64)), "mxfp4", exclude=None)  # nothing to say

@@ -180,16 +180,42 @@ def convert_layers(model: nn.Module, recipe: Recipe, names: list[str], *, layer_
     if controller.plan is not None and recipe.calibration is not None:
         check_plan_shapes(controller.plan, [(n, lin.in_features, lin.out_features) for n, _, _, lin, edge, fits in todo
                                             if fits and not edge])
+    # every place a converted linear is held: one reachable under two names (a weight-shared block) kept its exact
+    # nn.Linear at the second (named_modules lists a module once)
+    places = {id(lin): [] for _, _, _, lin, *_ in todo}
+    for mod in model.modules():
+        for cname, c in mod._modules.items():
+            if id(c) in places:
+                places[id(c)].append((mod, cname))
     for layer_id, (name, owner, child, lin, edge, fits) in enumerate(todo):
         try:
             new = layer_cls.from_linear(lin, recipe, name=name, layer_id=layer_id, controller=controller,
                                                  backend=_layer_backend(backend, lin.weight.device), force_bf16=edge or not fits)
         except KeyError:  # a plan made for another model: say so before anything runs
             raise plan_for_another_model(name, controller.plan) from None
-        setattr(owner, child, new)
+        for mod, cname in places[id(lin)] or [(owner, child)]:
+            setattr(mod, cname, new)
+    _warn_fused_weights(model, recipe, todo)
     controller.unquantizable = list(unsupported)  # reported by the run summary
     model._adahop_controller = controller
     return model
+
+
+def _warn_fused_weights(model: nn.Module, recipe: Recipe, todo: list) -> None:
+    """Warn when weights of 3 or more dimensions (a mixture of experts' fused expert tensors, as transformers
+    5 stores Qwen3-MoE and Mixtral experts; convolutions) hold part of the model's matrix weights: they are no
+    nn.Linear, so their GEMMs stay as they are while the model passes for a ``recipe`` one."""
+    if recipe.is_bf16:
+        return
+    fused = [(n, p.numel()) for n, p in model.named_parameters() if p.ndim >= 3]
+    if not fused:
+        return
+    in_fused = sum(k for _, k in fused)
+    share = in_fused / (in_fused + sum(lin.weight.numel() for _, _, _, lin, *_ in todo))
+    warnings.warn(f"adahop: {len(fused)} weights of 3 or more dimensions are not nn.Linear layers and keep their own "
+                  f"GEMMs ({', '.join(n for n, _ in fused[:3])}{', ...' if len(fused) > 3 else ''}: e.g. a mixture of "
+                  f"experts' fused experts): {share:.0%} of the matrix weights outside the embeddings run unconverted, "
+                  f"not in {recipe.name!r}", stacklevel=4)
 
 
 def _layer_backend(backend: str, device: torch.device) -> str:
