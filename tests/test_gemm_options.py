@@ -146,3 +146,20 @@ def test_calibrated_recipes_apply_the_rule_after_the_plan():
     assert up.strategies()["dgrad"] == up.strategies()["wgrad"] == "bf16" and up.strategies()["fprop"] != "bf16"
     assert down.strategies()["fprop"] == down.strategies()["wgrad"] == "bf16" and down.strategies()["dgrad"] != "bf16"
     assert small_gemm_count(model) == 4
+
+
+def test_mxfp4_only_options_with_nvfp4_and_a_recipe_only_strategy_are_refused():
+    """lowp_matmul(fmt='nvfp4', scale_rule='tseng', max_scale_range=0) gave the plain NVFP4 result: the options
+    were dropped unread; strategy='oe' was answered with a list that named 'calibrated', which lowp_matmul then
+    refused too (helper 31)."""
+    import adahop
+
+    a, b = torch.randn(16, 64), torch.randn(64, 8)
+    with pytest.raises(ValueError, match="scale_rule='tseng', max_scale_range=0 with fmt='nvfp4': both are MXFP4 options"):
+        adahop.lowp_matmul(a, b, strategy="none", fmt="nvfp4", scale_rule="tseng", max_scale_range=0)
+    adahop.lowp_matmul(a, b, strategy="none", fmt="nvfp4")  # the defaults stay accepted
+    with pytest.raises(ValueError, match=r"strategy='oe'; pass one of \('bf16', 'none', 'iht', 'iht\+oe_left', "
+                                         r"'iht\+oe_right'\)$"):
+        adahop.lowp_matmul(a, b, strategy="oe")
+    with pytest.raises(ValueError, match="'calibrated' is a recipe's GEMM"):
+        adahop.lowp_matmul(a, b, strategy="calibrated")

@@ -765,3 +765,17 @@ def test_weights_of_three_dimensions_are_warned_about_as_unconverted():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         adahop.convert_model(torch.nn.Sequential(torch.nn.Linear(64, 64)), "mxfp4", exclude=None)  # nothing to say
+
+
+def test_a_low_precision_linear_built_without_a_recipe_is_refused_with_the_way_to_build_one():
+    """LowPrecisionLinear(64, 64) built (nn.Linear's constructor) and failed at its first call with
+    "'LowPrecisionLinear' object has no attribute 'controller'"; from_linear(controller=None) with a NoneType error."""
+    import adahop
+    from adahop.nn import LowPrecisionLinear
+
+    with pytest.raises(TypeError, match="adahop.convert_model"):
+        LowPrecisionLinear(64, 64)
+    with pytest.raises(TypeError, match="from_linear: controller=None; pass the model's Controller"):
+        LowPrecisionLinear.from_linear(torch.nn.Linear(64, 64), adahop.get_recipe("mxfp4"), name="x", layer_id=0,
+                                       controller=None)
+    assert adahop.register_step_hook is adahop.nn.convert.register_step_hook  # exported beside on_step

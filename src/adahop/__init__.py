@@ -14,7 +14,8 @@ __version__ = "0.1.0"
 # line: `--help`, option errors) does not pay for torch; `adahop.convert_model` works as usual.
 _LAZY = {
     "lowp_matmul": ".gemm",
-    **dict.fromkeys(("LowPrecisionLinear", "convert_model", "describe", "get_controller", "on_step", "saved_bytes"), ".nn"),
+    **dict.fromkeys(("LowPrecisionLinear", "convert_model", "describe", "get_controller", "on_step", "register_step_hook",
+                     "saved_bytes"), ".nn"),
     **dict.fromkeys(("STRATEGY_TABLES", "Calibrator", "Pattern", "Plan", "detect_pattern"), ".patterns"),
     **dict.fromkeys(("Recipe", "get_recipe", "list_recipes"), ".recipes"),
 }

@@ -392,6 +392,10 @@ def lowp_matmul(
     """
     if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"lowp_matmul needs a [M, K] and b [K, N], got {tuple(a.shape)} and {tuple(b.shape)}")
+    direct = ("bf16", "none", "iht", "iht+oe_left", "iht+oe_right")  # 'calibrated' is resolved from a layer's plan
+    if strategy not in direct:
+        raise ValueError(f"lowp_matmul: strategy={strategy!r}; pass one of {direct}"
+                         + (" ('calibrated' is a recipe's GEMM, resolved from its layer's plan)" if strategy == "calibrated" else ""))
     op = OperandSpec(fmt=fmt, rounding=rounding, scale_rule=scale_rule, max_scale_range=max_scale_range)
     spec = GemmSpec(strategy=strategy, a=op, b=op, oe_rank=oe_rank, oe_select=oe_select)
     spec.validate("lowp_matmul")

@@ -300,10 +300,22 @@ class LowPrecisionLinear(nn.Linear):
     dtype; under autocast the GEMMs run in the autocast dtype. Build it with :meth:`from_linear`.
     """
 
+    def __init__(self, *args, **kwargs):
+        # nn.Linear's constructor would make a layer with no recipe or controller, failing at its first call
+        raise TypeError("LowPrecisionLinear is made from an nn.Linear under a recipe: adahop.convert_model(model, "
+                        "'adahop-lv2') converts a model's linears; LowPrecisionLinear.from_linear(linear, recipe, name=..., "
+                        "layer_id=..., controller=...) wraps one (integrations)")
+
     @classmethod
     def from_linear(cls, mod: nn.Linear, recipe: Recipe, *, name: str, layer_id: int, controller: Controller,
                     backend: str = "reference", force_bf16: bool = False) -> "LowPrecisionLinear":
-        """Wrap ``mod`` (keeping its weight and bias Parameters) to run ``recipe``; ``name`` is its qualified name, ``layer_id`` its index in the model (it seeds the random streams), ``force_bf16`` keeps its GEMMs exact."""
+        """Wrap ``mod`` (keeping its weight and bias Parameters) to run ``recipe``; ``name`` is its qualified name, ``layer_id`` its index in the model (it seeds the random streams), ``force_bf16`` keeps its GEMMs exact.
+
+        Raises:
+            TypeError: ``controller`` is not a :class:`Controller` (``convert_model`` makes one per model)."""
+        if not isinstance(controller, Controller):
+            raise TypeError(f"from_linear: controller={controller!r}; pass the model's Controller (adahop.nn.Controller"
+                            "(recipe), shared by all its layers), or let adahop.convert_model make it")
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.in_features, new.out_features = mod.in_features, mod.out_features

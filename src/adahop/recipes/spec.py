@@ -80,6 +80,11 @@ class OperandSpec:
             _check(self.scale_rule in ("ceil", "tseng"), where,
                    f"stochastic rounding with scale_rule={self.scale_rule!r} clips and biases; use 'ceil' or 'tseng'")
         _check(not self.tile_2d or self.fmt == "nvfp4", where, "tile_2d is an NVFP4 option")
+        if self.fmt == "nvfp4":  # quant_kwargs would drop them: a setting that changes nothing
+            _check(self.scale_rule == "floor" and self.max_scale_range in (None, 8), where,
+                   f"scale_rule={self.scale_rule!r}, max_scale_range={self.max_scale_range} with fmt='nvfp4': both are "
+                   "MXFP4 options (E8M0 block exponents); NVFP4's E4M3 block scales take neither, so leave them at "
+                   "their defaults")
 
     def quant_kwargs(self) -> dict:
         """Keyword arguments for :func:`adahop.formats.quantize` (without axis/generator)."""
