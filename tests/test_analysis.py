@@ -8,6 +8,7 @@ import argparse
 import json
 import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -380,6 +381,14 @@ def test_run_folder_continues_from_its_checkpoint(data_dir, tmp_path, single_thr
     # a training flag beside --run would be ignored (the run's config is used): refused, named
     with pytest.raises(ValueError, match=r"drop --model, --lr"):
         run(_args("--run", str(run_dir), "--steps", "2", "--model", "llama-20m", "--lr", "0.5", "--out", str(out)))
+    # the data folder is recorded absolute (a relative one named another folder from another working directory),
+    # and a folder under that name holding other data is refused, not analyzed (helper 32)
+    section = json.loads((run_dir / "config.json").read_text())
+    assert section["adahop"]["data_dir"] == str(Path(data_dir).resolve())
+    section["adahop"]["data_identity"]["sources"][0]["sha256"] = "0" * 64  # as if trained on other text
+    (run_dir / "config.json").write_text(json.dumps(section))
+    with pytest.raises(ValueError, match=rf"--run {run_dir}: {data_dir} is not the data the run trained on \(.*sha256"):
+        run(_args("--run", str(run_dir), "--steps", "2", "--device", "cpu", "--out", str(tmp_path / "an2")))
 
 
 def test_synthetic_writes_figure3(tmp_path, single_thread):

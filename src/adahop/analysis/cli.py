@@ -190,7 +190,17 @@ def _load_run(args) -> tuple[TrainConfig, Path, Path]:
                          "for a step (adahop train --out RUN --resume --steps N+1) to write a single-file checkpoint")
     if not cks or not (cks[-1] / "model.safetensors").exists():
         raise ValueError(f"--run {run_dir}: no checkpoints/step_*/model.safetensors")
-    return cfg, Path(section["data_dir"]), cks[-1]
+    data_dir = Path(section["data_dir"])
+    if not (data_dir / "manifest.json").is_file():
+        raise ValueError(f"--run {run_dir}: its prepared data {data_dir} is not there"
+                         + (" (a path relative to the folder the run was started from)" if not data_dir.is_absolute() else "")
+                         + f"; run analyze from where the run trained, or prepare the same data into {data_dir}")
+    from ..train.setup import prepared_data_changes
+
+    if changes := prepared_data_changes(run_dir, data_dir):  # another corpus or tokenizer under the recorded name
+        raise ValueError(f"--run {run_dir}: {data_dir} is not the data the run trained on ({'; '.join(changes)}); "
+                         "prepare the run's own data there again, or run analyze where the run trained")
+    return cfg, data_dir, cks[-1]
 
 
 def _load_checkpoint(ck: Path, model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:

@@ -38,7 +38,8 @@ def write_config(run: Path, cfg: TrainConfig, model, data_dir: Path, recipe) -> 
     run.mkdir(parents=True, exist_ok=True)
     d = model.config.to_dict()
     d["torch_dtype"] = d["dtype"] = "bfloat16"  # the exported weights are BF16 (transformers 5 reads "dtype")
-    d["adahop"] = dict(config=cfg.to_dict(), recipe=repr(recipe), data_dir=str(data_dir),
+    # the data folder as an absolute path: a relative one named another folder from another working directory
+    d["adahop"] = dict(config=cfg.to_dict(), recipe=repr(recipe), data_dir=str(Path(data_dir).resolve()),
                        data_identity=manifest_identity(Manifest.load(data_dir)), version=__version__,
                        git_revision=git_revision())
     if cfg.model_config:  # the file's content: --resume and compare check that it was not edited since
