@@ -206,14 +206,18 @@ def test_sources_formats_agree(tmp_path):
     assert shards("t.txt") == shards("t.txt.gz") == shards("t.txt.xz") == shards("t.txt.zst")
     rows = shards("sub/r.jsonl", "body")
     assert rows == shards("sub/r.jsonl.zst", "body") == shards("sub/r.parquet", "body")
+    with pytest.raises(ValueError, match="r.jsonl.zst hold the same text"):  # one text in three forms: refused
+        prepare([str(d / "sub")], tmp_path / "folder", tokenizer=GPT2, text_field="body")
+    (d / "sub" / "r.jsonl.zst").unlink()
+    pq.write_table(pa.table({"body": docs[::-1], "n": list(range(len(docs)))}), d / "sub" / "r.parquet")
     m = prepare([str(d / "sub")], tmp_path / "folder", tokenizer=GPT2, text_field="body")
-    assert [Path(s.name).name for s in m.sources] == ["r.jsonl", "r.jsonl.zst", "r.parquet"]
+    assert [Path(s.name).name for s in m.sources] == ["r.jsonl", "r.parquet"]
     from adahop.cli import main  # the command line takes the field too (its error messages point to it)
 
     main(["data", "prepare", "--source", str(d / "sub" / "r.jsonl"), "--text-field", "body", "--tokenizer", GPT2,
           "--val-fraction", "0.2", "--out", str(tmp_path / "cli")])
     assert _bins(tmp_path / "cli") == rows
-    assert m.train.documents + m.val.documents == 3 * len(docs)
+    assert m.train.documents + m.val.documents == 2 * len(docs)
 
 
 @pytest.mark.parametrize("case", ["truncated.xz", "truncated.zst", "latin1.txt", "empty.txt", "bad.jsonl",
@@ -661,14 +665,44 @@ def test_a_source_given_twice_and_a_file_that_is_no_tokenizer_are_refused(tmp_pa
     text.parent.mkdir()
     text.write_text("".join(f"Line {i} of a small corpus, with some words in it.\n" for i in range(3000)))
     for sources in ([text, text], [text.parent, text]):
-        with pytest.raises(ValueError, match=r"hold the same bytes.*val split would overlap"):
+        with pytest.raises(ValueError, match=r"hold the same text.*val split would overlap"):
             prepare([str(s) for s in sources], tmp_path / "out", vocab_size=300)
     (tmp_path / "copy.txt").write_bytes(text.read_bytes())
-    with pytest.raises(ValueError, match="copy.txt hold the same bytes"):
+    with pytest.raises(ValueError, match="copy.txt hold the same text"):
         prepare([str(text), str(tmp_path / "copy.txt")], tmp_path / "out", vocab_size=300)
+    # the same text compressed: other bytes, the same corpus twice (13 of 35 val windows were in train; helper 32)
+    (tmp_path / "a.txt.xz").write_bytes(lzma.compress(text.read_bytes()))
+    with pytest.raises(ValueError, match="a.txt.xz hold the same text"):
+        prepare([str(text), str(tmp_path / "a.txt.xz")], tmp_path / "out", vocab_size=300)
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ValueError, match=r"bad.json is not a tokenizers JSON"):
         load_tokenizer(str(tmp_path / "bad.json"))
+
+
+def test_json_files_and_columns_that_are_not_text_are_refused_and_a_folders_other_files_named(tmp_path):
+    """A .json file (JSON Lines as datasets' to_json writes them) was read as plain text, its keys and escapes
+    tokenized as one document; a folder skipped it without a word; a parquet column of bytes or lists was
+    tokenized as its Python repr ("b'...'", newlines as the two characters \\n) (helper 32)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from adahop.data.sources import resolve_sources
+
+    rows = "".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(3))
+    (tmp_path / "docs.json").write_text(rows)
+    with pytest.raises(ValueError, match=r"docs.json: a .json file; if it holds one JSON object per line .* rename it .jsonl"):
+        resolve_sources(str(tmp_path / "docs.json"))
+    folder = tmp_path / "f"
+    folder.mkdir()
+    (folder / "docs.json").write_text(rows)
+    (folder / "a.txt").write_text("hello world\n")
+    with pytest.warns(UserWarning, match=r"1 file\(s\) of other kinds are not read \(docs.json\)"):
+        assert [Path(s.name).name for s in resolve_sources(str(folder))] == ["a.txt"]
+    for col, kind in ((pa.array([b"line one\nline two"] * 50, pa.binary()), "bytes"),
+                      (pa.array([["a", "b"]] * 50, pa.list_(pa.string())), "list")):
+        pq.write_table(pa.table({"text": col}), tmp_path / f"{kind}.parquet")
+        with pytest.raises(ValueError, match=rf"{kind}.parquet, column 'text' holds {kind} values, not text"):
+            prepare([str(tmp_path / f"{kind}.parquet")], tmp_path / f"out_{kind}", vocab_size=300)
 
 
 def test_an_archive_named_as_a_source_is_refused_not_read_as_text(tmp_path):

@@ -17,6 +17,7 @@ at a time writes a folder: a second ``prepare`` of it waits for the first (a loc
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import os
@@ -48,35 +49,38 @@ def _documents(sources: Sequence[Source], text_field: str) -> Iterator[Iterator[
         yield from src.documents(text_field)
 
 
-def _refuse_duplicates(infos: Sequence[SourceInfo]) -> None:
-    """Raise ValueError when two sources hold the same bytes (one file listed twice, a folder and a file in
-    it, two copies): its text would be in the corpus twice, and the val blocks of one copy would be train
-    blocks of the other, so the val loss would be measured on text the model trained on."""
+def _refuse_duplicates(infos: Sequence[SourceInfo], texts: Sequence[str]) -> None:
+    """Raise ValueError when two sources hold the same text (one file listed twice, a folder and a file in it,
+    two copies, or one text compressed two ways: ``texts`` are digests of the decoded documents): it would be in
+    the corpus twice, and the val blocks of one copy would be train blocks of the other, so the val loss would be
+    measured on text the model trained on."""
     seen: dict[str, str] = {}
-    for info in infos:
-        if info.sha256 is None:
-            continue
-        if info.sha256 in seen:
-            raise ValueError(f"sources {seen[info.sha256]} and {info.name} hold the same bytes: the corpus would hold "
-                             "that text twice and its val split would overlap the train split; pass it once")
-        seen[info.sha256] = info.name
+    for info, text in zip(infos, texts):
+        if text in seen:
+            raise ValueError(f"sources {seen[text]} and {info.name} hold the same text: the corpus would hold it "
+                             "twice and its val split would overlap the train split; pass it once")
+        seen[text] = info.name
 
 
-def _scan(sources: Sequence[Source], text_field: str) -> tuple[list[SourceInfo], int]:
-    """Read every source once: its :class:`SourceInfo` and the corpus size in characters."""
-    infos, total = [], 0
+def _scan(sources: Sequence[Source], text_field: str) -> tuple[list[SourceInfo], list[str], int]:
+    """Read every source once: its :class:`SourceInfo`, a digest of its decoded documents, and the corpus
+    size in characters."""
+    infos, texts, total = [], [], 0
     for src in sources:
-        chars, has_text = 0, False
+        chars, has_text, h = 0, False, hashlib.sha256()
         for doc in src.documents(text_field):
             for chunk in doc:
                 chars += len(chunk)
                 has_text = has_text or not chunk.isspace()
+                h.update(chunk.encode("utf-8", "surrogatepass"))
+            h.update(b"\0")  # document ends count: the same characters cut otherwise are other documents
         if not has_text:
             hint = "" if getattr(src, "kind", None) == "text" else f", or check `adahop data prepare --text-field` ({text_field!r})"
             raise ValueError(f"source {src.name} holds no text; remove it{hint}")
         infos.append(src.info(text_field))
+        texts.append(h.hexdigest())
         total += chars
-    return infos, total
+    return infos, texts, total
 
 
 class _SplitWriter:
@@ -249,8 +253,8 @@ def prepare(sources: str | Path | Sequence[str | Path], out_dir: str | Path, *, 
         tok = load_tokenizer(tokenizer)  # before reading the corpus, so a bad spec fails fast
     out_dir = Path(out_dir)
     srcs = resolve_sources(sources)
-    infos, total_chars = _scan(srcs, text_field)
-    _refuse_duplicates(infos)
+    infos, texts, total_chars = _scan(srcs, text_field)
+    _refuse_duplicates(infos, texts)
     block_chars = block_chars_for(total_chars, val_fraction)
     n_blocks = sum(1 for _ in iter_blocks(_documents(srcs, text_field), block_chars))
     if n_blocks < 2:

@@ -9,7 +9,8 @@ Supported specs:
 - a file: ``.txt``/``.text``/``.md`` (plain UTF-8 text), ``.jsonl`` (one JSON object per line, text in
   ``text_field``), ``.parquet`` (text in column ``text_field``); text and JSONL files may be compressed
   as ``.gz``, ``.xz`` or ``.zst``. A named archive (``.tar``, ``.tar.gz``, ``.zip``, ...) or ``.bz2`` is
-  refused; a named file with another suffix is read as plain text.
+  refused, and so is a ``.json`` file (JSON Lines are read as ``.jsonl``); a named file with another suffix is
+  read as plain text. A folder's files of other kinds are left out with a warning.
 - a folder: every supported file below it, recursively, in sorted path order (hidden files skipped).
 - ``hf:NAME[:CONFIG][:SPLIT]``: a Hugging Face dataset through ``datasets`` (split defaults to ``train``).
 - ``default``: the built-in corpus (State of the Union addresses + Moby-Dick), see
@@ -28,6 +29,7 @@ import io
 import json
 import lzma
 import os
+import warnings
 import zlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -249,9 +251,18 @@ class FileSource(Source):
             for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
                 for text in batch.column(0).to_pylist():
                     if text:
-                        yield iter((str(text),))
+                        yield iter((_text_value(text, f"{self.path}, column {text_field!r}"),))
         except pa.ArrowException as e:
             raise ValueError(f"cannot read parquet source {self.path}: {e}") from e
+
+
+def _text_value(text, where: str) -> str:
+    """``text`` if it is a string; a column of bytes or of lists was tokenized as its Python repr
+    ("b'...'", "['...']", newlines as the two characters \\n)."""
+    if not isinstance(text, str):
+        raise ValueError(f"{where} holds {type(text).__name__} values, not text; convert the column to strings "
+                         "(decoded UTF-8, lists joined) or pass a text column with --text-field NAME")
+    return text
 
 
 class HFSource(Source):
@@ -277,7 +288,7 @@ class HFSource(Source):
         for row in self._dataset(text_field).select_columns([text_field]):
             text = row[text_field]
             if text:
-                yield iter((str(text),))
+                yield iter((_text_value(text, f"{self.name}, column {text_field!r}"),))
 
     def info(self, text_field: str) -> SourceInfo:
         h, n = hashlib.sha256(), 0
@@ -306,6 +317,12 @@ def _folder_sources(folder: Path) -> list[Source]:
     if not out:
         raise ValueError(f"source folder {folder} holds no usable files; expected .txt/.md/.jsonl/.parquet "
                          f"(text and .jsonl may end in {'/'.join(COMPRESSED_SUFFIXES)})")
+    skipped = [p for p in files if _file_kind(p) is None]
+    if skipped:  # e.g. JSON Lines saved as .json: left out without a word, the corpus was smaller than the folder
+        warnings.warn(f"source folder {folder}: {len(skipped)} file(s) of other kinds are not read "
+                      f"({', '.join(str(p.relative_to(folder)) for p in skipped[:3])}{', ...' if len(skipped) > 3 else ''}); "
+                      "only .txt/.text/.md/.jsonl/.parquet are (JSON Lines saved as .json: rename them .jsonl)",
+                      stacklevel=2)
     return out
 
 
@@ -344,6 +361,11 @@ def resolve_sources(specs: str | Path | Sequence[str | Path]) -> list[Source]:
                     raise ValueError(f"{path}: an archive or a compression adahop does not read; unpack or decompress "
                                      f"it (a folder of text files is read whole), or recompress the text as "
                                      f"{'/'.join(COMPRESSED_SUFFIXES)}")
+                if path.name.lower().endswith(tuple(".json" + c for c in ("", *COMPRESSED_SUFFIXES))):
+                    # read as plain text, its keys and quotes and escapes were tokens (datasets' to_json writes these)
+                    raise ValueError(f"{path}: a .json file; if it holds one JSON object per line (JSON Lines, as "
+                                     "datasets' to_json writes), rename it .jsonl; other JSON is not read (write its "
+                                     "text as .txt or .jsonl)")
                 if kind is None and path.name.lower().endswith(tuple(".parquet" + c for c in COMPRESSED_SUFFIXES)):
                     raise ValueError(f"{path}: compressed parquet is not supported; decompress it first "
                                      "(parquet compresses its columns itself)")
