@@ -307,6 +307,11 @@ def test_cli_prepare_refuses_to_replace_prepared_data_and_says_which_vocab_it_us
                  "--vocab-size", "300"]) == 2
     assert ("--vocab-size 300 is for --tokenizer bpe; --tokenizer gpt2 brings its own vocabulary: drop --vocab-size"
             in capsys.readouterr().err) and not (tmp_path / "g").exists()
+    # a folder it wrote with a tiktoken ranks file is its own too (--overwrite said "holds other files (gpt2.tiktoken)")
+    args = ["data", "prepare", "--source", str(src), "--out", str(tmp_path / "t"), "--tokenizer", GPT2]
+    assert main(args) == 0 and (tmp_path / "t" / "gpt2.tiktoken").exists()
+    capsys.readouterr()
+    assert main([*args, "--overwrite"]) == 0 and capsys.readouterr().out.startswith(f"replaced {tmp_path / 't'}: train")
     # a run's folder as --out: its tokenizer.json was replaced by one trained on the new text, silently
     run = tmp_path / "run"
     run.mkdir()

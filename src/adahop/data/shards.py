@@ -18,6 +18,7 @@ at a time writes a folder: a second ``prepare`` of it waits for the first (a loc
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import math
 import os
@@ -205,8 +206,14 @@ def _check_data_folder(out_dir: Path) -> None:
     rewrites its tokenizer.json and deletes shard files, so a run folder would lose its tokenizer silently."""
     if not out_dir.is_dir():
         return
+    own = set(_DATA_FILES)
+    try:  # the tokenizer files a prepared folder names itself (a tiktoken ranks file, hf_tokenizer/)
+        spec = json.loads((out_dir / "manifest.json").read_text())["tokenizer"]["spec"]
+        own.add(Path(spec.split(":", 1)[-1]).parts[0])
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        pass
     other = sorted(p.name for p in out_dir.iterdir()
-                   if p.name not in _DATA_FILES and not _SHARD_NAME.fullmatch(p.name))
+                   if p.name not in own and not _SHARD_NAME.fullmatch(p.name))
     if other:
         raise ValueError(f"--out {out_dir} holds other files ({', '.join(other[:4])}{', ...' if len(other) > 4 else ''}): "
                          "a run or model folder would lose its tokenizer to the new one; pass a new or empty folder, or "
