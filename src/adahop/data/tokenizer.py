@@ -89,7 +89,9 @@ class Tokenizer:
         """Hex sha256 (64 characters) of the vocabulary in id order and the merges (tiktoken: the
         token bytes in id order and the split pattern). Equal fingerprints mean that every id
         stands for the same token; ``manifest.json`` records it, so that a retrained or edited
-        vocabulary is never taken for the one a run trained on."""
+        vocabulary is never taken for the one a run trained on. A ``tokenizers`` JSON's normalizer,
+        pre-tokenizer and decoder are not in it: one edited there alone (how text is cut into those
+        tokens) keeps its fingerprint."""
         raise NotImplementedError
 
     def token_bytes(self) -> np.ndarray:

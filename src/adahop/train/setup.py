@@ -261,7 +261,7 @@ def _check_tokenizer_file(data: Path, manifest: Manifest) -> None:
         raise ValueError(f"--data {data}: its tokenizer ({info.spec}) cannot be loaded ({e}); prepare the data again "
                          f"(adahop data prepare ... --out {data} --overwrite)") from None
     if now != info.sha256:
-        raise ValueError(f"--data {data}: its tokenizer ({info.spec}) was changed after the tokens were made (fingerprint "
+        raise ValueError(f"--data {data}: its tokenizer ({info.spec}) has another vocabulary or merges than the tokens were made with (fingerprint "
                          f"{now[:12]}, manifest.json {info.sha256[:12]}); prepare the data again "
                          f"(adahop data prepare ... --out {data} --overwrite) or restore the tokenizer file")
 
