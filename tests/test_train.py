@@ -280,6 +280,17 @@ def test_a_prepared_folder_whose_tokenizer_changed_is_refused(data_dir, tmp_path
         resolve_data(_cfg(data, tmp_path / "r"))
 
 
+def test_vocab_size_with_a_tokenizer_of_its_own_is_refused_where_the_text_is_prepared(tmp_path):
+    """`train --data a.txt --tokenizer tiktoken:... --vocab-size 5000` was accepted: the config recorded 5000 for a
+    50,257-id model and the cache folder was named after it (`data prepare` refuses the same; helper 32)."""
+    from adahop.train.setup import resolve_data
+
+    (tmp_path / "a.txt").write_text("some text\n" * 100)
+    cfg = TrainConfig(data=str(tmp_path / "a.txt"), tokenizer="gpt2", vocab_size=5000, out=str(tmp_path / "r"))
+    with pytest.raises(ValueError, match="--vocab-size 5000 is for --tokenizer bpe; --tokenizer gpt2 brings its own"):
+        resolve_data(cfg)
+
+
 def test_bad_options_fail_before_training(data_dir, tmp_path):
     with pytest.raises(ValueError, match="--grad-accum"):
         _cfg(data_dir, tmp_path, batch_size=4, grad_accum=3)
