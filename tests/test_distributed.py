@@ -339,3 +339,11 @@ def test_bf16_masters_and_madam_states_shard_like_params(data_dir, tmp_path, sin
     assert sums["ddp"]["state_bytes"] == sums["single"]["state_bytes"]
     assert 0.4 < sums["fsdp"]["state_bytes"] / sums["single"]["state_bytes"] < 0.6
     assert sums["single"]["bytes_per_param"] == 8.0
+    # and they resume: the optimizer's load hook took torch.distributed.checkpoint's parameter-name keys for
+    # indices, so every sharded checkpoint of an adahop optimizer was refused ("invalid literal for int()",
+    # helper 33), on any number of ranks
+    more = {**kw, "steps": 4, "resume": True}
+    _spawn([_cfg(data_dir, tmp_path / "fsdp", parallel="fsdp", **more), _cfg(data_dir, tmp_path / "ddp", parallel="ddp", **more)])
+    assert sorted(_losses(tmp_path / "fsdp")) == sorted(_losses(tmp_path / "ddp")) == [1, 2, 3, 4]
+    train(_cfg(data_dir, tmp_path / "fsdp", **{**more, "steps": 5}))  # a sharded checkpoint in one process
+    assert sorted(_losses(tmp_path / "fsdp")) == [1, 2, 3, 4, 5]

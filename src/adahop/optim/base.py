@@ -183,17 +183,20 @@ class MasterOptimizer(torch.optim.Optimizer):
             if dtypes != {self.state_dtype}:
                 raise ValueError(f"{name}.load_state_dict: the saved states are {', '.join(map(str, sorted(dtypes, key=str)))}, "
                                  f"this optimizer keeps {self.state_dtype}; build it with state_dtype as saved to resume exactly")
-        self._stash = sd["state"]
+        # the saved groups' parameter keys in order: indices from state_dict(), parameter names from
+        # torch.distributed.checkpoint's set_optimizer_state_dict (a sharded checkpoint's resume)
+        self._stash = (sd["state"], [k for g in sd["param_groups"] for k in g["params"]])
 
     def _restore_state_dtypes(self) -> None:
         """After ``load_state_dict``: the states as saved (their own dtype), not cast to the parameter's."""
         stash, self._stash = self._stash, None
         self._plans.clear()  # they hold the old state tensors
-        if not stash:
+        if not stash or not stash[0]:
             return
-        params = [p for g in self.param_groups for p in g["params"]]
-        for idx, saved in stash.items():
-            p = params[int(idx)]
+        saved_states, keys = stash
+        by_key = dict(zip(keys, (p for g in self.param_groups for p in g["params"])))  # as torch's load_state_dict maps them
+        for key, saved in saved_states.items():
+            p = by_key[key]
             for k, v in saved.items():
                 if torch.is_tensor(v) and k != "step":
                     self.state[p][k] = v.to(device=self.state[p][k].device).clone()
