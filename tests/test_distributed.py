@@ -205,6 +205,8 @@ def test_sharded_checkpoint_resumes_on_one_rank(runs, data_dir, tmp_path, single
     # run added two: a tensor whose 2-rank vote was 3-3 may go either way (seen with the ratio
     # detector: one X of 12 layers), so the plans agree on every layer and all but such ties
     assert json.loads((tmp_path / "from4" / "summary.json").read_text())["plan_frozen"] is True
+    # a run resumed after the freeze checks the plan it loaded against rank 0's too (it did not: 0 ranks checked)
+    assert json.loads((tmp_path / "from4" / "summary.json").read_text())["plan_checked_on_ranks"] == 1
     plan = json.loads((tmp_path / "from2" / "plan.json").read_text())
     ref = json.loads((src / "plan.json").read_text())
     assert plan["layers"].keys() == ref["layers"].keys() and plan["calibration"] == ref["calibration"]
@@ -347,3 +349,62 @@ def test_bf16_masters_and_madam_states_shard_like_params(data_dir, tmp_path, sin
     assert sorted(_losses(tmp_path / "fsdp")) == sorted(_losses(tmp_path / "ddp")) == [1, 2, 3, 4]
     train(_cfg(data_dir, tmp_path / "fsdp", **{**more, "steps": 5}))  # a sharded checkpoint in one process
     assert sorted(_losses(tmp_path / "fsdp")) == [1, 2, 3, 4, 5]
+
+
+def _votes_worker(rank: int, world: int, port: int, out: str) -> None:
+    """Each rank calibrates a 2-layer model on its own inputs for 2 steps, saves the state as a one-rank checkpoint
+    of the Trainer or accelerate would (controller_state_all_ranks), and loads it into a fresh model."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    import adahop
+    from adahop.nn import get_controller, load_controller_state
+    from adahop.train.distributed import controller_state_all_ranks
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        def model():
+            torch.manual_seed(0)
+            return adahop.convert_model(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)),
+                                        "adahop-lv2", exclude=None)
+
+        m = model()
+        g = torch.Generator().manual_seed(rank)
+        for step in (1, 2):
+            x = torch.randn(32, 64, generator=g) * (1 + 20 * (torch.arange(64) == rank))  # a column outlier per rank
+            m(x).square().mean().backward()
+            adahop.on_step(m, step)
+        own = json.loads(json.dumps(get_controller(m).calibrator.history))
+        state = json.loads(json.dumps(controller_state_all_ranks(m)))  # every rank calls it; rank 0's is written
+        fresh = model()
+        load_controller_state(fresh, state)
+        Path(out, f"votes{rank}.json").write_text(json.dumps(
+            {"own": own, "restored": get_controller(fresh).calibrator.history, "state": state}))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_checkpoint_written_by_one_rank_keeps_every_ranks_calibration_votes(tmp_path):
+    """The HF Trainer and accelerate write the callback's state from rank 0: a resume mid-calibration gave every
+    rank rank 0's votes, so the pooled vote counted them twice and lost the others' (another plan, helper 33).
+    The state now holds every rank's votes; each rank takes back its own, and one process all of them merged."""
+    import torch.multiprocessing as mp
+
+    import adahop
+    from adahop.nn import get_controller, load_controller_state
+
+    mp.spawn(_votes_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    got = [json.loads((tmp_path / f"votes{r}.json").read_text()) for r in (0, 1)]
+    assert got[0]["own"] != got[1]["own"]  # the ranks saw other columns
+    for r in (0, 1):
+        assert got[r]["restored"] == got[r]["own"]
+    state = got[0]["state"]
+    assert state["calibration_histories"] == [got[0]["own"], got[1]["own"]]
+    # resumed in one process: the merged votes of both ranks, each counted once
+    torch.manual_seed(0)
+    one = adahop.convert_model(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)), "adahop-lv2",
+                               exclude=None)
+    load_controller_state(one, state)
+    hist = get_controller(one).calibrator.history
+    assert all(len(v) == 4 for layer in hist.values() for v in layer.values())  # 2 steps x 2 ranks

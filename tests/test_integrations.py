@@ -424,3 +424,23 @@ def test_a_plan_records_its_layer_shapes_and_refuses_a_model_of_other_widths(tmp
     with pytest.raises(ValueError, match="frozen on another model"):
         adahop.get_controller(small).set_plan(plan)
     assert adahop.get_controller(small).calibrating  # left as it was
+
+
+def test_the_trainer_state_file_gets_every_ranks_votes_in_the_callbacks_entry(tmp_path):
+    """Under torchrun the callback's on_save (every rank) gathers the votes and rank 0 writes them into the
+    checkpoint's trainer_state.json, which the Trainer wrote with rank 0's alone: where they go, as the resume
+    reads them (the one entry, or the first of several callbacks of the class)."""
+    from adahop.integrations.transformers import _keep_state, _saved_state
+
+    every = {"recipe": "adahop-lv2", "step": 4, "plan": None, "calibration_history": {"a": {"x": ["R"] * 4}},
+             "calibration_histories": [{"a": {"x": ["R"] * 2}}, {"a": {"x": ["R"] * 2}}], "calibration_from": 0}
+    for entry in ({"args": {}, "attributes": {"adahop_state": {"step": 4}}},
+                  [{"args": {}, "attributes": {"adahop_state": {"step": 4}}}, {"args": {}, "attributes": {}}]):
+        f = tmp_path / "trainer_state.json"
+        f.write_text(json.dumps({"global_step": 4, "stateful_callbacks": {"AdaHOPCallback": entry}}))
+        _keep_state(f, "AdaHOPCallback", every)
+
+        class State:
+            stateful_callbacks = json.loads(f.read_text())["stateful_callbacks"]
+
+        assert _saved_state(State, "AdaHOPCallback") == every

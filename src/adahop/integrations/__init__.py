@@ -16,7 +16,20 @@ import dataclasses
 from ..patterns import Plan
 from ..recipes import Recipe, get_recipe
 
-__all__ = ["resolve_recipe", "resolve_plan", "check_converted", "missing_extra"]
+__all__ = ["resolve_recipe", "resolve_plan", "check_converted", "missing_extra", "process_seed"]
+
+
+def process_seed(seed: int) -> int:
+    """The conversion seed of this process: ``seed`` in one process, and under ``torch.distributed`` (torchrun)
+    each rank's own (:func:`adahop.train.distributed.rank_seed`, as ``adahop train`` converts), so that the
+    stochastic rounding and random signs are independent noise on every rank, not the same draws."""
+    import torch.distributed as dist
+
+    from ..train.distributed import rank_seed
+
+    if dist.is_available() and dist.is_initialized():
+        return rank_seed(seed, dist.get_rank(), dist.get_world_size())
+    return seed
 
 
 def resolve_recipe(recipe: str | Recipe, calib_steps: int | None = None) -> Recipe:

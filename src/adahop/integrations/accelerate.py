@@ -10,8 +10,8 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
-from . import check_converted, missing_extra, resolve_plan, resolve_recipe
-from ..nn.convert import (controller_state, convert_model, get_controller, load_controller_state, register_step_hook,
+from . import check_converted, missing_extra, process_seed, resolve_plan, resolve_recipe
+from ..nn.convert import (convert_model, get_controller, load_controller_state, register_step_hook,
                           strategy_counts)
 from ..optim.master import PackedMaster
 
@@ -26,7 +26,10 @@ class AdaHOPState:
         self.model = model
 
     def state_dict(self) -> dict:
-        return controller_state(self.model)
+        # accelerate calls it on every process (its save writes on the main one): every rank's votes
+        from ..train.distributed import controller_state_all_ranks
+
+        return controller_state_all_ranks(self.model)
 
     def load_state_dict(self, state: dict) -> None:
         load_controller_state(self.model, state)
@@ -65,7 +68,7 @@ def prepare_adahop(model, optimizer, recipe="adahop-lv2", *, accelerator=None, e
         raise missing_extra("accelerate", "hf", "adahop.integrations.accelerate") from e
     recipe = resolve_recipe(recipe, calib_steps)
     if getattr(model, "_adahop_controller", None) is None:
-        convert_model(model, recipe, exclude=exclude, module_filter_fn=module_filter_fn, seed=seed,
+        convert_model(model, recipe, exclude=exclude, module_filter_fn=module_filter_fn, seed=process_seed(seed),
                       plan=resolve_plan(plan), backend=backend)
     else:
         check_converted(model, recipe, resolve_plan(plan), calib_steps, f"prepare_adahop({recipe.name!r})")

@@ -23,7 +23,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import missing_extra, resolve_plan, resolve_recipe
+from . import missing_extra, process_seed, resolve_plan, resolve_recipe
 
 try:
     from torchtitan.components.quantization import QuantizationConverter
@@ -124,7 +124,7 @@ def _convert(model, cfg: AdaHOPConverter.Config) -> None:
     recipe = resolve_recipe(cfg.recipe, cfg.calib_steps)
     if not names and not recipe.is_bf16:
         raise ValueError(f"AdaHOPConverter: no torchtitan Linear left to convert (exclude={cfg.exclude}, fqns={cfg.fqns})")
-    convert_layers(model, recipe, names, layer_cls=AdaHOPLinear, seed=cfg.seed, plan=resolve_plan(cfg.plan),
+    convert_layers(model, recipe, names, layer_cls=AdaHOPLinear, seed=process_seed(cfg.seed), plan=resolve_plan(cfg.plan),
                    backend=cfg.backend)
     model._adahop_config = cfg
     logger.info(f"adahop: {len(names)} Linear layers run recipe {recipe.name}")

@@ -12,7 +12,7 @@ import logging
 import weakref
 from pathlib import Path
 
-from . import check_converted, missing_extra, resolve_plan, resolve_recipe
+from . import check_converted, missing_extra, process_seed, resolve_plan, resolve_recipe
 
 try:
     from transformers import TrainerCallback
@@ -95,7 +95,8 @@ class AdaHOPCallback(TrainerCallback, ExportableState):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self._inherit_from_replaced()
         if getattr(model, "_adahop_controller", None) is None:
-            convert_model(model, self.recipe, exclude=self.exclude, module_filter_fn=self.module_filter_fn, seed=self.seed,
+            convert_model(model, self.recipe, exclude=self.exclude, module_filter_fn=self.module_filter_fn,
+                          seed=process_seed(self.seed),
                           plan=self.plan, backend=self.backend)
         else:
             check_converted(model, self.recipe, self.plan, self.calib_steps, f"AdaHOPCallback({self.recipe.name!r})")
@@ -120,10 +121,20 @@ class AdaHOPCallback(TrainerCallback, ExportableState):
             control.should_log = keep
 
     def on_save(self, args, state, control, **kwargs):
-        plan = get_controller(self.model).plan if self.model is not None else None
+        if self.model is None:
+            return
+        ctrl = get_controller(self.model)
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        if plan is not None and state.is_world_process_zero and folder.is_dir():
-            plan.save(folder / "plan.json")
+        if ctrl.plan is not None and state.is_world_process_zero and folder.is_dir():
+            ctrl.plan.save(folder / "plan.json")
+        if ctrl.calibrator is not None and args.world_size > 1:
+            # trainer_state.json (written by rank 0 before this event, which every rank runs) holds rank 0's votes
+            # alone, and a resume gave them to every rank: it gets every rank's
+            from ..train.distributed import controller_state_all_ranks
+
+            every = controller_state_all_ranks(self.model)  # collective
+            if state.is_world_process_zero and (folder / "trainer_state.json").is_file():
+                _keep_state(folder / "trainer_state.json", type(self).__name__, every)
 
     # ---- the freeze --------------------------------------------------------------------------------
     def _report(self, args, state) -> None:
@@ -154,6 +165,20 @@ def _resume_without_votes(step: int, calib_steps: int) -> None:
                          "plan.json of a run or of `adahop analyze`), or train from step 0 with the callback")
     log.warning("adahop: resumed at step %d from a checkpoint without AdaHOP state; the plan is voted over steps %d-%d "
                 "only (plan.json records that window)", step, step + 1, calib_steps)
+
+
+def _keep_state(path: Path, name: str, adahop_state: dict) -> None:
+    """Write ``adahop_state`` as the first ``name`` callback's in the trainer_state.json at ``path``."""
+    import json
+
+    ts = json.loads(path.read_text())
+    entry = ts.get("stateful_callbacks", {}).get(name)
+    first = entry[0] if isinstance(entry, list) and entry else entry
+    if isinstance(first, dict):
+        first.setdefault("attributes", {})["adahop_state"] = adahop_state
+        from ..utils import atomic_write_text
+
+        atomic_write_text(path, json.dumps(ts, indent=2, sort_keys=True) + "\n")
 
 
 def _saved_state(state, name: str):

@@ -262,7 +262,9 @@ def controller_state(model: nn.Module) -> dict:
     """What a checkpoint must keep of a converted model beyond its weights, as plain JSON data:
     ``{"recipe": its name, "step": optimizer steps done, "plan": the frozen plan as a dict or None,
     "calibration_history": the patterns seen so far while calibrating, or None, "calibration_from": the
-    steps done at the first of them, or None}``. :func:`load_controller_state` restores it.
+    steps done at the first of them, or None}``: this process's (under torch.distributed, a checkpoint
+    written by one rank keeps every rank's votes with ``adahop.train.distributed.controller_state_all_ranks``).
+    :func:`load_controller_state` restores it.
 
     Raises:
         ValueError: ``model`` is not converted."""
@@ -270,6 +272,21 @@ def controller_state(model: nn.Module) -> dict:
     cal = ctrl.calibrator
     return {"recipe": ctrl.recipe.name, "step": ctrl.step, "plan": json.loads(ctrl.plan.to_json()) if ctrl.plan else None,
             "calibration_history": cal.history if cal else None, "calibration_from": cal.first_step if cal else None}
+
+
+def _own_history(state: dict) -> dict:
+    """This process's calibration votes in a saved state. Under torch.distributed: its own rank's of
+    ``calibration_histories`` (every rank's, saved by ``adahop.train.distributed.controller_state_all_ranks``) when
+    the world size is the one that saved them; otherwise rank 0 takes ``calibration_history`` (all of them merged,
+    or the one process's that saved it) and the other ranks none, so that the pooled vote counts each observation
+    once (every rank took rank 0's, and the vote counted them once per rank; helper 33)."""
+    import torch.distributed as dist
+
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
+    per_rank = state.get("calibration_histories")
+    if per_rank is not None and len(per_rank) == world:
+        return per_rank[rank]
+    return state["calibration_history"] if rank == 0 else {}
 
 
 def load_controller_state(model: nn.Module, state: dict) -> None:
@@ -291,7 +308,7 @@ def load_controller_state(model: nn.Module, state: dict) -> None:
     if state.get("plan"):
         ctrl.set_plan(Plan.from_dict(state["plan"]))
     elif state.get("calibration_history") is not None and ctrl.calibrator is not None:
-        history = state["calibration_history"]
+        history = _own_history(state)
         converted = {l.name for l in ctrl.layers if not l.force_bf16}
         foreign = sorted(set(history) - converted)
         if foreign:  # their votes would enter the plan (and its strategy counts) for layers this model does not run

@@ -276,6 +276,20 @@ def _calibration_histories(model: nn.Module) -> list[dict] | None:
     return _gather(cal.history) if _active() else [cal.history]
 
 
+def controller_state_all_ranks(model: nn.Module) -> dict:
+    """Collective under torch.distributed (every rank calls it): :func:`adahop.nn.controller_state` with every
+    rank's calibration votes (``calibration_histories``, and ``calibration_history`` merged), for a checkpoint
+    one rank writes (the HF Trainer's, accelerate's): with this rank's alone, a resume mid-calibration gave
+    every rank rank 0's votes. One process: :func:`controller_state` itself."""
+    from ..nn.convert import controller_state
+
+    state = controller_state(model)
+    histories = _calibration_histories(model)
+    if histories is not None and _active():
+        state["calibration_histories"], state["calibration_history"] = histories, merge_histories(histories)
+    return state
+
+
 def save_sharded(run_dir: Path, step: int, model: nn.Module, opt: torch.optim.Optimizer, *, keep: int = 2,
                  extra: dict | None = None) -> Path:
     """Collective: every rank writes its shards of the model and AdamW state to

@@ -319,6 +319,8 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
     clock, timed_tokens, last_good, warm_from = 0.0, 0, start, start + 2
     timed_steps, estimated = 0, False  # the time estimate is printed once 3 steps are timed (again after a freeze)
     plan_ranks = 0  # ranks whose frozen plan was checked against rank 0's (0: no freeze in this run)
+    if start and recipe.calibration is not None and get_controller(model).plan is not None:
+        plan_ranks = dp.check_same_plan(model)  # resumed after the freeze: each rank loaded the plan on its own
     breaks_from = _graph_breaks()  # compiled runs: graph breaks counted from the last (re)compile on
     frames_from, compiled_at = None, start  # dynamo frames compiled once the step after the last (re)compile ended
     done = start
