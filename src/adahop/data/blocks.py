@@ -5,7 +5,9 @@ corpus; a block may hold the ends of several short documents, and a long documen
 file) is cut across blocks. A block closes at the end of a document when that end is within reach
 (so documents shorter than a block are never cut); otherwise the cut inside a document is made
 *before* a blank line (``"\\n\\n"``), failing that before a newline or a space, failing that at the
-size. Cutting before the separator keeps a GPT-2-style pre-tokenizer's split of the text as if uncut.
+size. Cutting before the separator keeps a GPT-2-style pre-tokenizer's split of the text as if uncut. A
+SentencePiece-style tokenizer that prepends a metaspace to each text it encodes (Llama-2's, Mistral's) gains
+one space at each cut (8 characters in 200,000 in a probe); its bits per byte count the bytes it decodes to.
 
 The split is spread over the corpus (never its tail). With ``n`` blocks in all and val fraction
 ``f``, ``m = max(1, round(n·f))`` blocks go to val: block ``b`` is val when
