@@ -426,3 +426,18 @@ def test_low_precision_masters_train_as_adahop_train_does_and_a_packed_run_conti
     meta = json.loads((out / "analysis.json").read_text())
     assert meta["start_step"] == 2 and meta["config"]["master_weights"] == "fp8"
     assert 0 < meta["losses"][0][1] < 1.5 * math.log(512)
+
+
+def test_a_val_split_shorter_than_a_window_is_no_error_for_analyze(tmp_path, single_thread):
+    """analyze never validates, yet a val split shorter than --seq-len + 1 tokens stopped it, with advice to
+    raise --val-fraction (helper 32)."""
+    from adahop.data import Manifest, prepare
+
+    rnd = random.Random(1)
+    text = "\n".join(" ".join(rnd.choice("the of and to in a is that for it".split()) for _ in range(12)) for _ in range(600))
+    (tmp_path / "c.txt").write_text(text)
+    prepare([str(tmp_path / "c.txt")], tmp_path / "prep", tokenizer="bpe", vocab_size=300, val_fraction=0.001)
+    assert Manifest.load(tmp_path / "prep").val.tokens < 129  # no window of --seq-len 128 fits in val
+    run(_args("--model", "llama-tiny", "--data", str(tmp_path / "prep"), "--seq-len", "128", "--batch-size", "2",
+              "--steps", "2", "--calib-steps", "2", "--gain-layers", "1", "--out", str(tmp_path / "an")))
+    assert (tmp_path / "an" / "plan.json").exists()

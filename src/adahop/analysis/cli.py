@@ -236,7 +236,7 @@ def _run_model(args, out: Path) -> dict[str, Path]:
         cfg, ck = _config_from_args(args), None
         data_dir = resolve_data(cfg)
     device = resolve_device(cfg.device)
-    train_s, _ = make_streams(cfg, data_dir)
+    train_s, _ = make_streams(cfg, data_dir, val=False)  # analyze never validates
     model = make_model(cfg, train_s.manifest, device)
     convert_master_weights(model, cfg.master_weights)  # --master-weights, as `adahop train` stores them
     opt = build_optimizer(cfg, model)

@@ -325,15 +325,19 @@ def resolve_data(cfg: TrainConfig) -> Path:
                           val_fraction=cfg.val_fraction)
 
 
-def make_streams(cfg: TrainConfig, data_dir: Path, rank: int = 0, world: int = 1) -> tuple[TokenStream, TokenStream]:
-    """Train and validation streams; each rank reads ``batch_size / world`` sequences per step."""
+def make_streams(cfg: TrainConfig, data_dir: Path, rank: int = 0, world: int = 1,
+                 val: bool = True) -> tuple[TokenStream, TokenStream | None]:
+    """Train and validation streams; each rank reads ``batch_size / world`` sequences per step. ``val=False``:
+    no validation stream (None), for a caller that never validates (``adahop analyze``), so that a val split
+    shorter than one window is no error there."""
     if cfg.batch_size % (world * cfg.grad_accum):
         raise ValueError(f"--batch-size {cfg.batch_size} must be divisible by world size {world} x --grad-accum {cfg.grad_accum}")
     per_rank = cfg.batch_size // world
     train = TokenStream(data_dir, "train", cfg.seq_len, per_rank, seed=data_order_seed(cfg.seed, cfg.data_seed), rank=rank,
                         world_size=world)
-    val = TokenStream(data_dir, "val", cfg.seq_len, per_rank, seed=cfg.seed, rank=rank, world_size=world)
-    return train, val
+    if not val:
+        return train, None
+    return train, TokenStream(data_dir, "val", cfg.seq_len, per_rank, seed=cfg.seed, rank=rank, world_size=world)
 
 
 def check_data_fits(cfg: TrainConfig, train: TokenStream, val: TokenStream) -> None:
