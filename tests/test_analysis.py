@@ -81,6 +81,7 @@ def test_census_files_have_table_1_layout():
     assert "| pair (A,B) | fprop | dgrad | wgrad | total |" in md
     assert "| **CC** | 1 (33.3%) | 1 (33.3%) | 1 (33.3%) | 3 (33.3%) | bf16 |" in md
     assert "Pairs that never occur: RC, CR, CN, NC." in md
+    assert "| iht+oe_left (wgrad: iht) |" in md  # the RN row: wgrad's OE-Left runs as IHT, as the plan has it
     rows = report.census_csv(c).splitlines()
     assert rows[0] == "pair,fprop,fprop_pct,dgrad,dgrad_pct,wgrad,wgrad_pct,total,total_pct"
     assert [r.split(",")[0] for r in rows[1:]] == list(cs.PAIRS)

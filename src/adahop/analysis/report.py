@@ -27,7 +27,10 @@ def _census_table(c: Census, table: str) -> list[str]:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for p in PAIRS:
         cells = [f"{c.counts[col][p]} ({100 * c.share(col, p):.1f}%)" for col in _COLUMNS]
-        lines.append(f"| **{p}** | " + " | ".join(cells) + f" | {STRATEGY_TABLES[table][p]} |")
+        strategy = STRATEGY_TABLES[table][p]
+        if strategy_for("wgrad", p, table) != strategy:  # wgrad's OE-Left runs as IHT (specs/adahop.md §4)
+            strategy += f" (wgrad: {strategy_for('wgrad', p, table)})"
+        lines.append(f"| **{p}** | " + " | ".join(cells) + f" | {strategy} |")
     lines.append("| all | " + " | ".join(str(sum(c.counts[col].values())) for col in _COLUMNS) + " | |")
     per_path = [f"{path}: {', '.join(p for p in PAIRS if c.counts[path][p] == 0) or '—'}" for path in PATHS]
     lines += ["", "Pairs that never occur: " + (", ".join(c.never) if c.never else "none (all nine occur)") + ".",
