@@ -224,10 +224,11 @@ def main(argv: list[str] | None = None) -> int:
             from .train.compare import Interrupted, compare
 
             recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
-            if cfg.plan and all(get_recipe(r).calibration is None for r in recipes):
+            calibrating = any(get_recipe(r).calibration is not None for r in recipes)
+            if cfg.plan and not calibrating:
                 raise ValueError(f"--plan {cfg.plan}: none of --recipes {','.join(recipes)} is an AdaHOP recipe (their "
                                  "GEMM strategies are fixed), so it would do nothing; drop --plan, or add adahop-lv2")
-            if cfg.calib_steps is not None and all(get_recipe(r).calibration is None for r in recipes):
+            if cfg.calib_steps is not None and not calibrating:
                 raise ValueError(f"--calib-steps {cfg.calib_steps}: none of --recipes {','.join(recipes)} has an AdaHOP "
                                  "calibration (their GEMM strategies are fixed), so it would do nothing; drop "
                                  "--calib-steps, or add a calibrating recipe such as adahop-lv2")

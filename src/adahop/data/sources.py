@@ -313,11 +313,12 @@ def _parse_hf(spec: str) -> HFSource:
 def _folder_sources(folder: Path) -> list[Source]:
     files = sorted(p for p in folder.rglob("*")
                    if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts))
-    out: list[Source] = [FileSource(p, kind) for p in files if (kind := _file_kind(p))]
+    kinds = {p: _file_kind(p) for p in files}
+    out: list[Source] = [FileSource(p, kind) for p, kind in kinds.items() if kind]
     if not out:
         raise ValueError(f"source folder {folder} holds no usable files; expected .txt/.md/.jsonl/.parquet "
                          f"(text and .jsonl may end in {'/'.join(COMPRESSED_SUFFIXES)})")
-    skipped = [p for p in files if _file_kind(p) is None]
+    skipped = [p for p, kind in kinds.items() if kind is None]
     if skipped:  # e.g. JSON Lines saved as .json: left out without a word, the corpus was smaller than the folder
         warnings.warn(f"source folder {folder}: {len(skipped)} file(s) of other kinds are not read "
                       f"({', '.join(str(p.relative_to(folder)) for p in skipped[:3])}{', ...' if len(skipped) > 3 else ''}); "

@@ -19,6 +19,9 @@ __all__ = ["add_arguments", "run", "settings", "ALL_TASKS"]
 ALL_TASKS = "piqa,hellaswag,arc_easy,arc_challenge,lambada_openai,winogrande"
 
 
+#: ``--batch-size`` when it is left out (an `adahop ptq` folder's perplexity takes the folder's own).
+DEFAULT_BATCH_SIZE = 8
+
 #: Files of a run, checkpoint, export or quantized folder that ``--out`` must never replace.
 _FOLDER_FILES = frozenset(("config.json", "summary.json", "ptq.json", "state.json", "plan.json", "metrics.jsonl",
                            "manifest.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"))
@@ -48,8 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--recipe", default=None, help="score with this recipe's forward numerics (e.g. mxfp4, adahop-lv2)")
     g.add_argument("--plan", default=None, help="the frozen plan of an AdaHOP --recipe (default: MODEL/plan.json)")
     g.add_argument("--batch-size", type=int, default=None,
-                   help="sequences per forward pass (default: 8; for the perplexity of an `adahop ptq` folder, the batch "
-                        "size it was scored with)")
+                   help=f"sequences per forward pass (default: {DEFAULT_BATCH_SIZE}; for the perplexity of an `adahop ptq` "
+                        "folder, the batch size it was scored with)")
     g.add_argument("--max-length", type=int, default=None, metavar="TOKENS",
                    help="context window of the zero-shot tasks: longer prompts lose their left part (default: the "
                         "model's max_position_embeddings, which `adahop train` sets to its --seq-len)")
@@ -113,7 +116,7 @@ def run(args: argparse.Namespace) -> dict:
             args.batch_size = ptq_meta.get("batch_size")
         if args.eval_batches is None:
             args.eval_batches = ptq_meta.get("eval_batches")
-    args.batch_size = args.batch_size or 8
+    args.batch_size = args.batch_size or DEFAULT_BATCH_SIZE
     from .model import check_window, warn_beyond_training
 
     check_window(loaded.model, args.seq_len if args.data is not None else None, "--seq-len")
@@ -126,7 +129,7 @@ def run(args: argparse.Namespace) -> dict:
     res = {"model": loaded.info, "dtype": "bf16" if bf16 else "fp32", "device": str(device),
            "adahop_version": __version__, "git_revision": git_revision(), "settings": settings(args)}
     if args.data is not None:
-        res["perplexity"] = _perplexity(args, loaded, device, bf16)
+        res["perplexity"] = _perplexity(args, loaded, device, bf16, ptq_meta)
         pp = res["perplexity"]
         print(f"{args.split} loss {pp['loss']:.4f} nats/token, perplexity {pp['perplexity']:.2f}, "
               f"{pp['bpb']:.4f} bits/byte ({pp['tokens']:,} tokens of {pp['data']})")
@@ -157,17 +160,17 @@ def settings(args: argparse.Namespace) -> dict:
     """The options of an `adahop eval` run that decide its numbers (stored in the results JSON)."""
     keys = ("model", "tasks", "limit", "task_data", "data", "split", "seq_len", "eval_batches", "recipe", "plan",
             "batch_size", "max_length", "device", "dtype")
-    # --batch-size left out is 8 (an `adahop ptq` folder's own is set into args before this is called)
-    return {k: getattr(args, k) if k != "batch_size" else args.batch_size or 8 for k in keys}
+    # --batch-size left out is the default (an `adahop ptq` folder's own is set into args before this is called)
+    return {k: getattr(args, k) if k != "batch_size" else args.batch_size or DEFAULT_BATCH_SIZE for k in keys}
 
 
-def _perplexity(args, loaded, device, bf16: bool) -> dict:
+def _perplexity(args, loaded, device, bf16: bool, meta: dict) -> dict:
+    """``meta``: the model's ``adahop_ptq`` config section ({} for a model `adahop ptq` did not write)."""
     import warnings
 
     from .perplexity import check_same_tokenizer, default_window, perplexity, prepared_data
 
     rc = loaded.run_config or {}
-    meta = getattr(loaded.model.config, "adahop_ptq", None) or {}
     if not rc and meta:  # an `adahop ptq` folder: its text is prepared as the source run's was
         if "data_settings" in meta:
             rc = meta["data_settings"]
@@ -177,8 +180,7 @@ def _perplexity(args, loaded, device, bf16: bool) -> dict:
                           f"of; pass --data {meta.get('calib_data')} (the folder it scored) for that number")
     data = prepared_data(args.data, rc, args.model)
     check_same_tokenizer(data, Path(args.model), loaded.model.config.vocab_size)
-    seq_len = args.seq_len or default_window(rc, getattr(loaded.model.config, "max_position_embeddings", None),
-                                             getattr(loaded.model.config, "adahop_ptq", None))
+    seq_len = args.seq_len or default_window(rc, getattr(loaded.model.config, "max_position_embeddings", None), meta)
     out = perplexity(loaded.model, data, split=args.split, seq_len=seq_len, batch_size=args.batch_size,
                      max_batches=args.eval_batches, device=device, bf16=bf16)
     return {"data": str(data), **out}

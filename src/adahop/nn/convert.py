@@ -274,12 +274,13 @@ def controller_state(model: nn.Module) -> dict:
             "calibration_history": cal.history if cal else None, "calibration_from": cal.first_step if cal else None}
 
 
-def _own_history(state: dict) -> dict:
-    """This process's calibration votes in a saved state. Under torch.distributed: its own rank's of
-    ``calibration_histories`` (every rank's, saved by ``adahop.train.distributed.controller_state_all_ranks``) when
-    the world size is the one that saved them; otherwise rank 0 takes ``calibration_history`` (all of them merged,
-    or the one process's that saved it) and the other ranks none, so that the pooled vote counts each observation
-    once (every rank took rank 0's, and the vote counted them once per rank; helper 33)."""
+def own_calibration_history(state: dict) -> dict:
+    """This process's calibration votes in a saved state (``calibration_history``, optionally
+    ``calibration_histories``: every rank's, as ``adahop.train.distributed.controller_state_all_ranks`` and sharded
+    checkpoints save them). Under torch.distributed: its own rank's when the world size is the one that saved
+    them; otherwise rank 0 takes ``calibration_history`` (all of them merged, or the one process's that saved
+    it) and the other ranks none, so that the pooled vote counts each observation once (every rank took rank
+    0's, and the vote counted them once per rank; helper 33). Raises KeyError: no ``calibration_history``."""
     import torch.distributed as dist
 
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
@@ -308,7 +309,7 @@ def load_controller_state(model: nn.Module, state: dict) -> None:
     if state.get("plan"):
         ctrl.set_plan(Plan.from_dict(state["plan"]))
     elif state.get("calibration_history") is not None and ctrl.calibrator is not None:
-        history = _own_history(state)
+        history = own_calibration_history(state)
         converted = {l.name for l in ctrl.layers if not l.force_bf16}
         foreign = sorted(set(history) - converted)
         if foreign:  # their votes would enter the plan (and its strategy counts) for layers this model does not run

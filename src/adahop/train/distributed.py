@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..nn import get_controller
+from ..nn.convert import own_calibration_history
 from ..patterns import Calibrator, Plan
 from ..utils import mix_seed
 from .checkpoint import publish_checkpoint
@@ -371,9 +372,7 @@ def load_sharded(path: Path, model: nn.Module, opt: torch.optim.Optimizer | None
     if meta.get("plan"):
         ctrl.set_plan(Plan.from_dict(meta["plan"]))
     elif meta.get("calibration_histories") is not None and ctrl.calibrator is not None:
-        rank, world = (dist.get_rank(), dist.get_world_size()) if _active() else (0, 1)
-        hs = meta["calibration_histories"]
-        ctrl.calibrator.history = hs[rank] if len(hs) == world else (meta["calibration_history"] if rank == 0 else {})
+        ctrl.calibrator.history = own_calibration_history(meta)
         ctrl.calibrator.first_step = meta.get("calibration_from", 0)  # the vote's window, as the plan records it
     ctrl.step = meta["controller_step"]
     return meta

@@ -317,8 +317,7 @@ def resolve_data(cfg: TrainConfig) -> Path:
         _check_tokenizer_file(p, manifest)
         _refuse_preparing_flags(cfg, manifest)
         return p
-    default_vocab = next(f.default for f in dataclasses.fields(TrainConfig) if f.name == "vocab_size")
-    if cfg.tokenizer != "bpe" and cfg.vocab_size != default_vocab:  # as `adahop data prepare` refuses it
+    if cfg.tokenizer != "bpe" and cfg.vocab_size != TrainConfig.vocab_size:  # as `adahop data prepare` refuses it
         raise ValueError(f"--vocab-size {cfg.vocab_size} is for --tokenizer bpe; --tokenizer {cfg.tokenizer} brings its "
                          "own vocabulary (the run would record the one given and name its cache after it): drop --vocab-size")
     return prepare_cached(_sources(cfg), tokenizer=cfg.tokenizer, vocab_size=cfg.vocab_size,
