@@ -22,7 +22,8 @@ __all__ = ["resolve_recipe", "resolve_plan", "check_converted", "missing_extra",
 def process_seed(seed: int) -> int:
     """The conversion seed of this process: ``seed`` in one process, and under ``torch.distributed`` (torchrun)
     each rank's own (:func:`adahop.train.distributed.rank_seed`, as ``adahop train`` converts), so that the
-    stochastic rounding and random signs are independent noise on every rank, not the same draws."""
+    stochastic rounding and random signs are independent noise on every rank, not the same draws. Raises
+    nothing. Source: ours (docs/distributed.md, Randomness)."""
     import torch.distributed as dist
 
     from ..train.distributed import rank_seed

@@ -281,7 +281,8 @@ def controller_state_all_ranks(model: nn.Module) -> dict:
     """Collective under torch.distributed (every rank calls it): :func:`adahop.nn.controller_state` with every
     rank's calibration votes (``calibration_histories``, and ``calibration_history`` merged), for a checkpoint
     one rank writes (the HF Trainer's, accelerate's): with this rank's alone, a resume mid-calibration gave
-    every rank rank 0's votes. One process: :func:`controller_state` itself."""
+    every rank rank 0's votes. One process: :func:`controller_state` itself. Raises ValueError: ``model`` is not
+    converted. Source: ours (docs/integrations.md)."""
     from ..nn.convert import controller_state
 
     state = controller_state(model)
