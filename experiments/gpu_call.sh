@@ -129,6 +129,9 @@
 #      bench model --max-batch MAXB (default 16), then compiled; rows in $OUT/benchmarks.json
 #   r27s (issue 18, one GPU): validate_kernels --only optim, then llama-125m 1024 x 16 with --bf16-small-gemms (bf16, mxfp4, adahop-lv2; auto), then torchao's
 #      float8 rowwise and tensorwise beside BF16 at llama-350m 1024 x 16 and Llama-3.2-1B 4096 x 4 (auto)
+#   r28s (issue 18, one GPU): what round 27 (an H100) left: Llama-3.2-1B 4096 x 4 with --bf16-small-gemms (bf16, mxfp4,
+#      adahop-lv2: k/v_proj in BF16), then torchao's float8 rowwise and tensorwise beside BF16 in one process (auto);
+#      torchao's first compile takes ~60-130 s a recipe
 #   r21a (issue 18, one GPU): where the 8B-shaped model's first compile goes (round 20: mxfp4's did not finish in ~260 s;
 #      scripts/compile_census.py puts adahop's Triton kernels at ~12 s of it): scripts/bench_compile.py --phases cold for
 #      mxfp4 and adahop-lv2 at 4 blocks of Llama-3.1-8B, 4096 x 2, each alone with empty caches (COLD_TIMEOUT s each,
@@ -468,6 +471,15 @@ if [ "$STAGE" = r27s ]; then  # issue 18: the small-GEMM rule's first GPU rows, 
   timeout $(( ${LIM:-570} - $(el) )) $BM --model llama3.2-1b --seq-len 4096 --batch-size 4 \
     --recipes bf16,torchao-fp8-rowwise,torchao-fp8-tensorwise > $OUT/bench_1b_ao.log 2>&1
   echo "1b torchao: exit $? at $(el) s"; tail -5 $OUT/bench_1b_ao.log | cut -c1-400
+  echo "stage $STAGE done at $(el) s"; exit 0
+fi
+if [ "$STAGE" = r28s ]; then  # issue 18: the small-GEMM rule where it keeps FP8 work, and torchao at 1B in one process
+  export CUDA_VISIBLE_DEVICES=0
+  BM="python3 -m adahop bench model --modes auto --model llama3.2-1b --seq-len 4096 --batch-size 4 --json $OUT/benchmarks.json"
+  timeout 280 $BM --recipes bf16,mxfp4,adahop-lv2 --bf16-small-gemms > $OUT/bench_1b_small.log 2>&1
+  echo "1b small gemms: exit $? at $(el) s"; grep -E "^llama" $OUT/bench_1b_small.log | cut -c1-200
+  timeout $(( ${LIM:-570} - $(el) )) $BM --recipes bf16,torchao-fp8-rowwise,torchao-fp8-tensorwise > $OUT/bench_1b_ao.log 2>&1
+  echo "1b torchao: exit $? at $(el) s"; grep -E "^llama" $OUT/bench_1b_ao.log | cut -c1-200
   echo "stage $STAGE done at $(el) s"; exit 0
 fi
 if [ "$STAGE" = r21a ]; then  # issue 18: the 8B-shaped cold compile, with stack samples of the stuck child
