@@ -740,6 +740,27 @@ def test_a_run_with_packed_master_weights_is_scored_with_its_masters_values(prep
     assert pp["loss"] == pytest.approx(summary["final_val_loss"], rel=2e-2)
 
 
+def test_eval_of_a_run_folder_defaults_to_the_windows_of_its_val_loss(run_dir, tmp_path):
+    """With no --batch-size/--eval-batches a run folder's val perplexity is its val_loss: the run's batch
+    size (4) and eval batches (3), not eval's 8 and the whole split, which scored other windows."""
+    from adahop.cli import main
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    data_dir = json.loads((run_dir / "config.json").read_text())["adahop"]["data_dir"]
+    out = tmp_path / "res.json"
+    assert main(["eval", str(run_dir), "--tasks", "none", "--data", data_dir, "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["perplexity"]["loss"] == summary["final_val_loss"]
+    assert res["perplexity"]["tokens"] == 3 * 4 * 32
+    assert res["settings"]["batch_size"] == 4 and res["settings"]["eval_batches"] == 3
+    # an explicit flag still wins, and the train split keeps eval's defaults (no val_loss to match there)
+    assert main(["eval", str(run_dir), "--tasks", "none", "--data", data_dir, "--eval-batches", "1", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["perplexity"]["tokens"] == 1 * 4 * 32
+    assert main(["eval", str(run_dir), "--tasks", "none", "--data", data_dir, "--split", "train", "--eval-batches", "2",
+                 "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["settings"]["batch_size"] == 8
+
+
 def test_perplexity_window_defaults_to_the_run_then_to_at_most_2048():
     """A foreign Llama-3 config (131,072 positions) made the default window the whole split; a run
     folder keeps its own --seq-len so that perplexity equals train's validation loss."""

@@ -45,14 +45,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "for another model its max_position_embeddings, "
                         "at most 2048)")
     g.add_argument("--eval-batches", type=int, default=None, metavar="N",
-                   help="the first N batches only, as `adahop train --eval-batches` (default: the whole split; for an "
+                   help="the first N batches only, as `adahop train --eval-batches` (default: the whole split; for the val "
+                        "split of a run folder, the run's --eval-batches, so that the loss is its val_loss; for an "
                         "`adahop ptq` folder, what it was scored on)")
     g = p.add_argument_group("model and numerics")
     g.add_argument("--recipe", default=None, help="score with this recipe's forward numerics (e.g. mxfp4, adahop-lv2)")
     g.add_argument("--plan", default=None, help="the frozen plan of an AdaHOP --recipe (default: MODEL/plan.json)")
     g.add_argument("--batch-size", type=int, default=None,
-                   help=f"sequences per forward pass (default: {DEFAULT_BATCH_SIZE}; for the perplexity of an `adahop ptq` "
-                        "folder, the batch size it was scored with)")
+                   help=f"sequences per forward pass (default: {DEFAULT_BATCH_SIZE}; for the val perplexity of a run folder, the "
+                        "run's --batch-size, and of an `adahop ptq` folder, the batch size it was scored with)")
     g.add_argument("--max-length", type=int, default=None, metavar="TOKENS",
                    help="context window of the zero-shot tasks: longer prompts lose their left part (default: the "
                         "model's max_position_embeddings, which `adahop train` sets to its --seq-len)")
@@ -111,11 +112,14 @@ def run(args: argparse.Namespace) -> dict:
     root = task_root(specs, args.task_data) if specs else None
     loaded = load_model(args.model, device=device, recipe=args.recipe, plan=args.plan)
     ptq_meta = getattr(loaded.model.config, "adahop_ptq", None) or {}
-    if args.data is not None and ptq_meta:  # score the windows `adahop ptq` printed its perplexity of
+    # score the windows the model's own number was of: those `adahop ptq` printed its perplexity of, or those a
+    # run's val_loss was (its --batch-size and --eval-batches; validation walks the split in order, on any world size)
+    scored_as = ptq_meta or ((loaded.run_config or {}) if args.data is not None and args.split == "val" else {})
+    if args.data is not None and scored_as:
         if args.batch_size is None:
-            args.batch_size = ptq_meta.get("batch_size")
+            args.batch_size = scored_as.get("batch_size")
         if args.eval_batches is None:
-            args.eval_batches = ptq_meta.get("eval_batches")
+            args.eval_batches = scored_as.get("eval_batches")
     args.batch_size = args.batch_size or DEFAULT_BATCH_SIZE
     from .model import check_window, warn_beyond_training
 
