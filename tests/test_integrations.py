@@ -395,6 +395,23 @@ def test_convert_model_takes_a_plan_path_and_names_arguments_it_would_misuse(tmp
         m(torch.ones(2, 64, dtype=torch.long))
 
 
+def test_convert_model_takes_calib_steps_as_the_integrations_do():
+    """The integrations and `train --calib-steps` took calib_steps; convert_model raised TypeError on it."""
+    m = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
+    adahop.convert_model(m, "adahop-lv2", exclude=None, calib_steps=3)
+    ctrl = adahop.get_controller(m)
+    assert ctrl.recipe.calibration.steps == 3
+    for step in range(1, 4):
+        assert ctrl.plan is None  # still calibrating before the third step ends
+        m(torch.randn(8, 64)).sum().backward()
+        adahop.on_step(m, step)
+    assert ctrl.plan is not None and ctrl.plan.calibration["steps"] == [1, 3]
+    with pytest.raises(ValueError, match="'mxfp4' has fixed strategies and no calibration"):
+        adahop.convert_model(nn.Sequential(nn.Linear(64, 64)), "mxfp4", calib_steps=3)
+    with pytest.raises(ValueError, match="calibration steps must be an int >= 1, got 0"):
+        adahop.convert_model(nn.Sequential(nn.Linear(64, 64)), "adahop-lv2", calib_steps=0)
+
+
 def test_an_exclude_pattern_matching_nothing_is_warned_about_and_a_converted_part_is_named():
     """exclude=("lm-head",) kept nothing out, silently; a submodule of a converted model read as "no nn.Linear"."""
     model = _tiny_llama()

@@ -11,8 +11,6 @@ docs/integrations.md.
 
 from __future__ import annotations
 
-import dataclasses
-
 from ..patterns import Plan
 from ..recipes import Recipe, get_recipe
 
@@ -44,7 +42,7 @@ def resolve_recipe(recipe: str | Recipe, calib_steps: int | None = None) -> Reci
         if calib_steps < 1:
             raise ValueError(f"calib_steps must be >= 1, got {calib_steps}")
         if r.calibration is not None:
-            r = dataclasses.replace(r, calibration=dataclasses.replace(r.calibration, steps=calib_steps))
+            r = r.with_calibration_steps(calib_steps)
     return r
 
 

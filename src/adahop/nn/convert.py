@@ -47,7 +47,7 @@ def supports_shape(recipe: Recipe, in_features: int, out_features: int) -> bool:
 
 
 def convert_model(model: nn.Module, recipe: str | Recipe, *, exclude=("lm_head",), module_filter_fn=None, seed: int = 0,
-                  plan: Plan | None = None, backend: str = "auto") -> nn.Module:
+                  plan: Plan | None = None, calib_steps: int | None = None, backend: str = "auto") -> nn.Module:
     """Swap every ``nn.Linear`` of ``model`` for a :class:`LowPrecisionLinear` running ``recipe``.
 
     Args:
@@ -62,6 +62,9 @@ def convert_model(model: nn.Module, recipe: str | Recipe, *, exclude=("lm_head",
         seed: run seed for stochastic rounding and random signs.
         plan: a frozen AdaHOP plan, or the path of its ``plan.json`` (from a run, a checkpoint or
             ``adahop analyze``): calibration is skipped. AdaHOP recipes only.
+        calib_steps: training steps the AdaHOP recipe calibrates over before it freezes its plan (None:
+            the recipe's own, 30 for the presets), as ``adahop train --calib-steps`` and the integrations'
+            ``calib_steps``. AdaHOP recipes only.
         backend: ``"auto"`` (the fast path on CUDA, the reference elsewhere, decided per call from
             the input's device, so converting before or after ``.to("cuda")`` is the same),
             ``"triton"`` or ``"reference"``. It never changes the recipe's numerics.
@@ -72,8 +75,8 @@ def convert_model(model: nn.Module, recipe: str | Recipe, *, exclude=("lm_head",
         the last ``recipe.bf16_last_layers`` / first ``bf16_first_layers`` transformer blocks.
 
     Raises:
-        ValueError: unknown recipe name (lists the known ones) or backend, a ``plan`` under a recipe without
-            calibration or a plan path that does not exist, a model already converted, a
+        ValueError: unknown recipe name (lists the known ones) or backend, a ``plan`` or ``calib_steps`` under a
+            recipe without calibration, ``calib_steps`` < 1 or given with ``plan``, a plan path that does not exist, a model already converted, a
             bare ``nn.Linear`` (wrap it in ``nn.Sequential``), a model with no ``nn.Linear`` left to
             convert (e.g. GPT-2's ``Conv1D`` layers) or none whose shape it can quantize under a quantizing
             recipe, or a ``plan`` without an entry for a converted layer.
@@ -93,6 +96,11 @@ def convert_model(model: nn.Module, recipe: str | Recipe, *, exclude=("lm_head",
     if plan is not None and recipe.calibration is None:
         raise ValueError(f"plan= is for AdaHOP recipes; recipe {recipe.name!r} has fixed strategies and would ignore it: "
                          "drop plan=, or use an adahop-* recipe")
+    if calib_steps is not None:
+        if plan is not None:
+            raise ValueError("calib_steps= with plan=: a frozen plan skips calibration, so the steps would be unused; "
+                             "drop one of them")
+        recipe = recipe.with_calibration_steps(calib_steps)
     if module_filter_fn is not None and not callable(module_filter_fn):
         raise TypeError(f"module_filter_fn must be a callable (module, fqn) -> bool, got {type(module_filter_fn).__name__}")
     if getattr(model, "_adahop_controller", None) is not None:

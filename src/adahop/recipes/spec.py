@@ -330,6 +330,19 @@ class Recipe:
             raise ValueError(f"recipe {self.name!r}: accumulation={accumulation!r}; allowed {ACCUMULATIONS}")
         return replace(self, **{g: replace(getattr(self, g), accumulation=accumulation) for g in GEMMS})
 
+    def with_calibration_steps(self, steps: int) -> "Recipe":
+        """A copy that calibrates its outlier patterns over ``steps`` training steps, then freezes the plan
+        (``adahop train --calib-steps``; AdaHOP paper §4.1 votes over the first steps).
+
+        Raises:
+            ValueError: a recipe without calibration (its strategies are fixed), or ``steps`` not an int >= 1."""
+        if self.calibration is None:
+            raise ValueError(f"recipe {self.name!r} has fixed strategies and no calibration to set the steps of; "
+                             f"use an adahop-* recipe, or drop the calibration steps")
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"calibration steps must be an int >= 1, got {steps!r}")
+        return replace(self, calibration=replace(self.calibration, steps=steps))
+
     def with_small_gemms_bf16(self, rule: SmallGemmRule | None = SmallGemmRule()) -> "Recipe":
         """A copy that runs the GEMMs ``rule`` finds too small in BF16 (None: none of them)."""
         return replace(self, bf16_small_gemms=rule)
