@@ -407,7 +407,7 @@ def describe(model: nn.Module) -> str:
     fprop, dgrad and wgrad, and the KiB it saved for backward at its last forward (in brackets:
     what a plain ``nn.Linear`` saves: X, and the cast W under autocast). The first line gives the recipe, the step,
     the calibration state and the fast path's accumulation (``Recipe.accumulations``: fp32 for NVFP4
-    GEMMs, which always sum in FP32); a GEMM that ``recipe.bf16_small_gemms`` runs in BF16 shows as
+    GEMMs, which always sum in FP32; a model off CUDA is said to run the FP32 reference); a GEMM that ``recipe.bf16_small_gemms`` runs in BF16 shows as
     ``bf16 (small)``, and a line counts them. Last, the recipe's own table (:func:`adahop.recipes.table.gemm_table`):
     each GEMM's operand formats, rounding, scales, transforms and mean split, which the per-layer columns do not show."""
     ctrl = get_controller(model)
@@ -416,6 +416,9 @@ def describe(model: nn.Module) -> str:
     head = (f"{'layer':<44} {'K->N':>12} {'X':>2} {'W':>2} {'dY':>2}  {'fprop':<13} {'dgrad':<13} {'wgrad':<13} "
             f"{'saved KiB (plain)':>18}")
     state = "calibrating" if ctrl.calibrating else "plan frozen" if ctrl.plan else "fixed strategies"
+    on_cuda = any(p.is_cuda for p in model.parameters())
+    # the accumulation is the CUDA fast path's; elsewhere the reference sums in FP32 whatever the recipe says
+    acc_text += "" if on_cuda else " (on CUDA; here the reference sums in FP32)"
     lines = [f"recipe {ctrl.recipe.name}, step {ctrl.step}, {state}, fast-path accumulation {acc_text}", head, "-" * len(head)]
     for m in ctrl.layers:
         p = m.patterns
