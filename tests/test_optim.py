@@ -830,3 +830,50 @@ def test_workshop_exponent_step_beyond_one_octave_is_not_clamped():
     p.grad = torch.tensor([1.0, 1.0])
     opt.step()
     torch.testing.assert_close(p.detach(), torch.tensor([0.15, -14.4]), rtol=1e-6, atol=0)
+
+
+def test_a_reset_of_the_optimizer_state_reaches_the_next_step_as_in_torch():
+    """The kept step plan (base._Plan) held its own references to the state tensors: opt.state.clear(), a moment
+    replaced by zeros (ReLoRA's reset) or a Parameter swapped into the group in place left the step on the old
+    moments, and state_dict() (so every checkpoint) no longer held them. torch.optim.AdamW is the reference."""
+    from adahop.optim import AdamW
+
+    torch.manual_seed(0)
+    w0 = [torch.randn(5, 3), torch.randn(7)]
+    grads = [[torch.randn_like(w) for w in w0] for _ in range(8)]
+
+    def run(cls, reset):
+        ps = [torch.nn.Parameter(w.clone()) for w in w0]
+        opt = cls(ps, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+        for i, gs in enumerate(grads):
+            for p, g in zip(ps, gs):
+                p.grad = g.clone()
+            opt.step()
+            if i == 2:
+                reset(opt, ps)
+        return ps, opt
+
+    def zero_moment(opt, ps):
+        opt.state[ps[0]]["exp_avg"] = torch.zeros_like(ps[0])
+
+    def clear(opt, ps):
+        opt.state.clear()
+
+    for reset in (zero_moment, clear):
+        ours, opt = run(AdamW, reset)
+        ref, ropt = run(torch.optim.AdamW, reset)
+        for a, b in zip(ours, ref):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(opt.state[ours[0]]["exp_avg"], ropt.state[ref[0]]["exp_avg"], rtol=1e-6, atol=1e-7)
+        assert opt.state_dict()["state"][0]["step"] == int(ropt.state[ref[0]]["step"]), reset.__name__
+
+    # a Parameter swapped into the group in place starts from fresh moments, as in torch
+    def swap(opt, ps):
+        new = torch.nn.Parameter(ps[1].detach().clone() + 1)
+        opt.param_groups[0]["params"][1] = new
+        ps[1] = new
+
+    ours, opt = run(AdamW, swap)
+    ref, ropt = run(torch.optim.AdamW, swap)
+    torch.testing.assert_close(ours[1], ref[1], rtol=1e-6, atol=1e-7)
+    assert opt.state[ours[1]]["step"] == 5

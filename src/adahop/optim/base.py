@@ -278,8 +278,9 @@ class MasterOptimizer(torch.optim.Optimizer):
 
 class _Plan:
     """A parameter group's fused buckets, kept between steps while nothing about the group changes:
-    the same parameter list, every parameter with a gradient (contiguous) and one step count, the
-    same rounding and backend, states not reloaded (``load_state_dict`` drops every plan). A step
+    the same parameter list and Parameters, every parameter with a gradient (contiguous) and one step count, the
+    same rounding and backend, the same state dicts and tensors (``load_state_dict`` drops every plan; a reset
+    of ``opt.state`` is seen at the next step). A step
     then costs the gradients' addresses and one launch per bucket (host time was the fused step's
     bottleneck: `docs/benchmarks.md` round 7)."""
 
@@ -295,8 +296,10 @@ class _Plan:
         self.params, self.n, self.base, self.cfg = params, len(params), base, (opt.rounding, opt.backend)
         self.replacements = master.REPLACEMENTS[0]  # a parameter replaced since: the general step refuses it
         self.states, self.count = sts, sts[0]["step"]
-        self.local = any(hasattr(p, "_local_tensor") for p in params)
+        self.members = list(params)  # the list's elements: a Parameter swapped in place must not take another's moments
         names = STATE_NAMES[opt.algorithm]
+        self.tensors = [[st[n] for n in names] for st in sts]
+        self.local = any(hasattr(p, "_local_tensor") for p in params)
         self.packed = [i for i, p in enumerate(params) if isinstance(p, PackedMaster)]
         groups: dict = {}
         for i, p in enumerate(params):
@@ -309,11 +312,26 @@ class _Plan:
         self.whole = len(self.buckets) == 1 and len(self.buckets[0][0]) == self.n
         return self
 
+    def _same_state(self, opt: MasterOptimizer, params: list) -> bool:
+        """Whether the group still holds the Parameters and ``opt.state`` the very state dicts, tensors and step
+        counts the buckets were built over: a user's reset (``opt.state.clear()``, a moment replaced by zeros,
+        as torch.optim allows) must reach the step, not leave it on hidden copies."""
+        state = opt.state
+        for p, q, st, ts in zip(params, self.members, self.states, self.tensors):
+            if p is not q or state.get(p) is not st or st.get("step") != self.count:
+                return False
+            for n, t in zip(STATE_NAMES[opt.algorithm], ts):
+                if st.get(n) is not t:
+                    return False
+        return True
+
     def step(self, opt: MasterOptimizer, group: dict, base: int) -> bool:
         """One step of the group; False (nothing done) if the plan no longer fits it."""
         params = group["params"]
         if params is not self.params or len(params) != self.n or base != self.base or \
                 self.cfg != (opt.rounding, opt.backend) or master.REPLACEMENTS[0] != self.replacements:
+            return False
+        if not self._same_state(opt, params):
             return False
         gs = [p.grad for p in params]
         for g in gs:
