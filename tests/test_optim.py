@@ -826,7 +826,7 @@ def test_workshop_exponent_step_beyond_one_octave_is_not_clamped():
     """lr·mul_lr_scale·cap = 3: spec §3.2 A moves w = ±1.5 by (1.5 ∓ 0.3)·2^(∓3) in one step; the exponent
     step was clamped to one octave (2^(∓1)), silently: [0.60, -3.60] (helper 26)."""
     p = torch.nn.Parameter(torch.tensor([1.5, -1.5]))
-    opt = MAdam([p], lr=0.3, form="workshop", mul_lr_scale=10, cap=1, backend="reference")
+    opt = MAdam([p], lr=0.3, form="workshop", mul_lr_scale=10, cap=1, weight_decay=0.0, backend="reference")
     p.grad = torch.tensor([1.0, 1.0])
     opt.step()
     torch.testing.assert_close(p.detach(), torch.tensor([0.15, -14.4]), rtol=1e-6, atol=0)
@@ -877,3 +877,30 @@ def test_a_reset_of_the_optimizer_state_reaches_the_next_step_as_in_torch():
     ref, ropt = run(torch.optim.AdamW, swap)
     torch.testing.assert_close(ours[1], ref[1], rtol=1e-6, atol=1e-7)
     assert opt.state[ours[1]]["step"] == 5
+
+
+def test_the_optimizers_refuse_what_they_would_misread():
+    """A probe (helper 35): SRAdamW(rounding="nearest") ran stochastic rounding; build_optimizer gave sr-adamw over
+    FP32 masters and torch's AdamW with BF16 states under master="fp32"; MAdam's arXiv forms ignored cap/w_max;
+    a non-contiguous parameter failed deep in the step naming neither it nor the fix."""
+    from adahop.optim import SRAdamW
+
+    p = torch.nn.Parameter(torch.randn(8, 4))
+    with pytest.raises(ValueError, match=r"SRAdamW\(rounding='nearest'\): SRAdamW rounds stochastically"):
+        SRAdamW([p], rounding="nearest")
+    with pytest.raises(ValueError, match="sr-adamw rounds the master update stochastically, and FP32 masters"):
+        build_optimizer("sr-adamw", [p], lr=1e-3, master="fp32")
+    with pytest.raises(ValueError, match=r"master='fp32', but parameters are stored as bf16: pass master='bf16'"):
+        build_optimizer("adamw", [torch.nn.Parameter(torch.randn(4, dtype=torch.bfloat16))], lr=1e-3)
+    with pytest.raises(ValueError, match=r"cap=None, w_max=1.0 \(group 0\) are options of the workshop form"):
+        MAdam([p], form="arxiv-relative", cap=None, w_max=1.0)
+    with pytest.raises(ValueError, match=r"cap=2.0, w_max=None \(group 1\)"):
+        MAdam([{"params": [p]}, {"params": [torch.nn.Parameter(torch.randn(3))], "cap": 2.0}], form="arxiv")
+    MAdam([p], form="workshop", cap=2.0, w_max=1.0)  # the form that reads them
+    # torch's AdamW defaults, weight decay 0.01 included
+    assert SRAdamW([p]).defaults["weight_decay"] == torch.optim.AdamW([p]).defaults["weight_decay"] == 0.01
+    t = torch.nn.Parameter(torch.randn(4, 6).t())  # a transposed view: not contiguous
+    opt = AdamW([t], backend="reference")
+    t.grad = torch.randn(6, 4)
+    with pytest.raises(ValueError, match=r"parameter 0 \(shape \(6, 4\), strides \(1, 6\)\) is not contiguous"):
+        opt.step()

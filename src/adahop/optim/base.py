@@ -72,7 +72,7 @@ class MasterOptimizer(torch.optim.Optimizer):
 
     Args:
         params: parameters or parameter groups, as for ``torch.optim.AdamW``.
-        lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (decoupled weight decay).
+        lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (decoupled weight decay; the same defaults, 0.01 included).
         state_dtype: ``torch.float32`` or ``torch.bfloat16`` for every state buffer.
         seed: run seed of the stochastic rounding; each step's Philox key mixes it with the step,
             and each parameter draws from its own stream (its index). Under FSDP2 pass a per-rank seed
@@ -91,7 +91,7 @@ class MasterOptimizer(torch.optim.Optimizer):
     algorithm = "adamw"  # a key of adahop.kernels.optim_step.STATE_NAMES
     rule_options: tuple[str, ...] = ()  # the per-group hyper-parameters of the rule (``**extra``)
 
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0, *,
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2, *,
                  state_dtype: torch.dtype = torch.float32, seed: int = 0, backend: str = "auto",
                  rounding: str = "nearest", **extra):
         name = type(self).__name__
@@ -254,6 +254,10 @@ class MasterOptimizer(torch.optim.Optimizer):
                                   mix_seed(self.seed, "optim", step, index))
                 continue
             w, g = _local(p), _local(p.grad)
+            if not w.is_contiguous():  # the fused step writes the weight in place, element by element
+                raise ValueError(f"{type(self).__name__}: parameter {index} (shape {tuple(p.shape)}, strides {w.stride()}) is "
+                                 f"not contiguous, and the fused step updates it in place; store it contiguous "
+                                 f"(p.data = p.data.contiguous()) before the first step")
             if not g.is_contiguous():
                 g = g.contiguous()
             states = [_local(st[n]) for n in names]

@@ -32,8 +32,9 @@ def build_optimizer(name: str, params, *, lr: float, betas=(0.9, 0.999), eps: fl
 
     Raises:
         ValueError: unknown name, state dtype, M+Adam form or rounding, naming the choices;
-            ``rounding="nearest"`` with ``sr-adamw``; ``rounding="stochastic"`` with FP32 masters
-            (it would be silently unused); a low-precision ``master`` over FP32 parameters (not converted).
+            ``rounding="nearest"`` with ``sr-adamw``; ``sr-adamw`` or ``rounding="stochastic"`` with FP32 masters
+            (it would be silently unused); a low-precision ``master`` over FP32 parameters (not converted), or
+            ``master="fp32"`` over parameters stored otherwise.
     """
     if name not in _CLASSES:
         raise ValueError(f"--optimizer {name!r}: use one of {OPTIMIZERS}")
@@ -45,18 +46,28 @@ def build_optimizer(name: str, params, *, lr: float, betas=(0.9, 0.999), eps: fl
         raise ValueError(f"--master-rounding {rounding!r}: use one of {MASTER_ROUNDINGS}")
     if rounding == "nearest" and name == "sr-adamw":
         raise ValueError("--master-rounding nearest: sr-adamw rounds stochastically; use --optimizer adamw")
+    if name == "sr-adamw" and master == "fp32":  # as TrainConfig refuses it (optim.checks)
+        raise ValueError("sr-adamw rounds the master update stochastically, and FP32 masters are not rounded; pass "
+                         "master='bf16' (or fp8/fp4/nvfp4, after convert_master_weights), or use 'adamw'")
     if rounding == "stochastic" and master == "fp32":  # as TrainConfig refuses it: FP32 writes round nothing
         raise ValueError("--master-rounding stochastic: FP32 masters are not rounded; pass --master-weights "
                          "bf16|fp8|fp4|nvfp4 (after convert_master_weights), or rounding='auto'")
     # generators are read twice (the storage check, then the optimizer): lists of them
     params = [dict(g, params=[g["params"]] if torch.is_tensor(g["params"]) else list(g["params"])) if isinstance(g, dict)
               else g for g in ([params] if torch.is_tensor(params) else params)]
-    if master != "fp32":  # the declared masters must be the parameters' storage, or the rounding has nothing to round
-        tensors = [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
+    # the declared masters must be the parameters' storage: the rounding has nothing to round otherwise, and FP32
+    # masters declared over BF16 parameters would keep torch's AdamW states in BF16
+    tensors = [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
+    if master != "fp32":
         fp32 = sum(master_format(p) == "fp32" for p in tensors)
         if fp32:
             raise ValueError(f"master={master!r}, but {fp32} of the {len(tensors)} parameters are FP32: call "
                              f"convert_master_weights(model, {master!r}) before building the optimizer")
+    else:
+        other = sorted({master_format(p) for p in tensors} - {"fp32"})
+        if other:
+            raise ValueError(f"master='fp32', but parameters are stored as {', '.join(other)}: pass master={other[0]!r} "
+                             f"(their storage), or keep the model in FP32")
     if name == "adamw" and master == "fp32" and states == "fp32":
         return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     kw = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, state_dtype=STATE_DTYPES[states], seed=seed,

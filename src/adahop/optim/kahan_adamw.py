@@ -14,6 +14,6 @@ class KahanAdamW(MasterOptimizer):
 
     algorithm = "kahan"
 
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0, **kw):
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2, **kw):
         kw.setdefault("rounding", "nearest")
         super().__init__(params, lr, betas, eps, weight_decay, **kw)

@@ -35,12 +35,13 @@ class MAdam(MasterOptimizer):
 
     Raises:
         ValueError: an unknown ``form``, or a hyper-parameter out of range (``mul_lr_scale < 0``, ``tau <= 0``,
-            ``cap`` or ``w_max`` <= 0), here or in a parameter group.
+            ``cap`` or ``w_max`` <= 0), here or in a parameter group; ``w_max``, or a ``cap`` other than its
+            default, under an arXiv form (which reads neither).
     """
 
     rule_options = ("mul_lr_scale", "tau", "cap", "w_max")
 
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0, *,
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2, *,
                  form: str = "arxiv-relative", mul_lr_scale: float = 1.0, tau: float = 1e-6, cap: float | None = 1.0,
                  w_max: float | None = None, **kw):
         if form not in MADAM_FORMS:
@@ -49,3 +50,9 @@ class MAdam(MasterOptimizer):
         self.form = form
         super().__init__(params, lr, betas, eps, weight_decay, mul_lr_scale=mul_lr_scale, tau=tau, cap=cap,
                          w_max=w_max, **kw)
+        if form != "workshop":  # the arXiv forms' update reads neither: a clamp asked for would silently not happen
+            for i, g in enumerate(self.param_groups):
+                if g.get("w_max") is not None or g.get("cap") not in (None, 1.0):
+                    raise ValueError(f"MAdam(form={form!r}): cap={g.get('cap')!r}, w_max={g.get('w_max')!r} (group {i}) are "
+                                     f"options of the workshop form, which this form's update does not read; use "
+                                     f"form='workshop', or leave cap and w_max at their defaults")
