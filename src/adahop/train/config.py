@@ -136,6 +136,12 @@ class TrainConfig:
                 bad(name, f"must be in [0, 1), got {getattr(self, name)}")
         if not 0 <= self.min_lr_ratio <= 1:
             bad("min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
+        if self.model_config is None:  # a typo fails here, before any data is prepared or warning printed
+            from ..models import PRESETS
+
+            if self.model not in PRESETS:
+                bad("model", f"unknown model {self.model!r}; known models: {', '.join(PRESETS)} "
+                             "(or pass --model-config PATH to a transformers config JSON)")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             bad("device", f"{self.device!r}; use auto, cpu or cuda")
         if self.backend not in ("auto", "triton", "reference"):
