@@ -28,7 +28,7 @@ for r, c, axis, hb, with_signs, rule in CASES:
     f8r, rsr = fold_to_fp8(qr, backend="reference")
     d = dict(codes=(qt.codes != qr.codes).sum().item(), scales=(qt.scales != qr.scales).sum().item(),
              fp8=(qt.fp8[0].view(torch.uint8) != f8r.view(torch.uint8)).sum().item(), rscale=(qt.fp8[1] != rsr).sum().item())
-    rule_sr = "ceil" if rule == "floor" else rule
+    rule_sr = "rceil" if rule == "floor" else rule
     ks = dict(kw, scale_rule=rule_sr, rounding="stochastic")
     et = (iht_quantize_mxfp4(x, backend="triton", generator=torch.Generator(device=dev).manual_seed(1), **ks).dequantize() - x.float())
     er = (iht_quantize_mxfp4(x, backend="reference", generator=torch.Generator(device=dev).manual_seed(1), **ks).dequantize() - x.float())

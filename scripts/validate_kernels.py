@@ -151,7 +151,7 @@ def check_outputs(name, x, axis, n_zero=64):
 
 def check_stochastic(name, x, axis, gen_seed=0):
     dev = x.device
-    kw = dict(axis=axis, rounding="stochastic", scale_rule="ceil")
+    kw = dict(axis=axis, rounding="stochastic", scale_rule="rceil")
     g = torch.Generator(device=dev).manual_seed(gen_seed)
     qt = iht_quantize_mxfp4(x, generator=g, backend="triton", **kw)
     qt2 = iht_quantize_mxfp4(x, generator=g, backend="triton", **kw)
@@ -284,6 +284,24 @@ def check_kron_hadamard(name, shape, axis, dev, gen):
         detail.update(us_kronecker=1e3 * cuda_time_ms(lambda: block_hadamard(x, block_size=n, axis=axis)),
                       us_butterfly=1e3 * cuda_time_ms(lambda: _fwht(x.movedim(axis, -1).contiguous()) / n**0.5))
     record(f"hadamard {name}", rel <= 1e-6 and y.shape == x.shape, **detail)
+
+
+def check_hadamard_tf32(dev, gen):
+    """``block_hadamard`` in FP32 under ``torch.set_float32_matmul_precision("high")`` (TF32 GEMMs, which an
+    Inductor warning asks users to turn on), dense blocks (≤ 256) and the Kronecker form: as exact as FP32."""
+    from adahop.hadamard import _fwht
+
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        for b in (32, 256, 1024):
+            x = torch.randn(4096, 1024, device=dev, generator=gen)
+            y = block_hadamard(x, block_size=b, axis=1)
+            ref = _fwht(x.double().reshape(4096, -1, b)).reshape(4096, 1024) / b**0.5
+            rel = ((y.double() - ref).norm() / ref.norm()).item()
+            record(f"hadamard block {b} under TF32 precision", rel <= 1e-6, rel=rel)
+    finally:
+        torch.set_float32_matmul_precision(before)
 
 
 def check_fold(name, x, axis, rule="floor"):
@@ -722,7 +740,7 @@ def main() -> int:
             signs = (torch.randint(0, 2, (hb,), device=dev, generator=g).float() * 2 - 1)
             for axis in (1, 0):
                 check_quantize(f"2048x4096 ax{axis} bf16 hb{hb} signs", mk((2048, 4096)), axis, hb=hb, signs=signs)
-        for rule in ("ceil", "adahop", "tseng"):
+        for rule in ("rceil", "adahop", "tseng"):
             check_quantize(f"4096x2048 ax1 bf16 rule={rule}", mk((4096, 2048)), 1, rule=rule)
             check_quantize(f"4096x2048 ax0 bf16 rule={rule}", mk((4096, 2048)), 0, rule=rule)
         check_quantize("4096x4096 ax1 bf16 max_scale_range=None", mk((4096, 4096), special=True), 1, msr=None)
@@ -819,6 +837,7 @@ def main() -> int:
         for shape, axis in (((16384, 512), 0), ((16384, 512), 1), ((512, 32768), 1), ((4096, 64), 0)):
             shape = shape if s else tuple(min(d, 1024) for d in shape)
             check_kron_hadamard(f"{shape[0]}x{shape[1]} whole axis {axis}", shape, axis, dev, gen)
+        check_hadamard_tf32(dev, gen)
         if dev == "cuda":
             check_rival_layers(dev, gen)
     if "compile" in only and dev == "cuda":

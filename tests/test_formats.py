@@ -3,8 +3,8 @@ stochastic rounding, NVFP4.
 
 Conformance tests of `specs/baselines.md` §5: T-FMT1, T-SCALE1, T-SCALE2, T-SR1, T-SR2, T-SR3,
 T-SHAPE. Reference values are hand-computed from `specs/baselines.md` §1; none is read back from
-the code under test. "ceil" here is the smallest power of two with amax/scale ≤ 6 (torchao RCEIL),
-not the CEIL column of the spec table.
+the code under test. "rceil" is the spec's RCEIL, the smallest power of two with amax/scale ≤ 6 (torchao
+RCEIL); the spec's CEIL column, 2^(⌈log2 a⌉−2), is not a rule of the library.
 """
 
 from __future__ import annotations
@@ -236,7 +236,7 @@ def test_encode_matches_ml_dtypes_oracle(gen):
 # T-SCALE1: scale rules
 # ---------------------------------------------------------------------------------------------
 
-# (amax, rule, block exponent, value the block max decodes to). baselines §1.4 table; "ceil" is
+# (amax, rule, block exponent, value the block max decodes to). baselines §1.4 table; "rceil" is
 # RCEIL there; "adahop" rounds amax to one mantissa bit then floors; "tseng" stores the floor
 # exponent and quantizes 0.75·amax/X, decoding with an extra 4/3.
 SCALE_VECTORS = [
@@ -246,12 +246,12 @@ SCALE_VECTORS = [
     (3.9, "floor", -1, 3.0),  # 7.8 -> 6 (clip)
     (6.0, "floor", 0, 6.0),  # 6 -> 6
     (7.0, "floor", 0, 6.0),  # 7 -> 6 (clip)
-    (1.5, "ceil", -2, 1.5),  # 6.0 -> 6
-    (1.6, "ceil", -1, 1.5),  # 3.2 -> 3
-    (1.75, "ceil", -1, 2.0),  # 3.5 -> 4 (tie to even)
-    (3.9, "ceil", 0, 4.0),  # 3.9 -> 4
-    (6.0, "ceil", 0, 6.0),  # 6 -> 6
-    (7.0, "ceil", 1, 8.0),  # 3.5 -> 4 (tie to even)
+    (1.5, "rceil", -2, 1.5),  # 6.0 -> 6
+    (1.6, "rceil", -1, 1.5),  # 3.2 -> 3
+    (1.75, "rceil", -1, 2.0),  # 3.5 -> 4 (tie to even)
+    (3.9, "rceil", 0, 4.0),  # 3.9 -> 4
+    (6.0, "rceil", 0, 6.0),  # 6 -> 6
+    (7.0, "rceil", 1, 8.0),  # 3.5 -> 4 (tie to even)
     (1.5, "adahop", -2, 1.5),  # 6.0 -> 6
     (1.6, "adahop", -2, 1.5),  # 6.4 -> 6 (clip: mantissa in (1.5, 1.75))
     (1.75, "adahop", -1, 2.0),  # 3.5 -> 4
@@ -281,7 +281,7 @@ def test_scale_rule_vectors(amax, rule, exponent, decoded):
 def test_issue_acceptance_vector_amax_7():
     x = one_block(7.0, 1.0, -2.0, 0.5)
     assert quantize_mxfp4(x, scale_rule="floor").dequantize()[0, 0].item() == 6.0
-    assert quantize_mxfp4(x, scale_rule="ceil").dequantize()[0, 0].item() == 8.0
+    assert quantize_mxfp4(x, scale_rule="rceil").dequantize()[0, 0].item() == 8.0
 
 
 def test_block_exponents_zero_and_range():
@@ -292,7 +292,7 @@ def test_block_exponents_zero_and_range():
         assert e[0].item() == (-126 if rule == "adahop" else -127)  # zero block -> code 0 (adahop: 1)
         assert (e >= -127).all() and (e <= 127).all()
     assert block_exponents(amax[-1:], "floor").item() == 125  # 2^127·1.99.. -> 127 - 2
-    assert block_exponents(amax[-1:], "ceil").item() == 126
+    assert block_exponents(amax[-1:], "rceil").item() == 126
     assert block_exponents(torch.tensor([2.0**-130]), "adahop").item() == -126  # adahop floor
     with pytest.raises(ValueError, match="floor"):
         block_exponents(amax, "even")
@@ -302,7 +302,7 @@ def test_block_exponents_zero_and_range():
 # the EVEN rule there).
 GAUSSIAN_REGRESSION = {
     "floor": (0.296, 0.0132),
-    "ceil": (0.0, 0.0133),
+    "rceil": (0.0, 0.0133),
     "adahop": (0.127, 0.0125),
     "tseng": (0.0, None),
 }
@@ -360,7 +360,7 @@ def test_fp32_subnormal_block_is_finite(rule, value):
     assert ((dq.double() - x.double()).abs() <= 2.0**-127).all()
 
 
-@pytest.mark.parametrize("rule", ["floor", "ceil"])
+@pytest.mark.parametrize("rule", ["floor", "rceil"])
 def test_tiny_normal_blocks_keep_their_value(rule):
     # 1e-38 = 1.70·2^-127: scale 2^-127 (code 0), 1.70 -> 1.5
     dq = quantize_mxfp4(torch.full((1, 32), 1e-38), scale_rule=rule).dequantize()
@@ -485,13 +485,13 @@ SHAPES_2D = [(m, k) for m in SIZES for k in SIZES]
 def test_shape_sweep(m, k):
     g = torch.Generator().manual_seed(m * 1000 + k)
     x = torch.randn(m, k, generator=g)
-    q = quantize_mxfp4(x, scale_rule="ceil")
+    q = quantize_mxfp4(x, scale_rule="rceil")
     assert q.scales.shape == (m, -(-k // 32)) and q.codes.shape == (m, 16 * -(-k // 32))
     assert_within_half_step(x, q)
     # axis 0 is axis 1 of the transpose
-    q0 = quantize_mxfp4(x, axis=0, scale_rule="ceil")
+    q0 = quantize_mxfp4(x, axis=0, scale_rule="rceil")
     assert q0.scales.shape == (k, -(-m // 32)) and q0.axis == 0
-    assert torch.equal(q0.dequantize(), quantize_mxfp4(x.t().contiguous(), scale_rule="ceil").dequantize().t())
+    assert torch.equal(q0.dequantize(), quantize_mxfp4(x.t().contiguous(), scale_rule="rceil").dequantize().t())
     n = quantize_nvfp4(x)
     assert n.scales.shape == (m, -(-k // 16))
     assert n.dequantize().shape == (m, k)
@@ -523,7 +523,7 @@ def test_dtypes(fmt, dtype, gen):
     assert torch.equal(out, q.dequantize().to(dtype))
     assert torch.equal(fake_quantize(x, fmt), out)
     if fmt == "mxfp4":
-        assert_within_half_step(x.float(), quantize_mxfp4(x, scale_rule="ceil"))
+        assert_within_half_step(x.float(), quantize_mxfp4(x, scale_rule="rceil"))
 
 
 def test_float64_is_rounded_to_float32_before_the_format():
@@ -535,7 +535,7 @@ def test_float64_is_rounded_to_float32_before_the_format():
     assert quantize_mxfp4(x8).dequantize(torch.float64)[0, 0].item() == 8.0
 
 
-@pytest.mark.parametrize("rule, edge, exp", [("ceil", 1.75, 126), ("adahop", 1.75, 126), ("tseng", 1.6667, 125)])
+@pytest.mark.parametrize("rule, edge, exp", [("rceil", 1.75, 126), ("adahop", 1.75, 126), ("tseng", 1.6667, 125)])
 def test_amax_near_float32_max_rounds_to_2_pow_128(rule, edge, exp):
     # documented in quantize_mxfp4: 2^126 x 4 (tseng: 2^125 x 6 x 4/3) is an MXFP4 value float32 cannot hold
     below, at = torch.zeros(2, 32), torch.zeros(2, 32)
@@ -560,7 +560,7 @@ def test_non_contiguous_input(fmt, gen):
 def test_one_dimensional_and_block_sizes(gen):
     x = torch.randn(70, generator=gen)
     for bs in (2, 16, 32, 64):
-        q = quantize_mxfp4(x, block_size=bs, scale_rule="ceil")
+        q = quantize_mxfp4(x, block_size=bs, scale_rule="rceil")
         assert q.scales.shape == (-(-70 // bs),)
         assert q.dequantize().shape == (70,)
         assert_within_half_step(x, q)
@@ -617,7 +617,7 @@ def test_max_scale_range_ignores_nonfinite_blocks(bad):
     assert q.exponents.tolist() == [[128, -2, -10]]
 
 
-@pytest.mark.parametrize("rule", ["floor", "ceil", "adahop"])
+@pytest.mark.parametrize("rule", ["floor", "rceil", "adahop"])
 def test_fp8_fold_is_exact_with_range_8(rule, gen):
     """q·2^(e−E_row) is an E4M3 value for every element when max_scale_range=8: one FP32 scale
     per row plus FP8 E4M3 data represent the MXFP4 tensor exactly."""
@@ -658,7 +658,7 @@ def element_step(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return 2 * half_step(a) * scale
 
 
-@pytest.mark.parametrize("fmt, rule", [("mxfp4", "ceil"), ("mxfp4", "tseng"), ("nvfp4", None)])
+@pytest.mark.parametrize("fmt, rule", [("mxfp4", "rceil"), ("mxfp4", "tseng"), ("nvfp4", None)])
 def test_sr_unbiased_and_beats_rtn(fmt, rule, gen):
     x = torch.randn(8, 64, generator=gen) * torch.exp2(torch.randint(-6, 7, (8, 1), generator=gen).float())
     kw = {"scale_rule": rule} if rule else {}
@@ -688,11 +688,11 @@ def test_sr_unbiased_and_beats_rtn(fmt, rule, gen):
 
 @pytest.mark.parametrize("rule", ["floor", "adahop"])
 def test_sr_refuses_clipping_rules(rule):
-    with pytest.raises(ValueError, match="ceil"):
+    with pytest.raises(ValueError, match="rceil"):
         quantize_mxfp4(torch.ones(32), scale_rule=rule, rounding="stochastic")
 
 
-@pytest.mark.parametrize("rule", ["ceil", "tseng"])
+@pytest.mark.parametrize("rule", ["rceil", "tseng"])
 def test_sr_never_clips(rule, gen):
     x = torch.randn(512, 32, generator=gen)
     q = quantize_mxfp4(x, scale_rule=rule, rounding="stochastic", generator=gen)
@@ -705,7 +705,7 @@ def test_sr_never_clips(rule, gen):
     assert (q.dequantize().double().abs() <= 6 * s).all()
 
 
-@pytest.mark.parametrize("rule", ["ceil", "tseng"])
+@pytest.mark.parametrize("rule", ["rceil", "tseng"])
 def test_sr_block_max_is_unbiased(rule, gen):
     """A block of 7s: floor would always give 6; a non-clipping rule averages to 7."""
     x = torch.full((N_DRAWS, 32), 7.0)
@@ -718,17 +718,17 @@ def test_sr_generator_hygiene():
 
     def codes(seed):
         g = torch.Generator().manual_seed(seed)
-        return quantize_mxfp4(x, scale_rule="ceil", rounding="stochastic", generator=g).codes
+        return quantize_mxfp4(x, scale_rule="rceil", rounding="stochastic", generator=g).codes
 
     assert torch.equal(codes(7), codes(7))
     assert not torch.equal(codes(7), codes(8))
     g = torch.Generator().manual_seed(7)
-    a = quantize_mxfp4(x, scale_rule="ceil", rounding="stochastic", generator=g).codes
-    b = quantize_mxfp4(x, scale_rule="ceil", rounding="stochastic", generator=g).codes
+    a = quantize_mxfp4(x, scale_rule="rceil", rounding="stochastic", generator=g).codes
+    b = quantize_mxfp4(x, scale_rule="rceil", rounding="stochastic", generator=g).codes
     assert not torch.equal(a, b)  # fresh bits across calls on one generator
     # generator=None draws from the global RNG
-    c = quantize_mxfp4(x, scale_rule="ceil", rounding="stochastic").codes
-    d = quantize_mxfp4(x, scale_rule="ceil", rounding="stochastic").codes
+    c = quantize_mxfp4(x, scale_rule="rceil", rounding="stochastic").codes
+    d = quantize_mxfp4(x, scale_rule="rceil", rounding="stochastic").codes
     assert c.shape == a.shape and not torch.equal(c, d)
     # NVFP4 too
     n1 = quantize_nvfp4(x, rounding="stochastic", generator=torch.Generator().manual_seed(3)).codes
@@ -743,7 +743,7 @@ def test_sr_on_grid_values_is_deterministic(gen):
     sign = torch.where(torch.rand(64, 32, generator=gen) < 0.5, -1.0, 1.0)
     x = E2M1_VALUES[torch.randint(0, 8, (64, 32), generator=gen)] * sign
     x[:, 0] = 6.0  # ceil exponent 0 for every block
-    dq = quantize_mxfp4(x, scale_rule="ceil", rounding="stochastic", generator=gen).dequantize()
+    dq = quantize_mxfp4(x, scale_rule="rceil", rounding="stochastic", generator=gen).dequantize()
     assert torch.equal(dq, x)
 
 
@@ -896,3 +896,13 @@ def test_a_tensor_without_elements_is_named_not_a_reshape_error(fn):
 
     with pytest.raises(ValueError, match=r"shape \(0, 64\) has no elements; nothing to quantize"):
         getattr(formats, fn)(torch.zeros(0, 64))
+
+
+def test_the_old_name_ceil_is_refused_naming_rceil():
+    """'ceil' named RCEIL, 2^ceil(log2(amax/6)), where specs/baselines.md §1.4 calls CEIL another rule,
+    2^(ceil(log2 amax) - 2) (a probe read it against the spec's CEIL column); it is 'rceil' now."""
+    x = torch.tensor([[1.5] + [0.0] * 31])
+    with pytest.raises(ValueError, match="scale_rule='ceil' is now 'rceil'"):
+        quantize_mxfp4(x, scale_rule="ceil")
+    # RCEIL at amax 1.5: 2^ceil(log2 0.25) = 2^-2, the block max decodes to 6·2^-2 = 1.5 (CEIL would give 2^-1)
+    assert quantize_mxfp4(x, scale_rule="rceil").scales[0, 0].item() == 127 - 2

@@ -53,7 +53,7 @@ def _moved(q, x):
 
 
 @pytest.mark.parametrize("shape,axis", [((33, 64), 1), ((40, 50), 1), ((70, 24), 0), ((8, 32), 0)], ids=str)
-@pytest.mark.parametrize("rule", ["floor", "ceil", "adahop", "tseng"])
+@pytest.mark.parametrize("rule", ["floor", "rceil", "adahop", "tseng"])
 def test_fold_is_exact(shape, axis, rule):
     x = _spread_rows(*shape) if axis == 1 else _spread_rows(shape[1], shape[0]).t()
     q = quantize_mxfp4(x, axis=axis, scale_rule=rule, max_scale_range=8)
@@ -261,7 +261,7 @@ def test_quantizer_argument_errors():
         iht_quantize_mxfp4(torch.randn(8, 48), axis=1)
     with pytest.raises(ValueError, match="not supported"):
         iht_quantize_mxfp4(x, axis=1, hadamard_block=24)
-    with pytest.raises(ValueError, match="ceil"):
+    with pytest.raises(ValueError, match="rceil"):
         iht_quantize_mxfp4(x, axis=1, rounding="stochastic")
     with pytest.raises(ValueError, match="signs"):
         iht_quantize_mxfp4(x, axis=1, signs=torch.ones(16))
@@ -346,7 +346,7 @@ def test_triton_kernels_in_interpreter(interp_child):
 CASES = [  # (shape, axis, hadamard_block, dtype, scale_rule, max_scale_range, signs)
     ((64, 64), 1, 32, torch.bfloat16, "floor", 8, False),
     ((64, 64), 0, 32, torch.bfloat16, "floor", 8, False),
-    ((40, 96), 1, None, torch.float32, "ceil", 8, False),
+    ((40, 96), 1, None, torch.float32, "rceil", 8, False),
     ((80, 48), 0, 16, torch.float32, "adahop", 8, False),
     ((24, 128), 1, 64, torch.float32, "tseng", 8, True),
     ((50, 40), 0, None, torch.bfloat16, "floor", None, False),
@@ -381,7 +381,7 @@ def test_interp_quantizer_bit_exact(case):
 
 
 FOLD_CASES = [  # (rows, cols, axis, scale_rule): one tile, masked rows/K, the chunk loop (kp > 2048), ragged Kc
-    (33, 64, 1, "floor"), (40, 50, 1, "tseng"), (7, 4160, 1, "ceil"), (96, 24, 0, "adahop"), (5, 2048, 1, "floor"),
+    (33, 64, 1, "floor"), (40, 50, 1, "tseng"), (7, 4160, 1, "rceil"), (96, 24, 0, "adahop"), (5, 2048, 1, "floor"),
 ]
 
 
@@ -501,7 +501,7 @@ def test_interp_round_to_nearest_ties():
 
 
 @interp
-@pytest.mark.parametrize("rule", ["floor", "adahop", "ceil"])
+@pytest.mark.parametrize("rule", ["floor", "adahop", "rceil"])
 def test_interp_signed_zeros_and_zero_blocks_match_the_reference(rule):
     """The official encoder's byte conventions in the kernel: a negative value that rounds to zero
     and an input -0 are code 8 (no Hadamard); an exact zero out of the Hadamard is +0; an all-zero
@@ -550,10 +550,10 @@ def test_interp_quantizer_writes_every_output():
 def test_interp_stochastic_rounding_is_unbiased():
     x = torch.randn(32, 64)
     v = hadamard_butterfly(x, block_size=32, axis=1)
-    kw = dict(axis=1, rounding="stochastic", scale_rule="ceil")
+    kw = dict(axis=1, rounding="stochastic", scale_rule="rceil")
     g = torch.Generator().manual_seed(0)
     draws = torch.stack([iht_quantize_mxfp4(x, generator=g, backend="triton", **kw).dequantize() for _ in range(16)])
-    rne = iht_quantize_mxfp4(x, axis=1, scale_rule="ceil", backend="reference").dequantize()
+    rne = iht_quantize_mxfp4(x, axis=1, scale_rule="rceil", backend="reference").dequantize()
     assert not torch.equal(draws[0], draws[1])  # fresh bits per call
     err_mean = (draws.mean(0) - v).pow(2).mean().sqrt()
     err_rne = (rne - v).pow(2).mean().sqrt()

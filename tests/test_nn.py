@@ -229,7 +229,7 @@ def test_the_plain_linear_figure_counts_the_cast_weight_only_under_autocast():
 
 # ---- reproducibility ------------------------------------------------------------------------
 
-_SR = OperandSpec(fmt="mxfp4", rounding="stochastic", scale_rule="ceil")
+_SR = OperandSpec(fmt="mxfp4", rounding="stochastic", scale_rule="rceil")
 _SR_RECIPE = Recipe(name="test-sr", fprop=GemmSpec(strategy="iht", a=_SR, b=_SR, inner=Transform(signs="per_call")),
                     dgrad=GemmSpec(strategy="iht", a=_SR, b=_SR, inner=Transform(signs="per_call")),
                     wgrad=GemmSpec(strategy="iht+oe_right", a=_SR, b=_SR, oe_rank=8))

@@ -200,7 +200,7 @@ def ref_averis(fmt, mean_bf16=False):
     def q(t, axis, gen, tile=False):
         if fmt == "nvfp4":
             return q_nv(t, axis, sr=True, tile=tile, gen=gen)
-        return q_mx(t, axis, rule="ceil", sr=True, gen=gen)
+        return q_mx(t, axis, rule="rceil", sr=True, gen=gen)
 
     def mean(t, dim):  # the token mean; with mean_bf16 rounded to BF16 before R = t - mean is formed
         mu = t.mean(dim)

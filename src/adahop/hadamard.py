@@ -192,7 +192,11 @@ def block_hadamard(
         xm = (xm.reshape(*xm.shape[:-1], -1, block_size) * s.reshape(-1, block_size)).reshape(xm.shape)
     blocks = xm.reshape(*xm.shape[:-1], n // block_size, block_size)
     if block_size <= _DENSE_MAX:
-        out = blocks @ _cached_hadamard(block_size, work, x.device)
+        if blocks.is_cuda and work == torch.float32 and torch.get_float32_matmul_precision() != "highest":
+            # as _kron_block_hadamard: a TF32 GEMM would keep 10 mantissa bits of the transform
+            out = (blocks.double() @ _cached_hadamard(block_size, torch.float64, x.device)).float()
+        else:
+            out = blocks @ _cached_hadamard(block_size, work, x.device)
     else:
         # traced by dynamo: the butterfly, whose passes Inductor fuses. The Kronecker factors need the
         # size as a constant, and a whole-dimension block is a tensor size (HALO-2's tokens): under

@@ -147,7 +147,7 @@ def quantize_section(res, copy_bw, quick):
                 t = bench(lambda: tq.mx_quantize(x, axis, 32, None, False, "floor", -1, None))
                 rows_out.append(dict(case=name, plan="default, msr=None (no fp8)", hb=32, us=t * 1e6, GBps=nb2 / t / 1e9,
                                      frac_copy=nb2 / t / 1e12 / copy_bw))
-                t = bench(lambda: tq.mx_quantize(x, axis, 32, None, True, "ceil", 8, seed))
+                t = bench(lambda: tq.mx_quantize(x, axis, 32, None, True, "rceil", 8, seed))
                 rows_out.append(dict(case=name, plan="default, stochastic", hb=32, us=t * 1e6, GBps=nbytes / t / 1e9,
                                      frac_copy=nbytes / t / 1e12 / copy_bw))
         t = bench(lambda: iht_quantize_mxfp4(x, axis=axis, backend="reference"), rep=20)

@@ -17,7 +17,7 @@ from .e2m1 import E2M1_EMAX, decode_e2m1, decode_e8m0, encode_e2m1, encode_e8m0,
 __all__ = ["MXTensor", "quantize_mxfp4", "SCALE_RULES", "block_exponents", "check_mx_options", "FOLD_RANGE", "folds_exactly"]
 
 #: Scale rules: how the E8M0 exponent of a block follows from its amax.
-SCALE_RULES = ("floor", "ceil", "adahop", "tseng")
+SCALE_RULES = ("floor", "rceil", "adahop", "tseng")
 _CLIPPING_RULES = ("floor", "adahop")
 E8M0_MIN_EXP, E8M0_MAX_EXP = -127, 127
 #: Largest block-exponent range within a row that folds exactly into FP8 E4M3 (`DESIGN.md` §3:
@@ -108,7 +108,7 @@ def block_exponents(amax: torch.Tensor, scale_rule: str) -> torch.Tensor:
         With ``amax = m · 2^f``, ``m ∈ [1, 2)``:
 
         - ``floor`` (OCP v1.0 §6.3): ``f − 2``; amax/scale ∈ [4, 8), values above 6 clip.
-        - ``ceil``: the smallest power of two with amax/scale ≤ 6 (torchao RCEIL,
+        - ``rceil``: the smallest power of two with amax/scale ≤ 6 (`specs/baselines.md` §1.4 RCEIL, torchao RCEIL,
           ``2^⌈log2(amax/6)⌉``): ``f − 2 + [m > 1.5]``; never clips.
         - ``adahop``: amax rounded to one mantissa bit, then floor (`specs/adahop.md` §6.1):
           ``f − 2 + [m ≥ 1.75]``, and at least −126 (code 1) as in the official code, which
@@ -116,7 +116,7 @@ def block_exponents(amax: torch.Tensor, scale_rule: str) -> torch.Tensor:
         - ``tseng``: the floor exponent; the elements are pre-scaled by 3/4 so nothing clips
           (`specs/baselines.md` §2.1).
 
-        amax = 0 gives −127 (code 0, the OCP/torchao convention) under ``floor``, ``ceil`` and
+        amax = 0 gives −127 (code 0, the OCP/torchao convention) under ``floor``, ``rceil`` and
         ``tseng``, and −126 (code 1, the official AdaHOP encoder's) under ``adahop``. Results are
         clamped to the E8M0 range [−127, 127].
     """
@@ -124,7 +124,7 @@ def block_exponents(amax: torch.Tensor, scale_rule: str) -> torch.Tensor:
     f = exp.to(torch.int32) - 1  # floor(log2 amax)
     m = mant * 2  # ∈ [1, 2)
     e = f - E2M1_EMAX
-    if scale_rule == "ceil":
+    if scale_rule == "rceil":
         e = e + (m > 1.5).to(torch.int32)
     elif scale_rule == "adahop":
         e = (e + (m >= 1.75).to(torch.int32)).clamp(min=-126)
@@ -137,6 +137,9 @@ def block_exponents(amax: torch.Tensor, scale_rule: str) -> torch.Tensor:
 def check_mx_options(scale_rule: str, rounding: str, max_scale_range: int | None) -> None:
     """Raise ValueError for an unknown scale rule or rounding, a clipping rule under stochastic
     rounding (clipping biases it), or a bad ``max_scale_range``; shared by every MXFP4 quantizer."""
+    if scale_rule == "ceil":  # the name this rule had until 2026-12-06, which the spec gives another rule
+        raise ValueError("scale_rule='ceil' is now 'rceil' (2^ceil(log2(amax/6)), the spec's RCEIL); the spec's CEIL, "
+                         "2^(ceil(log2 amax) - 2), is not a rule of adahop")
     if scale_rule not in SCALE_RULES:
         raise ValueError(f"scale_rule={scale_rule!r} is not supported; use one of {SCALE_RULES}")
     if rounding not in ("nearest", "stochastic"):
@@ -144,7 +147,7 @@ def check_mx_options(scale_rule: str, rounding: str, max_scale_range: int | None
     if rounding == "stochastic" and scale_rule in _CLIPPING_RULES:
         raise ValueError(
             f"scale_rule={scale_rule!r} clips block maxima above 6, which biases stochastic "
-            "rounding toward zero; use scale_rule='ceil' (or 'tseng') with rounding='stochastic'"
+            "rounding toward zero; use scale_rule='rceil' (or 'tseng') with rounding='stochastic'"
         )
     if max_scale_range is not None and (not isinstance(max_scale_range, int) or max_scale_range < 0):
         raise ValueError(f"max_scale_range={max_scale_range!r} must be a non-negative int or None")
@@ -169,7 +172,7 @@ def quantize_mxfp4(
         axis: the blocked axis (the GEMM's contracted dimension). A length that is not a multiple
             of ``block_size`` is zero-padded per row; a block never spans two rows.
         block_size: elements per E8M0 scale, an even number (32 for MXFP4).
-        scale_rule: ``"floor"`` (OCP), ``"ceil"`` (never clips), ``"adahop"`` or ``"tseng"``;
+        scale_rule: ``"floor"`` (OCP), ``"rceil"`` (never clips), ``"adahop"`` or ``"tseng"``;
             see :func:`block_exponents`.
         rounding: ``"nearest"`` (round-half-to-even) or ``"stochastic"``.
         generator: source of the stochastic-rounding bits (on ``x``'s device); reproducible
@@ -180,7 +183,7 @@ def quantize_mxfp4(
 
     Returns:
         An :class:`MXTensor`. A block holding NaN or ±Inf gets scale code 255 and decodes to NaN. A finite
-        block with amax ≥ 1.75·2^127 (``ceil``, ``adahop``) or ≥ 1.667·2^127 (``tseng``) can round up to
+        block with amax ≥ 1.75·2^127 (``rceil``, ``adahop``) or ≥ 1.667·2^127 (``tseng``) can round up to
         2^128: an MXFP4 value (2^126 × 4; ``tseng``: 2^125 × 6 × 4/3), but not a float32, so it dequantizes to
         inf.
 
@@ -188,7 +191,7 @@ def quantize_mxfp4(
         TypeError: ``x`` is not a floating-point tensor (integer, bool, complex).
         ValueError: empty axis, bad ``block_size``, unknown rule or rounding, or a clipping
             scale rule (``floor``, ``adahop``) with stochastic rounding, whose clipping would
-            bias the rounding; use ``"ceil"`` or ``"tseng"`` there.
+            bias the rounding; use ``"rceil"`` or ``"tseng"`` there.
     """
     check_float_input(x, axis, "quantize_mxfp4")
     if not isinstance(block_size, int) or block_size < 2 or block_size % 2:

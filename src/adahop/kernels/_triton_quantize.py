@@ -34,7 +34,7 @@ import triton.language as tl
 from ..formats.mxfp4 import folds_exactly
 from ._triton_launch import launch, row_geometry
 
-RULE_IDS = {"floor": 0, "ceil": 1, "adahop": 2, "tseng": 3}
+RULE_IDS = {"floor": 0, "rceil": 1, "adahop": 2, "tseng": 3}
 #: K-tiles of pass 1's amaxes the transposing quantizer reads per loop step (a fixed width, so the
 #: kernel does not specialize on each shape's tile count)
 PAMAX_CHUNK = tl.constexpr(64)
@@ -58,7 +58,7 @@ def _block_exp(amax, RULE: tl.constexpr):
     f = ((bits >> 23) & 0xFF) - 127  # floor(log2 amax) for normals; subnormals end clamped below
     mant = bits & 0x7FFFFF
     e = f - 2
-    if RULE == 1:  # ceil: + [m > 1.5]
+    if RULE == 1:  # rceil: + [m > 1.5]
         e = e + (mant > 0x400000).to(tl.int32)
     if RULE == 2:  # adahop: + [m >= 1.75], at least -126, a zero block too (code 1, as the official encoder)
         e = tl.maximum(e + (mant >= 0x600000).to(tl.int32), -126)

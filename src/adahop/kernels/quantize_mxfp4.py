@@ -225,7 +225,7 @@ def iht_quantize_mxfp4(
             in practice), or None for plain MXFP4. Must divide ``x.shape[axis]``.
         signs: optional ±1 float vector of length ``hadamard_block`` (random Hadamard).
         rounding: ``"nearest"`` (round-half-to-even) or ``"stochastic"``.
-        scale_rule: ``"floor"``, ``"ceil"``, ``"adahop"`` or ``"tseng"`` (`formats.mxfp4`).
+        scale_rule: ``"floor"``, ``"rceil"``, ``"adahop"`` or ``"tseng"`` (`formats.mxfp4`).
         max_scale_range: block exponents are raised to ≥ (row max − this); 8 makes the result
             fold exactly into FP8 (`DESIGN.md` §3). None: no limit (no ``fp8`` cache).
         generator: stochastic-rounding randomness (reproducible under a seed).
@@ -249,7 +249,7 @@ def iht_quantize_mxfp4(
     Raises:
         ValueError: not 2-D, bad axis, unsupported Hadamard size or one that does not divide
             the dim, bad ``signs``, unknown rule or rounding, stochastic rounding with a clipping
-            rule (use ``ceil``), negative ``max_scale_range``, unknown ``outputs`` or ``"fp8"``
+            rule (use ``rceil``), negative ``max_scale_range``, unknown ``outputs`` or ``"fp8"``
             without ``max_scale_range`` 0…8, ``zero_rows`` not a 1-D integer tensor.
         RuntimeError: backend ``"triton"`` without Triton or CUDA.
 

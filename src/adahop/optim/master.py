@@ -19,7 +19,7 @@ Formats (elements along the last dim, padded per row to the block):
 
 - ``fp8``: E4M3 elements, one power-of-two (E8M0) scale per 32 elements, chosen so the block
   maximum rounds into range (never clips): 8.25 bits per weight.
-- ``fp4``: MXFP4 (:func:`adahop.formats.quantize_mxfp4`; under stochastic rounding the ``ceil``
+- ``fp4``: MXFP4 (:func:`adahop.formats.quantize_mxfp4`; under stochastic rounding the ``rceil``
   scale rule, which never clips, so SR stays unbiased; under round-to-nearest the ``adahop`` rule):
   4.25 bits per weight.
 - ``nvfp4``: NVFP4 (:func:`adahop.formats.quantize_nvfp4`): E2M1, an E4M3 scale per 16, one FP32 tensor
@@ -100,7 +100,7 @@ def pack(x: torch.Tensor, fmt: str, rounding: str = "nearest", generator=None,
 
     - ``fp8``: see :func:`_quantize_fp8`;
     - ``fp4``: under ``nearest`` MXFP4's ``adahop`` rule (amax/scale in [3.5, 7): a maximum in
-      (6, 7) rounds to 6 anyway), under ``stochastic`` the ``ceil`` rule (amax/scale ≤ 6: nothing
+      (6, 7) rounds to 6 anyway), under ``stochastic`` the ``rceil`` rule (amax/scale ≤ 6: nothing
       clips, so SR stays unbiased);
     - ``nvfp4``: ``global_scale`` (the stored one, shape [1]) is kept while the new tensor maximum
       fits under it (t_amax ≤ 448·6·global_scale under SR, ≤ 448·7·global_scale under RNE, where
@@ -114,7 +114,7 @@ def pack(x: torch.Tensor, fmt: str, rounding: str = "nearest", generator=None,
     if fmt == "fp8":
         return _quantize_fp8(x, rounding, generator)
     if fmt == "fp4":
-        rule = "ceil" if rounding == "stochastic" else "adahop"
+        rule = "rceil" if rounding == "stochastic" else "adahop"
         q = quantize_mxfp4(x, axis=-1, scale_rule=rule, rounding=rounding, generator=generator)
         return {"codes": q.codes, "scales": q.scales}
     if fmt == "nvfp4":

@@ -30,8 +30,8 @@ MX_RNE = OperandSpec(fmt="mxfp4", rounding="nearest", scale_rule="floor", max_sc
 """MXFP4, OCP floor scale, round-to-nearest-even."""
 MX_SR_TSENG = OperandSpec(fmt="mxfp4", rounding="stochastic", scale_rule="tseng", max_scale_range=8)
 """MXFP4, floor scale with the 3/4 pre-scale (decoded ×4/3, so ×16/9 per GEMM), stochastic rounding."""
-MX_SR_CEIL = OperandSpec(fmt="mxfp4", rounding="stochastic", scale_rule="ceil", max_scale_range=8)
-"""MXFP4, non-clipping ceil scale, stochastic rounding."""
+MX_SR_CEIL = OperandSpec(fmt="mxfp4", rounding="stochastic", scale_rule="rceil", max_scale_range=8)
+"""MXFP4, non-clipping rceil scale, stochastic rounding."""
 NV_RNE = OperandSpec(fmt="nvfp4", rounding="nearest")
 """NVFP4 1×16 blocks, RNE."""
 NV_SR = OperandSpec(fmt="nvfp4", rounding="stochastic")
@@ -218,7 +218,7 @@ def averis(fmt: str = "nvfp4") -> Recipe:
     statistic).
 
     Choices: v1 uses stochastic rounding for all FP4 tensors [3P], so every operand here (X, W,
-    ∇Y) is SR; with MXFP4 SR needs the non-clipping ``ceil`` scale. Weights use 16×16 tiles in
+    ∇Y) is SR; with MXFP4 SR needs the non-clipping ``rceil`` scale. Weights use 16×16 tiles in
     NVFP4 (as in the NVIDIA recipe and the spec's pseudo-code); block details beyond "NVFP4" are
     not disclosed. In fprop/dgrad the mean is quantized as one extra row of A: its own block
     scales, but (NVFP4) the FP32 tensor scale of A. In wgrad each mean vector is quantized on

@@ -65,7 +65,7 @@ class OperandSpec:
     rounding: str = "nearest"
     """``"nearest"`` (round-half-to-even) or ``"stochastic"``."""
     scale_rule: str = "floor"
-    """MXFP4 scale rule: floor | ceil | adahop | tseng (`adahop.formats.mxfp4.block_exponents`)."""
+    """MXFP4 scale rule: floor | rceil | adahop | tseng (`adahop.formats.mxfp4.block_exponents`)."""
     max_scale_range: int | None = 8
     """MXFP4: limit each block exponent to ≥ row max − r; 8 lets the FP8 fast path fold exactly."""
     tile_2d: bool = False
@@ -77,8 +77,8 @@ class OperandSpec:
         _check(self.rounding in _ROUNDINGS, where, f"rounding={self.rounding!r}; allowed {_ROUNDINGS}")
         _check(self.scale_rule in SCALE_RULES, where, f"scale_rule={self.scale_rule!r}; allowed {SCALE_RULES}")
         if self.fmt == "mxfp4" and self.rounding == "stochastic":
-            _check(self.scale_rule in ("ceil", "tseng"), where,
-                   f"stochastic rounding with scale_rule={self.scale_rule!r} clips and biases; use 'ceil' or 'tseng'")
+            _check(self.scale_rule in ("rceil", "tseng"), where,
+                   f"stochastic rounding with scale_rule={self.scale_rule!r} clips and biases; use 'rceil' or 'tseng'")
         _check(not self.tile_2d or self.fmt == "nvfp4", where, "tile_2d is an NVFP4 option")
         if self.fmt == "nvfp4":  # quant_kwargs would drop them: a setting that changes nothing
             _check(self.scale_rule == "floor" and self.max_scale_range in (None, 8), where,
