@@ -392,7 +392,10 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
             loss_val = dp.mean_over_ranks(loss_sum).item()
             metrics.log(step=done, loss=loss_val, lr=lr, grad_norm=float(gnorm), tokens=done * tokens_per_step, tok_per_s=tps,
                         step_s=step_s, memory_mb=peak_memory(device) / 2**20)
-            bar.set_postfix(loss=f"{loss_val:.3f}", **({"tok_s": f"{tps:,.0f}"} if tps is not None else {}))
+            # tqdm syncs its count lazily while iterating: a refresh (here, or bar.write's reprint) showed the count of
+            # its last timed update, 0/40 for a whole short run; refresh=False keeps the 30-s pace into a log file
+            bar.n = done
+            bar.set_postfix(loss=f"{loss_val:.3f}", **({"tok_s": f"{tps:,.0f}"} if tps is not None else {}), refresh=False)
         if cfg.eval_every and (done % cfg.eval_every == 0 or last):
             validate(done)
         if (cfg.ckpt_every and done % cfg.ckpt_every == 0) or last or stop["now"]:
