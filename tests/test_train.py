@@ -280,6 +280,40 @@ def test_a_prepared_folder_whose_tokenizer_changed_is_refused(data_dir, tmp_path
         resolve_data(_cfg(data, tmp_path / "r"))
 
 
+def test_a_data_folder_prepared_again_during_the_run_does_not_give_the_run_its_tokenizer(data_dir, tmp_path):
+    """`data prepare --overwrite` of the run's data folder while it trained: the export copied the new tokenizer
+    beside weights trained on the old ids, and eval scored below chance (helper 38). The run writes its tokenizer
+    at the start; the export rewrites it only while the folder's is still the recorded one."""
+    import shutil
+    import warnings
+
+    from adahop.train import train
+    from adahop.train.export import export_hf
+
+    data = tmp_path / "data"
+    shutil.copytree(data_dir, data)
+    run = tmp_path / "r"
+    train(_cfg(data, run, recipe="bf16", calib_steps=None, steps=2, eval_every=0, ckpt_every=0))
+    ours = (run / "tokenizer.json").read_text()
+    man = json.loads((data / "manifest.json").read_text())  # the folder prepared again with another tokenizer
+    man["tokenizer"]["sha256"] = "0" * 64
+    (data / "manifest.json").write_text(json.dumps(man))
+    (run / "tokenizer.json").write_text(ours)
+    model = type("M", (), {"state_dict": lambda self: {"w": torch.zeros(2)}})()
+    with pytest.warns(UserWarning, match="no longer the one this run trained with"):
+        export_hf(run, model, data)
+    assert (run / "tokenizer.json").read_text() == ours
+    (run / "tokenizer.json").unlink()
+    with pytest.warns(UserWarning, match="and has none"):
+        export_hf(run, model, data)
+    man["tokenizer"]["sha256"] = json.loads((run / "config.json").read_text())["adahop"]["data_identity"]["tokenizer"]["sha256"]
+    (data / "manifest.json").write_text(json.dumps(man))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        export_hf(run, model, data)  # the recorded tokenizer again: written, no warning
+    assert (run / "tokenizer.json").read_text() == ours
+
+
 def test_vocab_size_with_a_tokenizer_of_its_own_is_refused_where_the_text_is_prepared(tmp_path):
     """`train --data a.txt --tokenizer tiktoken:... --vocab-size 5000` was accepted: the config recorded 5000 for a
     50,257-id model and the cache folder was named after it (`data prepare` refuses the same; helper 32)."""

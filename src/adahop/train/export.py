@@ -90,13 +90,28 @@ def runs_inside(folder: str | Path) -> list[Path]:
 
 
 def export_hf(run: Path, model, data_dir: Path) -> None:
-    """Write the BF16 master weights as model.safetensors and the tokenizer beside config.json."""
+    """Write the BF16 master weights as model.safetensors and the tokenizer beside config.json.
+
+    The tokenizer is written only while the data folder's is still the one the run recorded at its start
+    (config.json's ``data_identity``): a ``data prepare --overwrite`` of the folder during the run would
+    otherwise pair the weights with another tokenizer; then the one written at the start stays, with a warning."""
     full = model.state_dict()
     tied = tied_keys(full)
     state = {k: v.detach().to(torch.bfloat16).cpu().contiguous() for k, v in full.items() if k not in tied}
     tmp = run / ".model.safetensors.tmp"
     save_file(state, tmp, metadata={"format": "pt"})
     tmp.replace(run / "model.safetensors")
+    recorded = ((read_run_section(run) or {}).get("data_identity") or {}).get("tokenizer", {}).get("sha256")
+    try:
+        now = Manifest.load(data_dir).tokenizer.sha256
+    except (OSError, ValueError):
+        now = None
+    if recorded and now != recorded:
+        warnings.warn(f"{run}: the tokenizer of {data_dir} is no longer the one this run trained with (the folder was "
+                      f"prepared again during the run?); the run keeps the tokenizer files written at its start"
+                      + ("" if (run / "tokenizer.json").exists() else ", and has none: prepare its data again as it "
+                         "was to score it"), stacklevel=2)
+        return
     save_hf_tokenizer(run, data_dir)
 
 

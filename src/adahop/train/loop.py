@@ -24,7 +24,7 @@ from ..utils import first_nonfinite
 from . import distributed as dp
 from .checkpoint import complete_checkpoints, latest_checkpoint, save_checkpoint
 from .config import TrainConfig
-from .export import write_config
+from .export import save_hf_tokenizer, write_config
 from .metrics import Metrics, peak_memory, reset_peak_memory
 from .setup import (build_optimizer, check_data_fits, check_run_dir, converted_layers, epochs_of, loss_ceiling, lr_at,
                     make_model, make_streams, prepared_data_changes, resolve_data, resolve_device, resolve_recipe,
@@ -282,6 +282,7 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
                   f"training split ({train_s.n_windows:,} windows of --seq-len {cfg.seq_len}): later passes repeat the "
                   f"same windows. Pass fewer --steps or more --data", file=sys.stderr)
         write_config(run, cfg, model, data_dir, recipe)
+        save_hf_tokenizer(run, data_dir)  # now, with the data the run reads: the folder may be prepared again meanwhile
         if plan is not None:  # the plan that runs (re-mapped if it came from the other level) belongs in the run folder
             get_controller(model).plan.save(run / "plan.json")
     metrics = Metrics(run / "metrics.jsonl", resume_from=start if cfg.resume else None, enabled=is_main, log_to=cfg.log_to,
