@@ -673,6 +673,35 @@ def test_non_finite_hyper_parameters_are_refused(data_dir, tmp_path, flag, value
         _cfg(data_dir, tmp_path, **{flag: value})
 
 
+def test_a_gradient_of_exactly_zero_is_a_divergence_and_lr_times_decay_above_one_is_refused(
+        data_dir, tmp_path, single_thread, monkeypatch, capsys):
+    """--lr 1000 (weight decay 0.1) flipped the weights' sign each step until every prediction was flat: loss ln V,
+    gradient norm exactly 0, under the loss ceiling; the run stopped late and called a dead checkpoint the last
+    good one (helper 38). lr x decay >= 1 is refused now, and a zero gradient norm stops the run."""
+    from adahop.cli import main
+
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    with pytest.raises(ValueError, match=r"--weight-decay: --lr 1000 x --weight-decay 0.1 = 100 >= 1"):
+        _cfg(data_dir, tmp_path / "x", lr=1000.0, weight_decay=0.1)
+    real, calls = torch.nn.utils.clip_grad_norm_, []
+
+    def dies_at_step_5(params, max_norm, *a, **k):  # what the dead model gave: a norm of exactly 0 from step 5 on
+        norm = real(params, max_norm, *a, **k)
+        calls.append(1)
+        return norm * 0 if len(calls) >= 5 else norm
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", dies_at_step_5)
+    out = tmp_path / "r"
+    assert main(["train", *TINY_ARGS, "--data", str(data_dir), "--out", str(out), "--steps", "8", "--ckpt-every", "2",
+                 "--keep-ckpts", "3", "--log-every", "8"]) == 1
+    err = capsys.readouterr().err
+    assert "the gradient norm was exactly 0 at or before step 6" in err, err  # found at the next checkpoint
+    # step 5's gradient judged the weights of step 4's checkpoint: set aside; step 2's is the last good one
+    assert [p.name for p in sorted((out / "checkpoints").glob("step_*"))] == ["step_0000002"]
+    assert [p.name for p in (out / "checkpoints").glob("diverged_step_*")] == ["diverged_step_0000004"]
+    assert "The last good checkpoint (step 2) is kept" in err, err
+
+
 def test_a_loss_far_above_its_start_is_a_divergence(data_dir, tmp_path, single_thread, monkeypatch, capsys):
     """--lr 10 used to finish with exit 0 at loss 645 and export the model."""
     from adahop.cli import main
@@ -681,7 +710,7 @@ def test_a_loss_far_above_its_start_is_a_divergence(data_dir, tmp_path, single_t
     assert loss_ceiling(8192, 9.2) == pytest.approx(18.4) and loss_ceiling(512, 6.0) == pytest.approx(2 * 6.2383, abs=1e-3)
     monkeypatch.setenv("TQDM_DISABLE", "1")
     out = tmp_path / "r"
-    assert main(["train", *TINY_ARGS, "--data", str(data_dir), "--out", str(out), "--steps", "8", "--lr", "10",
+    assert main(["train", *TINY_ARGS, "--data", str(data_dir), "--out", str(out), "--steps", "8", "--lr", "10", "--weight-decay", "0",
                  "--warmup-steps", "4", "--ckpt-every", "1", "--keep-ckpts", "1"]) == 1
     err = capsys.readouterr().err
     assert "the training loss rose to" in err and "above 12.5 (2 x the larger of ln(vocab 512) = 6.24" in err, err

@@ -131,6 +131,10 @@ class TrainConfig:
             bad("grad_accum", f"--batch-size {self.batch_size} is not divisible by --grad-accum {self.grad_accum}")
         if not self.lr > 0:
             bad("lr", f"must be > 0, got {self.lr}")
+        if self.lr * self.weight_decay >= 1:  # decoupled decay multiplies each weight by 1 - lr·wd every step
+            bad("weight_decay", f"--lr {self.lr:g} x --weight-decay {self.weight_decay:g} = {self.lr * self.weight_decay:g} "
+                                f">= 1: the decay would multiply every weight by {1 - self.lr * self.weight_decay:g} each step, "
+                                f"flipping or zeroing them; lower --lr or --weight-decay")
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
                 bad(name, f"must be in [0, 1), got {getattr(self, name)}")

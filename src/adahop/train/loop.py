@@ -68,16 +68,26 @@ def _kept(run: Path, step: int, first_bad: torch.Tensor, is_main: bool, start: i
     return note + "No good checkpoint is kept (set --ckpt-every below the step it diverged at, and --keep-ckpts 2 or more)."
 
 
-def _check_ceiling(peak_loss: torch.Tensor, ceiling: float, vocab: int, done: int, bar, kept) -> None:
-    """Raise Diverged when a step's loss (on any rank) rose above the ceiling (a host sync); ``kept()``
-    says what the run leaves behind (:func:`_kept`)."""
+def _check_diverged(bad: torch.Tensor, dead: torch.Tensor, peak_loss: torch.Tensor, ceiling: float, vocab: int, done: int,
+                    bar, kept) -> None:
+    """Raise Diverged when, on any rank, a step's loss or gradient norm was non-finite (``bad``), its gradient norm
+    exactly 0 (``dead``: weights blown up until every prediction is flat, loss ln V, which the ceiling does not
+    catch), or its loss rose above the ceiling (host syncs); ``kept()`` says what the run leaves behind (:func:`_kept`)."""
+    retry = "Start again with a lower --lr in a new --out (resuming keeps the run's saved --lr), or use a safer recipe."
+    if dp.any_rank(bad):
+        bar.close()
+        raise Diverged(f"loss or gradient norm became non-finite at or before step {done}; stopped. {kept()} {retry}")
+    if dp.any_rank(dead):
+        bar.close()
+        raise Diverged(f"the gradient norm was exactly 0 at or before step {done}: the model no longer learns (its weights "
+                       f"blew up until every prediction is flat); stopped. {kept()} {retry}")
     if dp.any_rank(peak_loss > ceiling):
         peak = peak_loss.item()
         bar.close()
         raise Diverged(f"the training loss rose {f'to {peak:.4g} ' if peak > ceiling else ''}at or before step {done}, "
                        f"above {ceiling:.3g} "
                        f"(2 x the larger of ln(vocab {vocab}) = {math.log(vocab):.3g} and the first step's loss): the run "
-                       f"diverged; stopped. {kept()} Start again with a lower --lr in a new --out (resuming keeps the run's saved --lr), or use a safer recipe.")
+                       f"diverged; stopped. {kept()} {retry}")
 
 
 def _plan_frozen(model) -> bool | None:
@@ -298,6 +308,7 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _on_sigint(stop))
     bad = torch.zeros((), dtype=torch.bool, device=device)  # non-finite loss or gradient norm (on the device)
+    dead = torch.zeros((), dtype=torch.bool, device=device)  # a gradient norm of exactly 0 (the model no longer learns)
     peak_loss = torch.full((), -math.inf, device=device)  # the highest step loss, against the ceiling
     # the first step whose loss was non-finite or passed the ceiling (0: none yet): it tells whether the last
     # checkpoint's weights are the ones that diverged
@@ -363,10 +374,13 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
         elif cfg.compile and frames_from is None and step >= compiled_at:  # the first step of the final graphs is done
             frames_from = dynamo_counts()["frames"]
         bad |= ~(torch.isfinite(loss_sum) & torch.isfinite(gnorm))  # on the device; synced only at log/checkpoint time
+        # a gradient of exactly zero everywhere: the model no longer learns (weights blown up until the softmax is
+        # flat: loss ln V, gradient 0, which the loss ceiling does not see); the weights before this step are dead
+        dead |= gnorm == 0
         peak_loss = torch.maximum(peak_loss, loss_sum)
         if ceiling is None:  # one host sync, at the run's first step (or a resume from a checkpoint that predates it)
             ceiling = loss_ceiling(vocab, dp.mean_over_ranks(loss_sum).item())
-        over = ~torch.isfinite(loss_sum) | (loss_sum > ceiling)  # the loss judges the weights; a NaN gradient, the update
+        over = ~torch.isfinite(loss_sum) | (loss_sum > ceiling) | (gnorm == 0)  # the loss judges the weights; a NaN gradient, the update
         first_bad = torch.where((first_bad == 0) & over, step + 1, first_bad)
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -384,11 +398,7 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
         last = done == cfg.steps
         stop["now"] = dp.any_rank(stop["now"])  # all ranks stop (and checkpoint) at the same step
         if done % cfg.log_every == 0 or last or stop["now"]:
-            if dp.any_rank(bad):
-                bar.close()
-                raise Diverged(f"loss or gradient norm became non-finite at or before step {done}; stopped. {kept()} "
-                               f"Start again with a lower --lr in a new --out (resuming keeps the run's saved --lr), or use a safer recipe.")
-            _check_ceiling(peak_loss, ceiling, vocab, done, bar, kept)
+            _check_diverged(bad, dead, peak_loss, ceiling, vocab, done, bar, kept)
             tps = timed_tokens / clock if clock else None  # None (null): not measured yet, the first steps are warm-up
             loss_val = dp.mean_over_ranks(loss_sum).item()
             metrics.log(step=done, loss=loss_val, lr=lr, grad_norm=float(gnorm), tokens=done * tokens_per_step, tok_per_s=tps,
@@ -400,10 +410,7 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
         if cfg.eval_every and (done % cfg.eval_every == 0 or last):
             validate(done)
         if (cfg.ckpt_every and done % cfg.ckpt_every == 0) or last or stop["now"]:
-            if dp.any_rank(bad):
-                raise Diverged(f"loss or gradient norm became non-finite before step {done}; stopped. {kept()} "
-                               f"Start again with a lower --lr in a new --out (resuming keeps the run's saved --lr), or use a safer recipe.")
-            _check_ceiling(peak_loss, ceiling, vocab, done, bar, kept)
+            _check_diverged(bad, dead, peak_loss, ceiling, vocab, done, bar, kept)
             (save_checkpoint if cfg.parallel == "none" else dp.save_sharded)(run, done, model, opt, keep=cfg.keep_ckpts,
                                                                              extra={"schedule_steps": schedule, "loss_ceiling": ceiling})
             last_good = done
