@@ -314,6 +314,32 @@ def test_a_data_folder_prepared_again_during_the_run_does_not_give_the_run_its_t
     assert (run / "tokenizer.json").read_text() == ours
 
 
+def test_a_full_disk_at_the_final_export_is_one_line_naming_resume(data_dir, tmp_path, monkeypatch, capsys):
+    """The export's write on a full disk ended in a SafetensorError traceback (helper 38); a checkpoint's gives one
+    line with the way on, and so does the export now; the resume then writes it."""
+    import errno
+
+    from adahop.cli import main
+    from adahop.train import export
+
+    real = export.save_file
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    monkeypatch.setattr(export, "save_file", full)
+    out = tmp_path / "r"
+    args = ["train", *TINY_ARGS, "--data", str(data_dir), "--out", str(out), "--steps", "2", "--ckpt-every", "0"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "error: the final weights could not be exported to" in err and "No space left on device" in err, err
+    assert "then run the same command with --resume to write the export" in err and "Traceback" not in err
+    assert not list(out.glob(".model.safetensors.tmp")) and not (out / "model.safetensors").exists()
+    monkeypatch.setattr(export, "save_file", real)
+    assert main([*args, "--resume"]) == 0 and (out / "model.safetensors").exists()
+
+
 def test_vocab_size_with_a_tokenizer_of_its_own_is_refused_where_the_text_is_prepared(tmp_path):
     """`train --data a.txt --tokenizer tiktoken:... --vocab-size 5000` was accepted: the config recorded 5000 for a
     50,257-id model and the cache folder was named after it (`data prepare` refuses the same; helper 32)."""

@@ -26,7 +26,7 @@ from ..nn.convert import controller_state, load_controller_state
 from ..optim.master import pack_state_dict, unpack_state_dict
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "complete_checkpoints", "publish_checkpoint",
-           "CheckpointWriteError", "discard_failed_write"]
+           "CheckpointWriteError", "discard_failed_write", "storage_error"]
 
 
 class CheckpointWriteError(OSError):
@@ -34,19 +34,26 @@ class CheckpointWriteError(OSError):
     the complete checkpoints before it are kept; the message names the last one and how to go on."""
 
 
+def storage_error(e: BaseException) -> tuple[int, str] | None:
+    """``(errno, reason)`` when ``e`` is a storage error (an ``OSError``, or safetensors' error wrapping the Rust
+    writer's io::Error as text), else None."""
+    if isinstance(e, OSError):
+        return e.errno, e.strerror or str(e)
+    if isinstance(e, SafetensorError) and "I/O error" in str(e):
+        m = re.search(r"os error (\d+)", str(e))
+        code = int(m.group(1)) if m else errno.EIO
+        return code, os.strerror(code)
+    return None
+
+
 def discard_failed_write(tmp: Path, step: int, e: BaseException) -> CheckpointWriteError | None:
     """Remove the partial checkpoint folder ``tmp`` after its write raised ``e``; return the
     :class:`CheckpointWriteError` to raise instead when ``e`` is a storage error (an ``OSError``, or
     safetensors' error wrapping one), None for anything else (re-raise ``e`` itself)."""
     shutil.rmtree(tmp, ignore_errors=True)
-    if isinstance(e, OSError):
-        code, why = e.errno, e.strerror or str(e)
-    elif isinstance(e, SafetensorError) and "I/O error" in str(e):  # the Rust writer's io::Error, as text
-        m = re.search(r"os error (\d+)", str(e))
-        code = int(m.group(1)) if m else errno.EIO
-        why = os.strerror(code)
-    else:
+    if (found := storage_error(e)) is None:
         return None
+    code, why = found
     done = complete_checkpoints(tmp.parent.parent)
     kept = f"the last complete checkpoint, {done[-1]}, is kept" if done else "no earlier checkpoint exists"
     err = CheckpointWriteError(f"the checkpoint of step {step} could not be written to {tmp.parent} ({why}); its "

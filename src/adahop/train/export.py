@@ -16,7 +16,7 @@ from .. import __version__
 from ..data import Manifest
 from ..data.identity import manifest_identity
 from ..utils import atomic_write_text, read_json
-from .checkpoint import tied_keys
+from .checkpoint import CheckpointWriteError, storage_error, tied_keys
 from .config import TrainConfig
 
 __all__ = ["write_config", "read_run_section", "runs_inside", "export_hf", "save_hf_tokenizer", "git_revision"]
@@ -99,8 +99,18 @@ def export_hf(run: Path, model, data_dir: Path) -> None:
     tied = tied_keys(full)
     state = {k: v.detach().to(torch.bfloat16).cpu().contiguous() for k, v in full.items() if k not in tied}
     tmp = run / ".model.safetensors.tmp"
-    save_file(state, tmp, metadata={"format": "pt"})
-    tmp.replace(run / "model.safetensors")
+    try:
+        save_file(state, tmp, metadata={"format": "pt"})
+        tmp.replace(run / "model.safetensors")
+    except Exception as e:  # a full disk: one line naming the way on, as for a checkpoint, not a traceback
+        tmp.unlink(missing_ok=True)
+        if (found := storage_error(e)) is None:
+            raise
+        err = CheckpointWriteError(f"the final weights could not be exported to {run / 'model.safetensors'} ({found[1]}); "
+                                   f"the run's checkpoints are complete. Free space (or fix the disk), then run the same "
+                                   f"command with --resume to write the export")
+        err.errno = found[0]
+        raise err from None
     recorded = ((read_run_section(run) or {}).get("data_identity") or {}).get("tokenizer", {}).get("sha256")
     try:
         now = Manifest.load(data_dir).tokenizer.sha256
