@@ -379,6 +379,15 @@ def test_run_folder_continues_from_its_checkpoint(data_dir, tmp_path, single_thr
     assert meta["start_step"] == 7 and meta["checkpoint"].endswith("step_0000007")
     assert meta["config"]["seq_len"] == 32 and meta["recorded_steps"] == [1, 2]
     assert (out / "census.md").exists() and (out / "plan.json").exists()
+    # a truncated checkpoint: a clear error naming the file, not safetensors' traceback (helper 38)
+    import shutil
+
+    bad_run = tmp_path / "runs" / "truncated"
+    shutil.copytree(run_dir, bad_run)
+    w = bad_run / "checkpoints" / "step_0000007" / "model.safetensors"
+    w.write_bytes(w.read_bytes()[:100])
+    with pytest.raises(ValueError, match=r"the checkpoint's weights in .*step_0000007/model.safetensors cannot be read"):
+        run(_args("--run", str(bad_run), "--steps", "2", "--device", "cpu", "--out", str(tmp_path / "an_bad")))
     # a training flag beside --run would be ignored (the run's config is used): refused, named
     with pytest.raises(ValueError, match=r"drop --model, --lr"):
         run(_args("--run", str(run_dir), "--steps", "2", "--model", "llama-20m", "--lr", "0.5", "--out", str(out)))

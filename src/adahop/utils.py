@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import tempfile
@@ -85,3 +86,16 @@ def first_nonfinite(tensors) -> tuple[str, int, int] | None:
         if t.is_floating_point() and not bool(t.isfinite().all()):
             return name, int((~t.isfinite()).sum()), t.numel()
     return None
+
+
+@contextlib.contextmanager
+def unreadable_weights(where: Path, what: str = "MODEL weights"):
+    """A weights file that safetensors or torch cannot read (truncated, empty, a bad header) as a ValueError naming
+    it, not the reader's traceback; other errors pass. ``what``: how the message names the file's role."""
+    try:
+        yield
+    except Exception as e:  # safetensors raises its own error class (SafetensorError), torch.load an UnpicklingError
+        if not any(k in type(e).__name__.lower() for k in ("safetensor", "pickl")):
+            raise
+        raise ValueError(f"{what} in {where} cannot be read ({type(e).__name__}: {str(e)[:160]}); the file is "
+                         "damaged or incomplete: copy it again, or use an earlier checkpoint") from None

@@ -32,6 +32,7 @@ from ..recipes.spec import CalibSpec
 from ..train.config import TrainConfig, config_from
 from ..train.export import read_run_section, runs_inside
 from ..train.setup import build_optimizer, lr_at, make_model, make_streams, resolve_data, resolve_device
+from ..utils import unreadable_weights
 from . import census as cs
 from . import figures, report
 from .foid import foid_markdown, foid_on_captures
@@ -208,7 +209,8 @@ def _load_checkpoint(ck: Path, model: torch.nn.Module, opt: torch.optim.Optimize
     (`train/checkpoint.py`) into an unconverted model; returns its step."""
     from safetensors.torch import load_file
 
-    weights = unpack_state_dict(load_file(ck / "model.safetensors"), model)
+    with unreadable_weights(ck / "model.safetensors", "the checkpoint's weights"):  # a truncated file: a clear error
+        weights = unpack_state_dict(load_file(ck / "model.safetensors"), model)
     missing, unexpected = model.load_state_dict(weights, strict=False)
     missing = [k for k in missing if k != "lm_head.weight"]  # tied weights come back through the embedding
     if missing or unexpected:
@@ -216,7 +218,9 @@ def _load_checkpoint(ck: Path, model: torch.nn.Module, opt: torch.optim.Optimize
     meta = json.loads((ck / "state.json").read_text()) if (ck / "state.json").exists() else {}
     if (ck / "optimizer.safetensors").exists() and "param_groups" in meta:
         state: dict = {}
-        for key, v in load_file(ck / "optimizer.safetensors").items():
+        with unreadable_weights(ck / "optimizer.safetensors", "the checkpoint's optimizer states"):
+            saved = load_file(ck / "optimizer.safetensors")
+        for key, v in saved.items():
             idx, name = key.split(".", 1)
             state.setdefault(int(idx), {})[name] = v
         for key, v in meta.get("scalars", {}).items():

@@ -3,13 +3,14 @@ optionally converted to a recipe's forward numerics."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from ..utils import unreadable_weights
 
 __all__ = ["LoadedModel", "load_model", "check_window"]
 
@@ -48,19 +49,6 @@ class LoadedModel:
     """The ``adahop train`` config of a run folder (config.json's "adahop" section), else None."""
     data_dir: str | None = None
     """The prepared data folder a run trained on, else None."""
-
-
-@contextlib.contextmanager
-def _unreadable_weights(where: Path):
-    """A weights file that safetensors or torch cannot read (truncated, empty, a bad header) as a ValueError naming
-    it, not the reader's traceback."""
-    try:
-        yield
-    except Exception as e:  # safetensors raises its own error class (SafetensorError), torch.load an UnpicklingError
-        if not any(k in type(e).__name__.lower() for k in ("safetensor", "pickl")):
-            raise
-        raise ValueError(f"MODEL weights in {where} cannot be read ({type(e).__name__}: {str(e)[:160]}); the file is "
-                         "damaged or incomplete: copy it again, or use an earlier checkpoint") from None
 
 
 def _load_weights(model: torch.nn.Module, path: Path) -> str:
@@ -134,7 +122,7 @@ def load_model(path: str | Path, *, device: torch.device, recipe: str | None = N
     if ck_weights is not None:
         model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(p),
                                                              **_dtype_kwarg(torch.float32))
-        with _unreadable_weights(ck_weights):
+        with unreadable_weights(ck_weights):
             fmt = _load_weights(model, ck_weights)
         weights = f"{ck_weights} ({fmt.upper()} master weights{'' if fmt == 'fp32' else ', as FP32'})"
         _warn_if_unfinished(p, ck, section)
@@ -142,7 +130,7 @@ def load_model(path: str | Path, *, device: torch.device, recipe: str | None = N
         if not any(p.glob("*.safetensors")) and not any(p.glob("*.bin")):
             raise ValueError(f"MODEL {p}: no weights (model.safetensors or a checkpoint); "
                              f"{'let the run finish or resume it' if section else 'pass a folder holding a model'}")
-        with _unreadable_weights(p):
+        with unreadable_weights(p):
             model, info = transformers.AutoModelForCausalLM.from_pretrained(p, output_loading_info=True,
                                                                             **_dtype_kwarg(torch.float32))
         if info.get("missing_keys"):  # transformers fills them with random values and only warns: a made-up score
