@@ -1,7 +1,7 @@
 """Cross-check of our MXFP4 reference against torchao's MX reference (`torchao.prototype.mx_formats`).
 
 torchao is a test-only dependency; without it this file skips. Pairs compared: our "floor" with
-``ScaleCalculationMode.FLOOR`` (OCP §6.3) and our "ceil" with ``ScaleCalculationMode.RCEIL``
+``ScaleCalculationMode.FLOOR`` (OCP §6.3) and our "rceil" with ``ScaleCalculationMode.RCEIL``
 (smallest power of two with amax/scale ≤ 6). Both sides must give identical E8M0 codes, identical
 packed E2M1 bytes (signed zeros included: both keep the sign of a value that rounds to zero, code
 8, as the official AdaHOP encoder does) and identical dequantized values, bit for bit.
@@ -43,8 +43,8 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 SCM = mx_config.ScaleCalculationMode
 F4 = torch.float4_e2m1fn_x2
 NAN, INF = float("nan"), float("inf")
-PAIRS = [("floor", SCM.FLOOR), ("ceil", SCM.RCEIL)]
-PAIR_IDS = ["floor-FLOOR", "ceil-RCEIL"]
+PAIRS = [("floor", SCM.FLOOR), ("rceil", SCM.RCEIL)]
+PAIR_IDS = ["floor-FLOOR", "rceil-RCEIL"]
 
 
 def torchao_mx(x: torch.Tensor, mode, packed: bool = False):
@@ -132,7 +132,7 @@ DIVERGENT = {
 }
 
 
-@pytest.mark.parametrize("rule", ["floor", "ceil"])
+@pytest.mark.parametrize("rule", ["floor", "rceil"])
 @pytest.mark.parametrize("name", list(DIVERGENT))
 def test_divergent_blocks_follow_the_spec(rule, name):
     vals, want = DIVERGENT[name]
