@@ -499,6 +499,21 @@ def test_machine_and_folder_errors_name_the_option_and_are_left_in_the_run_folde
     assert not (out / "error.txt").exists() and (out / "summary.json").exists()
 
 
+def test_a_second_compare_into_the_same_out_is_refused(data_dir, tmp_path):
+    """Two compares into one --out each trained one recipe and tabled the other's, complete, as failed (helper 38)."""
+    from adahop.train import TrainConfig
+    from adahop.train.compare import compare
+    from adahop.utils import lock_folder
+
+    out = tmp_path / "c"
+    held = lock_folder(out, "adahop compare")  # the first compare, still training
+    cfg = TrainConfig(model="llama-tiny", data=str(data_dir), seq_len=32, batch_size=4, steps=2, device="cpu")
+    with pytest.raises(ValueError, match=rf"--out {out}: another adahop compare is writing to this folder"):
+        compare(["bf16"], cfg, out)
+    held.close()
+    assert not (out / "bf16").exists()  # nothing trained by the refused one
+
+
 def test_compare_plots_draw_only_runs_that_logged_a_loss(tmp_path):
     """A recipe that failed before logging a loss gets no line; with none, no empty figure is written (it was,
     with matplotlib's "No artists with labels" warning), and an earlier comparison's plots are removed."""

@@ -99,3 +99,27 @@ def unreadable_weights(where: Path, what: str = "MODEL weights"):
             raise
         raise ValueError(f"{what} in {where} cannot be read ({type(e).__name__}: {str(e)[:160]}); the file is "
                          "damaged or incomplete: copy it again, or use an earlier checkpoint") from None
+
+
+def lock_folder(folder: Path, who: str = "adahop run"):
+    """An exclusive lock on ``folder/.lock`` (the open file; closing it releases the lock), or None where the
+    folder cannot be created yet (the caller's checks explain why) or file locks are unavailable.
+
+    Raises:
+        ValueError: another process holds the lock (the message names the folder and the way on)."""
+    try:
+        import fcntl
+
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        f = open(Path(folder) / ".lock", "w")
+    except (ImportError, OSError):
+        return None
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise ValueError(f"--out {folder}: another {who} is writing to this folder; wait for it to end, or pass "
+                         "another --out") from None
+    except OSError:  # a filesystem without flock: run unlocked
+        pass
+    return f

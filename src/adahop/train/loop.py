@@ -20,7 +20,7 @@ from ..kernels import resolve_backend
 from ..compile_modes import CALIBRATION_MODE, dynamo_counts, frozen_mode, mark_step
 from ..nn import convert_model, get_controller, on_step, saved_bytes, seed_compiled_rng
 from ..optim import convert_master_weights, memory_bytes
-from ..utils import first_nonfinite
+from ..utils import first_nonfinite, lock_folder
 from . import distributed as dp
 from .checkpoint import complete_checkpoints, latest_checkpoint, save_checkpoint
 from .config import TrainConfig
@@ -145,7 +145,7 @@ def train(cfg: TrainConfig, *, rank: int = 0, world: int = 1) -> dict:
         Diverged: non-finite loss or gradient norm, or a loss above :func:`~adahop.train.setup.loss_ceiling`.
         CheckpointWriteError: a checkpoint could not be written (disk full, I/O error).
     """
-    lock = _lock_run_dir(Path(cfg.out)) if rank == 0 else None
+    lock = lock_folder(Path(cfg.out)) if rank == 0 else None
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         return _train(cfg, rank, world)
@@ -205,27 +205,6 @@ def _fmt_time(seconds: float) -> str:
     m, s = divmod(round(seconds), 60)
     h, m = divmod(m, 60)
     return f"{h} h {m:02d} min" if h else f"{m} min {s:02d} s" if m else f"{s} s"
-
-
-def _lock_run_dir(run: Path):
-    """An exclusive lock on ``run/.lock`` (the open file; closing it releases the lock), or None where
-    the folder cannot be created yet (check_run_dir explains why) or file locks are unavailable."""
-    try:
-        import fcntl
-
-        run.mkdir(parents=True, exist_ok=True)
-        f = open(run / ".lock", "w")
-    except (ImportError, OSError):
-        return None
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.close()
-        raise ValueError(f"--out {run}: another adahop run is writing to this folder; wait for it to end, or pass "
-                         "another --out") from None
-    except OSError:  # a filesystem without flock: run unlocked
-        pass
-    return f
 
 
 def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
