@@ -884,3 +884,25 @@ def test_a_model_whose_tokenizer_is_no_tokenizer_json_tokenizes_text_with_it(run
     assert not (via_hf / "tokenizer.json").exists()
     with pytest.raises(ValueError, match=f"another tokenizer than {bare}'s \\(their fingerprints differ\\)"):
         check_same_tokenizer(via_hf, bare, 512)
+
+
+def test_a_checkpoint_pruned_while_eval_reads_it_is_read_again_from_the_newest(run_dir, monkeypatch):
+    """eval of a live run: the checkpoint it chose was pruned before its read, a FileNotFoundError line (helper 38)."""
+    import adahop.eval.model as em
+    from adahop.eval.model import load_model
+
+    real, calls = em._load_weights, []
+
+    def pruned_once(model, path):
+        calls.append(path)
+        if len(calls) == 1:
+            raise FileNotFoundError(2, "No such file or directory", str(path))
+        return real(model, path)
+
+    monkeypatch.setattr(em, "_load_weights", pruned_once)
+    m = load_model(run_dir, device=torch.device("cpu"))
+    assert len(calls) == 2 and "master weights" in m.info["weights"]
+    calls.clear()
+    monkeypatch.setattr(em, "_load_weights", lambda model, path: (_ for _ in ()).throw(FileNotFoundError(2, "gone")))
+    with pytest.raises(ValueError, match="its checkpoints changed while they were read twice"):
+        load_model(run_dir, device=torch.device("cpu"))

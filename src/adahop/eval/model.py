@@ -103,7 +103,6 @@ def load_model(path: str | Path, *, device: torch.device, recipe: str | None = N
     import transformers
 
     from ..models import _dtype_kwarg
-    from ..train.checkpoint import latest_checkpoint
     from ..train.export import read_run_section, runs_inside
     from ..utils import first_nonfinite
 
@@ -117,13 +116,9 @@ def load_model(path: str | Path, *, device: torch.device, recipe: str | None = N
         raise ValueError(f"MODEL {p}: no config.json; pass a run folder of `adahop train` or a transformers "
                          f"model folder")
     section = read_run_section(p)
-    ck = latest_checkpoint(p) if section else None
-    ck_weights = ck / "model.safetensors" if ck is not None and (ck / "model.safetensors").is_file() else None
-    if ck_weights is not None:
-        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(p),
-                                                             **_dtype_kwarg(torch.float32))
-        with unreadable_weights(ck_weights):
-            fmt = _load_weights(model, ck_weights)
+    loaded = _newest_checkpoint(p) if section else None
+    if loaded is not None:
+        model, ck, ck_weights, fmt = loaded
         weights = f"{ck_weights} ({fmt.upper()} master weights{'' if fmt == 'fp32' else ', as FP32'})"
         _warn_if_unfinished(p, ck, section)
     else:
@@ -191,6 +186,34 @@ def _convert(model, recipe_name: str, plan_path: str | None, folder: Path, secti
                              f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}): it was made for another "
                              f"model; pass the plan.json of the run MODEL is")
     return plan_path
+
+
+def _newest_checkpoint(run: Path):
+    """``(model, checkpoint folder, its weights file, master format)`` of a run's newest checkpoint, or None when it
+    has none. A live run may prune the checkpoint between the choice and the read: then the new newest is read.
+
+    Raises:
+        ValueError: the checkpoints changed under two reads in a row, or the weights cannot be read."""
+    import transformers
+
+    from ..models import _dtype_kwarg
+    from ..train.checkpoint import latest_checkpoint
+
+    for attempt in range(2):
+        ck = latest_checkpoint(run)
+        ck_weights = ck / "model.safetensors" if ck is not None and (ck / "model.safetensors").is_file() else None
+        if ck_weights is None:
+            return None
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(run),
+                                                             **_dtype_kwarg(torch.float32))
+        try:
+            with unreadable_weights(ck_weights):
+                return model, ck, ck_weights, _load_weights(model, ck_weights)
+        except FileNotFoundError:
+            if attempt:
+                raise ValueError(f"MODEL {run}: its checkpoints changed while they were read twice (the run is writing "
+                                 f"and pruning them); try again, or wait for the run to end") from None
+    return None
 
 
 def _warn_if_unfinished(run: Path, ck: Path, section: dict) -> None:
