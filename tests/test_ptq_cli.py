@@ -310,6 +310,17 @@ def test_splits_too_small_for_the_options_are_refused_before_the_quantization(ru
     assert f"adahop ptq: error: --calib-data {data}: the val split has" in cap.err and "fewer than one batch" in cap.err
     assert "world size" not in cap.err and "--val-fraction" not in cap.err  # training's options, not ptq's
     assert "block 1/" not in cap.out + cap.err and not (tmp_path / "b").exists()  # nothing was quantized
+    # RTN reads no Hessian: without --calib-tokens it takes one batch, where the default of the Hessian methods
+    # (131,072 tokens, more than this split holds) was refused (helper 38)
+    from adahop.cli import main
+
+    assert windows * seq < 131072
+    assert main(["ptq", str(run_dir), "--calib-data", str(data), "--batch-size", "4", "--eval-batches", "2",
+                 "--method", "rtn", "--bits", "4", "--skip-baseline", "--out", str(tmp_path / "c")]) == 0
+    assert json.loads((tmp_path / "c" / "ptq.json").read_text())["calib_tokens"] == 4 * seq
+    assert main(["ptq", str(run_dir), "--calib-data", str(data), "--batch-size", "4", "--eval-batches", "2",
+                 "--method", "gptq", "--bits", "4", "--skip-baseline", "--out", str(tmp_path / "d")]) == 2
+    assert "--calib-tokens 131,072 takes" in capsys.readouterr().err
 
 
 def test_a_missing_calib_data_is_named_as_calib_data(run_dir, tmp_path, capsys):

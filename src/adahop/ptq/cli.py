@@ -39,6 +39,11 @@ def _method_options(method: str) -> tuple[str, ...]:
     return (_GPTQ_ONLY if "gptq" in method else ()) + (_HARP_ONLY if method.startswith("harp-") else ())
 
 
+DEFAULT_CALIB_TOKENS = 131072
+#: The methods whose quantization reads no Hessian (plain round to nearest, after the RHT or not).
+HESSIAN_FREE = ("rtn", "rht-rtn")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of `adahop ptq`."""
     from .names import METHODS, MIXERS, QUANTIZERS, THETA_FORMATS
@@ -51,7 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--group-size", type=int, default=None, metavar="G", help="input columns per scale of --quantizer int (default 128)")
     p.add_argument("--calib-data", required=True, metavar="DATA", help="an `adahop data prepare` folder: calibration from its "
                    "train split, perplexity on its val split")
-    p.add_argument("--calib-tokens", type=int, default=131072, metavar="N", help="calibration tokens (default 131072)")
+    p.add_argument("--calib-tokens", type=int, default=None, metavar="N",
+                   help=f"calibration tokens (default {DEFAULT_CALIB_TOKENS}; for rtn and rht-rtn, which read no Hessian, "
+                        "one batch)")
     p.add_argument("--out", required=True, metavar="DIR", help="the quantized transformers folder, packed artifact and ptq.json")
     g = p.add_argument_group("evaluation")
     g.add_argument("--seq-len", type=int, default=None, help="tokens per window, calibration and perplexity (default: the run's; for another model "
@@ -222,6 +229,8 @@ def run(args: argparse.Namespace) -> dict:
             msg += (f"; or prepare the text with a larger validation share, `adahop data prepare --source {args.calib_data} "
                     f"--tokenizer hf:{args.model} --val-fraction 0.2 --out DIR`, and pass --calib-data DIR")
         raise ValueError(msg) from None
+    if args.calib_tokens is None:  # RTN reads no Hessian: one batch carries the blocks' inputs forward, and fits any split
+        args.calib_tokens = args.batch_size * seq_len if args.method in HESSIAN_FREE else DEFAULT_CALIB_TOKENS
     batches = calibration_batches(data, tokens=args.calib_tokens, seq_len=seq_len, batch_size=args.batch_size, seed=args.seed)
 
     def ppl(m):
