@@ -129,7 +129,8 @@
 #      bench model --max-batch MAXB (default 16), then compiled; rows in $OUT/benchmarks.json
 #   r27s (issue 18, one GPU): validate_kernels --only optim, then llama-125m 1024 x 16 with --bf16-small-gemms (bf16, mxfp4, adahop-lv2; auto), then torchao's
 #      float8 rowwise and tensorwise beside BF16 at llama-350m 1024 x 16 and Llama-3.2-1B 4096 x 4 (auto)
-#   r28s (issue 18, one GPU): what round 27 (an H100) left: Llama-3.2-1B 4096 x 4 with --bf16-small-gemms (bf16, mxfp4,
+#   r28s (issue 18, one GPU): validate_kernels --only rivals (the Hadamard's TF32 guard), then what round 27 (an H100)
+#      left: Llama-3.2-1B 4096 x 4 with --bf16-small-gemms (bf16, mxfp4,
 #      adahop-lv2: k/v_proj in BF16), then torchao's float8 rowwise and tensorwise beside BF16 in one process (auto);
 #      torchao's first compile takes ~60-130 s a recipe
 #   r21a (issue 18, one GPU): where the 8B-shaped model's first compile goes (round 20: mxfp4's did not finish in ~260 s;
@@ -475,6 +476,9 @@ if [ "$STAGE" = r27s ]; then  # issue 18: the small-GEMM rule's first GPU rows, 
 fi
 if [ "$STAGE" = r28s ]; then  # issue 18: the small-GEMM rule where it keeps FP8 work, and torchao at 1B in one process
   export CUDA_VISIBLE_DEVICES=0
+  # first the rivals' section of the validation: the Hadamard's TF32 guard of 2026-12-06 has not run on a GPU
+  timeout 150 python3 scripts/validate_kernels.py --only rivals --log $OUT/validate_rivals.json > $OUT/validate_rivals.log 2>&1
+  tail -1 $OUT/validate_rivals.log; grep -E "^FAIL" $OUT/validate_rivals.log | head
   BM="python3 -m adahop bench model --modes auto --model llama3.2-1b --seq-len 4096 --batch-size 4 --json $OUT/benchmarks.json"
   timeout 280 $BM --recipes bf16,mxfp4,adahop-lv2 --bf16-small-gemms > $OUT/bench_1b_small.log 2>&1
   echo "1b small gemms: exit $? at $(el) s"; grep -E "^llama" $OUT/bench_1b_small.log | cut -c1-200
