@@ -382,9 +382,8 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
             loss_val = dp.mean_over_ranks(loss_sum).item()
             metrics.log(step=done, loss=loss_val, lr=lr, grad_norm=float(gnorm), tokens=done * tokens_per_step, tok_per_s=tps,
                         step_s=step_s, memory_mb=peak_memory(device) / 2**20)
-            # tqdm syncs its count lazily while iterating: a refresh (here, or bar.write's reprint) showed the count of
-            # its last timed update, 0/40 for a whole short run; refresh=False keeps the 30-s pace into a log file
-            bar.n = done
+            # no refresh here: tqdm syncs its count lazily while iterating, so a forced refresh showed the count of its
+            # last timed update (0/40 for a whole short run); the bar prints the postfix at its own next update
             bar.set_postfix(loss=f"{loss_val:.3f}", **({"tok_s": f"{tps:,.0f}"} if tps is not None else {}), refresh=False)
         if cfg.eval_every and (done % cfg.eval_every == 0 or last):
             validate(done)
