@@ -1,4 +1,5 @@
-"""Small constant tensors on the device, and when host-side checks must be skipped.
+"""Small constant tensors on the device, when host-side checks must be skipped, and whether a CUDA FP32
+matmul may round its operands to TF32 (:func:`tf32_may_round`: the references then multiply in float64).
 
 Two rules that the converted layers' opaque ops (`adahop.nn.opaque`) need from every op they run:
 
@@ -22,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["on_device", "skip_host_checks"]
+__all__ = ["on_device", "skip_host_checks", "tf32_may_round"]
 
 _CACHE: dict[tuple, torch.Tensor] = {}
 
@@ -53,3 +54,10 @@ def skip_host_checks() -> bool:
     if torch.compiler.is_compiling() or torch._guards.detect_fake_mode() is not None:
         return True
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def tf32_may_round(t: torch.Tensor) -> bool:
+    """Whether an FP32 matmul of CUDA tensor ``t`` may run in TF32 (10 mantissa bits), i.e. ``t`` is on CUDA and
+    ``torch.get_float32_matmul_precision()`` is not ``"highest"`` (a setting an Inductor warning asks users to
+    change). The FP32 references (GEMM emulations, Hadamard transforms) multiply in float64 then. Raises nothing."""
+    return t.is_cuda and torch.get_float32_matmul_precision() != "highest"

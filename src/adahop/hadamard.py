@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from .device_constants import on_device
+from .device_constants import on_device, tf32_may_round
 from .formats.common import check_float_input
 
 __all__ = ["SUPPORTED_SIZES", "hadamard_matrix", "block_hadamard", "kron_factors", "random_signs", "hashed_signs",
@@ -192,7 +192,7 @@ def block_hadamard(
         xm = (xm.reshape(*xm.shape[:-1], -1, block_size) * s.reshape(-1, block_size)).reshape(xm.shape)
     blocks = xm.reshape(*xm.shape[:-1], n // block_size, block_size)
     if block_size <= _DENSE_MAX:
-        if blocks.is_cuda and work == torch.float32 and torch.get_float32_matmul_precision() != "highest":
+        if work == torch.float32 and tf32_may_round(blocks):
             # as _kron_block_hadamard: a TF32 GEMM would keep 10 mantissa bits of the transform
             out = (blocks.double() @ _cached_hadamard(block_size, torch.float64, x.device)).float()
         else:
@@ -215,7 +215,7 @@ def _kron_block_hadamard(x: torch.Tensor, b: int, axis: int, signs: torch.Tensor
     1/√b scale to apply (both factors are normalized). The axis is not moved: for the last axis the
     fast factor is a right-multiply of all rows at once and the slow one a batched left-multiply;
     for an inner axis (HALO-2's tokens, axis 0) both are left-multiplies of ``[…, rows, rest]`` views."""
-    if x.is_cuda and x.dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest":
+    if x.dtype == torch.float32 and tf32_may_round(x):
         # TF32 GEMMs would keep 10 mantissa bits of the transform; float64 keeps it at least as exact as FP32
         return _kron_block_hadamard(x.double(), b, axis, signs).float()
     shape = x.shape

@@ -25,6 +25,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from ..device_constants import tf32_may_round
 from ..formats.mxfp4 import MXTensor, folds_exactly
 from ..recipes.spec import ACCUMULATIONS
 from .backend import resolve_backend
@@ -89,7 +90,7 @@ def mx_matmul_reference(qa: MXTensor, qb: MXTensor, *, out_dtype: torch.dtype = 
     """
     check_mm_layout(qa, qb)
     a, b = qa.dequantize(), qb.dequantize()  # [M, Kc], [Kc, N] fp32
-    if a.is_cuda and torch.get_float32_matmul_precision() != "highest":
+    if tf32_may_round(a):
         return (a.double() @ b.double()).to(out_dtype)
     return (a @ b).to(out_dtype)
 

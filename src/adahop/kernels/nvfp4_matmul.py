@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from ..device_constants import on_device
+from ..device_constants import on_device, tf32_may_round
 from ..formats.e2m1 import decode_e2m1
 from ..formats.nvfp4 import NVFP4_BLOCK, NVFP4Tensor
 from .backend import resolve_backend
@@ -164,7 +164,7 @@ def nvfp4_matmul_reference(qa: NVFP4Tensor, qb: NVFP4Tensor, *, out_dtype: torch
     """
     check_nvfp4_layout(qa, qb)
     a, b = qa.dequantize(torch.float32), qb.dequantize(torch.float32)  # [M, Kc], [Kc, N]
-    if a.is_cuda and torch.get_float32_matmul_precision() != "highest":
+    if tf32_may_round(a):
         return (a.double() @ b.double()).to(out_dtype)
     return (a @ b).to(out_dtype)
 

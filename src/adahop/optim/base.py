@@ -301,7 +301,7 @@ class _Plan:
         self.replacements = master.REPLACEMENTS[0]  # a parameter replaced since: the general step refuses it
         self.states, self.count = sts, sts[0]["step"]
         self.members = list(params)  # the list's elements: a Parameter swapped in place must not take another's moments
-        names = STATE_NAMES[opt.algorithm]
+        self.names = names = STATE_NAMES[opt.algorithm]
         self.tensors = [[st[n] for n in names] for st in sts]
         self.local = any(hasattr(p, "_local_tensor") for p in params)
         self.packed = [i for i, p in enumerate(params) if isinstance(p, PackedMaster)]
@@ -324,7 +324,7 @@ class _Plan:
         for p, q, st, ts in zip(params, self.members, self.states, self.tensors):
             if p is not q or state.get(p) is not st or st.get("step") != self.count:
                 return False
-            for n, t in zip(STATE_NAMES[opt.algorithm], ts):
+            for n, t in zip(self.names, ts):
                 if st.get(n) is not t:
                     return False
         return True
@@ -357,8 +357,7 @@ class _Plan:
         else:
             for idx, fused in self.buckets:
                 fused([ws[i] for i in idx], [gs[i] for i in idx], s, seed)
-        names = STATE_NAMES[opt.algorithm]
-        for i in self.packed:
-            opt._packed_step(params[i], gs[i], [_local(self.states[i][n]) for n in names], s,
+        for i in self.packed:  # the state tensors are the kept ones (_same_state checked them)
+            opt._packed_step(params[i], gs[i], [_local(t) for t in self.tensors[i]], s,
                              mix_seed(opt.seed, "optim", step, base + i))
         return True

@@ -355,11 +355,12 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
         bad |= ~(torch.isfinite(loss_sum) & torch.isfinite(gnorm))  # on the device; synced only at log/checkpoint time
         # a gradient of exactly zero everywhere: the model no longer learns (weights blown up until the softmax is
         # flat: loss ln V, gradient 0, which the loss ceiling does not see); the weights before this step are dead
-        dead |= gnorm == 0
+        zero = gnorm == 0
+        dead |= zero
         peak_loss = torch.maximum(peak_loss, loss_sum)
         if ceiling is None:  # one host sync, at the run's first step (or a resume from a checkpoint that predates it)
             ceiling = loss_ceiling(vocab, dp.mean_over_ranks(loss_sum).item())
-        over = ~torch.isfinite(loss_sum) | (loss_sum > ceiling) | (gnorm == 0)  # the loss judges the weights; a NaN gradient, the update
+        over = ~torch.isfinite(loss_sum) | (loss_sum > ceiling) | zero  # the loss judges the weights; a NaN gradient, the update
         first_bad = torch.where((first_bad == 0) & over, step + 1, first_bad)
         if device.type == "cuda":
             torch.cuda.synchronize()
