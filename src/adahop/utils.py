@@ -91,7 +91,11 @@ def first_nonfinite(tensors) -> tuple[str, int, int] | None:
 @contextlib.contextmanager
 def unreadable_weights(where: Path, what: str = "MODEL weights"):
     """A weights file that safetensors or torch cannot read (truncated, empty, a bad header) as a ValueError naming
-    it, not the reader's traceback; other errors pass. ``what``: how the message names the file's role."""
+    it, not the reader's traceback; other errors pass. ``what``: how the message names the file's role.
+
+    Raises:
+        ValueError: the reader inside the ``with`` raised a safetensors or unpickling error (the message names the
+            file and the fix). Source: ours."""
     try:
         yield
     except Exception as e:  # safetensors raises its own error class (SafetensorError), torch.load an UnpicklingError

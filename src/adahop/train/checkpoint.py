@@ -36,7 +36,8 @@ class CheckpointWriteError(OSError):
 
 def storage_error(e: BaseException) -> tuple[int, str] | None:
     """``(errno, reason)`` when ``e`` is a storage error (an ``OSError``, or safetensors' error wrapping the Rust
-    writer's io::Error as text), else None."""
+    writer's io::Error as text), else None. Raises nothing. Source: ours (a full disk must end a run with one line
+    naming ``--resume``)."""
     if isinstance(e, OSError):
         return e.errno, e.strerror or str(e)
     if isinstance(e, SafetensorError) and "I/O error" in str(e):
