@@ -133,6 +133,9 @@
 #      left: Llama-3.2-1B 4096 x 4 with --bf16-small-gemms (bf16, mxfp4,
 #      adahop-lv2: k/v_proj in BF16), then torchao's float8 rowwise and tensorwise beside BF16 in one process (auto);
 #      torchao's first compile takes ~60-130 s a recipe
+#   r29p (issue 18, one GPU): validate_kernels --only rivals, then where llama-350m's step goes (scripts/profile_model.py,
+#      1024 x 16, bf16/mxfp4/adahop-lv2, mode auto: the arithmetic of the 350m target), then r28s's Llama-3.2-1B rows with
+#      --bf16-small-gemms (bf16, mxfp4, adahop-lv2, auto)
 #   r21a (issue 18, one GPU): where the 8B-shaped model's first compile goes (round 20: mxfp4's did not finish in ~260 s;
 #      scripts/compile_census.py puts adahop's Triton kernels at ~12 s of it): scripts/bench_compile.py --phases cold for
 #      mxfp4 and adahop-lv2 at 4 blocks of Llama-3.1-8B, 4096 x 2, each alone with empty caches (COLD_TIMEOUT s each,
@@ -484,6 +487,18 @@ if [ "$STAGE" = r28s ]; then  # issue 18: the small-GEMM rule where it keeps FP8
   echo "1b small gemms: exit $? at $(el) s"; grep -E "^llama" $OUT/bench_1b_small.log | cut -c1-200
   timeout $(( ${LIM:-570} - $(el) )) $BM --recipes bf16,torchao-fp8-rowwise,torchao-fp8-tensorwise > $OUT/bench_1b_ao.log 2>&1
   echo "1b torchao: exit $? at $(el) s"; grep -E "^llama" $OUT/bench_1b_ao.log | cut -c1-200
+  echo "stage $STAGE done at $(el) s"; exit 0
+fi
+if [ "$STAGE" = r29p ]; then  # issue 18: the 350m kernel profile, and the small-GEMM rule where it keeps FP8 work
+  export CUDA_VISIBLE_DEVICES=0
+  timeout 120 python3 scripts/validate_kernels.py --only rivals --log $OUT/validate_rivals.json > $OUT/validate_rivals.log 2>&1
+  tail -1 $OUT/validate_rivals.log; grep -E "^FAIL" $OUT/validate_rivals.log | head; echo "validate done at $(el) s"
+  timeout 230 python3 scripts/profile_model.py --model llama-350m --seq-len 1024 --batch-size 16 --recipes bf16,mxfp4,adahop-lv2 \
+    --modes auto --json $OUT/profile_350m.json > $OUT/profile_350m.log 2>&1
+  echo "profile_model: exit $? at $(el) s"; grep -v -i warn $OUT/profile_350m.log | tail -30 | cut -c1-200
+  timeout $(( ${LIM:-575} - $(el) )) python3 -m adahop bench model --modes auto --model llama3.2-1b --seq-len 4096 --batch-size 4 \
+    --recipes bf16,mxfp4,adahop-lv2 --bf16-small-gemms --json $OUT/benchmarks.json > $OUT/bench_1b_small.log 2>&1
+  echo "1b small gemms: exit $? at $(el) s"; grep -E "^llama" $OUT/bench_1b_small.log | cut -c1-200
   echo "stage $STAGE done at $(el) s"; exit 0
 fi
 if [ "$STAGE" = r21a ]; then  # issue 18: the 8B-shaped cold compile, with stack samples of the stuck child
