@@ -93,6 +93,67 @@ def test_convert_exclude_patterns():
     assert type(seq[0]) is adahop.LowPrecisionLinear and type(seq[1]) is nn.Linear
 
 
+def test_an_exclude_pattern_naming_a_module_keeps_every_linear_inside_it():
+    """exclude=("model.layers.0",) or ("mlp",) matched a module but no linear's own name: nothing was kept out, and
+    the unmatched-pattern warning stayed silent since the pattern did match a module (probe api)."""
+    for exclude, kept in ((("lm_head", "model.layers.0"), lambda n: n.startswith("model.layers.0.")),
+                          (("lm_head", "mlp"), lambda n: ".mlp." in n),
+                          (("lm_head", "layers.1.self_attn"), lambda n: n.startswith("model.layers.1.self_attn."))):
+        model = adahop.convert_model(_tiny_llama(), "mxfp4", exclude=exclude)
+        kinds = {n: type(m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and n != "lm_head"}
+        assert {n for n, k in kinds.items() if k is nn.Linear} == {n for n in kinds if kept(n)}, exclude
+    # a pattern names a module by its whole last parts, not a prefix of one: "layers.1" keeps no "layers.11"
+    seq = nn.Module()
+    seq.layers = nn.ModuleList([nn.Sequential(nn.Linear(32, 32)) for _ in range(12)])
+    adahop.convert_model(seq, "mxfp4", exclude=("layers.1",))
+    assert [type(b[0]) is nn.Linear for b in seq.layers] == [i == 1 for i in range(12)]
+
+
+def test_a_gpt2_converted_with_its_lm_head_alone_is_warned_about():
+    """GPT-2's linear maps are transformers Conv1D: with exclude=() only lm_head converted, and the model passed for
+    an MXFP4 one with no word (probe api); the default exclude is refused (test_convert_refuses_a_model_...)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=1, n_head=2, vocab_size=128, bos_token_id=0, eos_token_id=0))
+    with pytest.warns(UserWarning, match=r"4 transformers Conv1D weights \(GPT-2 style\) are not nn.Linear layers .*"
+                                         r"transformer.h.0.attn.c_attn.weight.*run unconverted, not in 'mxfp4'"):
+        adahop.convert_model(gpt2, "mxfp4", exclude=())
+
+
+def test_a_recipe_with_bf16_edge_blocks_warns_when_the_names_show_no_block():
+    """nvfp4 keeps its last block in BF16, found by the block index in the names ('layers.N.', 'h.N.', ...): a model
+    whose blocks are named otherwise ('block.N', T5 / CLIP style) ran every block in NVFP4, silently (probe api)."""
+    def blocks(name):
+        m = nn.Module()
+        setattr(m, name, nn.ModuleList([nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)) for _ in range(3)]))
+        return m
+
+    with pytest.warns(UserWarning, match=r"recipe 'nvfp4' keeps its first 0 and last 1 transformer blocks in BF16, but "
+                                         r"no converted layer's name holds a block index .*'block.0.0'"):
+        m = adahop.convert_model(blocks("block"), "nvfp4")
+    assert all(l.strategies()["fprop"] == "none" for l in adahop.nn.get_controller(m).layers)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        m = adahop.convert_model(blocks("layers"), "nvfp4")  # found: the last block is BF16, nothing to say
+        adahop.convert_model(blocks("block"), "mxfp4")  # no BF16 blocks to keep
+        adahop.convert_model(nn.Sequential(nn.Linear(64, 64)), "nvfp4")  # one layer: no block to keep
+    assert [l.strategies()["fprop"] for l in adahop.nn.get_controller(m).layers] == ["none"] * 4 + ["bf16"] * 2
+
+
+def test_on_step_and_describe_reach_the_model_inside_a_wrapper():
+    """adahop.on_step(ddp_model, step) said "model is not converted; call adahop.convert_model" of a converted model
+    wrapped after its conversion (DDP, DataParallel, torch.compile), which the loop then converted again (probe api)."""
+    m = adahop.convert_model(nn.Sequential(nn.Linear(64, 64)), "adahop-lv2", exclude=None, calib_steps=2)
+    wrapper = nn.Module()
+    wrapper.module = m  # what DistributedDataParallel and DataParallel hold
+    assert adahop.nn.get_controller(wrapper) is adahop.nn.get_controller(m)
+    assert adahop.on_step(wrapper, 1) is False and adahop.nn.get_controller(m).step == 1
+    assert "recipe adahop-lv2, step 1" in adahop.describe(torch.compile(m))
+    with pytest.raises(ValueError, match="not converted"):
+        wrapper.module = nn.Sequential(nn.Linear(64, 64))
+        adahop.on_step(wrapper, 2)
+
+
 def test_auto_backend_is_decided_per_call_and_a_bad_backend_is_refused():
     m = adahop.convert_model(nn.Sequential(nn.Linear(64, 64)), "mxfp4")
     assert m[0].backend == "auto"  # a model converted on the CPU and moved to a GPU takes the fast path there

@@ -54,8 +54,9 @@ def convert_model(model: nn.Module, recipe: str | Recipe, *, exclude=("lm_head",
         model: any module built of ``nn.Linear`` (Hugging Face Llama/Qwen3, ``nn.Sequential``...).
         recipe: a preset name (see :func:`adahop.list_recipes`) or a :class:`Recipe`.
         exclude: fnmatch patterns of qualified names to keep as they are; a pattern without
-            wildcards also matches as a name suffix (``"lm_head"`` matches ``"model.lm_head"``);
-            None or ``()`` excludes nothing.
+            wildcards also matches as a name suffix (``"lm_head"`` matches ``"model.lm_head"``); a pattern
+            that matches a module keeps every linear inside it (``"model.layers.0"``: that block, ``"mlp"``:
+            every MLP); None or ``()`` excludes nothing.
         module_filter_fn: torchao's filter, ``(module, fqn) -> bool``, called for each ``nn.Linear``
             that ``exclude`` keeps: a layer converts only when it returns True (so a filter written
             for ``torchao.float8.convert_to_float8_training`` works unchanged). None converts all.
@@ -153,6 +154,15 @@ def convert_layers(model: nn.Module, recipe: Recipe, names: list[str], *, layer_
     controller = Controller(recipe, seed=seed, plan=plan)
     blocks = sorted({int(m.group(1)) for n in names if (m := _BLOCK_RE.search(n))})
     n_blocks = (max(blocks) + 1) if blocks else 0
+    edges = (recipe.bf16_first_layers, recipe.bf16_last_layers)
+    if len(names) > 1 and not blocks and any(edges) and not recipe.is_bf16:  # one layer: no block to keep
+        # the recipe's BF16 edge blocks are found by the block index in the names: without one, none is kept
+        warnings.warn(f"adahop: recipe {recipe.name!r} keeps its first {edges[0]} and last {edges[1]} transformer "
+                      f"blocks in BF16, but no converted layer's name holds a block index ('layers.N.', 'h.N.', "
+                      f"'blocks.N.' or 'layer.N.'; e.g. {names[0]!r}), so every layer runs the recipe. Keep those "
+                      f"blocks out with exclude= (e.g. exclude=('lm_head', 'decoder.block.11')), or convert with "
+                      f"dataclasses.replace(recipe, bf16_first_layers=0, bf16_last_layers=0) to say none is meant",
+                      stacklevel=3)
     unsupported: dict[str, str] = {}  # name -> in->out, of layers the recipe cannot quantize
     todo = []  # (name, owner, child, linear, edge, fits), decided before any layer is swapped
     for name in names:
@@ -211,19 +221,26 @@ def convert_layers(model: nn.Module, recipe: Recipe, names: list[str], *, layer_
 
 def _warn_fused_weights(model: nn.Module, recipe: Recipe, todo: list) -> None:
     """Warn when weights of 3 or more dimensions (a mixture of experts' fused expert tensors, as transformers
-    5 stores Qwen3-MoE and Mixtral experts; convolutions) hold part of the model's matrix weights: they are no
-    nn.Linear, so their GEMMs stay as they are while the model passes for a ``recipe`` one."""
+    5 stores Qwen3-MoE and Mixtral experts; convolutions) or of transformers ``Conv1D`` modules (GPT-2's linear
+    maps, weight [in, out]) hold part of the model's matrix weights: they are no nn.Linear, so their GEMMs stay
+    as they are while the model passes for a ``recipe`` one (a GPT-2 converted with ``exclude=()`` ran its
+    lm_head alone in the recipe, silently)."""
     if recipe.is_bf16:
         return
     fused = [(n, p.numel()) for n, p in model.named_parameters() if p.ndim >= 3]
-    if not fused:
+    conv1d = [(f"{n}.weight", m.weight.numel()) for n, m in model.named_modules()
+              if type(m).__name__ == "Conv1D" and isinstance(getattr(m, "weight", None), torch.Tensor)]
+    if not fused and not conv1d:
         return
-    in_fused = sum(k for _, k in fused)
+    kept = fused + conv1d
+    in_fused = sum(k for _, k in kept)
     share = in_fused / (in_fused + sum(lin.weight.numel() for _, _, _, lin, *_ in todo))
-    warnings.warn(f"adahop: {len(fused)} weights of 3 or more dimensions are not nn.Linear layers and keep their own "
-                  f"GEMMs ({', '.join(n for n, _ in fused[:3])}{', ...' if len(fused) > 3 else ''}: e.g. a mixture of "
-                  f"experts' fused experts): {share:.0%} of the matrix weights outside the embeddings run unconverted, "
-                  f"not in {recipe.name!r}", stacklevel=4)
+    what = " and ".join(w for w, on in (("weights of 3 or more dimensions", fused),
+                                         ("transformers Conv1D weights (GPT-2 style)", conv1d)) if on)
+    warnings.warn(f"adahop: {len(kept)} {what} are not nn.Linear layers and keep their own "
+                  f"GEMMs ({', '.join(n for n, _ in kept[:3])}{', ...' if len(kept) > 3 else ''}: e.g. a mixture of "
+                  f"experts' fused experts, GPT-2's attention and MLP): {share:.0%} of the matrix weights outside the "
+                  f"embeddings run unconverted, not in {recipe.name!r}", stacklevel=4)
 
 
 def _layer_backend(backend: str, device: torch.device) -> str:
@@ -247,14 +264,26 @@ def _kept_by(module_filter_fn, module: nn.Module, fqn: str) -> bool:
 
 
 def _excluded(name: str, patterns) -> bool:
+    """Whether module ``name`` (a qualified name) is kept out by ``patterns`` (one or several): ``name``, or the
+    name of a module holding it, matches one as an fnmatch pattern, or equals it or ends with ``"." + pattern``.
+    So ``"model.layers.0"`` keeps that whole block and ``"mlp"`` every MLP's linears, as it keeps a linear of that
+    name (a pattern that matched only a container kept nothing, silently: the block ran the recipe)."""
     if isinstance(patterns, str):
         patterns = (patterns,)
-    return any(fnmatch.fnmatchcase(name, p) or name == p or name.endswith("." + p) for p in patterns)
+    parts = name.split(".")
+    scopes = [".".join(parts[:i]) for i in range(len(parts), 0, -1)]  # name itself, then each module holding it
+    return any(fnmatch.fnmatchcase(n, p) or n == p or n.endswith("." + p) for p in patterns for n in scopes)
 
 
 def get_controller(model: nn.Module) -> Controller:
-    """The :class:`Controller` of a converted model. Raises ValueError if it is not converted."""
+    """The :class:`Controller` of a converted model, or of the converted model a wrapper holds as ``.module``
+    (DistributedDataParallel, DataParallel, accelerate's and DeepSpeed's wrappers) or ``._orig_mod``
+    (``torch.compile``). Raises ValueError if it is not converted."""
     c = getattr(model, "_adahop_controller", None)
+    inner = model
+    while c is None and isinstance(inner, nn.Module):  # a wrapper made after the conversion: its module's
+        inner = getattr(inner, "module", None) or getattr(inner, "_orig_mod", None)
+        c = getattr(inner, "_adahop_controller", None)
     if c is None:
         raise ValueError("model is not converted; call adahop.convert_model(model, recipe) first")
     return c
