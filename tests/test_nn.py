@@ -154,6 +154,26 @@ def test_on_step_and_describe_reach_the_model_inside_a_wrapper():
         adahop.on_step(wrapper, 2)
 
 
+def test_a_frozen_layer_votes_its_fprop_on_the_x_and_w_of_its_training_calls():
+    """A layer whose weight and input need no gradient (a LoRA model's first layers, a frozen block) ran its
+    training forwards outside the autograd function, unobserved: its plan came from no data (X voted None where
+    it was Column, so the fprop took another strategy), with a warning to call on_step, which the loop did (probe api)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    m[0].weight.requires_grad_(False)
+    m[0].bias.requires_grad_(False)
+    adahop.convert_model(m, "adahop-lv2", exclude=None, calib_steps=2)
+    x = torch.randn(64, 64)
+    x[:, 5] *= 50  # a Column outlier in layer 0's X
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "observed on fewer than half" warning: the frozen layer has no backward
+        for step in (1, 2):
+            m(x).square().mean().backward()
+            adahop.on_step(m, step)
+    plan = adahop.nn.get_controller(m).plan
+    assert plan.layers["0"]["x"] == "C" and plan.layers["1"]["x"] != "-"
+
+
 def test_auto_backend_is_decided_per_call_and_a_bad_backend_is_refused():
     m = adahop.convert_model(nn.Sequential(nn.Linear(64, 64)), "mxfp4")
     assert m[0].backend == "auto"  # a model converted on the CPU and moved to a GPU takes the fast path there

@@ -338,7 +338,8 @@ class Calibrator:
     official hooks overwrite, so there the last call wins; either way it is one micro-batch of the
     step's data through the same weights. The first is robust to activation recomputation and
     skips the host syncs of the others.) :class:`~adahop.nn.LowPrecisionLinear` never observes
-    forward-only calls (evaluation), nor a call with no tokens (an MoE expert that got none), not
+    forward-only calls (evaluation; a frozen layer's forward with grad on is a training call, whose X and W
+    are observed: its ∇Y never is, and the freeze does not count that as a short vote), nor a call with no tokens (an MoE expert that got none), not
     even its weight. Ties go to the pattern seen first (``Counter.most_common``), tensors never
     seen count as NONE.
 
@@ -433,7 +434,10 @@ class Calibrator:
         for name in layers or []:
             votes.setdefault(name, {"x": "N", "w": "N", "dy": "N"})
         short = {name: {k: len(self.history.get(name, {}).get(k, [])) for k in ("x", "w", "dy")} for name in votes}
-        short = {n: c for n, c in short.items() if min(c.values()) < max(1, self.steps // 2)}
+        # a layer whose X was seen but never its ∇Y ran no backward: frozen (weight and input need no gradient), its
+        # fprop voted on X and W, the only GEMM it runs
+        short = {n: c for n, c in short.items()
+                 if min(c["x"], c["w"], c["dy"] if c["dy"] or not c["x"] else c["x"]) < max(1, self.steps // 2)}
         if short:  # a vote on no observation is "None": such a plan looks calibrated and is not
             n0, c0 = next(iter(short.items()))
             warnings.warn(f"adahop: the plan froze with {len(short)} of {len(votes)} layers observed on fewer than half of "

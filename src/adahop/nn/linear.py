@@ -594,6 +594,11 @@ class LowPrecisionLinear(nn.Linear):
         # grad mode, and a no-grad forward that backward runs again (a reentrant checkpoint's)
         specs = self.current_specs()
         spec = None if specs is None else specs["fprop"]
+        if specs is None and torch.is_grad_enabled():
+            # a training call of a frozen layer (its weight needs no gradient, nor its input: a LoRA model's first
+            # layers): X and W vote for its fprop, the one GEMM it runs; unobserved, its plan came from no data
+            self.observe("x", x2)
+            self.observe("w", self.weight.to(dtype))
         rerun = _runs_again() if spec is not None and not torch.compiler.is_compiling() else False
         stream = "train" if rerun or torch.is_grad_enabled() else "eval"
         self._unbound.clear()
