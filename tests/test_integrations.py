@@ -461,3 +461,17 @@ def test_the_trainer_state_file_gets_every_ranks_votes_in_the_callbacks_entry(tm
             stateful_callbacks = json.loads(f.read_text())["stateful_callbacks"]
 
         assert _saved_state(State, "AdaHOPCallback") == every
+
+
+def test_calib_steps_with_a_recipe_that_does_not_calibrate_is_refused_by_the_integrations():
+    """AdaHOPCallback("mxfp4", calib_steps=5) and prepare_adahop(..., "mxfp4", calib_steps=5) dropped the steps
+    silently, where adahop.convert_model refuses them (probe api)."""
+    from adahop.integrations.accelerate import prepare_adahop
+    from adahop.integrations.transformers import AdaHOPCallback
+
+    with pytest.raises(ValueError, match="recipe 'mxfp4' has fixed strategies and no calibration"):
+        AdaHOPCallback("mxfp4", calib_steps=5)
+    model = nn.Sequential(nn.Linear(64, 64))
+    with pytest.raises(ValueError, match="recipe 'mxfp4' has fixed strategies and no calibration"):
+        prepare_adahop(model, torch.optim.AdamW(model.parameters()), "mxfp4", exclude=None, calib_steps=5)
+    assert AdaHOPCallback("adahop-lv2", calib_steps=5).recipe.calibration.steps == 5

@@ -36,13 +36,13 @@ def resolve_recipe(recipe: str | Recipe, calib_steps: int | None = None) -> Reci
     when given (AdaHOP recipes only; ``adahop train --calib-steps`` does the same).
 
     Raises:
-        ValueError: an unknown preset name, or ``calib_steps`` < 1."""
+        ValueError: an unknown preset name, ``calib_steps`` < 1, or ``calib_steps`` with a recipe that does not
+            calibrate (its strategies are fixed: the steps were dropped silently, where ``convert_model`` refuses them)."""
     r = get_recipe(recipe) if isinstance(recipe, str) else recipe
     if calib_steps is not None:
         if calib_steps < 1:
             raise ValueError(f"calib_steps must be >= 1, got {calib_steps}")
-        if r.calibration is not None:
-            r = r.with_calibration_steps(calib_steps)
+        r = r.with_calibration_steps(calib_steps)  # refuses a recipe without calibration, naming it
     return r
 
 
