@@ -121,6 +121,21 @@ def test_rms_normalized_input_is_column_without_a_floor_and_the_gates_turn_it_of
         classify(0.0, 5.0, min_peak=3.0)
 
 
+def test_pattern_stats_do_not_depend_on_the_scale_even_where_squares_overflow_fp32():
+    """The CVs are scale-free, but a BF16 tensor above ~1e19 overflowed FP32 in its variances: NaN CVs, read as None
+    (probe num). Scaled by a power of two first, the CVs are the same to the last bit at any scale."""
+    torch.manual_seed(0)
+    x = torch.randn(256, 128)
+    x[:, 5] *= 100
+    x = x.bfloat16()
+    ref = pattern_stats(x)
+    assert ref[1] > 100 and detect_pattern(x) == Pattern.COLUMN
+    for scale in (2.0 ** 70, 2.0 ** -100):  # exact in BF16
+        assert pattern_stats(x * scale) == ref, scale
+    for scale in (1e18, 1e30, 1e-30):  # BF16 rounds x * scale: the same verdict
+        assert detect_pattern(x * scale) == Pattern.COLUMN, scale
+
+
 def test_peak_ratios_values():
     t = torch.ones(4, 8)
     t[1] *= 4  # row 1 RMS 4, the others 1: median of (1, 4, 1, 1) is 1

@@ -123,7 +123,9 @@ def halo(level: int) -> Recipe:
     along each GEMM's contracted dim, so adahop quantizes them again from high precision. HALO
     supports H sizes c·2^m (c ∈ {12, 20, 28, ...}); adahop only powers of two: ``outer_b`` needs
     in_features a power of two and HALO-2's ``outer_a`` needs batch_size·seq_len a power of two
-    (the GEMM raises ValueError saying so).
+    (the GEMM raises ValueError saying so). An outer transform's result (W·H, X·H, H_Tᵀ·∇Y) is held in the
+    operand's dtype, BF16 under autocast, before it is quantized: a second rounding (≤ 2^-9 relative, far
+    below MXFP4's step) that an FP32 copy of the rotated operand, at twice its bytes, would avoid.
     """
     if level not in (0, 1, 2):
         raise ValueError(f"HALO level={level!r}; allowed 0, 1, 2")
