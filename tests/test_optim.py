@@ -5,6 +5,7 @@ dtype, and the Triton kernel (interpreted) equals its reference bit for bit."""
 
 from __future__ import annotations
 
+import copy
 import itertools
 import os
 import subprocess
@@ -809,6 +810,38 @@ def test_load_state_dict_refuses_another_rules_or_dtypes_states():
     same = AdamW([torch.nn.Parameter(torch.randn(8))])
     same.load_state_dict(adamw)  # its own kind loads, states as saved
     assert same.state[same.param_groups[0]["params"][0]]["exp_avg"].dtype == torch.float32
+
+
+def test_load_state_dict_refuses_torch_groups_whose_flags_change_the_update():
+    """A torch.optim.AdamW(maximize=True) state loaded silently, its group keeping maximize=True, which no step reads:
+    the resumed run minimized. torch.optim.Adam's L2 decay (decoupled_weight_decay=False) became decoupled."""
+    from adahop.optim import AdamW
+
+    def torch_state(cls, **kw):
+        p = torch.nn.Parameter(torch.ones(4))
+        opt = cls([p], lr=0.1, **kw)
+        p.grad = torch.ones(4)
+        opt.step()
+        return copy.deepcopy(opt.state_dict())
+
+    for sd, what in ((torch_state(torch.optim.AdamW, maximize=True), "has maximize"),
+                     (torch_state(torch.optim.AdamW, amsgrad=True), "has amsgrad"),
+                     (torch_state(torch.optim.Adam, weight_decay=0.5), "decoupled_weight_decay=False")):
+        with pytest.raises(ValueError, match=what):
+            AdamW([torch.nn.Parameter(torch.ones(4))]).load_state_dict(sd)
+    for sd in (torch_state(torch.optim.AdamW, foreach=True), torch_state(torch.optim.Adam)):  # the same update
+        AdamW([torch.nn.Parameter(torch.ones(4))]).load_state_dict(sd)
+
+
+def test_madam_arxiv_forms_refuse_workshop_options_in_an_added_param_group():
+    """The constructor refused cap/w_max under an arXiv form, but add_param_group took them: never read."""
+    opt = MAdam([torch.nn.Parameter(torch.randn(2))], form="arxiv")
+    for extra in ({"w_max": 1.0}, {"cap": 0.5}):
+        with pytest.raises(ValueError, match=r"\(group 1\) are options of the workshop form"):
+            opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(2))], **extra})
+    assert len(opt.param_groups) == 1
+    MAdam([torch.nn.Parameter(torch.randn(2))], form="workshop").add_param_group(
+        {"params": [torch.nn.Parameter(torch.randn(2))], "w_max": 1.0, "cap": 0.5})
 
 
 def test_build_optimizer_refuses_low_precision_masters_declared_over_fp32_parameters():

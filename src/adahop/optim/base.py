@@ -174,6 +174,14 @@ class MasterOptimizer(torch.optim.Optimizer):
         if saved_rule and saved_rule != {self.algorithm}:
             raise ValueError(f"{name}.load_state_dict: the states are of the {sorted(saved_rule)[0]!r} update rule, this "
                              f"optimizer runs {self.algorithm!r}; load them into the optimizer (and M+Adam form) that saved them")
+        for i, g in enumerate(sd["param_groups"]):  # torch's groups: their flags replace ours, and no step reads them
+            flags = [k for k in ("maximize", "amsgrad") if g.get(k)]
+            if g.get("decoupled_weight_decay") is False and g.get("weight_decay", 0):
+                flags.append("decoupled_weight_decay=False (torch.optim.Adam's L2 weight decay)")
+            if flags:
+                raise ValueError(f"{name}.load_state_dict: saved param group {i} has {', '.join(flags)}, which this "
+                                 f"optimizer's update does not do (it would continue silently without it); resume with "
+                                 f"the torch optimizer that saved them")
         for saved in sd["state"].values():
             have = {k for k, v in saved.items() if torch.is_tensor(v) and k != "step"}
             if have != want:

@@ -50,9 +50,13 @@ class MAdam(MasterOptimizer):
         self.form = form
         super().__init__(params, lr, betas, eps, weight_decay, mul_lr_scale=mul_lr_scale, tau=tau, cap=cap,
                          w_max=w_max, **kw)
-        if form != "workshop":  # the arXiv forms' update reads neither: a clamp asked for would silently not happen
-            for i, g in enumerate(self.param_groups):
-                if g.get("w_max") is not None or g.get("cap") not in (None, 1.0):
-                    raise ValueError(f"MAdam(form={form!r}): cap={g.get('cap')!r}, w_max={g.get('w_max')!r} (group {i}) are "
-                                     f"options of the workshop form, which this form's update does not read; use "
-                                     f"form='workshop', or leave cap and w_max at their defaults")
+
+    def _check_group(self, group: dict, index: int) -> None:
+        """The base checks, then (arXiv forms) a ``w_max`` or non-default ``cap`` refused: the arXiv forms' update
+        reads neither, so a clamp asked for would silently not happen. Runs for the constructor's groups and for
+        each ``add_param_group`` (a group added later escaped it)."""
+        super()._check_group(group, index)
+        if self.form != "workshop" and (group.get("w_max") is not None or group.get("cap") not in (None, 1.0)):
+            raise ValueError(f"MAdam(form={self.form!r}): cap={group.get('cap')!r}, w_max={group.get('w_max')!r} (group "
+                             f"{index}) are options of the workshop form, which this form's update does not read; use "
+                             f"form='workshop', or leave cap and w_max at their defaults")
