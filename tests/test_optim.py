@@ -833,6 +833,29 @@ def test_load_state_dict_refuses_torch_groups_whose_flags_change_the_update():
         AdamW([torch.nn.Parameter(torch.ones(4))]).load_state_dict(sd)
 
 
+def test_a_refused_parameter_leaves_every_step_count_as_it_was():
+    """A non-contiguous parameter was refused after its step count had moved: made contiguous as the message says,
+    its first update ran with step 2's bias correction (moved by 0.074·lr, not lr). A complex or FP16 parameter of
+    a group was refused (naming neither it nor a fix) after the group's other parameters had been counted."""
+    t = torch.nn.Parameter(torch.randn(4, 6).t())
+    opt = AdamW([t], lr=0.1, weight_decay=0.0, backend="reference")
+    t.grad = torch.ones(6, 4)
+    with pytest.raises(ValueError, match="not contiguous"):
+        opt.step()
+    t.data = t.data.contiguous()
+    w0 = t.detach().clone()
+    opt.step()
+    assert opt.state[t]["step"] == 1
+    torch.testing.assert_close(t.detach() - w0, torch.full((6, 4), -0.1), rtol=1e-5, atol=0)
+    for dtype in (torch.complex64, torch.float16):
+        q, p = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(3, dtype=dtype))
+        opt = AdamW([q, p], backend="reference")
+        q.grad, p.grad = torch.ones(3), torch.ones(3, dtype=dtype)
+        with pytest.raises(ValueError, match=rf"parameter 1 is {dtype}; the fused step updates float32 or bfloat16"):
+            opt.step()
+        assert not opt.state[q] and not opt.state[p]
+
+
 def test_madam_arxiv_forms_refuse_workshop_options_in_an_added_param_group():
     """The constructor refused cap/w_max under an arXiv form, but add_param_group took them: never read."""
     opt = MAdam([torch.nn.Parameter(torch.randn(2))], form="arxiv")

@@ -241,19 +241,40 @@ class MasterOptimizer(torch.optim.Optimizer):
             base += len(group["params"])
         return loss
 
-    def _general_step(self, group: dict, base: int) -> None:
-        names = STATE_NAMES[self.algorithm]
-        buckets: dict = {}
+    def _check_params(self, group: dict, base: int) -> None:
+        """Refuse, before any state is created or any step counted, a parameter the step cannot update: one
+        replaced by ``convert_master_weights``, a sparse gradient, a dtype other than FP32/BF16 (complex, FP16,
+        FP64), a non-contiguous weight. A refusal after its step count had moved left it one ahead: the first
+        update after the fix ran with the next step's bias correction."""
+        name = type(self).__name__
         for index, p in enumerate(group["params"], base):
             if getattr(p, "_adahop_replaced", None):
-                raise ValueError(f"{type(self).__name__}: parameter {index} was replaced by convert_master_weights(..., "
+                raise ValueError(f"{name}: parameter {index} was replaced by convert_master_weights(..., "
                                  f"{p._adahop_replaced!r}) after this optimizer was built, so the model's packed weight "
                                  "would never train; build the optimizer after convert_master_weights")
             if p.grad is None:
                 continue
             if p.grad.is_sparse:
-                raise ValueError(f"{type(self).__name__}: parameter {index} has a sparse gradient (an Embedding(sparse=True)?), "
+                raise ValueError(f"{name}: parameter {index} has a sparse gradient (an Embedding(sparse=True)?), "
                                  "which the fused step does not take; use a dense one (sparse=False)")
+            if isinstance(p, PackedMaster):
+                continue
+            if p.dtype not in (torch.float32, torch.bfloat16):
+                raise ValueError(f"{name}: parameter {index} is {p.dtype}; the fused step updates float32 or bfloat16 "
+                                 f"masters (a complex parameter as two real ones: torch.view_as_real)")
+            w = _local(p)
+            if not w.is_contiguous():  # the fused step writes the weight in place, element by element
+                raise ValueError(f"{name}: parameter {index} (shape {tuple(p.shape)}, strides {w.stride()}) is "
+                                 f"not contiguous, and the fused step updates it in place; store it contiguous "
+                                 f"(p.data = p.data.contiguous()) before the first step")
+
+    def _general_step(self, group: dict, base: int) -> None:
+        self._check_params(group, base)
+        names = STATE_NAMES[self.algorithm]
+        buckets: dict = {}
+        for index, p in enumerate(group["params"], base):
+            if p.grad is None:
+                continue
             st = self._init_state(p)
             st["step"] += 1
             step = st["step"]
@@ -262,10 +283,6 @@ class MasterOptimizer(torch.optim.Optimizer):
                                   mix_seed(self.seed, "optim", step, index))
                 continue
             w, g = _local(p), _local(p.grad)
-            if not w.is_contiguous():  # the fused step writes the weight in place, element by element
-                raise ValueError(f"{type(self).__name__}: parameter {index} (shape {tuple(p.shape)}, strides {w.stride()}) is "
-                                 f"not contiguous, and the fused step updates it in place; store it contiguous "
-                                 f"(p.data = p.data.contiguous()) before the first step")
             if not g.is_contiguous():
                 g = g.contiguous()
             states = [_local(st[n]) for n in names]
