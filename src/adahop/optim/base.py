@@ -84,7 +84,9 @@ class MasterOptimizer(torch.optim.Optimizer):
     Raises:
         ValueError: a bad hyper-parameter (a non-finite ``lr``/``eps``, ``betas`` not two numbers in [0, 1), a
             negative ``weight_decay``), state dtype, rounding or backend; at ``load_state_dict``, states of another
-            rule or state dtype; at ``step``, a parameter ``convert_master_weights`` replaced after this was built.
+            rule or state dtype, or a torch group with ``maximize``, ``amsgrad`` or L2 decay; at ``step`` (before
+            any step is counted), a parameter ``convert_master_weights`` replaced after this was built, a sparse
+            gradient, a dtype other than FP32/BF16, a non-contiguous weight.
         TypeError: an option the rule does not read (torch's ``maximize``, ``amsgrad``, ``foreach``, ``fused``, a typo).
     """
 
