@@ -632,3 +632,27 @@ def test_a_model_with_nan_weights_is_refused_before_the_calibration(run_dir, tmp
     err = capsys.readouterr().err.splitlines()[-1]
     assert f"{key} holds 3 NaN or inf values of" in err and "use an earlier, finite checkpoint" in err
     assert "--damp" not in err and called == []
+
+
+def test_a_redo_interrupted_mid_write_leaves_no_packed_codes_of_the_earlier_attempt(run_dir, tmp_path, capsys, monkeypatch):
+    """A probe: an attempt killed before ptq.json, redone into the same --out with another method and killed
+    between the BF16 weights and the packed artifact, left config.json and model.safetensors of gptq W4 beside
+    the first attempt's rtn W2 codes; load_packed_model ran those, silently. The redo now clears them first."""
+    from adahop.ptq import export
+
+    q = tmp_path / "q"
+    assert _ptq(run_dir, q, "--method", "rtn", "--bits", "2") == 0
+    (q / "ptq.json").unlink()  # the first attempt, killed after writing the folder
+    capsys.readouterr()
+
+    class Killed(Exception):
+        pass
+
+    def killed(*_a, **_k):
+        raise Killed
+
+    monkeypatch.setattr(export, "save_file", killed)  # the second attempt, killed before the packed artifact
+    with pytest.raises(Killed):
+        _ptq(run_dir, q, "--method", "gptq", "--bits", "4")
+    assert json.loads((q / "config.json").read_text())["adahop_ptq"]["method"] == "gptq"
+    assert not (q / export.PACKED_FILE).exists()

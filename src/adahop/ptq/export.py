@@ -38,8 +38,16 @@ def save_quantized(model, tokenizer, out: Path, layers: dict, meta: dict) -> Non
         layers: ``{name: LayerResult}`` of :func:`adahop.ptq.calibrate.quantize_model`.
         meta: method, bits, quantizer, group size, seed and rotation options; stored in the
             artifact's metadata with each layer's shape, and as ``adahop_ptq`` in config.json.
+
+    The weights an earlier, interrupted attempt left in ``out`` (`adahop ptq` redoes a folder of its own without
+    ``ptq.json``) are removed first: a second interruption mid-write then leaves a folder that fails to load,
+    never this attempt's config and weights beside the last attempt's packed codes (which
+    :func:`adahop.ptq.load_packed_model` would run, silently another method or width). Its config.json stays
+    until ``save_pretrained`` replaces it, so that the folder is still known as ours and may be redone.
     """
     out.mkdir(parents=True, exist_ok=True)
+    for stale in [out / PACKED_FILE, out / RESULTS_FILE, *out.glob("*.safetensors"), *out.glob("*.safetensors.index.json")]:
+        stale.unlink(missing_ok=True)
     cfg = model.config
     if hasattr(cfg, "adahop"):  # a run folder's training section: this folder is no run folder
         delattr(cfg, "adahop")
