@@ -656,3 +656,19 @@ def test_a_redo_interrupted_mid_write_leaves_no_packed_codes_of_the_earlier_atte
         _ptq(run_dir, q, "--method", "gptq", "--bits", "4")
     assert json.loads((q / "config.json").read_text())["adahop_ptq"]["method"] == "gptq"
     assert not (q / export.PACKED_FILE).exists()
+
+
+def test_eval_of_a_ptq_folders_train_split_keeps_evals_defaults(run_dir, tmp_path, capsys):
+    """A probe: `adahop eval PTQ_FOLDER --data D --split train` scored only the --eval-batches the folder's val
+    perplexity was scored on (2 batches here), where a run folder's train split is scored whole; --help says
+    the folder's batches are for its val perplexity."""
+    from adahop.cli import main
+
+    q = tmp_path / "q"
+    assert _ptq(run_dir, q, "--method", "rtn", "--bits", "4", "--skip-baseline") == 0
+    data = json.loads((run_dir / "config.json").read_text())["adahop"]["data_dir"]
+    out = tmp_path / "e.json"
+    assert main(["eval", str(q), "--tasks", "none", "--data", data, "--split", "train", "--out", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert got["settings"]["batch_size"] == 8 and got["settings"]["eval_batches"] is None
+    assert got["perplexity"]["batches"] > 2

@@ -114,7 +114,8 @@ def run(args: argparse.Namespace) -> dict:
     ptq_meta = getattr(loaded.model.config, "adahop_ptq", None) or {}
     # score the windows the model's own number was of: those `adahop ptq` printed its perplexity of, or those a
     # run's val_loss was (its --batch-size and --eval-batches; validation walks the split in order, on any world size)
-    scored_as = ptq_meta or ((loaded.run_config or {}) if args.data is not None and args.split == "val" else {})
+    # (the val split only: on the train split neither scored anything, and its whole split is eval's default)
+    scored_as = (ptq_meta or loaded.run_config or {}) if args.data is not None and args.split == "val" else {}
     if args.data is not None and scored_as:
         if args.batch_size is None:
             args.batch_size = scored_as.get("batch_size")
