@@ -672,3 +672,20 @@ def test_eval_of_a_ptq_folders_train_split_keeps_evals_defaults(run_dir, tmp_pat
     got = json.loads(out.read_text())
     assert got["settings"]["batch_size"] == 8 and got["settings"]["eval_batches"] is None
     assert got["perplexity"]["batches"] > 2
+
+
+def test_a_second_ptq_into_an_out_being_written_is_refused(run_dir, tmp_path, capsys):
+    """A probe: two `adahop ptq` into one --out both printed "wrote DIR" and exited 0; the folder held the
+    last one's model (and ptq.json), the first one's user told otherwise. The run now holds DIR/.lock."""
+    from adahop.utils import lock_folder
+
+    q = tmp_path / "q"
+    held = lock_folder(q, "adahop ptq")  # another `adahop ptq` writing q
+    try:
+        assert _ptq(run_dir, q, "--method", "rtn", "--bits", "4", "--skip-baseline") == 2
+        assert "another adahop ptq is writing" in capsys.readouterr().err
+        assert not (q / "ptq.json").exists()
+    finally:
+        held.close()
+    assert _ptq(run_dir, q, "--method", "rtn", "--bits", "4", "--skip-baseline") == 0  # its own .lock is no stray file
+    assert (q / "ptq.json").exists()

@@ -135,8 +135,9 @@ def _check(args) -> None:
     if (out / "config.json").is_file() and not ours:
         raise ValueError(f"--out {out} holds another model or run (its config.json is not one `adahop ptq` wrote), "
                          f"which the quantized folder would overwrite; pass a new --out")
-    if out.is_dir() and not ours and any(out.iterdir()):  # e.g. the --calib-data folder, or a model without config.json
-        names = ", ".join(sorted(p.name for p in out.iterdir())[:4])
+    held = [p for p in out.iterdir() if p.name != ".lock"] if out.is_dir() else []  # .lock: an `adahop ptq`'s own
+    if not ours and held:  # e.g. the --calib-data folder, or a model without config.json
+        names = ", ".join(sorted(p.name for p in held)[:4])
         raise ValueError(f"--out {out} already holds files ({names}, ...) that the quantized folder could overwrite; "
                          f"pass a new or empty --out")
     source = _read_config(model / "config.json").get("adahop_ptq")
@@ -162,7 +163,10 @@ def _data(args, run_config: dict | None) -> Path:
 
 
 def run(args: argparse.Namespace) -> dict:
-    """Run `adahop ptq`; returns the results written to ``DIR/ptq.json``. Raises ValueError for bad input.
+    """Run `adahop ptq`; returns the results written to ``DIR/ptq.json``. Raises ValueError for bad input, and
+    for an ``--out`` another `adahop ptq` is writing (``DIR/.lock``, held from the end of the checks to the end:
+    two into one folder each printed "wrote DIR", and the folder held the last one's model under the first
+    one's numbers, or a mix).
 
     ``baseline`` (which Δ ppl is against) is the perplexity of the unquantized model rounded to BF16,
     ``baseline_fp32`` that of the model as loaded; both None with ``--skip-baseline``.
@@ -172,17 +176,12 @@ def run(args: argparse.Namespace) -> dict:
 
     make_grid(args.quantizer, args.bits, args.group_size)  # a bad combination fails before anything loads
     tasks = _tasks(args)  # so do unknown tasks, a missing lm-eval or task data: not after hours of quantization
-    import torch
-
     from ..eval.model import load_model
-    from ..eval.perplexity import DATA_SETTINGS, check_same_tokenizer, perplexity
-    from ..train.export import git_revision
+    from ..eval.perplexity import check_same_tokenizer
     from ..train.setup import resolve_device
-    from ..utils import atomic_write_text
-    from .calibrate import calibration_batches, quantize_model
-    from .export import PACKED_FILE, RESULTS_FILE, save_quantized
+    from .calibrate import calibration_batches
     from .fit import FitOptions
-    from .quantize import RotationOptions, fit_block, quantize_layer
+    from .quantize import RotationOptions
 
     fit_opts = FitOptions(steps=args.harp_steps, lr=args.harp_lr, hbd_lambda=args.hbd_lambda, hbd_block=args.hbd_block)
     rot_opts = RotationOptions(radix=args.radix, max_radix=args.max_radix, passes=args.passes, mixer=args.mixer,
@@ -232,6 +231,33 @@ def run(args: argparse.Namespace) -> dict:
     if args.calib_tokens is None:  # RTN reads no Hessian: one batch carries the blocks' inputs forward, and fits any split
         args.calib_tokens = args.batch_size * seq_len if args.method in HESSIAN_FREE else DEFAULT_CALIB_TOKENS
     batches = calibration_batches(data, tokens=args.calib_tokens, seq_len=seq_len, batch_size=args.batch_size, seed=args.seed)
+    from ..utils import lock_folder
+
+    lock = lock_folder(Path(args.out), "adahop ptq")  # every refusal is behind: only now may --out be created
+    try:
+        _check(args)  # again under the lock: another `adahop ptq` may have finished into --out since the first check
+        return _quantize_and_write(args, t_start, loaded, data, seq_len, batches, tasks, device, bf16, left,
+                                   fit_opts, rot_opts)
+    finally:
+        if lock is not None:
+            lock.close()
+
+
+def _quantize_and_write(args, t_start, loaded, data, seq_len, batches, tasks, device, bf16, left, fit_opts,
+                        rot_opts) -> dict:
+    """The rest of :func:`run` once every check passed and ``--out`` is locked: baseline, quantization, export."""
+    import torch
+
+    from ..eval.model import load_model
+    from ..eval.perplexity import DATA_SETTINGS, perplexity
+    from ..train.export import git_revision
+    from ..utils import atomic_write_text
+    from .calibrate import quantize_model
+    from .export import PACKED_FILE, RESULTS_FILE, save_quantized
+    from .grids import make_grid
+    from .quantize import fit_block, quantize_layer
+
+    model, rc = loaded.model, loaded.run_config or {}
 
     def ppl(m):
         with torch.no_grad():
