@@ -77,6 +77,25 @@ def test_ctrl_c_then_resume_is_bit_exact(data_dir, tmp_path, single_thread, monk
         train(dataclasses.replace(split, resume=True))
 
 
+def test_a_resume_that_runs_no_step_keeps_the_measured_numbers(data_dir, tmp_path, single_thread, monkeypatch):
+    """A finished run whose export was lost (a full disk at the export says: --resume) resumed at its last step:
+    no step ran, and the summary (so `adahop compare`'s table) gave tokens/s null, 0 bytes saved for backward
+    and the peak memory of a process that only loaded, validated and exported."""
+    import adahop.train.loop as loop
+
+    cfg = _cfg(data_dir, tmp_path / "r", recipe="mxfp4", steps=6, ckpt_every=0, eval_every=3)
+    first = train(cfg)
+    assert first["tok_per_s"] and first["saved_bytes"] > 0
+    (tmp_path / "r" / "model.safetensors").unlink()
+    monkeypatch.setattr(loop, "peak_memory", lambda device: 1)  # the resuming process's own peak: not the run's
+    again = train(dataclasses.replace(cfg, resume=True))
+    assert (tmp_path / "r" / "model.safetensors").exists()
+    for k in ("tok_per_s", "peak_memory_bytes", "saved_bytes", "saved_bytes_bf16"):
+        assert again[k] == first[k], k
+    assert json.loads((tmp_path / "r" / "summary.json").read_text())["tok_per_s"] == first["tok_per_s"]
+    assert again["final_val_loss"] == first["final_val_loss"] and again["steps"] == 6
+
+
 def test_a_resume_that_runs_no_step_validates_at_its_last_step(data_dir, tmp_path, single_thread, monkeypatch, capsys):
     """Stopped by SIGTERM at step 3 (a checkpoint, as Ctrl-C gives), resumed with --steps 3: no step ran, and the
     summary's final val loss was step 2's."""

@@ -201,6 +201,22 @@ def _schedule_steps(cfg: TrainConfig, meta: dict | None, saved_steps: int | None
     return new
 
 
+#: summary.json keys measured while steps run: a process that ran none (a resume at the run's last step) has none
+MEASURED_KEYS = ("tok_per_s", "peak_memory_bytes", "peak_memory_bytes_per_rank", "saved_bytes", "saved_bytes_bf16")
+
+
+def _measured_before(run: Path, done: int) -> dict:
+    """The :data:`MEASURED_KEYS` of ``run``'s summary.json when it was written at step ``done`` (the steps that
+    measured them), else {}. A resume that ran no step measured nothing: it loaded, validated and exported, so
+    its own peak memory, tokens/s (null) and saved bytes (0) would replace the training's in the summary and in
+    `adahop compare`'s table. Raises nothing (an unreadable summary gives {})."""
+    try:
+        old = json.loads((run / "summary.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: old[k] for k in MEASURED_KEYS if k in old} if old.get("steps") == done else {}
+
+
 def _fmt_time(seconds: float) -> str:
     m, s = divmod(round(seconds), 60)
     h, m = divmod(m, 60)
@@ -428,6 +444,8 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
                    device=str(device), interrupted=stop["now"], optimizer=cfg.optimizer, master_weights=cfg.master_weights,
                    optimizer_states=cfg.optimizer_states, master_rounding=getattr(opt, "rounding", None),
                    **memory_bytes(model, opt))  # bytes of this rank's shards
+    if done == start and start:  # a resume that ran no step (its export had failed, or Ctrl-C came in the last step)
+        summary.update(_measured_before(run, done))
     if is_main:
         (run / "summary.json").write_text(json.dumps(summary, indent=1))
         metrics.plot(run / "loss.png", title=f"{cfg.recipe} on {cfg.model}")
