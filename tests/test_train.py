@@ -983,10 +983,13 @@ def test_resume_with_more_steps_keeps_the_lr_schedule_unless_rescheduled(data_di
     train(cfg)
     assert "estimate: " in capsys.readouterr().out  # once 3 steps are timed
     s = train(dataclasses.replace(cfg, resume=True, steps=8))
+    out = capsys.readouterr().out
     assert ("--resume: keeping the run's lr schedule (cosine decay ending at step 6; steps 7..8 run at its final lr "
-            "0.0003); pass --reschedule to fit the decay to --steps 8") in capsys.readouterr().out
+            "0.0003); pass --reschedule to fit the decay to --steps 8") in out
     lrs = {r["step"]: r["lr"] for r in read_metrics(run / "metrics.jsonl") if "lr" in r}
     assert lrs[7] == lrs[8] == pytest.approx(3e-4) and s["lr_schedule_steps"] == 6
+    # the start-up line gives the lr of the step that ends this run (step 8: the final 3e-4), not of step 6's
+    assert "cosine decay toward 0.1 x --lr 0.003 over 6 steps (its last step runs at lr 0.0003)" in out
     s = train(dataclasses.replace(cfg, resume=True, steps=10, reschedule=True))
     assert "--reschedule: the cosine decay now ends at step 10 instead of 6" in capsys.readouterr().out
     lrs = {r["step"]: r["lr"] for r in read_metrics(run / "metrics.jsonl") if "lr" in r}

@@ -428,7 +428,7 @@ def startup_summary(cfg: TrainConfig, model: torch.nn.Module, recipe, train: Tok
               f"  tokens per step {per_step:,} (--batch-size {cfg.batch_size} x --seq-len {cfg.seq_len}); "
               f"{cfg.steps * per_step:,} tokens in all = {epochs_of(cfg, train):.2f} epochs over the training split",
               f"  lr schedule     warm-up {cfg.warmup_steps} steps, cosine decay toward {cfg.min_lr_ratio:g} x --lr {cfg.lr:g} "
-              f"over {schedule_steps} steps (its last step runs at lr {lr_at(cfg, schedule_steps - 1, schedule_steps):.3g})"
+              f"over {schedule_steps} steps (its last step runs at lr {lr_at(cfg, cfg.steps - 1, schedule_steps):.3g})"
               + _short_run_note(cfg, schedule_steps),
               f"  GEMMs of {recipe.name}:"]
     lines += ["    " + line for line in gemm_table(recipe).splitlines()]
