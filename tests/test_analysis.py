@@ -401,6 +401,36 @@ def test_run_folder_continues_from_its_checkpoint(data_dir, tmp_path, single_thr
         run(_args("--run", str(run_dir), "--steps", "2", "--device", "cpu", "--out", str(tmp_path / "an2")))
 
 
+def test_run_folder_continues_with_the_runs_own_lr_schedule(data_dir, tmp_path, single_thread):
+    """A run resumed with another --steps keeps its schedule (state.json's schedule_steps), while config.json
+    records the new --steps: analyze --run took the lr from config.json's, so its steps were not the ones
+    `adahop train --resume` takes (here the final lr at once, against the cosine's 4.5x higher one)."""
+    import dataclasses
+    import shutil
+
+    from adahop.train import TrainConfig, train
+    from adahop.train.metrics import read_metrics
+
+    run_dir = tmp_path / "runs" / "short"
+    cfg = TrainConfig(recipe="bf16", model="llama-tiny", data=str(data_dir), seq_len=32, batch_size=4, steps=8,
+                      warmup_steps=1, device="cpu", eval_every=0, ckpt_every=4, log_every=1, out=str(run_dir))
+    train(cfg)
+    shutil.rmtree(run_dir / "checkpoints" / "step_0000008")
+    (run_dir / "model.safetensors").unlink()
+    train(dataclasses.replace(cfg, resume=True, steps=5))  # keeps the schedule of 8 steps; config.json says 5
+    longer = tmp_path / "runs" / "longer"
+    shutil.copytree(run_dir, longer)
+    cfg_json = longer / "config.json"
+    cfg_json.write_text(cfg_json.read_text().replace(str(run_dir), str(longer)))
+    train(dataclasses.replace(cfg, out=str(longer), resume=True, steps=7))
+    want = {r["step"]: r["loss"] for r in read_metrics(longer / "metrics.jsonl") if "loss" in r}
+    out = tmp_path / "an_short"
+    run(_args("--run", str(run_dir), "--steps", "2", "--calib-steps", "1", "--device", "cpu", "--gain-layers", "1",
+              "--out", str(out)))
+    got = [loss for _, loss in json.loads((out / "analysis.json").read_text())["losses"]]
+    assert got == [want[6], want[7]]  # step 7's loss follows step 6's update, at the schedule's lr
+
+
 def test_synthetic_writes_figure3(tmp_path, single_thread):
     pytest.importorskip("adahop.analysis.synthetic")
     out = tmp_path / "syn"

@@ -230,6 +230,16 @@ def _load_checkpoint(ck: Path, model: torch.nn.Module, opt: torch.optim.Optimize
     return int(meta.get("step", int(ck.name.split("_")[-1])))
 
 
+def _schedule_steps(ck: Path | None, cfg: TrainConfig) -> int:
+    """The step at which the lr schedule that ``adahop train`` would continue from checkpoint ``ck`` ends: its
+    ``schedule_steps`` (state.json), which differs from config.json's --steps after a resume that kept the run's
+    schedule (a longer or shorter --steps without --reschedule); ``cfg.steps`` without a checkpoint or that key.
+    Raises nothing (an unreadable state.json is read by :func:`_load_checkpoint` first, which raises)."""
+    if ck is None or not (ck / "state.json").exists():
+        return cfg.steps
+    return json.loads((ck / "state.json").read_text()).get("schedule_steps") or cfg.steps
+
+
 def _run_model(args, out: Path) -> dict[str, Path]:
     # ---- setup ---------------------------------------------------------------------------------
     if args.steps < 1:
@@ -245,6 +255,7 @@ def _run_model(args, out: Path) -> dict[str, Path]:
     convert_master_weights(model, cfg.master_weights)  # --master-weights, as `adahop train` stores them
     opt = build_optimizer(cfg, model)
     start = _load_checkpoint(ck, model, opt) if ck is not None else 0
+    schedule = _schedule_steps(ck, cfg)
     steps = args.steps
     detector = CalibSpec(table=args.table, steps=args.calib_steps, threshold=args.threshold, rule=args.rule,
                          floor=args.floor, min_peak=args.min_peak)
@@ -268,7 +279,7 @@ def _run_model(args, out: Path) -> dict[str, Path]:
     for i in tqdm(range(steps), desc="analyze", disable=None, dynamic_ncols=True):
         step, s = start + i, i + 1  # global optimizer step (lr, data); analysis step (records)
         for g in opt.param_groups:
-            g["lr"] = lr_at(cfg, step)
+            g["lr"] = lr_at(cfg, step, schedule)
         if s in todo:
             rec.start(s, capture=s == recorded[-1])
         x, y = train_s.batch(step)
