@@ -906,3 +906,36 @@ def test_a_checkpoint_pruned_while_eval_reads_it_is_read_again_from_the_newest(r
     monkeypatch.setattr(em, "_load_weights", lambda model, path: (_ for _ in ()).throw(FileNotFoundError(2, "gone")))
     with pytest.raises(ValueError, match="its checkpoints changed while they were read twice"):
         load_model(run_dir, device=torch.device("cpu"))
+
+
+def test_other_text_is_tokenized_with_the_runs_tokenizer_for_a_bpe_vocab_and_a_tiktoken_run(tmp_path, monkeypatch):
+    """`adahop eval/ptq RUN --data OTHER_TEXT` of a run trained with --vocab-size 512 failed with "--vocab-size 512 is
+    for --tokenizer bpe ... drop --vocab-size" (a flag eval and ptq do not have); of a run trained with a tiktoken
+    tokenizer it was refused as "another tokenizer" (tiktoken's fingerprint against the tokenizer.json's, two kinds),
+    and so was the fix it named (--tokenizer hf:RUN). Both now prepare the text with the run's own ids, a literal
+    <|endoftext|> included (plain text under tiktoken)."""
+    gpt2 = Path(__file__).resolve().parents[2] / "shared" / "data" / "gpt2.tiktoken"
+    if not gpt2.is_file():
+        pytest.skip("../shared/data not present")
+    import dataclasses
+
+    from adahop.data import Manifest, load_tokenizer
+    from adahop.eval.perplexity import check_same_tokenizer, prepared_data
+    from adahop.train import train
+
+    monkeypatch.setenv("ADAHOP_CACHE", str(tmp_path / "cache"))
+    own, other = tmp_path / "own.txt", tmp_path / "other.txt"
+    import lzma
+
+    with lzma.open(gpt2.with_name("corpus_small.txt.xz"), "rt", encoding="utf-8") as f:
+        text = f.read(300_000)
+    own.write_text(text[:150_000])
+    other.write_text(text[150_000:].replace("\n\n", "\n\n<|endoftext|>", 50) + "naïve café 😀\n")
+    for i, (tok, vocab) in enumerate((("bpe", 512), (f"tiktoken:{gpt2}", 8192))):
+        run = tmp_path / f"run{i}"
+        train(dataclasses.replace(_run_cfg(own, run), tokenizer=tok, vocab_size=vocab, val_fraction=0.05))
+        section = json.loads((run / "config.json").read_text())["adahop"]
+        data = prepared_data(str(other), section["config"], run)
+        check_same_tokenizer(data, run, Manifest.load(section["data_dir"]).tokenizer.vocab_size)
+        s = "x a<|endoftext|>b café"
+        assert Manifest.load(data).load_tokenizer(data).encode(s) == load_tokenizer(section["data_dir"]).encode(s), tok

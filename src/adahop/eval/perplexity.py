@@ -66,13 +66,18 @@ def prepared_data(data: str, run_config: dict | None, model_dir: str | Path | No
     kw = {k: rc[k] for k in DATA_SETTINGS if k != "data" and k in rc}
     own_tok = Path(model_dir) / "tokenizer.json" if model_dir is not None else None
     if rc.get("data") != data and own_tok is not None and own_tok.is_file():
-        kw["tokenizer"] = f"bpe:{own_tok.resolve()}"  # the name a manifest records for a tokenizer.json
+        kw.pop("vocab_size", None)  # the model's tokenizer brings its own (resolve_data refuses one beside it)
+        # a tiktoken run's tokenizer.json matches a literal <|endoftext|> as EOS, which its data holds as text:
+        # through transformers (the folder's split_special_tokens) it gives the data's ids
+        kw["tokenizer"] = (f"hf:{Path(model_dir).resolve()}" if _tiktoken_kind(rc.get("tokenizer"), _run_tokenizer_name(Path(model_dir)))
+                           else f"bpe:{own_tok.resolve()}")  # the name a manifest records for a tokenizer.json
         if (kept := _kept_data(data, Path(model_dir), kw["tokenizer"])) is not None:
             return kept
     elif rc.get("data") != data and model_dir is not None:
         # a model's tokenizer in another form (vocab.json + merges.txt, SentencePiece): through transformers.
         # Never a BPE trained on the text: its ids would mean other tokens than the model's
         if any((Path(model_dir) / f).is_file() for f in _TOKENIZER_FILES):
+            kw.pop("vocab_size", None)
             kw["tokenizer"] = f"hf:{Path(model_dir).resolve()}"
         elif not rc:
             raise ValueError(f"--data {data}: {model_dir} holds no tokenizer to tokenize the text with; pass a folder "
@@ -134,6 +139,10 @@ def check_same_tokenizer(data_dir: Path, model_dir: Path, vocab_size: int, flag:
         raise ValueError(f"{flag} {data_dir}: its tokenizer has {m.tokenizer.vocab_size} tokens, the model only "
                          f"{vocab_size}; prepare the data with the model's tokenizer (--tokenizer hf:{model_dir})")
     run = _run_tokenizer(Path(model_dir))  # an adahop run records its data's tokenizer fingerprint
+    if run is not None and _tiktoken_kind(run[2]) != _tiktoken_kind(m.tokenizer.name):
+        # fingerprints of two kinds (tiktoken's hashes token bytes, the tokenizers library's its JSON) never match: the
+        # run folder's own tokenizer, as transformers loads it, is the reference (None for tiktoken data: not compared)
+        run = (None if _tiktoken_kind(m.tokenizer.name) else _hf_fingerprint(Path(model_dir)), run[1], run[2])
     if run is not None and run[0] and m.tokenizer.sha256 and run[0] != m.tokenizer.sha256:
         own = f"pass the run's own data ({flag} {run[1]}), or " if run[1] else ""
         raise ValueError(f"{flag} {data_dir} was tokenized with {m.tokenizer.name}, another tokenizer than the one "
@@ -168,8 +177,9 @@ def _hf_fingerprint(model_dir: Path) -> str | None:
         return None
 
 
-def _run_tokenizer(model_dir: Path) -> tuple[str | None, str | None] | None:
-    """(tokenizer fingerprint, data folder) an adahop run's config.json records, or None for other models."""
+def _run_tokenizer(model_dir: Path) -> tuple[str | None, str | None, str | None] | None:
+    """(tokenizer fingerprint, data folder, tokenizer name) an adahop run's config.json records, or None for
+    other models."""
     from ..train.export import read_run_section
 
     try:
@@ -178,7 +188,22 @@ def _run_tokenizer(model_dir: Path) -> tuple[str | None, str | None] | None:
         return None
     if not section:
         return None
-    return section.get("data_identity", {}).get("tokenizer", {}).get("sha256"), section.get("data_dir")
+    tok = section.get("data_identity", {}).get("tokenizer", {})
+    return tok.get("sha256"), section.get("data_dir"), tok.get("name")
+
+
+def _run_tokenizer_name(model_dir: Path) -> str | None:
+    """The data tokenizer's name an adahop run recorded (``bpe``, ``tiktoken:PATH``, ...), or None."""
+    run = _run_tokenizer(model_dir)
+    return None if run is None else run[2]
+
+
+def _tiktoken_kind(*names: str | None) -> bool:
+    """Whether any of these tokenizer names (``--tokenizer`` values, as a manifest records them) is tiktoken's:
+    ``gpt2``, ``tiktoken:PATH`` or a ``.tiktoken`` file. Its fingerprint is of another kind than a ``tokenizers``
+    one (:meth:`adahop.data.tokenizer.Tokenizer.fingerprint`), so the two are never compared."""
+    return any(isinstance(n, str) and (n == "gpt2" or n.startswith("tiktoken:") or n.endswith(".tiktoken"))
+               for n in names)
 
 
 def _text_to_ids(path: Path) -> list:
