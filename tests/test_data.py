@@ -723,3 +723,13 @@ def test_an_archive_named_as_a_source_is_refused_not_read_as_text(tmp_path):
         with pytest.raises(ValueError, match=rf"{name}: an archive or a compression adahop does not read; unpack or decompress it"):
             resolve_sources(str(tmp_path / name))
     assert [s.kind for s in resolve_sources(str(text))] == ["text"]
+
+
+def test_a_jsonl_line_with_a_lone_surrogate_escape_is_refused_naming_its_line(tmp_path):
+    # json.loads turns "\ud800" into a lone surrogate; prepare failed in the BPE trainer (or the byte count) with
+    # "'utf-8' codec can't encode character '\ud800' ... surrogates not allowed", naming neither file nor line
+    rows = [{"text": f"document {i}: some ordinary words to tokenize. " * 20} for i in range(40)]
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"text": "half a pair \\ud800 here"}\n')
+    with pytest.raises(ValueError, match=r"docs.jsonl, line 41: field 'text' holds a lone surrogate \(\\ud800"):
+        prepare([str(src)], tmp_path / "out", tokenizer="bpe", vocab_size=300, val_fraction=0.1)

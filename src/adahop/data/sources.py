@@ -17,8 +17,8 @@ Supported specs:
   :mod:`adahop.data.default_corpus`.
 
 Plain text is read with universal newlines (``\\r\\n`` becomes ``\\n``) and a UTF-8 BOM is dropped.
-Every read error (truncated archive, invalid UTF-8, a JSONL line that is not JSON, a missing
-column) is raised as ``ValueError`` naming the file (and line, for JSONL).
+Every read error (truncated archive, invalid UTF-8, a JSONL line that is not JSON or holds a lone
+surrogate escape such as ``"\\ud800"``, a missing column) is raised as ``ValueError`` naming the file (and line, for JSONL).
 """
 
 from __future__ import annotations
@@ -232,6 +232,12 @@ class FileSource(Source):
                     raise ValueError(f"{self.path}, line {lineno}: no string field {text_field!r}; "
                                      "prepare it with `adahop data prepare --source ... --text-field NAME --out DIR`, "
                                      "then train with --data DIR")
+                try:  # JSON's \ud800-style escapes may leave a lone surrogate, which no tokenizer encodes
+                    text.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    raise ValueError(f"{self.path}, line {lineno}: field {text_field!r} holds a lone surrogate "
+                                     f"(\\u{ord(text[e.start]):04x}, an escape of half a UTF-16 pair), which is no "
+                                     "text; fix or drop that line") from None
                 if text:
                     yield iter((text,))
 
