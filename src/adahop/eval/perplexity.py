@@ -67,9 +67,9 @@ def prepared_data(data: str, run_config: dict | None, model_dir: str | Path | No
     own_tok = Path(model_dir) / "tokenizer.json" if model_dir is not None else None
     if rc.get("data") != data and own_tok is not None and own_tok.is_file():
         kw.pop("vocab_size", None)  # the model's tokenizer brings its own (resolve_data refuses one beside it)
-        # a tiktoken run's tokenizer.json matches a literal <|endoftext|> as EOS, which its data holds as text:
+        # a tiktoken run's tokenizer.json alone matches a literal <|endoftext|> as EOS, which its data holds as text:
         # through transformers (the folder's split_special_tokens) it gives the data's ids
-        kw["tokenizer"] = (f"hf:{Path(model_dir).resolve()}" if _tiktoken_kind(rc.get("tokenizer"), _run_tokenizer_name(Path(model_dir)))
+        kw["tokenizer"] = (f"hf:{Path(model_dir).resolve()}" if _splits_special_tokens(Path(model_dir))
                            else f"bpe:{own_tok.resolve()}")  # the name a manifest records for a tokenizer.json
         if (kept := _kept_data(data, Path(model_dir), kw["tokenizer"])) is not None:
             return kept
@@ -192,10 +192,14 @@ def _run_tokenizer(model_dir: Path) -> tuple[str | None, str | None, str | None]
     return tok.get("sha256"), section.get("data_dir"), tok.get("name")
 
 
-def _run_tokenizer_name(model_dir: Path) -> str | None:
-    """The data tokenizer's name an adahop run recorded (``bpe``, ``tiktoken:PATH``, ...), or None."""
-    run = _run_tokenizer(model_dir)
-    return None if run is None else run[2]
+def _splits_special_tokens(model_dir: Path) -> bool:
+    """Whether the transformers tokenizer of ``model_dir`` reads special tokens in text as plain text
+    (``split_special_tokens`` in its tokenizer_config.json, as a tiktoken run's export sets it), which its
+    tokenizer.json loaded alone does not. Raises nothing (False when the file is missing or unreadable)."""
+    try:
+        return json.loads((model_dir / "tokenizer_config.json").read_text()).get("split_special_tokens") is True
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _tiktoken_kind(*names: str | None) -> bool:
