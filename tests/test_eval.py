@@ -939,3 +939,11 @@ def test_other_text_is_tokenized_with_the_runs_tokenizer_for_a_bpe_vocab_and_a_t
         check_same_tokenizer(data, run, Manifest.load(section["data_dir"]).tokenizer.vocab_size)
         s = "x a<|endoftext|>b café"
         assert Manifest.load(data).load_tokenizer(data).encode(s) == load_tokenizer(section["data_dir"]).encode(s), tok
+    # a folder holding only the tiktoken run's tokenizer files (as an `adahop ptq` output does) read the literal
+    # <|endoftext|> as EOS through its tokenizer.json alone: 50256 where the run's data has text ids
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (bare / f).write_bytes((run / f).read_bytes())
+    data = prepared_data(str(other), {}, bare)
+    assert Manifest.load(data).load_tokenizer(data).encode(s) == load_tokenizer(section["data_dir"]).encode(s)
