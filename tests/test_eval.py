@@ -947,3 +947,7 @@ def test_other_text_is_tokenized_with_the_runs_tokenizer_for_a_bpe_vocab_and_a_t
         (bare / f).write_bytes((run / f).read_bytes())
     data = prepared_data(str(other), {}, bare)
     assert Manifest.load(data).load_tokenizer(data).encode(s) == load_tokenizer(section["data_dir"]).encode(s)
+    # the other way round, the BPE run's model against the tiktoken run's data, stays refused (the vocabulary size
+    # passed large, so that only the tokenizers' identity is checked)
+    with pytest.raises(ValueError, match="another tokenizer than the one"):
+        check_same_tokenizer(Path(section["data_dir"]), tmp_path / "run0", 1 << 20)

@@ -139,10 +139,12 @@ def check_same_tokenizer(data_dir: Path, model_dir: Path, vocab_size: int, flag:
         raise ValueError(f"{flag} {data_dir}: its tokenizer has {m.tokenizer.vocab_size} tokens, the model only "
                          f"{vocab_size}; prepare the data with the model's tokenizer (--tokenizer hf:{model_dir})")
     run = _run_tokenizer(Path(model_dir))  # an adahop run records its data's tokenizer fingerprint
-    if run is not None and _tiktoken_kind(run[2]) != _tiktoken_kind(m.tokenizer.name):
-        # fingerprints of two kinds (tiktoken's hashes token bytes, the tokenizers library's its JSON) never match: the
-        # run folder's own tokenizer, as transformers loads it, is the reference (None for tiktoken data: not compared)
-        run = (None if _tiktoken_kind(m.tokenizer.name) else _hf_fingerprint(Path(model_dir)), run[1], run[2])
+    if run is not None and _tiktoken_kind(run[2]) and not _tiktoken_kind(m.tokenizer.name):
+        # fingerprints of two kinds (tiktoken's hashes token bytes, the tokenizers library's its JSON) never match: for
+        # a tiktoken run's model and data of the tokenizers library (prepared with hf:RUN), the run folder's own
+        # tokenizer, as transformers loads it, is the reference. The other way round (a BPE run, tiktoken data) the
+        # two kinds differ, and are refused below as other tokenizers
+        run = (_hf_fingerprint(Path(model_dir)), run[1], run[2])
     if run is not None and run[0] and m.tokenizer.sha256 and run[0] != m.tokenizer.sha256:
         own = f"pass the run's own data ({flag} {run[1]}), or " if run[1] else ""
         raise ValueError(f"{flag} {data_dir} was tokenized with {m.tokenizer.name}, another tokenizer than the one "
