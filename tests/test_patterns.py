@@ -136,6 +136,15 @@ def test_pattern_stats_do_not_depend_on_the_scale_even_where_squares_overflow_fp
         assert detect_pattern(x * scale) == Pattern.COLUMN, scale
 
 
+def test_a_plan_with_an_unknown_table_is_refused():
+    """A hand-edited plan.json naming a table adahop does not have loaded, and the recipe then re-derived every
+    layer's strategies from its patterns under its own table, dropping the edits with a warning."""
+    plan = {"table": "lv2", "layers": {"l": {"x": "C", "w": "N", "dy": "N", "fprop": "iht", "dgrad": "iht", "wgrad": "iht"}}}
+    assert Plan.from_dict(plan).table == "lv2"
+    with pytest.raises(ValueError, match=r"plan table 'lv3' is not one of \('lv2', 'lv1', 'iht'\)"):
+        Plan.from_dict({**plan, "table": "lv3"})
+
+
 def test_peak_ratios_values():
     t = torch.ones(4, 8)
     t[1] *= 4  # row 1 RMS 4, the others 1: median of (1, 4, 1, 1) is 1

@@ -279,9 +279,12 @@ class Plan:
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":
         """The plan of ``json.loads(plan.to_json())`` (as checkpoints and controller states hold it),
-        its calibration window included. Raises ValueError for a missing key or unknown strategy."""
+        its calibration window included. Raises ValueError for a missing key, an unknown table or strategy."""
         if "table" not in d or "layers" not in d:
             raise ValueError("not an adahop plan: expected keys 'table' and 'layers'")
+        if d["table"] not in STRATEGY_TABLES:  # a hand-edited name: the recipe re-derived every layer's strategies from its patterns, the edits dropped with a warning
+            raise ValueError(f"plan table {d['table']!r} is not one of {tuple(STRATEGY_TABLES)}; the table names how "
+                             "the strategies follow from the voted patterns, so keep the one the plan was frozen with")
         for name, entry in d["layers"].items():
             for g in GEMMS:
                 if entry.get(g) not in STRATEGIES:
