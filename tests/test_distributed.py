@@ -408,3 +408,48 @@ def test_a_checkpoint_written_by_one_rank_keeps_every_ranks_calibration_votes(tm
     load_controller_state(one, state)
     hist = get_controller(one).calibrator.history
     assert all(len(v) == 4 for layer in hist.values() for v in layer.values())  # 2 steps x 2 ranks
+
+
+# ---- a stop signal under torchrun ---------------------------------------------------------------
+def _sigterm_worker(rank: int, world: int, port: int, job: dict) -> None:
+    """One rank of a 2-rank run in which rank 1 gets SIGTERM while it waits in step 3's stop all-reduce (its
+    flag already read: a signal lands there whenever the rank reaches the all-reduce before the others)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    import signal
+
+    import torch.distributed as dist
+
+    from adahop.train import distributed as dp
+
+    calls = {"n": 0}
+
+    def any_rank(flag) -> bool:  # dp.any_rank, with the signal arriving during the collective
+        t = torch.tensor(float(bool(flag)))
+        calls["n"] += 1
+        if rank == 1 and calls["n"] == 3:  # --log-every above --steps: one call per step, this is step 3's
+            os.kill(os.getpid(), signal.SIGTERM)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+    dp.any_rank = any_rank
+    d = dp.init_from_env("cpu")
+    try:
+        train(TrainConfig.from_dict(job), rank=d.rank, world=d.world)
+    finally:
+        dp.shutdown()
+
+
+def test_sigterm_during_the_stop_all_reduce_stops_every_rank_with_a_checkpoint(data_dir, tmp_path):
+    """The handler set the flag the all-reduce then overwrote with its result: the signal was lost (the run
+    printed that it would stop, trained to its last step and exited 0), and one landing later in the step
+    (logging, validation, a checkpoint) sent that rank alone into the checkpoint while the others trained on
+    (a hang). Now every rank stops after step 4, the first step that sees the signal, and checkpoints it."""
+    import torch.multiprocessing as mp
+
+    job = _cfg(data_dir, tmp_path / "run", recipe="bf16", parallel="fsdp", steps=8, eval_every=0, ckpt_every=0, log_every=100)
+    mp.spawn(_sigterm_worker, args=(2, _free_port(), job.to_dict()), nprocs=2, join=True)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["interrupted"] is True and summary["steps"] == 4, summary
+    assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["step_0000004"]

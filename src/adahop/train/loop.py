@@ -157,11 +157,17 @@ def train(cfg: TrainConfig, *, rank: int = 0, world: int = 1) -> dict:
 
 
 def _on_sigint(stop: dict):
-    """SIGINT and SIGTERM handler: the first stops the run after the step (with a checkpoint), the second aborts."""
+    """SIGINT and SIGTERM handler: the first stops the run after the step (with a checkpoint), the second aborts.
+
+    It sets only ``stop["asked"]``; the loop alone sets ``stop["now"]``, the stop step all ranks agreed on (an
+    all-reduce of ``asked`` once per step). The handler set ``now`` itself until 2026-12-06: a signal that
+    landed while a rank waited in that all-reduce was overwritten by its result (the run went on to its last
+    step, exit 0), and one that landed after it (logging, validation, a checkpoint write) sent that rank alone
+    into the checkpoint and out of the loop while the others trained on: a hang or a crash, no checkpoint."""
     def handler(signum, frame):
-        if stop["now"]:  # waiting for a long step to end is what the user refuses now
+        if stop["asked"]:  # waiting for a long step to end is what the user refuses now
             raise KeyboardInterrupt
-        stop["now"] = True
+        stop["asked"] = True
         name = b"Ctrl-C" if signum == signal.SIGINT else b"SIGTERM"
         os.write(2, b"\n" + name + b": stopping after this step and writing a checkpoint; Ctrl-C again aborts at "
                     b"once (the last complete checkpoint stays)\n")  # os.write: print is not safe inside a handler
@@ -294,7 +300,7 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
                       config=cfg.to_dict())
     micro = cfg.batch_size // world // cfg.grad_accum
     tokens_per_step = cfg.batch_size * cfg.seq_len
-    stop = {"now": False}
+    stop = {"now": False, "asked": False}  # asked: by a signal (this rank); now: agreed by all ranks
 
     def validate(step: int) -> None:  # the val loss of the weights after ``step`` steps, into the metrics
         vl = dp.mean_over_ranks(evaluate(model, val_s, device, autocast, cfg.eval_batches, cfg.grad_accum)[0])
@@ -392,7 +398,7 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
                       f"{_fmt_time(clock / timed_steps * (cfg.steps - done))} for the {cfg.steps - done} steps left "
                       f"(validation and checkpoints come on top)")
         last = done == cfg.steps
-        stop["now"] = dp.any_rank(stop["now"])  # all ranks stop (and checkpoint) at the same step
+        stop["now"] = dp.any_rank(stop["asked"])  # all ranks stop (and checkpoint) at the same step
         if done % cfg.log_every == 0 or last or stop["now"]:
             _check_diverged(bad, dead, peak_loss, ceiling, vocab, done, bar, kept)
             tps = timed_tokens / clock if clock else None  # None (null): not measured yet, the first steps are warm-up
