@@ -499,6 +499,27 @@ def test_compare_exits_nonzero_when_a_recipe_fails(monkeypatch, tmp_path):
     assert main(["compare", "--recipes", "bf16", "--out", str(tmp_path / "c")]) == 0
 
 
+def test_under_torchrun_the_first_rank_to_fail_keeps_error_txt(tmp_path, monkeypatch):
+    """Every rank wrote error.txt, so the rank whose peer had failed (its "Connection closed by peer") overwrote
+    the cause that compare shows (probe dist). Under torchrun the first rank to fail writes it, naming itself."""
+    from argparse import Namespace
+
+    from adahop.cli import _leave_error
+
+    args = Namespace(cmd="train", out=str(tmp_path))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    _leave_error(args, "adahop train: error: unexpected RuntimeError: ROOT CAUSE\n\nTraceback ...")
+    monkeypatch.setenv("RANK", "0")
+    _leave_error(args, "adahop train: error: unexpected RuntimeError: Connection closed by peer")
+    lines = (tmp_path / "error.txt").read_text().splitlines()
+    assert lines[:2] == ["adahop train: error: unexpected RuntimeError: ROOT CAUSE", "(rank 1 of 2, the first rank to fail)"]
+    assert lines[3] == "Traceback ..."
+    monkeypatch.setenv("WORLD_SIZE", "1")  # one process: the newest error, as before
+    _leave_error(args, "adahop train: error: another")
+    assert (tmp_path / "error.txt").read_text() == "adahop train: error: another\n"
+
+
 def test_machine_and_folder_errors_name_the_option_and_are_left_in_the_run_folder(data_dir, tmp_path, monkeypatch, capsys):
     from adahop.cli import main
 

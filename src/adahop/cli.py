@@ -7,6 +7,7 @@ errors answer at once; each command imports what it needs when it runs.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -88,7 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _leave_error(args, message: str) -> None:
     """A failed ``train`` leaves its error in ``--out``/error.txt, where ``compare`` points: the
-    one-line ``message`` first (what ``compare`` shows), then any detail (a traceback)."""
+    one-line ``message`` first (what ``compare`` shows), then any detail (a traceback). Under torchrun the
+    first rank to fail writes it and names itself: the others' errors (a peer that closed its connection) come
+    after, and overwrote the cause."""
     if args.cmd != "train" or not getattr(args, "out", None):
         return
     from .train.config import ERROR_FILE
@@ -96,9 +99,14 @@ def _leave_error(args, message: str) -> None:
     out = Path(args.out)
     if (out / "manifest.json").exists() or (out / "ptq.json").exists():  # refused as --out: data, a PTQ folder, not a run's
         return
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world > 1:
+        first, _, rest = message.partition("\n")
+        message = f"{first}\n(rank {os.environ.get('RANK', '?')} of {world}, the first rank to fail)" + (f"\n{rest}" if rest else "")
     try:
-        (out / ERROR_FILE).write_text(message + "\n")
-    except OSError:  # no folder there (or not writable, or the disk is full): stderr already has it
+        with open(out / ERROR_FILE, "x" if world > 1 else "w") as f:  # "x": a later rank's error leaves the first's
+            f.write(message + "\n")
+    except OSError:  # no folder there (or not writable, the disk full, or another rank wrote first): stderr has it
         pass
 
 
