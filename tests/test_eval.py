@@ -639,9 +639,21 @@ def test_more_eval_batches_than_the_split_holds_is_refused_not_capped(run_dir, c
     assert scored_batches(data, "val", seq_len=32, batch_size=4, max_batches=n)[1] == n  # the whole split, asked for
     assert main(["eval", str(run_dir), "--tasks", "none", "--data", data, "--batch-size", "4",
                  "--eval-batches", str(n + 1)]) == 2
+    # on a run folder's val split, dropping --eval-batches scores the run's own 3 batches, not the whole split
     assert capsys.readouterr().err.splitlines()[-1] == (
         f"adahop eval: error: --eval-batches {n + 1}: the val split of {data} holds {n} batch(es) of --batch-size 4 windows "
-        f"of --seq-len + 1 = 33 tokens; pass --eval-batches {n} or fewer, or drop it to score the whole split")
+        f"of --seq-len + 1 = 33 tokens; pass --eval-batches {n} or fewer (--eval-batches {n} scores the whole split)")
+    # a --batch-size at which the run's --eval-batches 3 (eval's default there) does not fit: the refusal named
+    # "--eval-batches 3", which was never given, and advised dropping it
+    bs = stream.n_windows // 2
+    assert main(["eval", str(run_dir), "--tasks", "none", "--data", data, "--batch-size", str(bs)]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"adahop eval: error: --eval-batches 3 (not given: the run's own, the default on its val split): the val split "
+        f"of {data} holds 2 batch(es) of --batch-size {bs} windows of --seq-len + 1 = 33 tokens; pass --eval-batches 2 "
+        f"or fewer (--eval-batches 2 scores the whole split)")
+    # another model (no run of its own): dropping --eval-batches does score the whole split
+    assert "or drop it to score the whole split" in str(pytest.raises(
+        ValueError, scored_batches, data, "val", seq_len=32, batch_size=4, max_batches=n + 1).value)
 
 
 def test_an_out_that_cannot_be_written_is_refused_before_the_scoring(tmp_path, capsys):

@@ -116,11 +116,14 @@ def run(args: argparse.Namespace) -> dict:
     # run's val_loss was (its --batch-size and --eval-batches; validation walks the split in order, on any world size)
     # (the val split only: on the train split neither scored anything, and its whole split is eval's default)
     scored_as = (ptq_meta or loaded.run_config or {}) if args.data is not None and args.split == "val" else {}
+    # what an omitted --eval-batches stands for, so that a refusal of too many batches advises what works
+    args.eval_batches_given, args.run_eval_batches = args.eval_batches is not None, None
     if args.data is not None and scored_as:
         if args.batch_size is None:
             args.batch_size = scored_as.get("batch_size")
+        args.run_eval_batches = scored_as.get("eval_batches")
         if args.eval_batches is None:
-            args.eval_batches = scored_as.get("eval_batches")
+            args.eval_batches = args.run_eval_batches
     args.batch_size = args.batch_size or DEFAULT_BATCH_SIZE
     from .model import check_window, warn_beyond_training
 
@@ -173,7 +176,7 @@ def _perplexity(args, loaded, device, bf16: bool, meta: dict) -> dict:
     """``meta``: the model's ``adahop_ptq`` config section ({} for a model `adahop ptq` did not write)."""
     import warnings
 
-    from .perplexity import check_same_tokenizer, default_window, perplexity, prepared_data
+    from .perplexity import check_same_tokenizer, default_window, perplexity, prepared_data, scored_batches
 
     rc = loaded.run_config or {}
     if not rc and meta:  # an `adahop ptq` folder: its text is prepared as the source run's was
@@ -186,6 +189,8 @@ def _perplexity(args, loaded, device, bf16: bool, meta: dict) -> dict:
     data = prepared_data(args.data, rc, args.model)
     check_same_tokenizer(data, Path(args.model), loaded.model.config.vocab_size)
     seq_len = args.seq_len or default_window(rc, getattr(loaded.model.config, "max_position_embeddings", None), meta)
+    scored_batches(data, args.split, seq_len=seq_len, batch_size=args.batch_size, max_batches=args.eval_batches,
+                   run_batches=args.run_eval_batches, given=args.eval_batches_given)
     out = perplexity(loaded.model, data, split=args.split, seq_len=seq_len, batch_size=args.batch_size,
                      max_batches=args.eval_batches, device=device, bf16=bf16)
     return {"data": str(data), **out}

@@ -219,9 +219,14 @@ def _text_to_ids(path: Path) -> list:
     return [d.get(k) for k in ("normalizer", "pre_tokenizer", "model", "added_tokens")]
 
 
-def scored_batches(data_dir: str | Path, split: str, *, seq_len: int, batch_size: int, max_batches: int | None):
+def scored_batches(data_dir: str | Path, split: str, *, seq_len: int, batch_size: int, max_batches: int | None,
+                   run_batches: int | None = None, given: bool = True):
     """The stream of ``split`` that :func:`perplexity` scores, and its number of batches (``max_batches``,
     or every full batch when None); cheap, so a command can check its data before the work.
+
+    ``run_batches``: what an omitted ``--eval-batches`` stands for (a run folder's own ``--eval-batches`` on its
+    val split), None where it is the whole split; ``given``: whether ``max_batches`` is the user's (False: it is
+    that default), so that a refusal's advice is what the options would actually do.
 
     Raises:
         ValueError: an unknown split, too few tokens for one batch, or ``max_batches`` more batches than
@@ -232,9 +237,13 @@ def scored_batches(data_dir: str | Path, split: str, *, seq_len: int, batch_size
     stream = TokenStream(data_dir, split, seq_len, batch_size, seed=0)
     stream.val_batches(1)  # raises the split's own message when it holds no full batch
     if max_batches is not None and max_batches > stream.steps_per_epoch:  # scoring fewer would not be what was asked
-        raise ValueError(f"--eval-batches {max_batches}: the {split} split of {data_dir} holds {stream.steps_per_epoch} "
-                         f"batch(es) of --batch-size {batch_size} windows of --seq-len + 1 = {seq_len + 1} tokens; pass "
-                         f"--eval-batches {stream.steps_per_epoch} or fewer, or drop it to score the whole split")
+        n = stream.steps_per_epoch
+        what = (f"--eval-batches {max_batches}" if given else
+                f"--eval-batches {max_batches} (not given: the run's own, the default on its val split)")
+        fix = (f"pass --eval-batches {n} or fewer (--eval-batches {n} scores the whole split)" if run_batches is not None
+               else f"pass --eval-batches {n} or fewer, or drop it to score the whole split")
+        raise ValueError(f"{what}: the {split} split of {data_dir} holds {n} batch(es) of --batch-size {batch_size} "
+                         f"windows of --seq-len + 1 = {seq_len + 1} tokens; {fix}")
     return stream, stream.steps_per_epoch if max_batches is None else max_batches
 
 
