@@ -854,6 +854,14 @@ def test_a_refused_parameter_leaves_every_step_count_as_it_was():
         with pytest.raises(ValueError, match=rf"parameter 1 is {dtype}; the fused step updates float32 or bfloat16"):
             opt.step()
         assert not opt.state[q] and not opt.state[p]
+    # a refusal in a later parameter group: the earlier group is not stepped either
+    q, t = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(4, 6).t())
+    opt = AdamW([{"params": [q]}, {"params": [t], "lr": 0.01}], backend="reference")
+    q.grad, t.grad = torch.ones(3), torch.ones(6, 4)
+    q0 = q.detach().clone()
+    with pytest.raises(ValueError, match="parameter 1 .* is not contiguous"):
+        opt.step()
+    assert not opt.state[q] and torch.equal(q.detach(), q0)
 
 
 def test_madam_arxiv_forms_refuse_workshop_options_in_an_added_param_group():

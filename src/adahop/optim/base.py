@@ -234,6 +234,11 @@ class MasterOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         base = 0
+        for gi, group in enumerate(self.param_groups):  # refusals before any group steps: none is left a step ahead
+            if gi not in self._plans:
+                self._check_params(group, base)
+            base += len(group["params"])
+        base = 0
         for gi, group in enumerate(self.param_groups):
             plan = self._plans.get(gi)
             if plan is None or not plan.step(self, group, base):
