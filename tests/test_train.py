@@ -518,6 +518,16 @@ def test_under_torchrun_the_first_rank_to_fail_keeps_error_txt(tmp_path, monkeyp
     monkeypatch.setenv("WORLD_SIZE", "1")  # one process: the newest error, as before
     _leave_error(args, "adahop train: error: another")
     assert (tmp_path / "error.txt").read_text() == "adahop train: error: another\n"
+    # a rank other than 0 starting (late) leaves the error in place; rank 0 and a single process clear it
+    from adahop.train.setup import check_run_dir
+
+    cfg = TrainConfig(out=str(tmp_path))
+    monkeypatch.setenv("RANK", "1")
+    check_run_dir(cfg, tmp_path)
+    assert (tmp_path / "error.txt").exists()
+    monkeypatch.delenv("RANK")
+    check_run_dir(cfg, tmp_path)
+    assert not (tmp_path / "error.txt").exists()
 
 
 def test_machine_and_folder_errors_name_the_option_and_are_left_in_the_run_folder(data_dir, tmp_path, monkeypatch, capsys):

@@ -178,7 +178,8 @@ def check_run_dir(cfg: TrainConfig, run: Path) -> int | None:
                          f"write to") from None
     if not os.access(run, os.W_OK):
         raise ValueError(f"--out {run}: the folder is not writable; pass a folder you can write to")
-    (run / ERROR_FILE).unlink(missing_ok=True)
+    if os.environ.get("RANK", "0") == "0":  # rank 0 alone: another rank, started late, removed an early failure's
+        (run / ERROR_FILE).unlink(missing_ok=True)
     ck = latest_checkpoint(run)
     if ck is None:
         _refuse_foreign_out(run)
