@@ -40,11 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--source", action="append", required=True,
                       help="'default', a .txt/.jsonl/.parquet file or folder (.xz/.gz/.zst ok), or hf:NAME[:CONFIG][:SPLIT]; repeatable")
     prep.add_argument("--out", required=True, help="output folder")
-    prep.add_argument("--tokenizer", default="bpe", help="bpe (trained on the corpus), gpt2, tiktoken:PATH, hf:NAME")
-    prep.add_argument("--vocab-size", type=int, default=_BPE_VOCAB, help="BPE vocabulary size")
-    prep.add_argument("--val-fraction", type=float, default=0.01, help="held-out share, spread across the corpus")
-    prep.add_argument("--text-field", default="text", help="the JSONL field / Parquet or dataset column holding the text")
-    prep.add_argument("--seed", type=int, default=0)
+    prep.add_argument("--tokenizer", default="bpe", help="bpe (trained on the corpus), gpt2, tiktoken:PATH, hf:NAME (default: %(default)s)")
+    prep.add_argument("--vocab-size", type=int, default=_BPE_VOCAB, help="BPE vocabulary size (default: %(default)s)")
+    prep.add_argument("--val-fraction", type=float, default=0.01, help="held-out share, spread across the corpus (default: %(default)s)")
+    prep.add_argument("--text-field", default="text", help="the JSONL field / Parquet or dataset column holding the text (default: %(default)s)")
+    prep.add_argument("--seed", type=int, default=0, help="seed of which blocks go to the val split (default: %(default)s)")
     prep.add_argument("--overwrite", action="store_true", help="replace the data already prepared in --out")
 
     tr = sub.add_parser("train", help="pretrain a model from scratch with a recipe")

@@ -23,21 +23,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``adahop bench linear`` and ``adahop bench model``."""
     sub = p.add_subparsers(dest="bench_cmd", required=True)
     lin = sub.add_parser("linear", help="one linear layer, forward + backward")
-    lin.add_argument("--shapes", default="llama3.1-8b", help="comma-separated: llama3.2-1b, llama3.1-8b")
-    lin.add_argument("--tokens", default="8192,16384")
-    lin.add_argument("--reps", type=int, default=20)
+    lin.add_argument("--shapes", default="llama3.1-8b", help="comma-separated: llama3.2-1b, llama3.1-8b (default: %(default)s)")
+    lin.add_argument("--tokens", default="8192,16384", help="comma-separated token counts, the rows of X (default: %(default)s)")
+    lin.add_argument("--reps", type=int, default=20, help="timed repetitions per row, median taken (default: %(default)s)")
     lin.add_argument("--cuda-graphs", action="store_true",
                      help="also time each layer replayed from a CUDA graph (device time, no host launch cost)")
     lin.add_argument("--json", metavar="PATH", help=_JSON_HELP)
     mod = sub.add_parser("model", help="end-to-end training step")
-    mod.add_argument("--model", default="llama3.2-1b")
+    mod.add_argument("--model", default="llama3.2-1b", help="a model preset (default: %(default)s)")
     mod.add_argument("--layers", type=int, help="keep only the first N blocks (e.g. 4 with llama3.1-8b)")
     mod.add_argument("--recipes", default="bf16,adahop-lv2,mxfp4",
                      help="comma-separated: adahop presets (adahop recipes lists them) and torchao's float8 training, "
                           "torchao-fp8-rowwise, torchao-fp8-tensorwise (CUDA sm_89+, needs torchao)")
-    mod.add_argument("--seq-len", type=int, default=4096)
-    mod.add_argument("--batch-size", type=int, default=4)
-    mod.add_argument("--steps", type=int, default=6)
+    mod.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default: %(default)s)")
+    mod.add_argument("--batch-size", type=int, default=4, help="sequences per step (default: %(default)s)")
+    mod.add_argument("--steps", type=int, default=6, help="timed steps after 5 untimed ones, median taken (default: %(default)s)")
     mod.add_argument("--modes", default="eager,auto",
                      help=f"comma-separated, of {', '.join(COMPILE_MODES)} (auto: what `adahop train --compile` runs "
                           "once the plan is frozen, compiled+cudagraphs on a GPU); a calibrating recipe calibrates "
