@@ -489,6 +489,35 @@ def test_compare_passes_a_plan_to_the_calibrating_recipes_only(tmp_path, capsys,
     assert "none of --recipes bf16,mxfp4 is an AdaHOP recipe" in capsys.readouterr().err
 
 
+def test_compare_passes_calib_steps_to_the_calibrating_recipes_only(tmp_path, monkeypatch):
+    """`compare --recipes bf16,mxfp4,adahop-lv2 --calib-steps 3` gave --calib-steps to bf16 and mxfp4 too (each
+    warned "does nothing; drop --calib-steps") and recorded it in their runs; re-tabling bf16,mxfp4 alone was
+    then refused both ways: with --calib-steps (no recipe calibrates) and without ("--calib-steps 3 → None")."""
+    import adahop.train.compare as cmp
+    from adahop.cli import main
+
+    argvs = {}
+
+    def child(argv):
+        argvs[Path(argv[argv.index("--out") + 1]).name] = argv
+        return 1, 0
+
+    monkeypatch.setattr(cmp, "resolve_data", lambda cfg: tmp_path)
+    monkeypatch.setattr(cmp, "_run_child", child)
+    out = tmp_path / "c"
+    main(["compare", "--recipes", "bf16,adahop-lv2", "--calib-steps", "3", "--out", str(out)])
+    assert "--calib-steps" not in argvs["bf16"]
+    assert argvs["adahop-lv2"][argvs["adahop-lv2"].index("--calib-steps") + 1] == "3"
+    # a bf16 run an earlier adahop made with --calib-steps 3 is this comparison's, with or without the flag
+    cfg = TrainConfig(recipe="bf16", calib_steps=3, out=str(out / "bf16"))
+    (out / "bf16" / "config.json").write_text(json.dumps({"adahop": {"config": cfg.to_dict()}}))
+    assert cmp.settings_diff(cmp._recipe_cfg(TrainConfig(), "bf16"), out / "bf16", ["calib_steps"]) == [
+        "--calib-steps 3 → None"]  # what compare used to compare
+    argvs.clear()
+    assert main(["compare", "--recipes", "bf16", "--out", str(out)]) == 1  # the stub child "fails": but it ran
+    assert "bf16" in argvs
+
+
 def test_compare_exits_nonzero_when_a_recipe_fails(monkeypatch, tmp_path):
     import adahop.train.compare as cmp
     from adahop.cli import main

@@ -152,11 +152,17 @@ def _interrupted(out: Path, recipe: str, left: list[str], *, aborted: bool) -> s
             f"again (same --out and settings) to resume {recipe}{rest}; the table is written when every recipe is done")
 
 
+#: settings that reach the calibrating (AdaHOP) recipes only: a fixed-strategy run neither gets nor is compared on them
+_CALIB_ONLY_KEYS = ("plan", "calib_steps")
+
+
 def _recipe_cfg(cfg: TrainConfig, recipe: str) -> TrainConfig:
-    """``cfg`` for ``recipe``'s run: a ``--plan`` goes to the recipes that calibrate (AdaHOP) only; the others
-    (BF16, the fixed-strategy baselines) would refuse it, and failed after the AdaHOP runs had trained."""
-    plan = cfg.plan if get_recipe(recipe).calibration is not None else None
-    return dataclasses.replace(cfg, recipe=recipe, plan=plan)
+    """``cfg`` for ``recipe``'s run: ``--plan`` and ``--calib-steps`` go to the recipes that calibrate (AdaHOP)
+    only; the others (BF16, the fixed-strategy baselines) would refuse the plan (and fail after the AdaHOP runs
+    had trained) and warn that the steps do nothing."""
+    if get_recipe(recipe).calibration is not None:
+        return dataclasses.replace(cfg, recipe=recipe)
+    return dataclasses.replace(cfg, recipe=recipe, **dict.fromkeys(_CALIB_ONLY_KEYS))
 
 
 def compare(recipes: list[str], cfg: TrainConfig, out: Path, *, eval_tasks: str | None = None,
@@ -202,7 +208,8 @@ def compare(recipes: list[str], cfg: TrainConfig, out: Path, *, eval_tasks: str 
         print(f"note: --plan is for the calibrating recipes; {', '.join(fixed)} (fixed strategies) run without it",
               flush=True)
     for r in recipes:  # every earlier run must be this comparison's, or its numbers would be mixed in
-        diff = settings_diff(_recipe_cfg(cfg, r), out / r, keys)
+        calibrates = get_recipe(r).calibration is not None  # --calib-steps/--plan change nothing else (nor did they)
+        diff = settings_diff(_recipe_cfg(cfg, r), out / r, [k for k in keys if calibrates or k not in _CALIB_ONLY_KEYS])
         if diff:
             raise ValueError(f"compare: {out / r} holds a {r} run with other settings ({'; '.join(diff)}); its results "
                              f"would not be comparable. Use a new --out, or delete {out / r}")
