@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from adahop import get_recipe
 from adahop.train import Diverged, TrainConfig, train
 from adahop.train.compare import COLUMNS, format_table
 from adahop.train.metrics import read_metrics
@@ -516,6 +517,35 @@ def test_compare_passes_calib_steps_to_the_calibrating_recipes_only(tmp_path, mo
     argvs.clear()
     assert main(["compare", "--recipes", "bf16", "--out", str(out)]) == 1  # the stub child "fails": but it ran
     assert "bf16" in argvs
+
+
+def test_a_run_of_another_definition_of_its_recipe_is_neither_resumed_nor_reused(tmp_path, monkeypatch):
+    """compare reused, and --resume went on with, a run whose preset an earlier adahop defined otherwise (e.g. the
+    'ceil' scale rule of mxfp4 before 51bd110): the row was tabled as today's recipe (probe rivals). The recipe's
+    definition recorded in config.json is now compared; its description's words are not."""
+    import adahop.train.compare as cmp
+    from adahop.cli import main
+    from adahop.train.setup import settings_diff
+
+    run = tmp_path / "c" / "mxfp4"
+    run.mkdir(parents=True)
+    cfg = TrainConfig(recipe="mxfp4", out=str(run))
+    now = repr(get_recipe("mxfp4"))
+
+    def record(recipe_repr):
+        (run / "config.json").write_text(json.dumps({"adahop": {"config": cfg.to_dict(), "recipe": recipe_repr}}))
+
+    record(now.replace("description='", "description='reworded: ", 1))
+    assert settings_diff(cfg, run, ("recipe",), definition=True) == []
+    record(now.replace("scale_rule='floor'", "scale_rule='ceil'"))
+    diff = settings_diff(cfg, run, ("recipe",), definition=True)
+    assert len(diff) == 1 and "the mxfp4 recipe's definition changed since the run (scale_rule='ceil' → " \
+        "scale_rule='floor'" in diff[0], diff
+    assert settings_diff(cfg, run, ("recipe",)) == []  # definition=False: the compile toggle's check
+    monkeypatch.setattr(cmp, "resolve_data", lambda c: tmp_path)
+    monkeypatch.setattr(cmp, "_run_child", lambda argv: pytest.fail("the stale run was reused or retrained"))
+    with pytest.raises(ValueError, match="definition changed since the run"):
+        cmp.compare(["mxfp4"], cfg, tmp_path / "c")
 
 
 def test_compare_exits_nonzero_when_a_recipe_fails(monkeypatch, tmp_path):

@@ -209,7 +209,8 @@ def compare(recipes: list[str], cfg: TrainConfig, out: Path, *, eval_tasks: str 
               flush=True)
     for r in recipes:  # every earlier run must be this comparison's, or its numbers would be mixed in
         calibrates = get_recipe(r).calibration is not None  # --calib-steps/--plan change nothing else (nor did they)
-        diff = settings_diff(_recipe_cfg(cfg, r), out / r, [k for k in keys if calibrates or k not in _CALIB_ONLY_KEYS])
+        diff = settings_diff(_recipe_cfg(cfg, r), out / r, [k for k in keys if calibrates or k not in _CALIB_ONLY_KEYS],
+                             definition=True)
         if diff:
             raise ValueError(f"compare: {out / r} holds a {r} run with other settings ({'; '.join(diff)}); its results "
                              f"would not be comparable. Use a new --out, or delete {out / r}")

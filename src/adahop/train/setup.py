@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -38,11 +39,14 @@ RESUME_KEYS = ("recipe", "model", "model_config", "seq_len", "batch_size", "grad
 RESULT_NEUTRAL_KEYS = ("out", "resume", "log_every", "ckpt_every", "keep_ckpts", "log_to")
 
 
-def settings_diff(cfg: TrainConfig, run: Path, keys) -> list[str]:
+def settings_diff(cfg: TrainConfig, run: Path, keys, definition: bool = False) -> list[str]:
     """The settings among ``keys`` in which ``cfg`` differs from the run saved in ``run/config.json``,
     as ``--flag old → new`` strings (empty if the folder holds no config). ``--data`` is left to
     :func:`data_changes`, which compares the data by content, where the run recorded its data's
     identity; for a run of an older adahop it is compared as the prepared folder it names.
+    ``definition``: also compare the recipe's definition (its GEMM specs, calibration...) with the one the
+    run recorded, where the names agree: a preset changed by a newer adahop trains other numbers under
+    the same name.
 
     Raises:
         ValueError: ``run/config.json`` is not valid JSON, or ``cfg.data`` names a missing path.
@@ -72,7 +76,24 @@ def settings_diff(cfg: TrainConfig, run: Path, keys) -> list[str]:
                             "data_dir" in section and _same_path(section["data_dir"], prepared_path(cfg))):
             continue
         diff.append(f"--{k.replace('_', '-')} {saved[k]!r} → {now.get(k)!r}")
+    if definition and section.get("recipe") and saved.get("recipe") == cfg.recipe:
+        old, new = (_DESCRIPTION.sub("", r) for r in (section["recipe"], repr(resolve_recipe(cfg)[0])))
+        if old != new:  # the description's words change no number
+            diff.append(f"the {cfg.recipe} recipe's definition changed since the run ({_repr_changes(old, new)}; "
+                        f"an adahop of another version?)")
     return diff
+
+
+_DESCRIPTION = re.compile(r"description=(?:'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"), ")
+
+
+def _repr_changes(old: str, new: str, most: int = 3) -> str:
+    """The ``field=value`` items of two dataclass reprs that differ, as ``old → new`` strings (at most ``most``)."""
+    split = lambda r: [t for t in re.split(r"[(),]\s*", r) if "=" in t]  # noqa: E731
+    a, b = split(old), split(new)
+    gone, came = [t for t in a if t not in b], [t for t in b if t not in a]
+    pairs = [f"{g} → {c}" for g, c in zip(gone, came)] + gone[len(came):] + [f"→ {c}" for c in came[len(gone):]]
+    return ", ".join(pairs[:most]) + (", ..." if len(pairs) > most else "") if pairs else "their order"
 
 
 def data_order_seed(seed: int | None, data_seed: int | None) -> int | None:
@@ -190,7 +211,7 @@ def check_run_dir(cfg: TrainConfig, run: Path) -> int | None:
     if not cfg.resume:
         raise ValueError(f"--out {run} holds checkpoints of an earlier run (up to step {step}); pass --resume to "
                          f"continue that run, or choose a new --out (or delete the folder)")
-    diff = settings_diff(cfg, run, RESUME_KEYS)
+    diff = settings_diff(cfg, run, RESUME_KEYS, definition=True)
     if diff:
         raise ValueError(f"--resume: these settings differ from the checkpointed run in {run}: {'; '.join(diff)}. "
                          f"Resume with the run's own settings, or start a new run with a new --out")
