@@ -653,3 +653,18 @@ def test_gradients_accumulated_over_micro_batches_are_the_sum_of_each_micro_batc
         grads.append([p.grad.clone() for p in apart.parameters()])
     for p, a, b in zip(accumulated.parameters(), *grads):
         assert torch.equal(p.grad, a + b)
+
+
+def test_a_halo_model_that_fits_no_layer_is_told_of_the_power_of_two():
+    """halo-2 on a model whose dims are multiples of 32 but no power of two was told to use dims that are multiples of
+    32, which they were (probe rivals): HALO-1/2 rotate in_features whole."""
+    import warnings
+
+    model = nn.Sequential(nn.Linear(96, 192), nn.Linear(192, 96))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ValueError, match=r"multiples of the recipe's block size \(32, or 16 for NVFP4\), in_features "
+                                             r"a power of two \(the recipe rotates it whole\), with more blocks"):
+            convert_model(model, "halo-2", exclude=())
+        with pytest.raises(ValueError, match=r"\(32, or 16 for NVFP4\) with more blocks"):  # no rotation to name
+            convert_model(nn.Sequential(nn.Linear(40, 40), nn.Linear(40, 40)), "mxfp4", exclude=())

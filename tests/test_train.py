@@ -1305,3 +1305,16 @@ def test_cpu_peak_memory_starts_at_the_reset_not_at_the_process_start():
     reset_peak_memory(cpu)
     after = peak_memory(cpu)
     assert before - after > 200 * 2**20, (before, after)
+
+
+def test_a_curve_of_one_logged_point_is_drawn(tmp_path, monkeypatch):
+    """A 10-step compare logs one training-loss point per recipe (--log-every 10): the curves, lines without
+    markers, left loss_curves.png and loss_diff.png with a legend over empty axes (probe rivals)."""
+    import adahop.plots as plots
+
+    figs = []
+    monkeypatch.setattr(plots.plt, "close", lambda fig: figs.append(fig))
+    plots._line_plot({"bf16": ([10], [7.47]), "mxfp4": (list(range(100)), [7.0] * 100)}, tmp_path / "c.png",
+                     ylabel="loss", title="t")
+    one, many = figs[0].axes[0].get_lines()
+    assert one.get_marker() == "o" and many.get_marker() in ("None", None, "")

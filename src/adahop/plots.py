@@ -68,7 +68,8 @@ def plot_compare(runs: dict[str, list[dict]], out_dir: Path, *, baseline: str | 
 def _line_plot(curves: dict[str, tuple[list, list]], path: Path, *, ylabel: str, title: str, zero_line: bool = False) -> Path:
     fig, ax = plt.subplots(figsize=(8, 4.8))
     for i, (name, (s, v)) in enumerate(curves.items()):
-        ax.plot(s, v, label=name, lw=1.2, ls=("-", "--", ":")[i // 10 % 3])  # the 10 colours repeat: vary the line
+        ax.plot(s, v, label=name, lw=1.2, ls=("-", "--", ":")[i // 10 % 3],  # the 10 colours repeat: vary the line
+                marker="o" if len(s) <= 30 else None, ms=3)  # a short run's one or few points drew no line at all
     if zero_line:
         ax.axhline(0, color="k", lw=0.8)
     ax.set(xlabel="optimizer step", ylabel=ylabel, title=title)

@@ -28,6 +28,13 @@ _BLOCK_RE = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)\.")
 _OUTER_DIMS = {("fprop", "outer_b"): "N", ("dgrad", "outer_b"): "K", ("wgrad", "outer_b"): "K", ("wgrad", "outer_a"): "N"}
 
 
+def _outer_need(recipe: Recipe) -> str:
+    """What a recipe with whole-dimension outer Hadamards (HALO-1/2) also needs of the layer dims, for a message."""
+    dims = sorted({d for (g, side), d in _OUTER_DIMS.items() if getattr(recipe.gemm(g), side) is not None})
+    names = " and ".join({"K": "in_features", "N": "out_features"}[d] for d in dims)
+    return f", {names} a power of two (the recipe rotates it whole)," if dims else ""
+
+
 def supports_shape(recipe: Recipe, in_features: int, out_features: int) -> bool:
     """Whether ``recipe`` quantizes a layer of this shape: K and N must be whole blocks (32 for
     MXFP4, 16 for NVFP4), as the hardware GEMMs and the FP8 fast path need, and every outer
@@ -185,8 +192,8 @@ def convert_layers(model: nn.Module, recipe: Recipe, names: list[str], *, layer_
         raise ValueError(f"recipe {recipe.name}: none of the model's {len(todo)} linear layers can run it "
                          f"({'; '.join(why[:4])}{'; ...' if len(why) > 4 else ''}): every GEMM would be BF16's, and the "
                          f"model would pass for a {recipe.name} one. Use a model whose layer dims are multiples of the "
-                         f"recipe's block size (32, or 16 for NVFP4) with more blocks than the recipe keeps in BF16, or "
-                         f"the bf16 recipe")
+                         f"recipe's block size (32, or 16 for NVFP4){_outer_need(recipe)} with more blocks than the recipe "
+                         f"keeps in BF16, or the bf16 recipe")
     small = [recipe.small_bf16_gemms(lin.in_features, lin.out_features) for _, _, _, lin, *_ in todo]
     if todo and not recipe.is_bf16 and all(edge or not fits or len(sm) == len(GEMMS)
                                            for (*_, edge, fits), sm in zip(todo, small)):
