@@ -466,11 +466,9 @@ def test_compare_refuses_a_recipe_named_twice_and_calib_steps_no_recipe_uses(tmp
         "strategies are fixed), so it would do nothing; drop --calib-steps, or add a calibrating recipe such as adahop-lv2"]
 
 
-def test_compare_passes_a_plan_to_the_calibrating_recipes_only(tmp_path, capsys, monkeypatch):
-    """`compare --recipes bf16,adahop-lv2 --plan P` gave --plan to bf16 too, whose run refused it after the
-    AdaHOP run had trained: the baseline row failed and the gap column was empty (helper 30)."""
+def _stub_compare_children(tmp_path, monkeypatch) -> dict:
+    """compare's recipe runs replaced by a stub that records each one's argv (by recipe) and "fails"."""
     import adahop.train.compare as cmp
-    from adahop.cli import main
 
     argvs = {}
 
@@ -480,6 +478,15 @@ def test_compare_passes_a_plan_to_the_calibrating_recipes_only(tmp_path, capsys,
 
     monkeypatch.setattr(cmp, "resolve_data", lambda cfg: tmp_path)
     monkeypatch.setattr(cmp, "_run_child", child)
+    return argvs
+
+
+def test_compare_passes_a_plan_to_the_calibrating_recipes_only(tmp_path, capsys, monkeypatch):
+    """`compare --recipes bf16,adahop-lv2 --plan P` gave --plan to bf16 too, whose run refused it after the
+    AdaHOP run had trained: the baseline row failed and the gap column was empty (helper 30)."""
+    from adahop.cli import main
+
+    argvs = _stub_compare_children(tmp_path, monkeypatch)
     plan = tmp_path / "plan.json"
     plan.write_text("{}")
     main(["compare", "--recipes", "bf16,adahop-lv2,mxfp4", "--plan", str(plan), "--out", str(tmp_path / "c")])
@@ -497,14 +504,7 @@ def test_compare_passes_calib_steps_to_the_calibrating_recipes_only(tmp_path, mo
     import adahop.train.compare as cmp
     from adahop.cli import main
 
-    argvs = {}
-
-    def child(argv):
-        argvs[Path(argv[argv.index("--out") + 1]).name] = argv
-        return 1, 0
-
-    monkeypatch.setattr(cmp, "resolve_data", lambda cfg: tmp_path)
-    monkeypatch.setattr(cmp, "_run_child", child)
+    argvs = _stub_compare_children(tmp_path, monkeypatch)
     out = tmp_path / "c"
     main(["compare", "--recipes", "bf16,adahop-lv2", "--calib-steps", "3", "--out", str(out)])
     assert "--calib-steps" not in argvs["bf16"]
@@ -524,7 +524,6 @@ def test_a_run_of_another_definition_of_its_recipe_is_neither_resumed_nor_reused
     'ceil' scale rule of mxfp4 before 51bd110): the row was tabled as today's recipe (probe rivals). The recipe's
     definition recorded in config.json is now compared; its description's words are not."""
     import adahop.train.compare as cmp
-    from adahop.cli import main
     from adahop.train.setup import settings_diff
 
     run = tmp_path / "c" / "mxfp4"
