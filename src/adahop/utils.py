@@ -127,3 +127,18 @@ def lock_folder(folder: Path, who: str = "adahop run"):
     except OSError:  # a filesystem without flock: run unlocked
         pass
     return f
+
+
+@contextlib.contextmanager
+def folder_locked(folder: Path, who: str = "adahop run", take: bool = True):
+    """:func:`lock_folder` held for the ``with`` block and released at its end, also when it raises; ``take=False``
+    (e.g. a rank other than 0) takes no lock.
+
+    Raises:
+        ValueError: another process holds the lock (from :func:`lock_folder`)."""
+    f = lock_folder(folder, who) if take else None
+    try:
+        yield
+    finally:
+        if f is not None:
+            f.close()

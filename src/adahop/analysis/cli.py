@@ -204,9 +204,11 @@ def _load_run(args) -> tuple[TrainConfig, Path, Path]:
     return cfg, data_dir, cks[-1]
 
 
-def _load_checkpoint(ck: Path, model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
+def _load_checkpoint(ck: Path, model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[int, int | None]:
     """Load the master weights (packed FP8/FP4 ones as stored) and optimizer state of a checkpoint
-    (`train/checkpoint.py`) into an unconverted model; returns its step."""
+    (`train/checkpoint.py`) into an unconverted model; returns its step and the step its lr schedule ends at
+    (``schedule_steps``: after a resume that kept the run's schedule it is not config.json's --steps; None for a
+    checkpoint older than that key)."""
     from safetensors.torch import load_file
 
     with unreadable_weights(ck / "model.safetensors", "the checkpoint's weights"):  # a truncated file: a clear error
@@ -227,17 +229,7 @@ def _load_checkpoint(ck: Path, model: torch.nn.Module, opt: torch.optim.Optimize
             idx, name = key.split(".", 1)
             state.setdefault(int(idx), {})[name] = v
         opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
-    return int(meta.get("step", int(ck.name.split("_")[-1])))
-
-
-def _schedule_steps(ck: Path | None, cfg: TrainConfig) -> int:
-    """The step at which the lr schedule that ``adahop train`` would continue from checkpoint ``ck`` ends: its
-    ``schedule_steps`` (state.json), which differs from config.json's --steps after a resume that kept the run's
-    schedule (a longer or shorter --steps without --reschedule); ``cfg.steps`` without a checkpoint or that key.
-    Raises nothing (an unreadable state.json is read by :func:`_load_checkpoint` first, which raises)."""
-    if ck is None or not (ck / "state.json").exists():
-        return cfg.steps
-    return json.loads((ck / "state.json").read_text()).get("schedule_steps") or cfg.steps
+    return int(meta.get("step", int(ck.name.split("_")[-1]))), meta.get("schedule_steps")
 
 
 def _run_model(args, out: Path) -> dict[str, Path]:
@@ -254,8 +246,8 @@ def _run_model(args, out: Path) -> dict[str, Path]:
     model = make_model(cfg, train_s.manifest, device)
     convert_master_weights(model, cfg.master_weights)  # --master-weights, as `adahop train` stores them
     opt = build_optimizer(cfg, model)
-    start = _load_checkpoint(ck, model, opt) if ck is not None else 0
-    schedule = _schedule_steps(ck, cfg)
+    start, schedule = _load_checkpoint(ck, model, opt) if ck is not None else (0, None)
+    schedule = schedule or cfg.steps  # the schedule `adahop train --resume` continues
     steps = args.steps
     detector = CalibSpec(table=args.table, steps=args.calib_steps, threshold=args.threshold, rule=args.rule,
                          floor=args.floor, min_peak=args.min_peak)

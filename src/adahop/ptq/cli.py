@@ -231,16 +231,12 @@ def run(args: argparse.Namespace) -> dict:
     if args.calib_tokens is None:  # RTN reads no Hessian: one batch carries the blocks' inputs forward, and fits any split
         args.calib_tokens = args.batch_size * seq_len if args.method in HESSIAN_FREE else DEFAULT_CALIB_TOKENS
     batches = calibration_batches(data, tokens=args.calib_tokens, seq_len=seq_len, batch_size=args.batch_size, seed=args.seed)
-    from ..utils import lock_folder
+    from ..utils import folder_locked
 
-    lock = lock_folder(Path(args.out), "adahop ptq")  # every refusal is behind: only now may --out be created
-    try:
+    with folder_locked(Path(args.out), "adahop ptq"):  # every refusal is behind: only now may --out be created
         _check(args)  # again under the lock: another `adahop ptq` may have finished into --out since the first check
         return _quantize_and_write(args, t_start, loaded, data, seq_len, batches, tasks, device, bf16, left,
                                    fit_opts, rot_opts)
-    finally:
-        if lock is not None:
-            lock.close()
 
 
 def _quantize_and_write(args, t_start, loaded, data, seq_len, batches, tasks, device, bf16, left, fit_opts,

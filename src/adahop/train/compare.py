@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ..plots import plot_compare
 from ..recipes import get_recipe
-from ..utils import lock_folder, read_json
+from ..utils import folder_locked, read_json
 from .checkpoint import latest_checkpoint
 from .config import TrainConfig
 from .metrics import read_metrics
@@ -219,12 +219,8 @@ def compare(recipes: list[str], cfg: TrainConfig, out: Path, *, eval_tasks: str 
             raise ValueError(f"compare: {out / r} holds a {r} run trained on other data ({'; '.join(changes)}); its "
                              f"results would not be comparable. To fix: {fix}; or use a new --out, or delete {out / r}")
     # one compare per --out: two into one folder each trained one recipe and tabled the other's as failed
-    lock = lock_folder(out, "adahop compare")
-    try:
+    with folder_locked(out, "adahop compare"):
         return _train_and_table(recipes, cfg, out, eval_tasks, eval_limit, task_data, eval_max_length)
-    finally:
-        if lock is not None:
-            lock.close()
 
 
 def _train_and_table(recipes, cfg: TrainConfig, out: Path, eval_tasks, eval_limit, task_data, eval_max_length) -> dict:

@@ -20,7 +20,7 @@ from ..kernels import resolve_backend
 from ..compile_modes import CALIBRATION_MODE, dynamo_counts, frozen_mode, mark_step
 from ..nn import convert_model, get_controller, on_step, saved_bytes, seed_compiled_rng
 from ..optim import convert_master_weights, memory_bytes
-from ..utils import first_nonfinite, lock_folder
+from ..utils import first_nonfinite, folder_locked
 from . import distributed as dp
 from .checkpoint import complete_checkpoints, latest_checkpoint, save_checkpoint
 from .config import TrainConfig
@@ -145,15 +145,13 @@ def train(cfg: TrainConfig, *, rank: int = 0, world: int = 1) -> dict:
         Diverged: non-finite loss or gradient norm, or a loss above :func:`~adahop.train.setup.loss_ceiling`.
         CheckpointWriteError: a checkpoint could not be written (disk full, I/O error).
     """
-    lock = lock_folder(Path(cfg.out)) if rank == 0 else None
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        return _train(cfg, rank, world)
-    finally:
-        for sig, h in handlers.items():
-            signal.signal(sig, h)
-        if lock is not None:
-            lock.close()  # releases the lock (also when the run fails)
+    with folder_locked(Path(cfg.out), take=rank == 0):  # released also when the run fails
+        try:
+            return _train(cfg, rank, world)
+        finally:
+            for sig, h in handlers.items():
+                signal.signal(sig, h)
 
 
 def _on_sigint(stop: dict):

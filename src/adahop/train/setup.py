@@ -77,7 +77,7 @@ def settings_diff(cfg: TrainConfig, run: Path, keys, definition: bool = False) -
             continue
         diff.append(f"--{k.replace('_', '-')} {saved[k]!r} → {now.get(k)!r}")
     if definition and section.get("recipe") and saved.get("recipe") == cfg.recipe:
-        old, new = (_DESCRIPTION.sub("", r) for r in (section["recipe"], repr(resolve_recipe(cfg)[0])))
+        old, new = (_DESCRIPTION.sub("", r) for r in (section["recipe"], repr(_configured_recipe(cfg))))
         if old != new:  # the description's words change no number
             diff.append(f"the {cfg.recipe} recipe's definition changed since the run ({_repr_changes(old, new)}; "
                         f"an adahop of another version?)")
@@ -493,11 +493,18 @@ def make_model(cfg: TrainConfig, manifest: Manifest, device: torch.device) -> to
     return model.to(device)
 
 
-def resolve_recipe(cfg: TrainConfig):
-    """The recipe with --calib-steps applied, and the plan from --plan (or None)."""
+def _configured_recipe(cfg: TrainConfig):
+    """``--recipe`` with ``--calib-steps`` applied: the recipe a run trains (and records in config.json).
+    Raises ValueError for an unknown name (:func:`adahop.get_recipe`)."""
     recipe = get_recipe(cfg.recipe)
     if cfg.calib_steps is not None and recipe.calibration is not None:
         recipe = dataclasses.replace(recipe, calibration=dataclasses.replace(recipe.calibration, steps=cfg.calib_steps))
+    return recipe
+
+
+def resolve_recipe(cfg: TrainConfig):
+    """The recipe with --calib-steps applied (:func:`_configured_recipe`), and the plan from --plan (or None)."""
+    recipe = _configured_recipe(cfg)
     plan = None
     if cfg.plan:
         if not Path(cfg.plan).exists():
