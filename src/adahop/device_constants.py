@@ -59,5 +59,6 @@ def skip_host_checks() -> bool:
 def tf32_may_round(t: torch.Tensor) -> bool:
     """Whether an FP32 matmul of CUDA tensor ``t`` may run in TF32 (10 mantissa bits), i.e. ``t`` is on CUDA and
     ``torch.get_float32_matmul_precision()`` is not ``"highest"`` (a setting an Inductor warning asks users to
-    change). The FP32 references (GEMM emulations, Hadamard transforms) multiply in float64 then. Raises nothing."""
+    change). The FP32 references (GEMM emulations, Hadamard transforms) multiply in float64 then. Raises nothing.
+    Source: torch's ``set_float32_matmul_precision`` documentation (``"high"`` allows TF32)."""
     return t.is_cuda and torch.get_float32_matmul_precision() != "highest"

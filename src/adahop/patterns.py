@@ -282,7 +282,8 @@ class Plan:
         its calibration window included. Raises ValueError for a missing key, an unknown table or strategy."""
         if "table" not in d or "layers" not in d:
             raise ValueError("not an adahop plan: expected keys 'table' and 'layers'")
-        if d["table"] not in STRATEGY_TABLES:  # a hand-edited name: the recipe re-derived every layer's strategies from its patterns, the edits dropped with a warning
+        # a hand-edited name: the recipe re-derived every layer's strategies from its patterns, the edits dropped
+        if d["table"] not in STRATEGY_TABLES:
             raise ValueError(f"plan table {d['table']!r} is not one of {tuple(STRATEGY_TABLES)}; the table names how "
                              "the strategies follow from the voted patterns, so keep the one the plan was frozen with")
         for name, entry in d["layers"].items():
@@ -345,8 +346,8 @@ class Calibrator:
     step's data through the same weights. The first is robust to activation recomputation and
     skips the host syncs of the others.) :class:`~adahop.nn.LowPrecisionLinear` never observes
     forward-only calls (evaluation; a frozen layer's forward with grad on is a training call, whose X and W
-    are observed: its ∇Y never is, and the freeze does not count that as a short vote), nor a call with no tokens (an MoE expert that got none), not
-    even its weight. Ties go to the pattern seen first (``Counter.most_common``), tensors never
+    are observed: its ∇Y never is, and the freeze does not count that as a short vote), nor a call with no
+    tokens (an MoE expert that got none), not even its weight. Ties go to the pattern seen first (``Counter.most_common``), tensors never
     seen count as NONE.
 
     Args:
@@ -441,9 +442,9 @@ class Calibrator:
             votes.setdefault(name, {"x": "N", "w": "N", "dy": "N"})
         short = {name: {k: len(self.history.get(name, {}).get(k, [])) for k in ("x", "w", "dy")} for name in votes}
         # a layer whose X was seen but never its ∇Y ran no backward: frozen (weight and input need no gradient), its
-        # fprop voted on X and W, the only GEMM it runs
-        short = {n: c for n, c in short.items()
-                 if min(c["x"], c["w"], c["dy"] if c["dy"] or not c["x"] else c["x"]) < max(1, self.steps // 2)}
+        # fprop voted on X and W, the only GEMM it runs, so its ∇Y count is not asked for
+        voted = lambda c: ("x", "w", "dy") if c["dy"] or not c["x"] else ("x", "w")  # noqa: E731
+        short = {n: c for n, c in short.items() if min(c[k] for k in voted(c)) < max(1, self.steps // 2)}
         if short:  # a vote on no observation is "None": such a plan looks calibrated and is not
             n0, c0 = next(iter(short.items()))
             warnings.warn(f"adahop: the plan froze with {len(short)} of {len(votes)} layers observed on fewer than half of "

@@ -110,7 +110,7 @@ def lock_folder(folder: Path, who: str = "adahop run"):
     folder cannot be created yet (the caller's checks explain why) or file locks are unavailable.
 
     Raises:
-        ValueError: another process holds the lock (the message names the folder and the way on)."""
+        ValueError: another process holds the lock (the message names the folder and the way on). Source: ours."""
     try:
         import fcntl
 
@@ -135,7 +135,8 @@ def folder_locked(folder: Path, who: str = "adahop run", take: bool = True):
     (e.g. a rank other than 0) takes no lock.
 
     Raises:
-        ValueError: another process holds the lock (from :func:`lock_folder`)."""
+        ValueError: another process holds the lock (from :func:`lock_folder`). Source: ours (one writer per
+            ``--out`` for train, compare and ptq)."""
     f = lock_folder(folder, who) if take else None
     try:
         yield
