@@ -404,6 +404,24 @@ def test_interp_fold_bit_exact(case):
     torch.testing.assert_close(ft.float() * st[:, None], _moved(q, x), atol=0, rtol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("config", [dict(BR=2, BK=256, NCHUNK=1, num_warps=1), dict(BR=4, BK=512, NCHUNK=3, num_warps=2),
+                                    dict(BR=1, BK=64, NCHUNK=5, num_warps=1)], ids=lambda c: "x".join(map(str, c.values())))
+@interp
+def test_interp_fold_split_over_programs_writes_the_default_configs_bytes(config):
+    """A row folded by several programs (each reads the row's scales whole for its exponent) gives the
+    bytes and row scales of the default config and of the reference: ragged rows and K, a NaN block."""
+    from adahop.kernels._triton_fold import fold
+
+    x = _spread_rows(7, 4160, seed=3)
+    x[2, 100] = float("nan")
+    q = quantize_mxfp4(x, axis=1, max_scale_range=8)
+    f0, s0 = fold(q.codes, q.scales, 1.0)
+    f1, s1 = fold(q.codes, q.scales, 1.0, config=config)
+    fr, sr = fold_to_fp8(q, backend="reference")
+    assert torch.equal(f1.view(torch.uint8), f0.view(torch.uint8)) and torch.equal(s1, s0)
+    assert torch.equal(f1.view(torch.uint8), fr.view(torch.uint8)) and torch.equal(s1, sr)
+
+
 @interp
 def test_interp_fold_checks_the_range_unless_the_quantizer_did():
     q = quantize_mxfp4(_spread_rows(6, 64), axis=1)  # no limit: row 0 spans ~2^66..2^-100

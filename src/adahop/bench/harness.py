@@ -29,6 +29,9 @@ __all__ = ["add_arguments", "run", "bench_linear", "bench_model", "model_step", 
 
 #: (name, K=in_features, N=out_features) of the linear layers of each model.
 LINEAR_SHAPES = {
+    "llama-125m": [("q/o_proj", 768, 768), ("k/v_proj", 768, 256), ("gate/up_proj", 768, 2048), ("down_proj", 2048, 768)],
+    "llama-350m": [("q/o_proj", 1024, 1024), ("k/v_proj", 1024, 256), ("gate/up_proj", 1024, 2752),
+                   ("down_proj", 2752, 1024)],
     "llama3.2-1b": [("q/o_proj", 2048, 2048), ("k/v_proj", 2048, 512), ("gate/up_proj", 2048, 8192), ("down_proj", 8192, 2048)],
     "llama3.1-8b": [("q/o_proj", 4096, 4096), ("k/v_proj", 4096, 1024), ("gate/up_proj", 4096, 14336), ("down_proj", 14336, 4096)],
 }

@@ -161,6 +161,103 @@ def quantize_section(res, copy_bw, quick):
         print(f"{r['case']:20s} {r['plan']:32s} {r['hb']:>3d} {r['us']:8.1f} {r['GBps']:7.0f} {r['frac_copy']:7.0%}")
 
 
+ROLE_TOKENS = 16384  # the small models' bench rows: 1024 x 16 tokens a step
+
+
+def _fold_cfg(br, bk, nchunk, w):
+    return dict(BR=br, BK=bk, NCHUNK=nchunk, num_warps=w)
+
+
+def _role_plans(axis: int, kp: int) -> dict:
+    """Variants timed for one quantizer role besides the default plan (None)."""
+    if axis == 0:
+        return {"default": None, "tiles 64x256 w8": _tiles(64, 256, 8, 2), "tiles 32x128 w2": _tiles(32, 128, 2, 1),
+                "tiles 32x256 w4": _tiles(32, 256, 4, 1), "tiles 128x128 w8": _tiles(128, 128, 8, 4)}
+    plans = {"default": None}
+    for bk in (512, 1024, 2048, 4096):
+        if bk >= kp * 2:
+            continue
+        nchunk = -(-kp // bk)
+        for br in (1, 2, 4, 8, 16):
+            w = br * bk // 1024
+            if 2 <= w <= 16:
+                plans[f"rows {br}x{bk}x{nchunk} w{w}"] = _rows(br, bk, w, nchunk)
+    return plans
+
+
+def _fold_configs(kp: int) -> dict:
+    """Fold tiles timed besides the default: one tile per program (rows split over programs), or two."""
+    cfgs = {"default": None}
+    for bk in (512, 1024, 2048):
+        if bk >= kp * 2:
+            continue
+        for br in (1, 2, 4, 8):
+            for nchunk in (1, 2) if bk * 2 <= kp else (1,):
+                w = max(1, min(8, br * bk // 1024))
+                cfgs[f"fold {br}x{bk}x{nchunk} w{w}"] = _fold_cfg(br, bk, nchunk, w)
+    return cfgs
+
+
+def roles_section(res, copy_bw, model, quick):
+    """Every quantizer and fold call of one converted layer's training step, at ``model``'s linear shapes
+    and 16384 tokens, as AdaHOP (IHT-32) and plain MXFP4 (no transform) run them: the default plan and
+    variants, µs of device time (replayed from a CUDA graph: these calls are short enough that eager
+    timing measures the host's launch) and the share of the copy ceiling of the bytes each call must move. Whether a
+    variant's bytes equal the default's is checked (a variant that differs is marked WRONG RESULT)."""
+    from adahop.bench.harness import LINEAR_SHAPES
+    from adahop.kernels._triton_fold import fold
+
+    t = ROLE_TOKENS if DEV == "cuda" else 64
+    shapes = LINEAR_SHAPES[model] if DEV == "cuda" else [("a", 64, 96), ("b", 96, 64)]
+    rows_out, step = [], {}
+    for lname, k, n in shapes:
+        x, w, dy = rnd(t, k), rnd(n, k), rnd(t, n)
+        # (role, tensor, axis, codes, fp8): fprop's A and B, the operands saved for backward (codes), backward's A
+        roles = [("X ax1 fp8", x, 1, False, True), ("X ax0 codes", x, 0, True, False),
+                 ("W ax1 fp8", w, 1, False, True), ("W ax0 codes", w, 0, True, False),
+                 ("dY ax1 fp8", dy, 1, False, True), ("dY ax0 fp8", dy, 0, False, True)]
+        for role, src, axis, codes_on, fp8_on in roles:
+            rows, kc = (src.shape[0], src.shape[1]) if axis == 1 else (src.shape[1], src.shape[0])
+            kp = -(-kc // 32) * 32
+            nb = rows * kc * 2 + rows * kp // 32 + (rows * kp // 2 if codes_on else 0) + (rows * (kp + 4) if fp8_on else 0)
+            for hb in (32, 0):
+                want = tq.mx_quantize(src, axis, hb, None, False, "floor", 8, None, codes_on, fp8_on)
+                plans = _role_plans(axis, kp) if hb == 32 and not quick else {"default": None}
+                for pname, plan in plans.items():
+                    fn = lambda: tq.mx_quantize(src, axis, hb, None, False, "floor", 8, None, codes_on, fp8_on, plan=plan)  # noqa: E731
+                    ok = plan is None or _same(fn(), want)
+                    us = bench_graph(fn) * 1e6
+                    rows_out.append(dict(layer=lname, role=role, hb=hb, plan=pname + ("" if ok else " WRONG RESULT"),
+                                         us=us, frac_copy=nb / us / 1e6 / copy_bw))
+            if codes_on:  # the backward's fold of this saved operand
+                q = tq.mx_quantize(src, axis, 32, None, False, "floor", 8, None, True, False)
+                codes, scales = q[0], q[1]
+                nbf = rows * kp // 2 + rows * kp // 32 + rows * (kp + 4)
+                want = fold(codes, scales, 1.0)
+                for cname, cfg in (_fold_configs(kp) if not quick else {"default": None}).items():
+                    fn = lambda: fold(codes, scales, 1.0, config=cfg)  # noqa: E731
+                    ok = cfg is None or _same(fn(), want)
+                    us = bench_graph(fn) * 1e6
+                    rows_out.append(dict(layer=lname, role="fold " + role.split()[0] + "T", hb=32,
+                                         plan=cname + ("" if ok else " WRONG RESULT"), us=us,
+                                         frac_copy=nbf / us / 1e6 / copy_bw))
+        del x, w, dy
+    res["roles"] = dict(model=model, tokens=t, rows=rows_out)
+    print(f"\n## quantizer and fold calls of one layer step, {model}, {t} tokens (us; share of the copy ceiling)")
+    print(f"{'layer':14s} {'role':12s} {'hb':>3s} {'plan':26s} {'us':>8s} {'of copy':>7s}")
+    best: dict = {}
+    for r in rows_out:
+        print(f"{r['layer']:14s} {r['role']:12s} {r['hb']:>3d} {r['plan']:26s} {r['us']:8.1f} {r['frac_copy']:7.0%}")
+        key = (r["layer"], r["role"], r["hb"])
+        if r["plan"] == "default":
+            best.setdefault(key, [r["us"], r["us"], "default"])[0] = r["us"]
+        if "WRONG" not in r["plan"] and r["us"] < best.setdefault(key, [r["us"], r["us"], r["plan"]])[1]:
+            best[key][1:] = [r["us"], r["plan"]]
+    print("\n## per role: default plan vs the fastest variant (us)")
+    for (lname, role, hb), (d, b, p) in best.items():
+        print(f"{lname:14s} {role:12s} {hb:>3d} default {d:8.1f}  best {b:8.1f} ({d / b:4.2f}x)  {p}")
+
+
 def gemm_shapes():
     for lname, (k, n) in LINEARS.items():
         yield lname, "fprop", (T, k, n)  # Y[T,N] = X[T,K] · Wᵀ
@@ -308,8 +405,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="directory for bench.json")
     ap.add_argument("--quick", action="store_true", help="fewer variants")
-    ap.add_argument("--sections", default="ceil,quant,gemm,pipe,over")
+    ap.add_argument("--sections", default="ceil,quant,gemm,pipe,over",
+                    help="comma-separated of ceil, quant, roles, gemm, pipe, over (default: %(default)s)")
     ap.add_argument("--dry", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1): checks the script")
+    ap.add_argument("--model", default="llama-350m",
+                    help="section roles: the model whose linear shapes it times (adahop.bench.LINEAR_SHAPES)")
     args = ap.parse_args()
     if args.dry:
         global DEV, T, LINEARS
@@ -324,6 +424,8 @@ def main():
         ceilings(res)
     if "quant" in secs:
         quantize_section(res, res["copy_TBps"], args.quick)
+    if "roles" in secs:
+        roles_section(res, res["copy_TBps"], args.model, args.quick)
     if "gemm" in secs:
         gemm_section(res)
     if "pipe" in secs:

@@ -23,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``adahop bench linear`` and ``adahop bench model``."""
     sub = p.add_subparsers(dest="bench_cmd", required=True)
     lin = sub.add_parser("linear", help="one linear layer, forward + backward")
-    lin.add_argument("--shapes", default="llama3.1-8b", help="comma-separated: llama3.2-1b, llama3.1-8b (default: %(default)s)")
+    lin.add_argument("--shapes", default="llama3.1-8b", help="comma-separated: llama-125m, llama-350m, llama3.2-1b, llama3.1-8b (default: %(default)s)")
     lin.add_argument("--tokens", default="8192,16384", help="comma-separated token counts, the rows of X (default: %(default)s)")
     lin.add_argument("--reps", type=int, default=20, help="timed repetitions per row, median taken (default: %(default)s)")
     lin.add_argument("--cuda-graphs", action="store_true",
