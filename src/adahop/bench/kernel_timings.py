@@ -13,7 +13,11 @@ Sections (medians of ``triton.testing.do_bench``, random inputs, never zeros):
    with two comparison rows: MXFP4 emulated by dequantize-to-BF16 + bf16 matmul (torchao style,
    a fused Triton dequantizer) and Triton ``tl.dot_scaled`` with e2m1 operands.
 
-Usage: ``python scripts/bench_kernels.py [--out DIR] [--quick]``. Prints tables; writes JSON.
+5. roles (``--sections roles --model M``, not in the default list): every quantizer and fold call of one
+   converted layer's training step at model ``M``'s linear shapes and 16384 tokens, default tiles against
+   variants, replayed from a CUDA graph (`docs/benchmarks_history.md`, round 29).
+
+Usage: ``python scripts/bench_kernels.py [--out DIR] [--quick] [--sections ...] [--model M]``. Prints tables; writes JSON.
 """
 
 from __future__ import annotations
