@@ -136,6 +136,8 @@
 #   r29p (issue 18, one GPU): validate_kernels --only rivals, then where llama-350m's step goes (scripts/profile_model.py,
 #      1024 x 16, bf16/mxfp4/adahop-lv2, mode auto: the arithmetic of the 350m target), then r28s's Llama-3.2-1B rows with
 #      --bf16-small-gemms (bf16, mxfp4, adahop-lv2, auto)
+#   r30s (issue 18, one GPU, round 29's leftovers): Llama-3.2-1B 4096 x 4, mode auto, in one process: bf16, adahop-lv2,
+#      torchao float8 rowwise and tensorwise (round 29 ran only bf16 and rowwise before its limit); needs .whl carried
 #   r21a (issue 18, one GPU): where the 8B-shaped model's first compile goes (round 20: mxfp4's did not finish in ~260 s;
 #      scripts/compile_census.py puts adahop's Triton kernels at ~12 s of it): scripts/bench_compile.py --phases cold for
 #      mxfp4 and adahop-lv2 at 4 blocks of Llama-3.1-8B, 4096 x 2, each alone with empty caches (COLD_TIMEOUT s each,
@@ -487,6 +489,14 @@ if [ "$STAGE" = r28s ]; then  # issue 18: the small-GEMM rule where it keeps FP8
   echo "1b small gemms: exit $? at $(el) s"; grep -E "^llama" $OUT/bench_1b_small.log | cut -c1-200
   timeout $(( ${LIM:-570} - $(el) )) $BM --recipes bf16,torchao-fp8-rowwise,torchao-fp8-tensorwise > $OUT/bench_1b_ao.log 2>&1
   echo "1b torchao: exit $? at $(el) s"; grep -E "^llama" $OUT/bench_1b_ao.log | cut -c1-200
+  echo "stage $STAGE done at $(el) s"; exit 0
+fi
+if [ "$STAGE" = r30s ]; then  # issue 18: Lv2 and both torchao float8 rows beside BF16 at 1B, one process
+  export CUDA_VISIBLE_DEVICES=0
+  python3 -c "import torchao" || { echo "torchao missing: carry .whl (bash scripts/make_carry.sh)"; exit 1; }
+  timeout $(( ${LIM:-575} - $(el) )) python3 -m adahop bench model --modes auto --model llama3.2-1b --seq-len 4096 --batch-size 4 \
+    --recipes bf16,adahop-lv2,torchao-fp8-rowwise,torchao-fp8-tensorwise --json $OUT/benchmarks.json > $OUT/bench_1b_ao.log 2>&1
+  echo "1b lv2 + torchao: exit $? at $(el) s"; grep -E "^llama" $OUT/bench_1b_ao.log | cut -c1-200
   echo "stage $STAGE done at $(el) s"; exit 0
 fi
 if [ "$STAGE" = r29p ]; then  # issue 18: the 350m kernel profile, and the small-GEMM rule where it keeps FP8 work
