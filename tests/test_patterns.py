@@ -478,3 +478,15 @@ def test_figure3_table_refuses_settings_that_make_its_numbers_meaningless(kw, wh
     divided by zero; a NaN scale gave a NaN table (helper 27)."""
     with pytest.raises(ValueError, match=what):
         figure3_table(**{**FIG3, **kw}, strategies=LOWP_STRATEGIES)
+
+
+def test_a_hand_written_plan_with_strategies_only_runs_them():
+    """Plan.from_dict asks each layer for its three strategies, not its patterns: such a plan converts (it was
+    refused as "made for another model", the layer being named in it) and describe shows no patterns."""
+    plan = Plan.from_dict({"table": "lv2", "layers": {"0": {"fprop": "iht", "dgrad": "iht+oe_right", "wgrad": "bf16"}}})
+    model = nn.Sequential(nn.Linear(64, 64))
+    adahop.convert_model(model, "adahop-lv2", plan=plan)
+    assert model[0].strategies() == {"fprop": "iht", "dgrad": "iht+oe_right", "wgrad": "bf16"}
+    assert model[0].patterns == {}
+    row = adahop.describe(model).splitlines()[3].split()
+    assert row[:5] == ["0", "64->64", "-", "-", "-"] and row[5:8] == ["iht", "iht+oe_right", "bf16"]

@@ -379,7 +379,8 @@ class LowPrecisionLinear(nn.Linear):
         self._specs = specs
         self._warm_constants()
         if plan is not None and self.name in plan.layers:
-            self.patterns = {k: plan.layers[self.name][k] for k in ("x", "w", "dy")}
+            # a hand-written plan may give only the strategies (Plan.from_dict requires no patterns): describe shows "-"
+            self.patterns = {k: plan.layers[self.name][k] for k in ("x", "w", "dy") if k in plan.layers[self.name]}
 
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)
