@@ -490,3 +490,18 @@ def test_a_hand_written_plan_with_strategies_only_runs_them():
     assert model[0].patterns == {}
     row = adahop.describe(model).splitlines()[3].split()
     assert row[:5] == ["0", "64->64", "-", "-", "-"] and row[5:8] == ["iht", "iht+oe_right", "bf16"]
+
+
+def test_a_non_finite_observation_is_not_a_vote_and_the_step_is_observed_again():
+    """An overflowing iteration (one a GradScaler skips, then repeats at the same optimizer step) voted None
+    from its NaN statistics and, being the step's first call, kept the repeat's finite tensor out of the vote."""
+    cal = Calibrator(steps=1)
+    rows = torch.randn(128, 64, generator=torch.Generator().manual_seed(0))
+    rows[:4] *= 30
+    bad = rows.clone()
+    bad[0, 0] = float("inf")
+    with pytest.warns(UserWarning, match="NaN or Inf"):
+        assert cal.observe("l", "dy", bad, step=0) is None
+    assert cal.observe("l", "dy", rows, step=0) is Pattern.ROW
+    assert cal.observe("l", "dy", rows * 0, step=0) is None  # the step is observed now: later calls add nothing
+    assert cal.history == {"l": {"dy": ["R"]}} and cal.vote()["l"]["dy"] == "R"

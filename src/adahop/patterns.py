@@ -371,6 +371,7 @@ class Calibrator:
         self._last_step: dict[tuple[str, str], int] = {}  # (layer, tensor) -> the step it was observed at
         self._repeats = 0  # calls at one step in a row, of the first (layer, tensor) seen: a loop without on_step
         self._warned = False
+        self._warned_nonfinite = False
 
     @classmethod
     def from_spec(cls, spec: CalibSpec) -> "Calibrator":
@@ -388,20 +389,33 @@ class Calibrator:
         step ``step`` (any int that changes once per step, e.g. the steps done so far).
 
         Returns the pattern, or None when nothing was recorded: ``tensor`` was already observed at
-        this ``step``, or ``t`` is empty. ``step=None`` makes every call its own observation (for
+        this ``step``, ``t`` is empty, or ``t`` holds NaN or ±Inf (an overflowing iteration, such as one
+        a GradScaler skips: its statistics are NaN and would vote None; one warning, and a later call
+        of the same step is observed instead). ``step=None`` makes every call its own observation (for
         callers that already pick one tensor per step)."""
         if t.numel() == 0:
             return None
+        if step is not None and self._last_step.get((layer, tensor)) == step:
+            self._count_repeat(layer, tensor, step)
+            return None
+        cv_row, cv_col = pattern_stats(t)
+        if not (math.isfinite(cv_row) and math.isfinite(cv_col)):  # only a non-finite t: the stats are scale-free
+            if not getattr(self, "_warned_nonfinite", False):  # absent from a calibrator pickled before it existed
+                self._warned_nonfinite = True
+                warnings.warn(f"adahop: {tensor} of layer {layer} holds NaN or Inf at optimizer step {step} while "
+                              "calibrating (an overflowing iteration, e.g. one a GradScaler skips); such tensors are "
+                              "not counted in the calibration vote", stacklevel=4)
+            return None
         if step is not None:
-            if self._last_step.get((layer, tensor)) == step:
-                self._count_repeat(layer, tensor, step)
-                return None
             self._last_step[(layer, tensor)] = step
             if self.first_step is None:
                 self.first_step = step
             if (layer, tensor) == next(iter(self._last_step)):
                 self._repeats = 0
-        p = self.detect(t)
+        c = self.spec
+        peaks = peak_ratios(t) if c.min_peak is not None else (None, None)
+        p = classify(cv_row, cv_col, rule=c.rule, threshold=c.threshold, floor=c.floor, min_peak=c.min_peak,
+                     row_peak=peaks[0], col_peak=peaks[1])  # detect(t), on the statistics already computed
         self.history.setdefault(layer, {}).setdefault(tensor, []).append(str(p))
         return p
 
