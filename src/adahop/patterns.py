@@ -412,10 +412,7 @@ class Calibrator:
                 self.first_step = step
             if (layer, tensor) == next(iter(self._last_step)):
                 self._repeats = 0
-        c = self.spec
-        peaks = peak_ratios(t) if c.min_peak is not None else (None, None)
-        p = classify(cv_row, cv_col, rule=c.rule, threshold=c.threshold, floor=c.floor, min_peak=c.min_peak,
-                     row_peak=peaks[0], col_peak=peaks[1])  # detect(t), on the statistics already computed
+        p = self.detect(t)  # computes the statistics again: calibration steps only, few and eager
         self.history.setdefault(layer, {}).setdefault(tensor, []).append(str(p))
         return p
 
