@@ -186,7 +186,7 @@ def test_trainer_40_steps_then_resume_keeps_the_plan(tmp_path, monkeypatch):
     # the step's own loss is logged too (the callback's trainer.log cleared should_log, and the Trainer dropped it)
     assert [r["step"] for r in trainer.state.log_history if "loss" in r] == [10, 20, 30, 40]
     counts = {k[len("adahop/"):]: v for k, v in logged.items() if k.startswith("adahop/")}
-    assert counts == {k: float(v) for k, v in adahop.nn.convert.strategy_counts(ctrl.plan).items()}
+    assert counts == {k: float(v) for k, v in adahop.nn.convert.strategy_counts(trainer.model).items()}
     assert sum(v for k, v in counts.items() if k.startswith("fprop/")) == 14
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

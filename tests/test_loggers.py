@@ -99,3 +99,19 @@ def test_the_readme_logging_command_runs(data_dir, tmp_path, monkeypatch, single
     assert main(argv) == 0
     run = tmp_path / "runs" / "logged"
     assert list((run / "tensorboard").glob("events.out.tfevents.*")) and list((run / "wandb").glob("offline-run-*"))
+
+
+def test_the_logged_strategy_counts_are_what_the_layers_run(data_dir, tmp_path, single_thread):
+    """Under ``@only-wgrad`` fprop and dgrad run BF16 whatever the plan says: metrics.jsonl's counts (and the
+    loggers', the same dict) are the GEMMs as they run, as ``describe`` shows them (they were the plan's)."""
+    out = tmp_path / "run"
+    args = _args(data_dir, out, "--steps", "3", "--eval-every", "0")
+    args[args.index("adahop-lv2")] = "adahop-lv2@only-wgrad"
+    assert main(args) == 0
+    plan = json.loads((out / "plan.json").read_text())
+    counts = next(r["plan_strategies"] for r in read_metrics(out / "metrics.jsonl") if "plan_strategies" in r)
+    n = len(plan["layers"])
+    assert counts["fprop/bf16"] == counts["dgrad/bf16"] == n
+    assert not any(k.startswith(("fprop/", "dgrad/")) and not k.endswith("/bf16") for k in counts)
+    assert sum(v for k, v in counts.items() if k.startswith("wgrad/")) == n
+    assert any(e["fprop"] != "bf16" for e in plan["layers"].values())  # the plan itself quantizes some fprop

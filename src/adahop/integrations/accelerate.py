@@ -80,7 +80,7 @@ def prepare_adahop(model, optimizer, recipe="adahop-lv2", *, accelerator=None, e
         if accelerator is None or not accelerator.is_main_process:
             return
         p = get_controller(m).plan
-        accelerator.log({f"adahop/{k}": v for k, v in strategy_counts(p).items()}, step=get_controller(m).step)
+        accelerator.log({f"adahop/{k}": v for k, v in strategy_counts(m).items()}, step=get_controller(m).step)
         if accelerator.project_dir:
             Path(accelerator.project_dir).mkdir(parents=True, exist_ok=True)
             p.save(Path(accelerator.project_dir) / "plan.json")

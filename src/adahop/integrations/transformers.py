@@ -146,7 +146,7 @@ class AdaHOPCallback(TrainerCallback, ExportableState):
         log.info("adahop: plan frozen at step %d\n%s", state.global_step, describe(self.model))
         if self.trainer is None:
             return
-        self.trainer.log({f"adahop/{k}": float(v) for k, v in strategy_counts(plan).items()})
+        self.trainer.log({f"adahop/{k}": float(v) for k, v in strategy_counts(self.model).items()})  # what runs
         rows = plan_rows(plan)
         for cb in self.trainer.callback_handler.callbacks:
             name = type(cb).__name__

@@ -491,11 +491,18 @@ def plan_rows(plan: Plan) -> list[list[str]]:
     return [[name] + [str(e.get(k, "-")) for k in PLAN_COLUMNS[1:]] for name, e in plan.layers.items()]
 
 
-def strategy_counts(plan: Plan) -> dict[str, int]:
-    """How many layers of ``plan`` run each strategy, per GEMM: ``{"fprop/iht": 10, "wgrad/bf16": 2, ...}``
-    (keys sorted; every GEMM and strategy that occurs)."""
+def strategy_counts(source: "Plan | nn.Module") -> dict[str, int]:
+    """How many layers run each strategy, per GEMM: ``{"fprop/iht": 10, "wgrad/bf16": 2, ...}`` (keys sorted;
+    every GEMM and strategy that occurs). Given a converted model, what its layers run
+    (:meth:`LowPrecisionLinear.strategies`, as :func:`describe` shows them): a recipe variant that keeps some GEMMs in
+    BF16 (``@only-wgrad``, ``bf16_small_gemms``) or maps a plan's entry to another strategy counts as it runs. Given
+    a :class:`~adahop.patterns.Plan`, the plan's own entries."""
+    if isinstance(source, Plan):
+        entries = list(source.layers.values())
+    else:
+        entries = [m.strategies() for m in source.modules() if isinstance(m, LowPrecisionLinear)]
     counts: dict[str, int] = {}
-    for e in plan.layers.values():
+    for e in entries:
         for g in ("fprop", "dgrad", "wgrad"):
             key = f"{g}/{e[g]}"
             counts[key] = counts.get(key, 0) + 1

@@ -364,7 +364,7 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
             clock, timed_tokens, warm_from, timed_steps, estimated = 0.0, 0, step + 3, 0, False
             if is_main:
                 get_controller(model).plan.save(run / "plan.json")
-                metrics.log_plan(step + 1, get_controller(model).plan)
+                metrics.log_plan(step + 1, get_controller(model).plan, model)
             if cfg.compile:  # recompile once, with the frozen plan, as whole graphs, in the final mode
                 torch.compiler.reset()
                 breaks_from, frames_from, compiled_at = _graph_breaks(), None, step + 1

@@ -78,12 +78,14 @@ class Metrics:
             for sink in self.sinks:
                 sink.scalars(rec["step"], scalars)
 
-    def log_plan(self, step: int, plan) -> None:
+    def log_plan(self, step: int, plan, model=None) -> None:
         """At the freeze: the strategy counts (``adahop/fprop/iht`` ...) and the plan as a table
-        (TensorBoard text, a W&B Table); metrics.jsonl gets the counts (plan.json holds the plan)."""
+        (TensorBoard text, a W&B Table); metrics.jsonl gets the counts (plan.json holds the plan). The counts
+        are what ``model``'s layers run (a recipe variant may keep some of the plan's GEMMs in BF16), or the
+        plan's own entries without a model."""
         from ..nn.convert import PLAN_COLUMNS, plan_rows, strategy_counts
 
-        counts = strategy_counts(plan)
+        counts = strategy_counts(plan if model is None else model)
         self.log(step=step, plan_strategies=counts)
         for sink in self.sinks:
             sink.scalars(step, {f"adahop/{k}": float(v) for k, v in counts.items()})
