@@ -437,7 +437,7 @@ def test_interp_fold_checks_the_range_unless_the_quantizer_did():
 
 
 @interp
-@pytest.mark.parametrize("recipe", ["mxfp4-had", "adahop-lv1", "tseng"])
+@pytest.mark.parametrize("recipe", ["mxfp4-had", "adahop-lv1", "tseng", "mxfp4@saved-fp8"])
 def test_interp_fast_layer_compiles_without_graph_break(recipe):
     """A converted linear on the Triton path under torch.compile(fullgraph=True): dynamo must trace
     the autograd.Function's backward (quantize, fold of the saved operands, FP8 GEMM) in one graph.
@@ -454,6 +454,34 @@ def test_interp_fast_layer_compiles_without_graph_break(recipe):
     out = torch.compile(lin, fullgraph=True, backend="aot_eager")(x)
     out.float().square().sum().backward()
     assert torch.isfinite(x.grad).all() and torch.isfinite(lin[0].weight.grad).all()
+
+
+@interp
+@pytest.mark.parametrize("recipe", ["mxfp4", "tseng", "adahop-lv1"])
+def test_interp_saved_fp8_runs_the_same_numbers_and_saves_the_fold(recipe, fwd_bwd):
+    """``@saved-fp8`` (issue 18): X and W wait for backward as the FP8 fold the forward quantizer
+    writes, so y, dX and dW are the packed-MXFP4 run's bit for bit (the fold is exact; tseng's
+    4/3 rides in the row scale), and the saved bytes are the fold's: 1 byte an element plus a
+    float32 row scale, against half a byte an element."""
+    from adahop.nn import convert_model, get_controller
+    from adahop.patterns import Plan
+
+    t, k, n = 64, 64, 128  # multiples of tseng's 64-element Hadamard: nothing padded
+    x0, dy = torch.randn(t, k), torch.randn(t, n)
+    out, saved = {}, {}
+    for name in (recipe, f"{recipe}@saved-fp8"):
+        torch.manual_seed(0)
+        lin = torch.nn.Sequential(torch.nn.Linear(k, n, bias=False))
+        convert_model(lin, name, backend="triton")
+        if recipe.startswith("adahop"):  # IHT on both backward GEMMs: both saved operands quantized
+            get_controller(lin).set_plan(Plan.from_patterns({"0": {"x": "N", "w": "N", "dy": "N"}}))
+        out[name] = fwd_bwd(lin, lin[0], x0, dy)
+        saved[name] = lin[0].saved_bytes
+    for what, a, b in zip(("y", "dX", "dW"), *out.values()):
+        assert torch.equal(a, b), what
+    # the fold's byte an element for the codes' half byte, and a float32 row scale per row of Xᵀ and of
+    # W along N (K rows each); scales (and tseng's saved sign vectors) the same
+    assert saved[f"{recipe}@saved-fp8"] - saved[recipe] == (k * t + n * k) // 2 + 4 * (k + k)
 
 
 @interp

@@ -535,6 +535,19 @@ def test_msr_none_variant_and_bad_variants():
     assert "@" not in "".join(list_recipes())  # variants are not presets
 
 
+def test_saved_fp8_variant_sets_the_saved_form_and_refuses_recipes_without_a_fold():
+    r = get_recipe("mxfp4@saved-fp8")
+    assert r.saved_operands == "fp8" and get_recipe("mxfp4").saved_operands == "mxfp4"
+    assert all(r.gemm(g) == get_recipe("mxfp4").gemm(g) for g in GEMMS)  # no GEMM's numerics change
+    assert "FP8 fold" in gemm_table(r) and "FP8 fold" not in gemm_table(get_recipe("mxfp4"))
+    assert get_recipe("adahop-lv2@saved-fp8").calibration == get_recipe("adahop-lv2").calibration
+    for name in ("bf16@saved-fp8", "nvfp4@saved-fp8", "mxfp4@msr-none@saved-fp8", "mxfp4@only-fprop@saved-fp8"):
+        with pytest.raises(ValueError, match="'saved-fp8' needs a backward GEMM whose saved operand"):
+            get_recipe(name)
+    with pytest.raises(ValueError, match="saved_operands='fp4'; allowed"):
+        dataclasses.replace(get_recipe("mxfp4"), saved_operands="fp4")
+
+
 def test_bf16_calib_variant_is_uniform_iht_after_adahops_bf16_steps(fwd_bwd):
     """``mxfp4-had@bf16-calib``: the 30 calibration steps run exact BF16 GEMMs (as AdaHOP's), then
     every GEMM is mxfp4-had's own IHT spec, bit for bit; the variant refuses recipes it cannot mean."""

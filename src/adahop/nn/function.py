@@ -148,6 +148,12 @@ class LowPrecisionLinearFn(torch.autograd.Function):
         return backward_body(ctx, dy)
 
 
+def _saved_outputs(layer, spec) -> str:
+    """What the quantizer writes of a B operand saved for ``spec``'s backward GEMM: the packed codes,
+    or the FP8 fold where the recipe saves that and the operand has one (`Recipe.saved_operands`)."""
+    return "fp8" if layer.recipe.saved_operands == "fp8" and spec.b.folds_to_fp8 else "codes"
+
+
 def forward_body(ctx, x, weight, bias, layer, dtype, seed=None) -> torch.Tensor:
     """The forward of :class:`LowPrecisionLinearFn` on ``ctx`` (its autograd ctx, or the stand-in of
     the opaque compiled ops, :mod:`adahop.nn.opaque`): returns ``y`` [T, N] in ``dtype``, a fresh
@@ -177,11 +183,12 @@ def forward_body(ctx, x, weight, bias, layer, dtype, seed=None) -> torch.Tensor:
         signs_w = draw_signs(wg, gw, x.device, seed=seed, salt=salt(layer, "wgrad"))
         signs_d = draw_signs(dg, gd, x.device, seed=seed, salt=salt(layer, "dgrad"))
         # saved operands hold only the packed MXFP4 (4.25 bits/element; backward unpacks it straight
-        # to FP8, `DESIGN.md` §3); the GEMMs' own operands only the FP8 fold
+        # to FP8, `DESIGN.md` §3), or under recipe.saved_operands="fp8" only the fold; the GEMMs' own
+        # operands only the FP8 fold
         x_prep = None if _needs_hp_b(wg) else prepare(x, "b", wg, signs=signs_w, generator=gw, backend=layer.backend,
-                                                      outputs="codes")
+                                                      outputs=_saved_outputs(layer, wg))
         w_prep = None if _needs_hp_b(dg) else prepare(w, "b", dg, signs=signs_d, generator=gd, backend=layer.backend,
-                                                      outputs="codes")
+                                                      outputs=_saved_outputs(layer, dg))
         # every tensor of them goes through save_for_backward, none stays on ctx: saved-tensor hooks
         # must see them all, or torch.utils.checkpoint (non-reentrant) kept them alive from forward
         # to backward as ctx attributes (a checkpointed layer held its whole packed X and W)

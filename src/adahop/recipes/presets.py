@@ -25,7 +25,7 @@ def register(recipe: Recipe) -> Recipe:
 
 #: Variants a recipe name may carry after ``@`` (`get_recipe`): the per-GEMM ablation and the
 #: exponent-range arm of issue 19.
-VARIANTS = ("only-fprop", "only-dgrad", "only-wgrad", "msr-none", "foid", "bf16-calib", "mean-bf16")
+VARIANTS = ("only-fprop", "only-dgrad", "only-wgrad", "msr-none", "foid", "bf16-calib", "mean-bf16", "saved-fp8")
 
 
 def get_recipe(name: str) -> Recipe:
@@ -43,6 +43,9 @@ def get_recipe(name: str) -> Recipe:
     - ``foid``: OE picks its rows/columns by FOID (the norm of the first 64 elements along Kc)
       instead of the exact top-k (`GemmSpec.oe_select`; issue 18).
     - ``mean-bf16``: Averis keeps its mean vectors in BF16 (`GemmSpec.mean_bf16`), not FP4.
+    - ``saved-fp8``: X and W wait for backward as their FP8 fold, not packed MXFP4
+      (`Recipe.saved_operands`): the same numbers, no fold kernel in backward, 8 bits a saved
+      element instead of 4.25 (a speed-for-memory choice; issue 18).
     - ``bf16-calib``: a recipe with IHT on every GEMM (``mxfp4-had``) first runs AdaHOP's 30
       exact-BF16 calibration steps, then IHT everywhere (strategy table ``"iht"``); GEMMs an
       ``only-*`` variant made BF16 stay BF16, in either order. It is the
@@ -52,7 +55,8 @@ def get_recipe(name: str) -> Recipe:
     Raises:
         ValueError: unknown preset (lists the known names) or variant, a variant given twice, a variant
             that would change nothing (``foid`` without OE, ``msr-none`` without a limited MXFP4 operand,
-            ``only-X`` where X is BF16 in the base or the only GEMM it quantizes), or
+            ``only-X`` where X is BF16 in the base or the only GEMM it quantizes, ``saved-fp8`` without a backward
+            GEMM whose saved operand folds to FP8), or
             ``bf16-calib`` on a recipe that calibrates already or has a GEMM neither IHT nor BF16 (or none IHT).
     """
     base, *variants = name.split("@")
@@ -119,6 +123,12 @@ def _variant(recipe: Recipe, variant: str) -> Recipe:
         specs = {g: replace(recipe.gemm(g), strategy="calibrated") for g in GEMMS if recipe.gemm(g).strategy == "iht"}
         return replace(recipe, description=f"{recipe.description} [after BF16 calibration steps, as AdaHOP (30 unless --calib-steps)]",
                        calibration=CalibSpec(table="iht"), **specs)
+    if variant == "saved-fp8":
+        if not any(recipe.gemm(g).strategy != "bf16" and recipe.gemm(g).b.folds_to_fp8 for g in ("dgrad", "wgrad")):
+            raise ValueError(f"recipe variant 'saved-fp8' needs a backward GEMM whose saved operand (W for dgrad, X for "
+                             f"wgrad) is MXFP4 with an exact FP8 fold; {recipe.name!r} has none, so it would run as the base "
+                             f"under another name")
+        return replace(recipe, description=f"{recipe.description} [X and W saved as their FP8 fold]", saved_operands="fp8")
     raise ValueError(f"unknown recipe variant {variant!r}; allowed after '@': {', '.join(VARIANTS)}")
 
 

@@ -19,10 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from ..formats import SCALE_RULES
+from ..formats.mxfp4 import folds_exactly
 from ..hadamard import SUPPORTED_SIZES
 
 __all__ = ["OperandSpec", "Transform", "GemmSpec", "CalibSpec", "Recipe", "STRATEGIES", "GEMMS", "DETECTOR_RULES",
-           "ACCUMULATIONS", "OE_SELECTS", "SmallGemmRule"]
+           "ACCUMULATIONS", "OE_SELECTS", "SAVED_FORMS", "SmallGemmRule"]
 
 #: The GEMM vocabulary used in fields, logs, plans and tables.
 GEMMS = ("fprop", "dgrad", "wgrad")
@@ -45,6 +46,10 @@ ACCUMULATIONS = ("fp8-mma", "fp32")
 #: L2 norm along Kc; ``"foid"`` Fast Outlier Index Detection, the top-k by the norm of the first
 #: :attr:`GemmSpec.foid_prefix` elements along Kc only (the paper's Figure 9).
 OE_SELECTS = ("exact", "foid")
+#: How X and W wait for their backward GEMMs (`DESIGN.md` §3; issue 18): ``"mxfp4"`` packed E2M1 codes and
+#: E8M0 scales (4.25 bits per element), folded to FP8 by a kernel in backward; ``"fp8"`` their FP8 E4M3
+#: fold and row scales (8 bits per element), written by the forward quantizer: no fold kernel in backward.
+SAVED_FORMS = ("mxfp4", "fp8")
 _FORMATS = ("mxfp4", "nvfp4", "none")
 _ROUNDINGS = ("nearest", "stochastic")
 _SIGNS = ("none", "fixed", "per_call")
@@ -85,6 +90,12 @@ class OperandSpec:
                    f"scale_rule={self.scale_rule!r}, max_scale_range={self.max_scale_range} with fmt='nvfp4': both are "
                    "MXFP4 options (E8M0 block exponents); NVFP4's E4M3 block scales take neither, so leave them at "
                    "their defaults")
+
+    @property
+    def folds_to_fp8(self) -> bool:
+        """True for an MXFP4 operand with an exact FP8 fold (``max_scale_range`` 0…8), which the fast
+        path multiplies as FP8 (`DESIGN.md` §3)."""
+        return self.fmt == "mxfp4" and folds_exactly(self.max_scale_range)
 
     def quant_kwargs(self) -> dict:
         """Keyword arguments for :func:`adahop.formats.quantize` (without axis/generator)."""
@@ -299,6 +310,12 @@ class Recipe:
     """GEMMs too small to gain from the FP8 fast path (:class:`SmallGemmRule`) run exact BF16.
     None (the presets): every GEMM runs the recipe, so a recipe's numerics never depend on the
     model's width; ``recipe.with_small_gemms_bf16()`` turns the default rule on (a speed choice)."""
+    saved_operands: str = "mxfp4"
+    """The form in which X and W are saved for the backward GEMMs that take them quantized
+    (:data:`SAVED_FORMS`): ``"fp8"`` trades the fold kernel of each saved operand for 8 bits a
+    saved element instead of 4.25. Only MXFP4 operands with an exact FP8 fold
+    (``max_scale_range`` ≤ 8), on the fast path, change; the numbers are the same either way
+    (the fold is exact). The ``@saved-fp8`` variant of a preset sets it."""
 
     def __post_init__(self) -> None:
         for g in GEMMS:
@@ -314,6 +331,8 @@ class Recipe:
             _check(isinstance(self.bf16_small_gemms, SmallGemmRule), f"recipe {self.name!r}",
                    f"bf16_small_gemms must be a SmallGemmRule or None, got {type(self.bf16_small_gemms).__name__}")
             self.bf16_small_gemms.validate(f"recipe {self.name!r} bf16_small_gemms")
+        _check(self.saved_operands in SAVED_FORMS, f"recipe {self.name!r}",
+               f"saved_operands={self.saved_operands!r}; allowed {SAVED_FORMS}")
 
     def gemm(self, name: str) -> GemmSpec:
         """The spec of GEMM ``name`` (fprop, dgrad or wgrad)."""
