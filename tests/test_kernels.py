@@ -380,6 +380,52 @@ def test_interp_quantizer_bit_exact(case):
         assert qt.fp8 is None
 
 
+DUAL_CASES = [  # (rows, cols, dtype, hadamard of the K-contiguous call): one tile; a masked last row block;
+    # two 512-chunks, so the column amaxes come from the row-maximum loop; ragged columns (7 chunks of 32)
+    (64, 256, torch.bfloat16, 0), (70, 96, torch.float32, 32), (32, 1024, torch.bfloat16, 0), (40, 200, torch.bfloat16, 0),
+]
+#: the transposing call's settings (scale rule, max_scale_range, codes written), all of them on the small cases
+DUAL_RULES = (("floor", 8, True), ("adahop", 8, False), ("tseng", 3, True), ("rceil", -1, True))
+
+
+@pytest.mark.parametrize("case", DUAL_CASES, ids=lambda c: f"{c[0]}x{c[1]}-{str(c[2])[6:]}-hb{c[3]}")
+@interp
+def test_interp_dual_layout_quantization_hands_the_row_maximum_across(case):
+    """Issue 18's dual-layout read: the K-contiguous quantizer also writes each column's largest finite
+    32-row-block amax (of the raw x: before its Hadamard and OE's zeroed rows), equal to
+    :func:`finite_block_amax_max` along the other axis; the transposing quantizer given it as ``row_amax``
+    skips its amax pass and writes the bytes it writes without it, under every scale rule."""
+    from adahop.kernels import _triton_quantize as tq
+    from adahop.kernels.quantize_mxfp4 import finite_block_amax_max
+
+    r, c, dtype, hb = case
+    x = _spread_rows(r, c, seed=r + c)  # row scales 2^-40…2^40: each column's row blocks span them
+    x = (x * torch.exp2(torch.randint(-30, 30, (1, c), generator=torch.Generator().manual_seed(1)).float())).to(dtype)
+    x[5, 7], x[40 % r, 33 % c], x[9, 2] = float("nan"), float("inf"), -0.0  # bad row blocks, a signed zero
+    signs = (torch.randint(0, 2, (hb,), generator=torch.Generator().manual_seed(2)).float() * 2 - 1) if hb else None
+    keep = torch.ones(r, dtype=torch.uint8)
+    keep[3] = 0  # the K-contiguous call's OE rows: its quantization only, not the raw column amaxes
+    col = torch.zeros(c)
+    plain = tq.mx_quantize(x, 1, hb, signs, False, "floor", 8, None, True, True, keep)
+    dual = tq.mx_quantize(x, 1, hb, signs, False, "floor", 8, None, True, True, keep, colamax=col)
+    for a, b in zip(plain, dual):
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+    assert torch.equal(col, finite_block_amax_max(x, 0))
+    for rule, msr, codes in DUAL_RULES if r * c <= 16384 else DUAL_RULES[:1]:
+        want = tq.mx_quantize(x, 0, 0, None, False, rule, msr, None, codes, True)
+        got = tq.mx_quantize(x, 0, 0, None, False, rule, msr, None, codes, True, row_amax=col)
+        for a, b in zip(want, got):
+            assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                               b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b), rule
+    with pytest.raises(ValueError, match="row_amax holds raw amaxes"):
+        tq.mx_quantize(x, 0, 32, None, False, "floor", 8, None, row_amax=col)
+    with pytest.raises(ValueError, match="colamax must be a zeroed float32"):
+        tq.mx_quantize(x, 1, 0, None, False, "floor", 8, None, colamax=torch.zeros(c + 1))
+    with pytest.raises(ValueError, match="K-contiguous"):
+        tq.mx_quantize(x, 0, 0, None, False, "floor", 8, None, colamax=torch.zeros(r))
+
+
 FOLD_CASES = [  # (rows, cols, axis, scale_rule): one tile, masked rows/K, the chunk loop (kp > 2048), ragged Kc
     (33, 64, 1, "floor"), (40, 50, 1, "tseng"), (7, 4160, 1, "rceil"), (96, 24, 0, "adahop"), (5, 2048, 1, "floor"),
 ]

@@ -13,12 +13,14 @@ import math
 
 import torch
 
+from ..formats.common import move_and_pad
 from ..formats.mxfp4 import MXTensor, check_mx_options, folds_exactly, quantize_mxfp4
 from ..hadamard import block_hadamard, check_block_size
 from .backend import resolve_backend
 
 __all__ = [
     "iht_quantize_mxfp4",
+    "finite_block_amax_max",
     "iht_quantize_mxfp4_reference",
     "iht_quantize_mxfp4_triton",
     "hadamard_butterfly",
@@ -126,6 +128,26 @@ def _check_args(x, axis, hadamard_block, rounding, scale_rule, max_scale_range, 
                          "use outputs='all'")
     _check_zero_rows(zero_rows)
     return axis % 2
+
+
+def finite_block_amax_max(x: torch.Tensor, axis: int) -> torch.Tensor:
+    """For each row of ``x`` quantized along ``axis`` (rows: the other dim), the largest amax of its
+    finite 32-blocks along ``axis`` (0 for a row with none): the quantity the row exponent ``E`` of
+    `DESIGN.md` §3 is the scale rule of, before any transform.
+
+    Args:
+        x: 2-D float tensor ``[R, C]``; ``axis``: 0 or 1, the blocked dim (zero-padded to a multiple of 32).
+
+    Returns:
+        float32 ``[C]`` for ``axis=0``, ``[R]`` for ``axis=1``. The PyTorch twin of the ``colamax`` the
+        K-contiguous Triton quantizer writes for the other axis (issue 18's dual-layout quantization).
+    """
+    _check_operand(x, axis, "finite_block_amax_max")
+    xm = move_and_pad(x.float(), axis % 2, 32)
+    if xm.shape[-1] == 0:
+        return xm.new_zeros(xm.shape[0])
+    blocks = xm.reshape(xm.shape[0], -1, 32).abs().amax(dim=-1)  # NaN and Inf propagate: a non-finite block
+    return torch.where(torch.isfinite(blocks), blocks, 0.0).amax(dim=-1)
 
 
 def iht_quantize_mxfp4_reference(
