@@ -138,10 +138,11 @@
 #      --bf16-small-gemms (bf16, mxfp4, adahop-lv2, auto)
 #   r30s (issue 18, one GPU, round 29's leftovers): Llama-3.2-1B 4096 x 4, mode auto, in one process: bf16, adahop-lv2,
 #      torchao float8 rowwise and tensorwise (round 29 ran only bf16 and rowwise before its limit); needs .whl carried
-#   r31k (issue 18, one GPU): validate_kernels --only fold,outputs (@saved-fp8 layers == their base, eager and
-#      CUDA-graphed; the dual-layout read's bytes), then bench_kernels --sections ceil,dual at llama-125m and llama-350m
-#   r31s (issue 18, one GPU): llama-125m and llama-350m 1024 x 16, mode auto, one process each: bf16, mxfp4,
-#      mxfp4@saved-fp8, adahop-lv2, adahop-lv2@saved-fp8 (the fold kernels' share of the step, and the memory it costs)
+#   r31k (issue 18, one GPU): validate_kernels --only fold,outputs (@saved-fp8 and @dual-layout layers == their base,
+#      eager and CUDA-graphed; the dual-layout read's bytes), then bench_kernels --sections ceil,dual at llama-125m and
+#      llama-350m
+#   r31s (issue 18, one GPU): M31 (default llama-125m; then llama-350m) at 1024 x 16, mode auto, in one process: bf16,
+#      mxfp4, its @saved-fp8, @dual-layout and both, adahop-lv2 and its @saved-fp8 (R31_RECIPES overrides the list)
 #   r21a (issue 18, one GPU): where the 8B-shaped model's first compile goes (round 20: mxfp4's did not finish in ~260 s;
 #      scripts/compile_census.py puts adahop's Triton kernels at ~12 s of it): scripts/bench_compile.py --phases cold for
 #      mxfp4 and adahop-lv2 at 4 blocks of Llama-3.1-8B, 4096 x 2, each alone with empty caches (COLD_TIMEOUT s each,
@@ -514,15 +515,12 @@ if [ "$STAGE" = r31k ]; then  # issue 18: validation of @saved-fp8 and the dual-
   done
   echo "stage $STAGE done at $(el) s"; exit 0
 fi
-if [ "$STAGE" = r31s ]; then  # issue 18: @saved-fp8 (no fold kernel in backward) beside its base and BF16, one process a model
+if [ "$STAGE" = r31s ]; then  # issue 18: @saved-fp8 and @dual-layout beside their base and BF16, one process (M31: the model)
   export CUDA_VISIBLE_DEVICES=0
-  R=bf16,mxfp4,mxfp4@saved-fp8,adahop-lv2,adahop-lv2@saved-fp8
-  timeout 200 python3 -m adahop bench model --modes auto --model llama-125m --seq-len 1024 --batch-size 16 \
-    --recipes $R --json $OUT/benchmarks.json > $OUT/bench_125m_saved.log 2>&1
-  echo "125m: exit $? at $(el) s"; grep -E "^llama" $OUT/bench_125m_saved.log | cut -c1-200
-  timeout $(( ${LIM:-575} - $(el) )) python3 -m adahop bench model --modes auto --model llama-350m --seq-len 1024 --batch-size 16 \
-    --recipes $R --json $OUT/benchmarks.json > $OUT/bench_350m_saved.log 2>&1
-  echo "350m: exit $? at $(el) s"; grep -E "^llama" $OUT/bench_350m_saved.log | cut -c1-200
+  R=${R31_RECIPES:-bf16,mxfp4,mxfp4@saved-fp8,mxfp4@dual-layout,mxfp4@dual-layout@saved-fp8,adahop-lv2,adahop-lv2@saved-fp8}
+  timeout $(( ${LIM:-575} - $(el) )) python3 -m adahop bench model --modes auto --model ${M31:-llama-125m} --seq-len 1024 \
+    --batch-size 16 --recipes $R --json $OUT/benchmarks.json > $OUT/bench_r31s.log 2>&1
+  echo "${M31:-llama-125m}: exit $? at $(el) s"; grep -E "^llama" $OUT/bench_r31s.log | cut -c1-200
   echo "stage $STAGE done at $(el) s"; exit 0
 fi
 if [ "$STAGE" = r29p ]; then  # issue 18: the 350m kernel profile, and the small-GEMM rule where it keeps FP8 work

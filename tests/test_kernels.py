@@ -380,6 +380,26 @@ def test_interp_quantizer_bit_exact(case):
         assert qt.fp8 is None
 
 
+def test_finite_block_amax_max_skips_non_finite_blocks_and_pads_ragged_ones():
+    from adahop.kernels import finite_block_amax_max
+
+    x = torch.zeros(70, 3)
+    x[:32, 0] = torch.linspace(-3.0, 2.0, 32)  # block 0 of column 0: amax 3
+    x[32:64, 0] = 100.0
+    x[40, 0] = float("nan")  # block 1 holds a NaN: not a finite block, its 100s do not count
+    x[64:, 0] = -0.5  # the ragged block 2 (6 rows, zero-padded)
+    x[5, 1] = float("-inf")
+    x[33, 1] = -7.0  # column 1: block 0 holds an Inf; block 1's amax 7
+    assert finite_block_amax_max(x, 0).tolist() == [3.0, 7.0, 0.0]
+    assert torch.equal(finite_block_amax_max(x.t().contiguous(), 1), finite_block_amax_max(x, 0))
+    q, col = iht_quantize_mxfp4(x.t(), axis=1, hadamard_block=None, backend="reference", return_col_amax=True)
+    assert col.shape == (70,) and col[0] == 3.0 and col[5] == 0 and col[32] == 100.0  # each row of x one 3-element block
+    with pytest.raises(ValueError, match="row_amax holds the raw x's amaxes"):
+        iht_quantize_mxfp4(x, axis=0, hadamard_block=32, backend="reference", row_amax=torch.zeros(3))
+    with pytest.raises(ValueError, match=r"row_amax must be a float32 \[3\]"):
+        iht_quantize_mxfp4(x, axis=0, hadamard_block=None, backend="reference", row_amax=torch.zeros(4))
+
+
 DUAL_CASES = [  # (rows, cols, dtype, hadamard of the K-contiguous call): one tile; a masked last row block;
     # two 512-chunks, so the column amaxes come from the row-maximum loop; ragged columns (7 chunks of 32)
     (64, 256, torch.bfloat16, 0), (70, 96, torch.float32, 32), (32, 1024, torch.bfloat16, 0), (40, 200, torch.bfloat16, 0),
@@ -483,7 +503,7 @@ def test_interp_fold_checks_the_range_unless_the_quantizer_did():
 
 
 @interp
-@pytest.mark.parametrize("recipe", ["mxfp4-had", "adahop-lv1", "tseng", "mxfp4@saved-fp8"])
+@pytest.mark.parametrize("recipe", ["mxfp4-had", "adahop-lv1", "tseng", "mxfp4@saved-fp8", "mxfp4@dual-layout"])
 def test_interp_fast_layer_compiles_without_graph_break(recipe):
     """A converted linear on the Triton path under torch.compile(fullgraph=True): dynamo must trace
     the autograd.Function's backward (quantize, fold of the saved operands, FP8 GEMM) in one graph.
@@ -509,25 +529,56 @@ def test_interp_saved_fp8_runs_the_same_numbers_and_saves_the_fold(recipe, fwd_b
     writes, so y, dX and dW are the packed-MXFP4 run's bit for bit (the fold is exact; tseng's
     4/3 rides in the row scale), and the saved bytes are the fold's: 1 byte an element plus a
     float32 row scale, against half a byte an element."""
+    t, k, n = 64, 64, 128  # multiples of tseng's 64-element Hadamard: nothing padded
+    saved = _same_numbers_as_base(recipe, "@saved-fp8", (t, k, n), fwd_bwd, lambda lin: lin[0].saved_bytes)
+    # the fold's byte an element for the codes' half byte, and a float32 row scale per row of Xᵀ and of
+    # W along N (K rows each); scales (and tseng's saved sign vectors) the same
+    assert saved[f"{recipe}@saved-fp8"] - saved[recipe] == (k * t + n * k) // 2 + 4 * (k + k)
+
+
+def _same_numbers_as_base(recipe: str, variant: str, shape, fwd_bwd, measure) -> dict:
+    """A bias-free linear [k -> n] converted to ``recipe`` and to ``recipe + variant`` (Triton path, same
+    seed), one step on the same x [t, k] and dY: asserts y, dX and dW equal bit for bit, and returns
+    ``{name: measure(layer)}`` taken right after each step. An AdaHOP recipe gets a plan with IHT on every GEMM."""
     from adahop.nn import convert_model, get_controller
     from adahop.patterns import Plan
 
-    t, k, n = 64, 64, 128  # multiples of tseng's 64-element Hadamard: nothing padded
+    t, k, n = shape
     x0, dy = torch.randn(t, k), torch.randn(t, n)
-    out, saved = {}, {}
-    for name in (recipe, f"{recipe}@saved-fp8"):
+    out, got = {}, {}
+    for name in (recipe, recipe + variant):
         torch.manual_seed(0)
         lin = torch.nn.Sequential(torch.nn.Linear(k, n, bias=False))
         convert_model(lin, name, backend="triton")
         if recipe.startswith("adahop"):  # IHT on both backward GEMMs: both saved operands quantized
             get_controller(lin).set_plan(Plan.from_patterns({"0": {"x": "N", "w": "N", "dy": "N"}}))
         out[name] = fwd_bwd(lin, lin[0], x0, dy)
-        saved[name] = lin[0].saved_bytes
+        got[name] = measure(lin)
     for what, a, b in zip(("y", "dX", "dW"), *out.values()):
         assert torch.equal(a, b), what
-    # the fold's byte an element for the codes' half byte, and a float32 row scale per row of Xᵀ and of
-    # W along N (K rows each); scales (and tseng's saved sign vectors) the same
-    assert saved[f"{recipe}@saved-fp8"] - saved[recipe] == (k * t + n * k) // 2 + 4 * (k + k)
+    return got
+
+
+@interp
+@pytest.mark.parametrize("recipe", ["mxfp4", "mxfp4@saved-fp8"])
+def test_interp_dual_layout_layer_runs_the_same_numbers_without_the_amax_passes(recipe, fwd_bwd, monkeypatch):
+    """``@dual-layout``: X, W and ∇Y are each read twice for both their layouts, not three times (the
+    transposing quantizer's amax pass is never launched), and y, dX, dW are the base recipe's bit for bit."""
+    from adahop.kernels import _triton_quantize as tq
+
+    launched = []
+    real = tq.launch
+    monkeypatch.setattr(tq, "launch", lambda kernel, *a, **kw: (launched.append(getattr(kernel, "__name__", str(kernel))),
+                                                               real(kernel, *a, **kw)))
+
+    def amax_passes(lin):
+        n = sum("amax" in s for s in launched)
+        launched.clear()
+        return n
+
+    # 96 tokens: three row blocks of the transposed quantizations
+    got = _same_numbers_as_base(recipe, "@dual-layout", (96, 64, 160), fwd_bwd, amax_passes)
+    assert got == {recipe: 3, f"{recipe}@dual-layout": 0}
 
 
 @interp

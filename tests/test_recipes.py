@@ -548,6 +548,17 @@ def test_saved_fp8_variant_sets_the_saved_form_and_refuses_recipes_without_a_fol
         dataclasses.replace(get_recipe("mxfp4"), saved_operands="fp4")
 
 
+def test_dual_layout_variant_is_for_recipes_with_an_untransformed_backward_gemm():
+    r = get_recipe("mxfp4@dual-layout@saved-fp8")
+    assert r.dual_layout and r.saved_operands == "fp8" and not get_recipe("mxfp4").dual_layout
+    assert all(r.gemm(g) == get_recipe("mxfp4").gemm(g) for g in GEMMS)
+    # AdaHOP's tables give every pattern pair a transform or BF16; mxfp4-had transforms every GEMM
+    for name in ("adahop-lv2@dual-layout", "mxfp4-had@dual-layout", "nvfp4@dual-layout", "bf16@dual-layout",
+                 "mxfp4@only-fprop@dual-layout"):
+        with pytest.raises(ValueError, match="'dual-layout' needs a backward GEMM that quantizes MXFP4 without a transform"):
+            get_recipe(name)
+
+
 def test_bf16_calib_variant_is_uniform_iht_after_adahops_bf16_steps(fwd_bwd):
     """``mxfp4-had@bf16-calib``: the 30 calibration steps run exact BF16 GEMMs (as AdaHOP's), then
     every GEMM is mxfp4-had's own IHT spec, bit for bit; the variant refuses recipes it cannot mean."""

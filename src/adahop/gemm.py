@@ -42,6 +42,8 @@ class Prepared:
             BF16 one (``a_rows``: [Kc]; else it rides in ``q`` as its last row).
         signs: the sign vector used by the inner transform (shared by both operands).
         rows: the unpadded outer size (M of A or N of B); Kc: the contracted size after padding.
+        col_amax: with ``prepare(..., return_col_amax=True)``, float32 [unpadded Kc]: the row maxima of
+            quantizing this operand along its other axis (not counted in :attr:`nbytes`: never saved).
     """
 
     side: str
@@ -53,6 +55,7 @@ class Prepared:
     signs: torch.Tensor | None = None
     rows: int = 0
     Kc: int = 0
+    col_amax: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
@@ -149,17 +152,22 @@ def without_quantization(spec: GemmSpec) -> GemmSpec:
 
 
 def _quantize(t: torch.Tensor, axis: int, op: OperandSpec, tr: Transform | None, signs, generator, backend: str,
-              outputs: str = "all", zero_rows: torch.Tensor | None = None):
+              outputs: str = "all", zero_rows: torch.Tensor | None = None, row_amax: torch.Tensor | None = None,
+              return_col_amax: bool = False):
     """Zero the OE rows (``zero_rows`` along the other axis), inner transform along ``axis``, quantize
-    along it. ``outputs`` as in :func:`adahop.kernels.iht_quantize_mxfp4`; for NVFP4 ``"fp8"`` (the
-    GEMM's operand form) asks for the BF16 values (:func:`adahop.kernels.iht_quantize_nvfp4`)."""
+    along it. ``outputs``, ``row_amax`` and ``return_col_amax`` as in :func:`adahop.kernels.iht_quantize_mxfp4`
+    (MXFP4 only); for NVFP4 ``"fp8"`` (the GEMM's operand form) asks for the BF16 values
+    (:func:`adahop.kernels.iht_quantize_nvfp4`)."""
+    if (row_amax is not None or return_col_amax) and op.fmt != "mxfp4":
+        raise ValueError(f"row_amax / return_col_amax are for MXFP4 operands (the dual-layout read), not {op.fmt!r}")
     if op.fmt == "mxfp4":  # the kernel zeroes the OE rows as it reads: no copy of t
         if outputs == "fp8" and not _kernels().folds_exactly(op.max_scale_range):
             outputs = "all"  # no exact FP8 fold without the range limit: the GEMM multiplies the BF16 dequantized codes
         return _kernels().iht_quantize_mxfp4(
             t, axis=axis, hadamard_block=tr.block_size if tr is not None else None, signs=signs,
             rounding=op.rounding, scale_rule=op.scale_rule, max_scale_range=op.max_scale_range,
-            generator=generator, backend=backend, outputs=outputs, zero_rows=zero_rows,
+            generator=generator, backend=backend, outputs=outputs, zero_rows=zero_rows, row_amax=row_amax,
+            return_col_amax=return_col_amax,
         )  # fmt: skip
     if op.fmt == "nvfp4":  # fused likewise: transform, quantize and, for the GEMM at once, its BF16 operand
         return _kernels().iht_quantize_nvfp4(
@@ -186,14 +194,23 @@ def prepare(
     generator: torch.Generator | None = None,
     backend: str = "reference",
     outputs: str = "all",
+    row_amax: torch.Tensor | None = None,
+    return_col_amax: bool = False,
 ) -> Prepared:
     """Prepare operand ``t`` (A ``[M, Kc]`` when ``side="a"``, B ``[Kc, N]`` when ``side="b"``).
 
     ``outputs``: what the fused MXFP4 quantizer writes: ``"fp8"`` for an operand multiplied at once,
     ``"codes"`` for one saved for backward, ``"all"`` (`adahop.kernels.iht_quantize_mxfp4`).
+    ``return_col_amax``: also set ``Prepared.col_amax``, float32 ``[Kc]`` (unpadded): the largest finite
+    32-block amax of ``t`` along its *outer* axis at each Kc index, found in the quantizer's read, for
+    quantizing ``t`` along the other axis next; ``row_amax``: that vector, handed to this quantization
+    (issue 18's dual-layout read; `adahop.kernels.iht_quantize_mxfp4`). Both for MXFP4 operands of
+    a strategy without a mean split or outer transform; ``row_amax`` also without an inner transform
+    or OE on this side.
 
     Raises:
-        ValueError: bad side, non-2-D input, or an outer transform that does not fit.
+        ValueError: bad side, non-2-D input, an outer transform that does not fit, or ``row_amax`` /
+            ``return_col_amax`` where the operand changes before its quantizer reads it.
     """
     if side not in ("a", "b"):
         raise ValueError(f"side must be 'a' or 'b', got {side!r}")
@@ -204,6 +221,10 @@ def prepare(
     strategy = spec.strategy
     if strategy == "calibrated":
         raise ValueError("GemmSpec strategy 'calibrated' must be resolved from the plan before the GEMM runs")
+    if (row_amax is not None or return_col_amax) and (strategy == "bf16" or spec.mean_split != "none"
+                                                      or (spec.outer_a if side == "a" else spec.outer_b) is not None):
+        raise ValueError(f"row_amax / return_col_amax: a {strategy} GEMM with mean split {spec.mean_split!r} and outer "
+                         "transforms does not quantize the operand as it is given; prepare without them")
     if strategy == "bf16":
         return Prepared(side=side, hp=t, rows=rows, Kc=kc)
     other_oe = "iht+oe_right" if side == "a" else "iht+oe_left"
@@ -239,7 +260,12 @@ def prepare(
         t = _pad_kc(t, kc_axis, b)  # zero rows/cols along Kc leave A·B unchanged
     prep.Kc = t.shape[kc_axis]
     op = spec.a if side == "a" else spec.b
-    prep.q = _quantize(t, kc_axis, op, tr, signs, generator, backend, outputs, prep.oe_idx)  # OE rows quantize as 0
+    q = _quantize(t, kc_axis, op, tr, signs, generator, backend, outputs, prep.oe_idx, row_amax,
+                  return_col_amax)  # OE rows quantize as 0
+    if return_col_amax:
+        q, col = q
+        prep.col_amax = col[:kc]  # the transform's zero padding along Kc is no row of the other layout
+    prep.q = q
     if spec.mean_split == "inner" and not spec.mean_bf16:  # the mean vector is quantized on its own
         if op.fmt == "nvfp4":  # as one row, through the fused quantizer (the reference's numbers under RNE)
             q = _kernels().iht_quantize_nvfp4(prep.mean.reshape(1, -1), axis=1, rounding=op.rounding,

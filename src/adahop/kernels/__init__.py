@@ -38,6 +38,7 @@ from .nvfp4_matmul import (
     nvfp4_matmul_reference,
 )
 from .quantize_mxfp4 import (
+    finite_block_amax_max,
     hadamard_butterfly,
     iht_quantize_mxfp4,
     iht_quantize_mxfp4_reference,
@@ -54,6 +55,7 @@ __all__ = [
     "fold_to_fp8",
     "fold_to_fp8_reference",
     "fold_to_fp8_triton",
+    "finite_block_amax_max",
     "folds_exactly",
     "hadamard_butterfly",
     "iht_quantize_mxfp4",

@@ -499,12 +499,34 @@ def mx_quantize(x: torch.Tensor, axis: int, hadamard_block: int, signs: torch.Te
     return codes, scales, fp8.view(torch.float8_e4m3fn), rscale
 
 
+def col_amax_in_read(x: torch.Tensor, axis: int) -> bool:
+    """Whether quantizing ``x`` along ``axis`` reads it K-contiguous, so that the same read can find
+    the column amaxes of the other axis (``mx_quantize(colamax=...)``)."""
+    _, _, stride_r, stride_k = row_geometry(x, axis)
+    return stride_k == 1 or stride_r != 1
+
+
+def quantize_body(x: torch.Tensor, axis: int, hadamard_block: int, signs: torch.Tensor | None, stochastic: bool,
+                  scale_rule: str, max_scale_range: int, seed: torch.Tensor | None, write_codes: bool = True,
+                  want_fp8: bool = True, keep: torch.Tensor | None = None, col_amax: bool = False,
+                  row_amax: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`mx_quantize`'s four outputs and, with ``col_amax``, the column amaxes it wrote (float32
+    ``[kc]``, from a zeroed vector; ``[0]`` without): the body of :data:`quantize_op` and the eager path."""
+    kc = int(x.shape[axis])
+    colamax = torch.zeros(kc if col_amax else 0, dtype=torch.float32, device=x.device)
+    out = mx_quantize(x, axis, hadamard_block, signs, stochastic, scale_rule, max_scale_range, seed, write_codes,
+                      want_fp8, keep, colamax=colamax if col_amax else None, row_amax=row_amax)
+    return (*out, colamax)
+
+
 @torch.library.triton_op("adahop::iht_quantize_mxfp4", mutates_args=())
 def quantize_op(x: torch.Tensor, axis: int, hadamard_block: int, signs: torch.Tensor | None, stochastic: bool,
                 scale_rule: str, max_scale_range: int, seed: torch.Tensor | None, write_codes: bool = True,
-                want_fp8: bool = True, keep: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                want_fp8: bool = True, keep: torch.Tensor | None = None, col_amax: bool = False,
+                row_amax: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused quantizer as a ``triton_op`` (what ``torch.compile`` sees: Inductor inlines its
-    launches); :func:`mx_quantize` is its body and the eager path."""
-    return mx_quantize(x, axis, hadamard_block, signs, stochastic, scale_rule, max_scale_range, seed, write_codes,
-                       want_fp8, keep)
+    launches); :func:`quantize_body` is its body and the eager path."""
+    return quantize_body(x, axis, hadamard_block, signs, stochastic, scale_rule, max_scale_range, seed, write_codes,
+                         want_fp8, keep, col_amax, row_amax)

@@ -154,21 +154,38 @@ def iht_quantize_mxfp4_reference(
     x: torch.Tensor, *, axis: int, hadamard_block: int | None = 32, signs: torch.Tensor | None = None,
     rounding: str = "nearest", scale_rule: str = "floor", max_scale_range: int | None = 8,
     generator: torch.Generator | None = None, backend: str = "reference", outputs: str = "all",
-    zero_rows: torch.Tensor | None = None,
-) -> MXTensor:
+    zero_rows: torch.Tensor | None = None, row_amax: torch.Tensor | None = None, return_col_amax: bool = False,
+) -> MXTensor | tuple[MXTensor, torch.Tensor]:
     """Reference: ``quantize_mxfp4(H(x) if hadamard_block else x, ...)``, ``H`` the butterfly for blocks up
     to 256 and the Kronecker form above (:func:`_iht_transform`).
 
     Arguments and result as :func:`iht_quantize_mxfp4` (``backend`` is ignored; the result has
-    codes and scales whatever ``outputs`` asks, and ``fp8=None``).
+    codes and scales whatever ``outputs`` asks, and ``fp8=None``; ``row_amax`` is checked, not read:
+    the reference finds each row's maximum itself).
     """
     axis = _check_args(x, axis, hadamard_block, rounding, scale_rule, max_scale_range, outputs, zero_rows)
+    _check_row_amax(x, axis, hadamard_block, zero_rows, row_amax)
+    col = finite_block_amax_max(x, 1 - axis) if return_col_amax else None  # of the raw x
     if zero_rows is not None:
         x = x.index_fill(1 - axis, zero_rows, 0)
     if hadamard_block is not None:
         x = _iht_transform(x, hadamard_block, axis, signs)
-    return quantize_mxfp4(x, axis=axis, block_size=32, scale_rule=scale_rule, rounding=rounding,
-                          generator=generator, max_scale_range=max_scale_range)
+    q = quantize_mxfp4(x, axis=axis, block_size=32, scale_rule=scale_rule, rounding=rounding,
+                       generator=generator, max_scale_range=max_scale_range)
+    return (q, col) if return_col_amax else q
+
+
+def _check_row_amax(x, axis: int, hadamard_block, zero_rows, row_amax) -> None:
+    """``row_amax``: float32 ``[rows]``, for a quantization without a transform or zeroed rows."""
+    if row_amax is None:
+        return
+    rows = x.shape[1 - axis]
+    if not isinstance(row_amax, torch.Tensor) or tuple(row_amax.shape) != (rows,) or row_amax.dtype != torch.float32:
+        raise ValueError(f"row_amax must be a float32 [{rows}] (one per row, from return_col_amax=True along the other "
+                         f"axis), got {getattr(row_amax, 'dtype', type(row_amax))} {tuple(getattr(row_amax, 'shape', ()))}")
+    if hadamard_block not in (None, 1) or zero_rows is not None:
+        raise ValueError("row_amax holds the raw x's amaxes, which a Hadamard or zeroed rows change: quantize "
+                         "without row_amax")
 
 
 # ----------------------------------------------------------------------------- fused (Triton) path
@@ -195,15 +212,18 @@ def iht_quantize_mxfp4_triton(
     x: torch.Tensor, *, axis: int, hadamard_block: int | None = 32, signs: torch.Tensor | None = None,
     rounding: str = "nearest", scale_rule: str = "floor", max_scale_range: int | None = 8,
     generator: torch.Generator | None = None, backend: str = "triton", outputs: str = "all",
-    zero_rows: torch.Tensor | None = None,
-) -> MXTensor:
+    zero_rows: torch.Tensor | None = None, row_amax: torch.Tensor | None = None, return_col_amax: bool = False,
+) -> MXTensor | tuple[MXTensor, torch.Tensor]:
     """Fused Triton path of :func:`iht_quantize_mxfp4` (same arguments; ``backend`` is ignored).
 
     Also sets ``fp8`` on the result when ``max_scale_range`` is 0…8 (unless ``outputs="codes"``);
     with ``outputs="fp8"`` its ``codes`` are ``[rows, 0]``. Stochastic rounding draws one seed from
     ``generator`` for Triton's Philox stream: statistically, not bitwise, equal to the reference.
+    ``return_col_amax`` on an ``x`` read transposed (rows contiguous) takes a pass of its own
+    (:func:`finite_block_amax_max`): only a K-contiguous read finds them on the way.
     """
     axis = _check_args(x, axis, hadamard_block, rounding, scale_rule, max_scale_range, outputs, zero_rows)
+    _check_row_amax(x, axis, hadamard_block, zero_rows, row_amax)
     why = _triton_supports(hadamard_block, signs)
     if why is not None:
         raise ValueError(f"iht_quantize_mxfp4: the Triton kernel does not support {why}; use backend='reference' or 'auto'")
@@ -223,21 +243,26 @@ def iht_quantize_mxfp4_triton(
         keep = torch.ones(x.shape[1 - axis], dtype=torch.uint8, device=x.device).index_fill_(0, zero_rows.to(x.device), 0)
     # traced by dynamo: the triton_op (its launches per _triton_launch.TRACED_LAUNCHES); else its body, without the op's dispatch
     tq = _triton()
-    op = tq.quantize_op if torch.compiler.is_dynamo_compiling() else tq.mx_quantize
+    op = tq.quantize_op if torch.compiler.is_dynamo_compiling() else tq.quantize_body
     want_fp8 = outputs != "codes"
-    codes, scales, fp8, rscale = op(x, axis, hadamard_block or 0, signs, rounding == "stochastic",
-                                    scale_rule, msr, seed, outputs != "fp8", want_fp8, keep)
-    return MXTensor(codes=codes, scales=scales, shape=tuple(x.shape), axis=axis, block_size=32,
-                    elem_scale=4.0 / 3.0 if scale_rule == "tseng" else 1.0,
-                    fp8=(fp8, rscale) if want_fp8 and folds_exactly(msr) else None, scale_range=max_scale_range)
+    in_read = return_col_amax and tq.col_amax_in_read(x, axis)
+    codes, scales, fp8, rscale, col = op(x, axis, hadamard_block or 0, signs, rounding == "stochastic", scale_rule, msr,
+                                         seed, outputs != "fp8", want_fp8, keep, in_read,
+                                         row_amax if msr >= 0 else None)  # no row maximum to read without a limit
+    q = MXTensor(codes=codes, scales=scales, shape=tuple(x.shape), axis=axis, block_size=32,
+                 elem_scale=4.0 / 3.0 if scale_rule == "tseng" else 1.0,
+                 fp8=(fp8, rscale) if want_fp8 and folds_exactly(msr) else None, scale_range=max_scale_range)
+    if return_col_amax and not in_read:
+        col = finite_block_amax_max(x, 1 - axis)
+    return (q, col) if return_col_amax else q
 
 
 def iht_quantize_mxfp4(
     x: torch.Tensor, *, axis: int, hadamard_block: int | None = 32, signs: torch.Tensor | None = None,
     rounding: str = "nearest", scale_rule: str = "floor", max_scale_range: int | None = 8,
     generator: torch.Generator | None = None, backend: str = "auto", outputs: str = "all",
-    zero_rows: torch.Tensor | None = None,
-) -> MXTensor:
+    zero_rows: torch.Tensor | None = None, row_amax: torch.Tensor | None = None, return_col_amax: bool = False,
+) -> MXTensor | tuple[MXTensor, torch.Tensor]:
     """Block-Hadamard-transform (optional) and quantize a GEMM operand to MXFP4 along ``axis``.
 
     Args:
@@ -262,17 +287,26 @@ def iht_quantize_mxfp4(
         zero_rows: 1-D integer indices of rows (along the dim *not* quantized: ``1 - axis``) to
             quantize as zeros, as ``x.index_fill(1 - axis, zero_rows, 0)`` would (OE's extracted
             rows or columns, without a copy of ``x``).
+        row_amax: float32 ``[rows]``, each row's largest finite 32-block amax (the ``col_amax`` of
+            quantizing the other axis): the Triton path reads it instead of finding it in a pass of
+            its own (issue 18's dual-layout quantization: two reads of an operand for both of its
+            layouts, not three). Only without a Hadamard and ``zero_rows``. Values never depend on it.
+        return_col_amax: also return :func:`finite_block_amax_max` ``(x, 1 - axis)`` (of the raw
+            ``x``, before the transform and ``zero_rows``): the Triton path finds it in the same read
+            when ``x`` is K-contiguous.
 
     Returns:
         :class:`MXTensor` of logical shape ``x.shape``, blocks of 32 along ``axis`` (codes
         ``[rows, padded/2]`` with ``rows`` the other dim), and, from the Triton path with
-        ``max_scale_range <= 8``, ``fp8 = (float8_e4m3fn [rows, padded], float32 [rows])``.
+        ``max_scale_range <= 8``, ``fp8 = (float8_e4m3fn [rows, padded], float32 [rows])``. With
+        ``return_col_amax``: ``(MXTensor, float32 [x.shape[axis]])``.
 
     Raises:
         ValueError: not 2-D, bad axis, unsupported Hadamard size or one that does not divide
             the dim, bad ``signs``, unknown rule or rounding, stochastic rounding with a clipping
             rule (use ``rceil``), negative ``max_scale_range``, unknown ``outputs`` or ``"fp8"``
-            without ``max_scale_range`` 0…8, ``zero_rows`` not a 1-D integer tensor.
+            without ``max_scale_range`` 0…8, ``zero_rows`` not a 1-D integer tensor, ``row_amax`` not a
+            float32 ``[rows]`` or given with a Hadamard or ``zero_rows``.
         RuntimeError: backend ``"triton"`` without Triton or CUDA.
 
     Notes:
@@ -286,11 +320,17 @@ def iht_quantize_mxfp4(
         # own transform, then the kernel without one, so both backends quantize the same FP32 values (zeroing
         # whole rows commutes with a transform along them)
         axis = _check_args(x, axis, hadamard_block, rounding, scale_rule, max_scale_range, outputs, zero_rows)
+        _check_row_amax(x, axis, hadamard_block, zero_rows, row_amax)
+        col = finite_block_amax_max(x, 1 - axis) if return_col_amax else None  # of the raw x
         x = _iht_transform(x, hadamard_block, axis, signs)
-        hadamard_block, signs = None, None
+        q = iht_quantize_mxfp4_triton(x, axis=axis, hadamard_block=None, rounding=rounding, scale_rule=scale_rule,
+                                      max_scale_range=max_scale_range, generator=generator, outputs=outputs,
+                                      zero_rows=zero_rows)
+        return (q, col) if return_col_amax else q
     if be == "triton" and _triton_supports(hadamard_block, signs) is None:
         fn = iht_quantize_mxfp4_triton
     else:
         fn = iht_quantize_mxfp4_reference
     return fn(x, axis=axis, hadamard_block=hadamard_block, signs=signs, rounding=rounding, scale_rule=scale_rule,
-              max_scale_range=max_scale_range, generator=generator, outputs=outputs, zero_rows=zero_rows)
+              max_scale_range=max_scale_range, generator=generator, outputs=outputs, zero_rows=zero_rows,
+              row_amax=row_amax, return_col_amax=return_col_amax)

@@ -15,7 +15,8 @@ import dataclasses
 
 import torch
 
-from ..gemm import draw_signs, gemm, multiply, prepare
+from ..gemm import draw_signs, multiply, prepare
+from ..kernels.backend import resolve_backend
 
 __all__ = ["LowPrecisionLinearFn", "fprop", "forward_body", "backward_body", "flatten", "unflatten"]
 
@@ -40,12 +41,35 @@ def fprop(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, spec, gen
     Source: the fprop of `DESIGN.md` §2 under the strategies of `specs/adahop.md` §3–§5.
 
     Raises:
-        ValueError: from :func:`adahop.gemm.gemm`, for shapes or options ``spec`` cannot take."""
-    b = None if bias is None else bias.to(dtype)
+        ValueError: from :func:`adahop.gemm.prepare`, for shapes or options ``spec`` cannot take."""
     if spec is None:
-        return torch.nn.functional.linear(x, w, b)
-    y = gemm(x, w.t(), spec, generator=generator, out_dtype=dtype, backend=backend, seed=seed, salt=sign_salt)
-    return y if b is None else y + b
+        return torch.nn.functional.linear(x, w, None if bias is None else bias.to(dtype))
+    return _fprop_col_amax(x, w, bias, spec, generator, backend, dtype, seed, sign_salt, False, False)[0]
+
+
+def _fprop_col_amax(x, w, bias, spec, generator, backend: str, dtype, seed, sign_salt: int, dual_x: bool, dual_w: bool):
+    """:func:`fprop` (``spec`` not None) that also returns the column amaxes its quantizers found for the
+    transposed quantizations of X and W (``dual_x`` / ``dual_w``; else None): ``(y, col_x [K], col_w [K])``."""
+    signs = draw_signs(spec, generator, x.device, seed=seed, salt=sign_salt)
+    pa = prepare(x, "a", spec, signs=signs, generator=generator, backend=backend, outputs="fp8", return_col_amax=dual_x)
+    pb = prepare(w.t(), "b", spec, signs=signs, generator=generator, backend=backend, outputs="fp8",
+                 return_col_amax=dual_w)
+    y = multiply(pa, pb, spec, out_dtype=dtype, backend=backend)
+    return (y if bias is None else y + bias.to(dtype)), pa.col_amax, pb.col_amax
+
+
+def _dual(layer, first, first_side: str, second, second_side: str, t: torch.Tensor) -> bool:
+    """Whether ``t``'s quantization for ``first`` (along its Kc, on ``first_side``) should hand the row maxima
+    to its quantization for ``second`` along the other axis (`Recipe.dual_layout`): both MXFP4 as given
+    (no BF16, mean split or outer transform), ``second`` without a transform (strategy ``none``) but with
+    a row exponent range, on the fast path."""
+    if not layer.recipe.dual_layout or resolve_backend(layer.backend, t.device) != "triton":
+        return False
+    ops = ((first, first_side), (second, second_side))
+    plain = all(s.strategy not in ("bf16", "calibrated") and s.mean_split == "none" and (s.a if side == "a" else s.b).fmt == "mxfp4"
+                and (s.outer_a if side == "a" else s.outer_b) is None for s, side in ops)
+    return plain and second.strategy == "none" and second.transform is None and \
+        (second.a if second_side == "a" else second.b).max_scale_range is not None
 
 
 class _Slot:
@@ -174,9 +198,13 @@ def forward_body(ctx, x, weight, bias, layer, dtype, seed=None) -> torch.Tensor:
         return fprop(x, w, bias, None, None, layer.backend, dtype)
     else:
         ctx.specs = specs
-        y = fprop(x, w, bias, specs["fprop"], layer.generator("fprop"), layer.backend, dtype, seed, salt(layer, "fprop"))
         # save X for wgrad (B operand, contract T) and W for dgrad (B operand, contract N)
         wg, dg = specs["wgrad"], specs["dgrad"]
+        fp = specs["fprop"]
+        dual_x = not _needs_hp_b(wg) and _dual(layer, fp, "a", wg, "b", x)
+        dual_w = not _needs_hp_b(dg) and _dual(layer, fp, "b", dg, "b", x)
+        y, col_x, col_w = _fprop_col_amax(x, w, bias, fp, layer.generator("fprop"), layer.backend, dtype, seed,
+                                          salt(layer, "fprop"), dual_x, dual_w)
         gw, gd = layer.generator("wgrad"), layer.generator("dgrad")
         ctx.gens = (gd, gw)
         # drawn once here and saved: backward never draws them again (compiled: hashed from seed)
@@ -186,9 +214,9 @@ def forward_body(ctx, x, weight, bias, layer, dtype, seed=None) -> torch.Tensor:
         # to FP8, `DESIGN.md` §3), or under recipe.saved_operands="fp8" only the fold; the GEMMs' own
         # operands only the FP8 fold
         x_prep = None if _needs_hp_b(wg) else prepare(x, "b", wg, signs=signs_w, generator=gw, backend=layer.backend,
-                                                      outputs=_saved_outputs(layer, wg))
+                                                      outputs=_saved_outputs(layer, wg), row_amax=col_x)
         w_prep = None if _needs_hp_b(dg) else prepare(w, "b", dg, signs=signs_d, generator=gd, backend=layer.backend,
-                                                      outputs=_saved_outputs(layer, dg))
+                                                      outputs=_saved_outputs(layer, dg), row_amax=col_w)
         # every tensor of them goes through save_for_backward, none stays on ctx: saved-tensor hooks
         # must see them all, or torch.utils.checkpoint (non-reentrant) kept them alive from forward
         # to backward as ctx attributes (a checkpointed layer held its whole packed X and W)
@@ -232,9 +260,11 @@ def backward_body(ctx, dy):
     if x_prep is None:
         x_prep = prepare(x, "b", specs["wgrad"], signs=signs_w, generator=gw, backend=be, outputs="fp8")
     # dgrad: ∇X = ∇Y·W
-    pa = prepare(dy, "a", specs["dgrad"], signs=signs_d, generator=gd, backend=be, outputs="fp8")
+    dual = _dual(layer, specs["dgrad"], "a", specs["wgrad"], "a", dy)
+    pa = prepare(dy, "a", specs["dgrad"], signs=signs_d, generator=gd, backend=be, outputs="fp8", return_col_amax=dual)
     dx = multiply(pa, w_prep, specs["dgrad"], out_dtype=dtype, backend=be)
     # wgrad: ∇W = ∇Yᵀ·X
-    pa = prepare(dy.t(), "a", specs["wgrad"], signs=signs_w, generator=gw, backend=be, outputs="fp8")
+    pa = prepare(dy.t(), "a", specs["wgrad"], signs=signs_w, generator=gw, backend=be, outputs="fp8",
+                 row_amax=pa.col_amax)
     dw = multiply(pa, x_prep, specs["wgrad"], out_dtype=torch.float32, backend=be)
     return dx, dw.to(weight.dtype), grad_bias, None, None, None

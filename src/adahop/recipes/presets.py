@@ -25,7 +25,8 @@ def register(recipe: Recipe) -> Recipe:
 
 #: Variants a recipe name may carry after ``@`` (`get_recipe`): the per-GEMM ablation and the
 #: exponent-range arm of issue 19.
-VARIANTS = ("only-fprop", "only-dgrad", "only-wgrad", "msr-none", "foid", "bf16-calib", "mean-bf16", "saved-fp8")
+VARIANTS = ("only-fprop", "only-dgrad", "only-wgrad", "msr-none", "foid", "bf16-calib", "mean-bf16", "saved-fp8",
+            "dual-layout")
 
 
 def get_recipe(name: str) -> Recipe:
@@ -46,6 +47,9 @@ def get_recipe(name: str) -> Recipe:
     - ``saved-fp8``: X and W wait for backward as their FP8 fold, not packed MXFP4
       (`Recipe.saved_operands`): the same numbers, no fold kernel in backward, 8 bits a saved
       element instead of 4.25 (a speed-for-memory choice; issue 18).
+    - ``dual-layout``: each operand's two quantized layouts from two reads, not three
+      (`Recipe.dual_layout`): the same numbers; for recipes with a backward GEMM that quantizes
+      without a transform (strategy ``none``: plain MXFP4).
     - ``bf16-calib``: a recipe with IHT on every GEMM (``mxfp4-had``) first runs AdaHOP's 30
       exact-BF16 calibration steps, then IHT everywhere (strategy table ``"iht"``); GEMMs an
       ``only-*`` variant made BF16 stay BF16, in either order. It is the
@@ -129,6 +133,14 @@ def _variant(recipe: Recipe, variant: str) -> Recipe:
                              f"wgrad) is MXFP4 with an exact FP8 fold; {recipe.name!r} has none, so it would run as the base "
                              f"under another name")
         return replace(recipe, description=f"{recipe.description} [X and W saved as their FP8 fold]", saved_operands="fp8")
+    if variant == "dual-layout":
+        # AdaHOP's tables give every pattern pair a transform or BF16 (patterns.STRATEGY_TABLES): no "none" GEMM
+        if not any(recipe.gemm(g).strategy == "none" and "mxfp4" in (recipe.gemm(g).a.fmt, recipe.gemm(g).b.fmt)
+                   for g in ("dgrad", "wgrad")):
+            raise ValueError(f"recipe variant 'dual-layout' needs a backward GEMM that quantizes MXFP4 without a transform "
+                             f"(strategy 'none', as mxfp4's); {recipe.name!r} has none, so it would run as the base under "
+                             f"another name")
+        return replace(recipe, description=f"{recipe.description} [two reads an operand for both layouts]", dual_layout=True)
     raise ValueError(f"unknown recipe variant {variant!r}; allowed after '@': {', '.join(VARIANTS)}")
 
 

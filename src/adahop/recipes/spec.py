@@ -316,6 +316,14 @@ class Recipe:
     saved element instead of 4.25. Only MXFP4 operands with an exact FP8 fold
     (``max_scale_range`` ≤ 8), on the fast path, change; the numbers are the same either way
     (the fold is exact). The ``@saved-fp8`` variant of a preset sets it."""
+    dual_layout: bool = False
+    """Quantize an operand's two layouts (X along K and T, W along K and N, ∇Y along N and T) from
+    two reads instead of three: the K-contiguous quantization also finds the row maxima of the
+    transposed one, which then skips its amax pass (issue 18; `adahop.kernels.iht_quantize_mxfp4`'s
+    ``return_col_amax``). Where the transposed quantization has no transform (strategy ``none``: plain
+    MXFP4; AdaHOP's tables give every GEMM a transform or BF16), on the fast path. The same numbers
+    either way; off until timed on a GPU (``experiments/gpu_call.sh r31k``). The ``@dual-layout``
+    variant sets it."""
 
     def __post_init__(self) -> None:
         for g in GEMMS:
@@ -333,6 +341,7 @@ class Recipe:
             self.bf16_small_gemms.validate(f"recipe {self.name!r} bf16_small_gemms")
         _check(self.saved_operands in SAVED_FORMS, f"recipe {self.name!r}",
                f"saved_operands={self.saved_operands!r}; allowed {SAVED_FORMS}")
+        _check(isinstance(self.dual_layout, bool), f"recipe {self.name!r}", f"dual_layout={self.dual_layout!r} must be a bool")
 
     def gemm(self, name: str) -> GemmSpec:
         """The spec of GEMM ``name`` (fprop, dgrad or wgrad)."""
