@@ -241,14 +241,17 @@ def iht_quantize_mxfp4_triton(
     keep = None
     if zero_rows is not None:  # a byte per output row, 0 where OE extracted it
         keep = torch.ones(x.shape[1 - axis], dtype=torch.uint8, device=x.device).index_fill_(0, zero_rows.to(x.device), 0)
-    # traced by dynamo: the triton_op (its launches per _triton_launch.TRACED_LAUNCHES); else its body, without the op's dispatch
     tq = _triton()
-    op = tq.quantize_op if torch.compiler.is_dynamo_compiling() else tq.quantize_body
     want_fp8 = outputs != "codes"
     in_read = return_col_amax and tq.col_amax_in_read(x, axis)
-    codes, scales, fp8, rscale, col = op(x, axis, hadamard_block or 0, signs, rounding == "stochastic", scale_rule, msr,
-                                         seed, outputs != "fp8", want_fp8, keep, in_read,
-                                         row_amax if msr >= 0 else None)  # no row maximum to read without a limit
+    args = (x, axis, hadamard_block or 0, signs, rounding == "stochastic", scale_rule, msr, seed, outputs != "fp8",
+            want_fp8, keep)
+    row_amax = row_amax if msr >= 0 else None  # no row maximum to read without a limit
+    if torch.compiler.is_dynamo_compiling():  # the triton_op (launches per _triton_launch.TRACED_LAUNCHES)
+        codes, scales, fp8, rscale, col = tq.quantize_op(*args, in_read, row_amax)
+    else:  # its body, without the op's dispatch (host time) or an empty column-amax output
+        col = torch.zeros(x.shape[axis], dtype=torch.float32, device=x.device) if in_read else None
+        codes, scales, fp8, rscale = tq.mx_quantize(*args, colamax=col, row_amax=row_amax)
     q = MXTensor(codes=codes, scales=scales, shape=tuple(x.shape), axis=axis, block_size=32,
                  elem_scale=4.0 / 3.0 if scale_rule == "tseng" else 1.0,
                  fp8=(fp8, rscale) if want_fp8 and folds_exactly(msr) else None, scale_range=max_scale_range)
