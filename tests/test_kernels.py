@@ -446,6 +446,24 @@ def test_interp_dual_layout_quantization_hands_the_row_maximum_across(case):
         tq.mx_quantize(x, 0, 0, None, False, "floor", 8, None, colamax=torch.zeros(r))
 
 
+@interp
+def test_interp_row_amax_is_read_by_value_whatever_its_strides():
+    """A ``row_amax`` with the right values but not contiguous (a strided view, an expanded scalar) gives the
+    bytes of its contiguous copy: the kernel indexes it as a flat [rows] vector."""
+    x = _spread_rows(64, 96, seed=4)
+    _, col = iht_quantize_mxfp4(x, axis=1, hadamard_block=None, backend="triton", return_col_amax=True)
+    want = iht_quantize_mxfp4(x, axis=0, hadamard_block=None, backend="triton")
+    strided = torch.zeros(2 * col.numel())
+    strided[::2] = col
+    top = col.max().reshape(1)
+    for row_amax, same_as in ((strided[::2], col), (top.expand(col.numel()), top.expand(col.numel()).contiguous())):
+        ref = want if same_as is col else iht_quantize_mxfp4(x, axis=0, hadamard_block=None, backend="triton",
+                                                               row_amax=same_as)
+        got = iht_quantize_mxfp4(x, axis=0, hadamard_block=None, backend="triton", row_amax=row_amax)
+        assert torch.equal(got.codes, ref.codes) and torch.equal(got.scales, ref.scales)
+        assert torch.equal(got.fp8[0].view(torch.uint8), ref.fp8[0].view(torch.uint8)) and torch.equal(got.fp8[1], ref.fp8[1])
+
+
 FOLD_CASES = [  # (rows, cols, axis, scale_rule): one tile, masked rows/K, the chunk loop (kp > 2048), ragged Kc
     (33, 64, 1, "floor"), (40, 50, 1, "tseng"), (7, 4160, 1, "rceil"), (96, 24, 0, "adahop"), (5, 2048, 1, "floor"),
 ]

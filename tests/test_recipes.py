@@ -555,8 +555,25 @@ def test_dual_layout_variant_is_for_recipes_with_an_untransformed_backward_gemm(
     # AdaHOP's tables give every pattern pair a transform or BF16; mxfp4-had transforms every GEMM
     for name in ("adahop-lv2@dual-layout", "mxfp4-had@dual-layout", "nvfp4@dual-layout", "bf16@dual-layout",
                  "mxfp4@only-fprop@dual-layout"):
-        with pytest.raises(ValueError, match="'dual-layout' needs a backward GEMM that quantizes MXFP4 without a transform"):
+        with pytest.raises(ValueError, match="'dual-layout' needs an operand .X, W or dY. that one GEMM quantizes"):
             get_recipe(name)
+
+
+def test_saved_fp8_and_dual_layout_refuse_recipes_they_leave_unchanged_in_any_order():
+    """The two variants are checked on the recipe every variant made: a later only-* or msr-none, an
+    Averis mean split or HALO-2's outer transforms leave @dual-layout no operand to read once for both
+    layouts (`nn.function._dual` never pairs a read), and @saved-fp8 no operand with an FP8 fold."""
+    for name in ("mxfp4@saved-fp8@msr-none", "mxfp4@saved-fp8@only-fprop"):
+        with pytest.raises(ValueError, match="'saved-fp8' needs a backward GEMM whose saved operand"):
+            get_recipe(name)
+    for name in ("mxfp4@dual-layout@only-fprop", "mxfp4@only-wgrad@dual-layout", "mxfp4@dual-layout@only-dgrad",
+                 "mxfp4@msr-none@dual-layout", "mxfp4@dual-layout@msr-none", "averis-mxfp4@dual-layout", "halo-2@dual-layout"):
+        with pytest.raises(ValueError, match="'dual-layout' needs an operand .X, W or dY. that one GEMM quantizes"):
+            get_recipe(name)
+    assert get_recipe("mxfp4@dual-layout").dual_layout_operands == ("x", "w", "dy")
+    assert "dual-layout reads: x, w, dy" in gemm_table(get_recipe("mxfp4@dual-layout"))
+    assert get_recipe("halo-1@dual-layout").dual_layout_operands == ("dy",)  # its backward B operands take outer transforms
+    assert get_recipe("mxfp4@saved-fp8@only-wgrad").saved_operands == "fp8"
 
 
 def test_bf16_calib_variant_is_uniform_iht_after_adahops_bf16_steps(fwd_bwd):

@@ -221,10 +221,13 @@ def prepare(
     strategy = spec.strategy
     if strategy == "calibrated":
         raise ValueError("GemmSpec strategy 'calibrated' must be resolved from the plan before the GEMM runs")
-    if (row_amax is not None or return_col_amax) and (strategy == "bf16" or spec.mean_split != "none"
-                                                      or (spec.outer_a if side == "a" else spec.outer_b) is not None):
-        raise ValueError(f"row_amax / return_col_amax: a {strategy} GEMM with mean split {spec.mean_split!r} and outer "
-                         "transforms does not quantize the operand as it is given; prepare without them")
+    if row_amax is not None or return_col_amax:
+        why = ("runs in BF16" if strategy == "bf16" else f"has the mean split {spec.mean_split!r}"
+               if spec.mean_split != "none" else f"has an outer transform on operand {side.upper()}"
+               if (spec.outer_a if side == "a" else spec.outer_b) is not None else None)
+        if why is not None:
+            raise ValueError(f"row_amax / return_col_amax: this {strategy} GEMM {why}, so it does not quantize the operand "
+                             "as it is given; prepare without them")
     if strategy == "bf16":
         return Prepared(side=side, hp=t, rows=rows, Kc=kc)
     other_oe = "iht+oe_right" if side == "a" else "iht+oe_left"

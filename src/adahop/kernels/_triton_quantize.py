@@ -451,14 +451,17 @@ def mx_quantize(x: torch.Tensor, axis: int, hadamard_block: int, signs: torch.Te
     """
     rows, kc, stride_r, stride_k = row_geometry(x, axis)
     hb = hadamard_block if hadamard_block > 1 else 0
-    if colamax is not None and (tuple(colamax.shape) != (kc,) or colamax.dtype != torch.float32):
-        raise ValueError(f"mx_quantize: colamax must be a zeroed float32 [{kc}], got {colamax.dtype} {tuple(colamax.shape)}")
+    if colamax is not None and (tuple(colamax.shape) != (kc,) or colamax.dtype != torch.float32
+                                or not colamax.is_contiguous()):
+        raise ValueError(f"mx_quantize: colamax must be a zeroed float32 [{kc}], contiguous, got {colamax.dtype} "
+                         f"{tuple(colamax.shape)} with strides {colamax.stride()}")
     if row_amax is not None:
         if tuple(row_amax.shape) != (rows,) or row_amax.dtype != torch.float32:
             raise ValueError(f"mx_quantize: row_amax must be float32 [{rows}], got {row_amax.dtype} {tuple(row_amax.shape)}")
         if hb or keep is not None:
             raise ValueError("mx_quantize: row_amax holds raw amaxes; a Hadamard or OE's zeroed rows change them, so "
                              "quantize without row_amax")
+        row_amax = row_amax.contiguous()  # the kernel reads it as pass 1's [rows, 1] amaxes: row r at r
     kp, write_fp8, grid, n_kt, row_src, common, quant = _launch_config(
         rows, kc, stride_r, stride_k, x.element_size(), hb, signs is not None, stochastic, scale_rule,
         max_scale_range, tuple(sorted(plan.items())) if plan else None, write_codes, want_fp8, keep is not None,

@@ -293,7 +293,8 @@ def iht_quantize_mxfp4(
         row_amax: float32 ``[rows]``, each row's largest finite 32-block amax (the ``col_amax`` of
             quantizing the other axis): the Triton path reads it instead of finding it in a pass of
             its own (issue 18's dual-layout quantization: two reads of an operand for both of its
-            layouts, not three). Only without a Hadamard and ``zero_rows``. Values never depend on it.
+            layouts, not three). Only without a Hadamard and ``zero_rows``, and only that vector: the
+            Triton path trusts it unchecked (other values give other bytes there), the reference ignores it.
         return_col_amax: also return :func:`finite_block_amax_max` ``(x, 1 - axis)`` (of the raw
             ``x``, before the transform and ``zero_rows``): the Triton path finds it in the same read
             when ``x`` is K-contiguous.

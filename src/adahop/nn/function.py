@@ -17,6 +17,7 @@ import torch
 
 from ..gemm import draw_signs, multiply, prepare
 from ..kernels.backend import resolve_backend
+from ..recipes.spec import dual_read
 
 __all__ = ["LowPrecisionLinearFn", "fprop", "forward_body", "backward_body", "flatten", "unflatten"]
 
@@ -60,16 +61,11 @@ def _fprop_col_amax(x, w, bias, spec, generator, backend: str, dtype, seed, sign
 
 def _dual(layer, first, first_side: str, second, second_side: str, t: torch.Tensor) -> bool:
     """Whether ``t``'s quantization for ``first`` (along its Kc, on ``first_side``) should hand the row maxima
-    to its quantization for ``second`` along the other axis (`Recipe.dual_layout`): both MXFP4 as given
-    (no BF16, mean split or outer transform), ``second`` without a transform (strategy ``none``) but with
-    a row exponent range, on the fast path."""
+    to its quantization for ``second`` along the other axis (`Recipe.dual_layout`): where
+    :func:`~adahop.recipes.spec.dual_read` allows it, on the fast path."""
     if not layer.recipe.dual_layout or resolve_backend(layer.backend, t.device) != "triton":
         return False
-    ops = ((first, first_side), (second, second_side))
-    plain = all(s.strategy not in ("bf16", "calibrated") and s.mean_split == "none" and (s.a if side == "a" else s.b).fmt == "mxfp4"
-                and (s.outer_a if side == "a" else s.outer_b) is None for s, side in ops)
-    return plain and second.strategy == "none" and second.transform is None and \
-        (second.a if second_side == "a" else second.b).max_scale_range is not None
+    return dual_read(first, first_side, second, second_side)
 
 
 class _Slot:

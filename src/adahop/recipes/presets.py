@@ -60,7 +60,8 @@ def get_recipe(name: str) -> Recipe:
         ValueError: unknown preset (lists the known names) or variant, a variant given twice, a variant
             that would change nothing (``foid`` without OE, ``msr-none`` without a limited MXFP4 operand,
             ``only-X`` where X is BF16 in the base or the only GEMM it quantizes, ``saved-fp8`` without a backward
-            GEMM whose saved operand folds to FP8), or
+            GEMM whose saved operand folds to FP8, ``dual-layout`` without an operand two GEMMs quantize as plain
+            MXFP4, the second without a transform; both checked after every variant), or
             ``bf16-calib`` on a recipe that calibrates already or has a GEMM neither IHT nor BF16 (or none IHT).
     """
     base, *variants = name.split("@")
@@ -75,6 +76,9 @@ def get_recipe(name: str) -> Recipe:
         raise ValueError(f"recipe {name!r}: each variant at most once, and one only-GEMM at most")
     for v in variants:
         recipe = _variant(recipe, v)
+    for v in ("saved-fp8", "dual-layout"):  # on the final recipe: a later variant (only-*, msr-none) may leave them nothing
+        if v in variants:
+            _check_effect(recipe, v, name)
     return replace(recipe, name=name) if variants else recipe
 
 
@@ -127,21 +131,26 @@ def _variant(recipe: Recipe, variant: str) -> Recipe:
         specs = {g: replace(recipe.gemm(g), strategy="calibrated") for g in GEMMS if recipe.gemm(g).strategy == "iht"}
         return replace(recipe, description=f"{recipe.description} [after BF16 calibration steps, as AdaHOP (30 unless --calib-steps)]",
                        calibration=CalibSpec(table="iht"), **specs)
+    if variant == "saved-fp8":  # what it changes is checked on the final recipe (_check_effect)
+        return replace(recipe, description=f"{recipe.description} [X and W saved as their FP8 fold]", saved_operands="fp8")
+    if variant == "dual-layout":
+        return replace(recipe, description=f"{recipe.description} [two reads an operand for both layouts]", dual_layout=True)
+    raise ValueError(f"unknown recipe variant {variant!r}; allowed after '@': {', '.join(VARIANTS)}")
+
+
+def _check_effect(recipe: Recipe, variant: str, name: str) -> None:
+    """Refuse ``saved-fp8`` / ``dual-layout`` where ``recipe`` (every variant of ``name`` applied) runs as without it."""
     if variant == "saved-fp8":
         if not any(recipe.gemm(g).strategy != "bf16" and recipe.gemm(g).b.folds_to_fp8 for g in ("dgrad", "wgrad")):
             raise ValueError(f"recipe variant 'saved-fp8' needs a backward GEMM whose saved operand (W for dgrad, X for "
-                             f"wgrad) is MXFP4 with an exact FP8 fold; {recipe.name!r} has none, so it would run as the base "
+                             f"wgrad) is MXFP4 with an exact FP8 fold; {name!r} has none, so it would run as the base "
                              f"under another name")
-        return replace(recipe, description=f"{recipe.description} [X and W saved as their FP8 fold]", saved_operands="fp8")
-    if variant == "dual-layout":
+    elif not recipe.dual_layout_operands:
         # AdaHOP's tables give every pattern pair a transform or BF16 (patterns.STRATEGY_TABLES): no "none" GEMM
-        if not any(recipe.gemm(g).strategy == "none" and "mxfp4" in (recipe.gemm(g).a.fmt, recipe.gemm(g).b.fmt)
-                   for g in ("dgrad", "wgrad")):
-            raise ValueError(f"recipe variant 'dual-layout' needs a backward GEMM that quantizes MXFP4 without a transform "
-                             f"(strategy 'none', as mxfp4's); {recipe.name!r} has none, so it would run as the base under "
-                             f"another name")
-        return replace(recipe, description=f"{recipe.description} [two reads an operand for both layouts]", dual_layout=True)
-    raise ValueError(f"unknown recipe variant {variant!r}; allowed after '@': {', '.join(VARIANTS)}")
+        raise ValueError(f"recipe variant 'dual-layout' needs an operand (X, W or dY) that one GEMM quantizes to MXFP4 as "
+                         f"given and a backward GEMM then quantizes along its other axis as plain MXFP4 (strategy 'none', "
+                         f"with the exponent-range limit; no mean split or outer transform), as mxfp4's; {name!r} has none, "
+                         f"so it would run as the base under another name")
 
 
 def list_recipes() -> list[str]:

@@ -23,7 +23,7 @@ from ..formats.mxfp4 import folds_exactly
 from ..hadamard import SUPPORTED_SIZES
 
 __all__ = ["OperandSpec", "Transform", "GemmSpec", "CalibSpec", "Recipe", "STRATEGIES", "GEMMS", "DETECTOR_RULES",
-           "ACCUMULATIONS", "OE_SELECTS", "SAVED_FORMS", "SmallGemmRule"]
+           "ACCUMULATIONS", "OE_SELECTS", "SAVED_FORMS", "SmallGemmRule", "DUAL_READS", "dual_read"]
 
 #: The GEMM vocabulary used in fields, logs, plans and tables.
 GEMMS = ("fprop", "dgrad", "wgrad")
@@ -50,6 +50,9 @@ OE_SELECTS = ("exact", "foid")
 #: E8M0 scales (4.25 bits per element), folded to FP8 by a kernel in backward; ``"fp8"`` their FP8 E4M3
 #: fold and row scales (8 bits per element), written by the forward quantizer: no fold kernel in backward.
 SAVED_FORMS = ("mxfp4", "fp8")
+#: The operands :attr:`Recipe.dual_layout` may quantize from two reads: each GEMM (and side) that
+#: quantizes it along its Kc first, then the one that quantizes it along the other axis.
+DUAL_READS = {"x": ("fprop", "a", "wgrad", "b"), "w": ("fprop", "b", "dgrad", "b"), "dy": ("dgrad", "a", "wgrad", "a")}
 _FORMATS = ("mxfp4", "nvfp4", "none")
 _ROUNDINGS = ("nearest", "stochastic")
 _SIGNS = ("none", "fixed", "per_call")
@@ -399,3 +402,21 @@ class Recipe:
     def draws_random_bits(self) -> bool:
         """True when any GEMM draws random bits (stochastic rounding or per-call random signs)."""
         return any(getattr(self, g).draws_random_bits for g in GEMMS)
+
+    @property
+    def dual_layout_operands(self) -> tuple[str, ...]:
+        """The operands of :data:`DUAL_READS` whose two quantizations :attr:`dual_layout` pairs under these
+        specs (:func:`dual_read`; at run time also only on the fast path and where no GEMM became BF16)."""
+        return tuple(o for o, (g1, s1, g2, s2) in DUAL_READS.items() if dual_read(self.gemm(g1), s1, self.gemm(g2), s2))
+
+
+def dual_read(first: GemmSpec, first_side: str, second: GemmSpec, second_side: str) -> bool:
+    """Whether an operand's quantization for ``first`` (along its Kc, on ``first_side``) can hand its row
+    maxima to its quantization for ``second`` along the other axis (:attr:`Recipe.dual_layout`): both MXFP4
+    as given (no BF16, mean split or outer transform), ``second`` without a transform (strategy ``none``)
+    but with a row exponent range."""
+    ops = ((first, first_side), (second, second_side))
+    plain = all(s.strategy not in ("bf16", "calibrated") and s.mean_split == "none" and (s.a if side == "a" else s.b).fmt == "mxfp4"
+                and (s.outer_a if side == "a" else s.outer_b) is None for s, side in ops)
+    return plain and second.strategy == "none" and second.transform is None and \
+        (second.a if second_side == "a" else second.b).max_scale_range is not None

@@ -17,7 +17,7 @@ from ..data.identity import changed_sources, identity_changes, manifest_identity
 from ..models import build_model, check_compat
 from ..optim.names import PACKED_FORMATS, resolved_rounding
 from ..patterns import Plan
-from ..recipes import get_recipe
+from ..recipes import Recipe, get_recipe
 from .config import ERROR_FILE, TrainConfig
 
 __all__ = ["resolve_device", "resolve_data", "prepared_path", "settings_diff", "data_changes", "prepared_data_changes", "resolve_recipe", "build_optimizer",
@@ -78,6 +78,7 @@ def settings_diff(cfg: TrainConfig, run: Path, keys, definition: bool = False) -
         diff.append(f"--{k.replace('_', '-')} {saved[k]!r} → {now.get(k)!r}")
     if definition and section.get("recipe") and saved.get("recipe") == cfg.recipe:
         old, new = (_DESCRIPTION.sub("", r) for r in (section["recipe"], repr(_configured_recipe(cfg))))
+        new = _without_added_defaults(old, new)
         if old != new:  # the description's words change no number
             diff.append(f"the {cfg.recipe} recipe's definition changed since the run ({_repr_changes(old, new)}; "
                         f"an adahop of another version?)")
@@ -85,6 +86,16 @@ def settings_diff(cfg: TrainConfig, run: Path, keys, definition: bool = False) -
 
 
 _DESCRIPTION = re.compile(r"description=(?:'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"), ")
+
+
+def _without_added_defaults(old: str, new: str) -> str:
+    """``new`` (a :class:`~adahop.recipes.Recipe` repr) without the ``, field=default`` items of the Recipe fields
+    ``old`` does not name: a field added by a later adahop (``saved_operands``, ``dual_layout``) at its default
+    runs the numbers the run's adahop ran, so an earlier run stays resumable and reusable."""
+    for f in dataclasses.fields(Recipe):
+        if f.default is not dataclasses.MISSING and f"{f.name}=" not in old:
+            new = new.replace(f", {f.name}={f.default!r}", "")
+    return new
 
 
 def _repr_changes(old: str, new: str, most: int = 3) -> str:
