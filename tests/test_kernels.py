@@ -394,54 +394,67 @@ def test_finite_block_amax_max_skips_non_finite_blocks_and_pads_ragged_ones():
     assert torch.equal(finite_block_amax_max(x.t().contiguous(), 1), finite_block_amax_max(x, 0))
     q, col = iht_quantize_mxfp4(x.t(), axis=1, hadamard_block=None, backend="reference", return_col_amax=True)
     assert col.shape == (70,) and col[0] == 3.0 and col[5] == 0 and col[32] == 100.0  # each row of x one 3-element block
-    with pytest.raises(ValueError, match="row_amax holds the raw x's amaxes"):
-        iht_quantize_mxfp4(x, axis=0, hadamard_block=32, backend="reference", row_amax=torch.zeros(3))
+    # along a Hadamard of the other axis: a column whose only nonzero is v holds v/√32 in each of its 32 rows
+    from adahop.kernels import col_amax_reference
+
+    y = torch.zeros(40, 2)
+    y[3, 0], y[35, 1] = -8.0, 2.0  # column 1's second block of 32 rows is the zero-padded 32..63
+    assert torch.equal(col_amax_reference(y, 1, 32), torch.tensor([8.0, 2.0]) / torch.tensor(32.0).sqrt())
     with pytest.raises(ValueError, match=r"row_amax must be a float32 \[3\]"):
         iht_quantize_mxfp4(x, axis=0, hadamard_block=None, backend="reference", row_amax=torch.zeros(4))
 
 
-DUAL_CASES = [  # (rows, cols, dtype, hadamard of the K-contiguous call): one tile of two row blocks; a masked last
-    # row block, ragged columns (kc 90) and three 32-column chunks, so the column amaxes come from the row-maximum loop
-    (64, 256, torch.bfloat16, 0), (70, 90, torch.float32, 32),
+DUAL_CASES = [  # (rows, cols, dtype, Hadamard of the K-contiguous call, of the transposed one): one tile of two row
+    # blocks; a masked last row block, ragged columns (kc 90) and three 32-column chunks, so the column amaxes come
+    # from the row-maximum loop, with a Hadamard of 32 on both sides (random signs); a 64-row program for a 64 one
+    (64, 128, torch.bfloat16, 0, 0), (70, 90, torch.float32, 32, 32), (64, 64, torch.bfloat16, 0, 64),
 ]
 #: the transposing call's settings (scale rule, max_scale_range, codes written)
 DUAL_RULES = (("floor", 8, True), ("adahop", 8, False), ("tseng", 3, True), ("rceil", -1, True))
 
 
-@pytest.mark.parametrize("case", DUAL_CASES, ids=lambda c: f"{c[0]}x{c[1]}-{str(c[2])[6:]}-hb{c[3]}")
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+@pytest.mark.parametrize("case", DUAL_CASES, ids=lambda c: f"{c[0]}x{c[1]}-{str(c[2])[6:]}-hb{c[3]}-{c[4]}")
 @interp
 def test_interp_dual_layout_quantization_hands_the_row_maximum_across(case):
     """Issue 18's dual-layout read: the K-contiguous quantizer also writes each column's largest finite
-    32-row-block amax (of the raw x: before its Hadamard and OE's zeroed rows), equal to
-    :func:`finite_block_amax_max` along the other axis; the transposing quantizer given it as ``row_amax``
-    skips its amax pass and writes the bytes it writes without it, under every scale rule."""
+    32-row-block amax (of the raw x, before its own Hadamard and OE's zeroed rows; transformed along the
+    rows as the transposed quantization transforms them), equal to :func:`col_amax_reference`; the
+    transposing quantizer given it as ``row_amax`` (its OE rows set to 0) skips its amax pass and writes
+    the bytes it writes without it, under every scale rule."""
     from adahop.kernels import _triton_quantize as tq
-    from adahop.kernels.quantize_mxfp4 import finite_block_amax_max
+    from adahop.kernels.quantize_mxfp4 import col_amax_reference
 
-    r, c, dtype, hb = case
+    r, c, dtype, hb, hb_t = case
     x = _spread_rows(r, c, seed=r + c)  # row scales 2^-40…2^40: each column's row blocks span them
     x = (x * torch.exp2(torch.randint(-30, 30, (1, c), generator=torch.Generator().manual_seed(1)).float())).to(dtype)
     x[5, 7], x[40 % r, 33 % c], x[9, 2] = float("nan"), float("inf"), -0.0  # bad row blocks, a signed zero
-    signs = (torch.randint(0, 2, (hb,), generator=torch.Generator().manual_seed(2)).float() * 2 - 1) if hb else None
+    g = torch.Generator().manual_seed(2)
+    signs = (torch.randint(0, 2, (hb,), generator=g).float() * 2 - 1) if hb else None
+    signs_t = (torch.randint(0, 2, (hb_t,), generator=g).float() * 2 - 1) if hb_t == 32 else None
     keep = torch.ones(r, dtype=torch.uint8)
-    keep[3] = 0  # the K-contiguous call's OE rows: its quantization only, not the raw column amaxes
+    keep[3] = 0  # the K-contiguous call's OE rows: its quantization only, not the column amaxes
     col = torch.zeros(c)
     plain = tq.mx_quantize(x, 1, hb, signs, False, "floor", 8, None, True, True, keep)
-    dual = tq.mx_quantize(x, 1, hb, signs, False, "floor", 8, None, True, True, keep, colamax=col)
-    for a, b in zip(plain, dual):
-        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
-                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
-    assert torch.equal(col, finite_block_amax_max(x, 0))
-    for rule, msr, codes in DUAL_RULES:
-        want = tq.mx_quantize(x, 0, 0, None, False, rule, msr, None, codes, True)
-        got = tq.mx_quantize(x, 0, 0, None, False, rule, msr, None, codes, True, row_amax=col)
-        for a, b in zip(want, got):
-            assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
-                               b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b), rule
-    with pytest.raises(ValueError, match="row_amax holds raw amaxes"):
-        tq.mx_quantize(x, 0, 32, None, False, "floor", 8, None, row_amax=col)
+    dual = tq.mx_quantize(x, 1, hb, signs, False, "floor", 8, None, True, True, keep, colamax=col,
+                          colamax_hadamard=hb_t, colamax_signs=signs_t)
+    assert all(torch.equal(_bytes(a), _bytes(b)) for a, b in zip(plain, dual))
+    assert torch.equal(col, col_amax_reference(x, 1, hb_t or None, signs_t))
+    keep_t = torch.ones(c, dtype=torch.uint8)
+    keep_t[4] = 0  # the transposed call's own OE rows (columns of x): their row maximum is 0
+    for (rule, msr, codes), kt in zip(DUAL_RULES, (None, keep_t, None, keep_t)):
+        want = tq.mx_quantize(x, 0, hb_t, signs_t, False, rule, msr, None, codes, True, kt)
+        row_amax = col if kt is None else col.masked_fill(kt == 0, 0.0)
+        got = tq.mx_quantize(x, 0, hb_t, signs_t, False, rule, msr, None, codes, True, kt, row_amax=row_amax)
+        assert all(torch.equal(_bytes(a), _bytes(b)) for a, b in zip(want, got)), rule
     with pytest.raises(ValueError, match="colamax must be a zeroed float32"):
         tq.mx_quantize(x, 1, 0, None, False, "floor", 8, None, colamax=torch.zeros(c + 1))
+    with pytest.raises(ValueError, match="col_amax_signs must be a 1-D"):
+        iht_quantize_mxfp4(x, axis=1, hadamard_block=None, backend="triton", return_col_amax=True, col_amax_hadamard=32,
+                           col_amax_signs=torch.ones(16))
     with pytest.raises(ValueError, match="K-contiguous"):
         tq.mx_quantize(x, 0, 0, None, False, "floor", 8, None, colamax=torch.zeros(r))
 
@@ -554,11 +567,12 @@ def test_interp_saved_fp8_runs_the_same_numbers_and_saves_the_fold(recipe, fwd_b
     assert saved[f"{recipe}@saved-fp8"] - saved[recipe] == (k * t + n * k) // 2 + 4 * (k + k)
 
 
-def _same_numbers_as_base(recipe: str, variant: str, shape, fwd_bwd, measure) -> dict:
+def _same_numbers_as_base(recipe: str, variant: str, shape, fwd_bwd, measure, patterns=None) -> dict:
     """A bias-free linear [k -> n] converted to ``recipe`` and to ``recipe + variant`` (Triton path, same
-    seed), one step on the same x [t, k] and dY: asserts y, dX and dW equal bit for bit, and returns
-    ``{name: measure(layer)}`` taken right after each step."""
-    from adahop.nn import convert_model
+    seed; an AdaHOP recipe with the plan of ``patterns``), one step on the same x [t, k] and dY: asserts
+    y, dX and dW equal bit for bit, and returns ``{name: measure(layer)}`` taken right after each step."""
+    from adahop.nn import convert_model, get_controller
+    from adahop.patterns import Plan
 
     t, k, n = shape
     x0, dy = torch.randn(t, k), torch.randn(t, n)
@@ -567,6 +581,8 @@ def _same_numbers_as_base(recipe: str, variant: str, shape, fwd_bwd, measure) ->
         torch.manual_seed(0)
         lin = torch.nn.Sequential(torch.nn.Linear(k, n, bias=False))
         convert_model(lin, name, backend="triton")
+        if patterns is not None:
+            get_controller(lin).set_plan(Plan.from_patterns({"0": patterns}))
         out[name] = fwd_bwd(lin, lin[0], x0, dy)
         got[name] = measure(lin)
     for what, a, b in zip(("y", "dX", "dW"), *out.values()):
@@ -575,10 +591,13 @@ def _same_numbers_as_base(recipe: str, variant: str, shape, fwd_bwd, measure) ->
 
 
 @interp
-@pytest.mark.parametrize("recipe", ["mxfp4"])
-def test_interp_dual_layout_layer_runs_the_same_numbers_without_the_amax_passes(recipe, fwd_bwd, monkeypatch):
+@pytest.mark.parametrize("recipe, passes", [("adahop-lv2", (3, 0)), ("tseng", (3, 2))])  # mxfp4's: the Inductor test
+def test_interp_dual_layout_layer_runs_the_same_numbers_without_the_amax_passes(recipe, passes, fwd_bwd, monkeypatch):
     """``@dual-layout``: X, W and ∇Y are each read twice for both their layouts, not three times (the
-    transposing quantizer's amax pass is never launched), and y, dX, dW are the base recipe's bit for bit."""
+    transposing quantizer's amax pass is not launched), and y, dX, dW are the base recipe's bit for bit.
+    AdaHOP-Lv2's plan here: fprop and dgrad IHT, wgrad IHT + OE-Right (X's extracted columns are rows of
+    its transposed quantization, whose maximum is 0); tseng (64-element Hadamard, random signs, stochastic
+    rounding) keeps fprop in BF16, so only ∇Y has a first read to find its row maxima in."""
     from adahop.kernels import _triton_quantize as tq
 
     launched = []
@@ -591,9 +610,10 @@ def test_interp_dual_layout_layer_runs_the_same_numbers_without_the_amax_passes(
         launched.clear()
         return n
 
-    # 64 tokens: two row blocks of the transposed quantizations
-    got = _same_numbers_as_base(recipe, "@dual-layout", (64, 32, 96), fwd_bwd, amax_passes)
-    assert got == {recipe: 3, f"{recipe}@dual-layout": 0}
+    # 64 tokens: two row blocks of the transposed quantizations (one of tseng's)
+    patterns = {"x": "C", "w": "N", "dy": "N"} if recipe.startswith("adahop") else None
+    got = _same_numbers_as_base(recipe, "@dual-layout", (64, 64, 128), fwd_bwd, amax_passes, patterns)
+    assert got == {recipe: passes[0], f"{recipe}@dual-layout": passes[1]}
 
 
 @interp

@@ -548,13 +548,16 @@ def test_saved_fp8_variant_sets_the_saved_form_and_refuses_recipes_without_a_fol
         dataclasses.replace(get_recipe("mxfp4"), saved_operands="fp4")
 
 
-def test_dual_layout_variant_is_for_recipes_with_an_untransformed_backward_gemm():
+def test_dual_layout_variant_is_for_recipes_that_quantize_an_operand_twice_as_mxfp4():
     r = get_recipe("mxfp4@dual-layout@saved-fp8")
     assert r.dual_layout and r.saved_operands == "fp8" and not get_recipe("mxfp4").dual_layout
     assert all(r.gemm(g) == get_recipe("mxfp4").gemm(g) for g in GEMMS)
-    # AdaHOP's tables give every pattern pair a transform or BF16; mxfp4-had transforms every GEMM
-    for name in ("adahop-lv2@dual-layout", "mxfp4-had@dual-layout", "nvfp4@dual-layout", "bf16@dual-layout",
-                 "mxfp4@only-fprop@dual-layout"):
+    # the second quantization's Hadamard (IHT-32, tseng's 64 with random signs) is applied by the first read;
+    # AdaHOP's calibrated GEMMs are decided by the plan, layer by layer
+    for name in ("adahop-lv2", "mxfp4-had"):
+        assert get_recipe(f"{name}@dual-layout").dual_layout_operands == ("x", "w", "dy"), name
+    assert get_recipe("tseng@dual-layout").dual_layout_operands == ("dy",)  # its fprop is BF16: X and W read once
+    for name in ("nvfp4@dual-layout", "bf16@dual-layout", "mxfp4@only-fprop@dual-layout"):
         with pytest.raises(ValueError, match="'dual-layout' needs an operand .X, W or dY. that one GEMM quantizes"):
             get_recipe(name)
 

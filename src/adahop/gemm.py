@@ -153,10 +153,10 @@ def without_quantization(spec: GemmSpec) -> GemmSpec:
 
 def _quantize(t: torch.Tensor, axis: int, op: OperandSpec, tr: Transform | None, signs, generator, backend: str,
               outputs: str = "all", zero_rows: torch.Tensor | None = None, row_amax: torch.Tensor | None = None,
-              return_col_amax: bool = False):
+              return_col_amax: bool = False, col_amax_transform: tuple | None = None):
     """Zero the OE rows (``zero_rows`` along the other axis), inner transform along ``axis``, quantize
-    along it. ``outputs``, ``row_amax`` and ``return_col_amax`` as in :func:`adahop.kernels.iht_quantize_mxfp4`
-    (MXFP4 only); for NVFP4 ``"fp8"`` (the GEMM's operand form) asks for the BF16 values
+    along it. ``outputs``, ``row_amax`` and ``return_col_amax`` (with ``col_amax_transform`` its
+    ``(col_amax_hadamard, col_amax_signs)``) as in :func:`adahop.kernels.iht_quantize_mxfp4` (MXFP4 only); for NVFP4 ``"fp8"`` (the GEMM's operand form) asks for the BF16 values
     (:func:`adahop.kernels.iht_quantize_nvfp4`)."""
     if (row_amax is not None or return_col_amax) and op.fmt != "mxfp4":
         raise ValueError(f"row_amax / return_col_amax are for MXFP4 operands (the dual-layout read), not {op.fmt!r}")
@@ -167,7 +167,8 @@ def _quantize(t: torch.Tensor, axis: int, op: OperandSpec, tr: Transform | None,
             t, axis=axis, hadamard_block=tr.block_size if tr is not None else None, signs=signs,
             rounding=op.rounding, scale_rule=op.scale_rule, max_scale_range=op.max_scale_range,
             generator=generator, backend=backend, outputs=outputs, zero_rows=zero_rows, row_amax=row_amax,
-            return_col_amax=return_col_amax,
+            return_col_amax=return_col_amax, col_amax_hadamard=(col_amax_transform or (None, None))[0],
+            col_amax_signs=(col_amax_transform or (None, None))[1],
         )  # fmt: skip
     if op.fmt == "nvfp4":  # fused likewise: transform, quantize and, for the GEMM at once, its BF16 operand
         return _kernels().iht_quantize_nvfp4(
@@ -196,6 +197,7 @@ def prepare(
     outputs: str = "all",
     row_amax: torch.Tensor | None = None,
     return_col_amax: bool = False,
+    col_amax_transform: tuple[int, torch.Tensor | None] | None = None,
 ) -> Prepared:
     """Prepare operand ``t`` (A ``[M, Kc]`` when ``side="a"``, B ``[Kc, N]`` when ``side="b"``).
 
@@ -203,10 +205,10 @@ def prepare(
     ``"codes"`` for one saved for backward, ``"all"`` (`adahop.kernels.iht_quantize_mxfp4`).
     ``return_col_amax``: also set ``Prepared.col_amax``, float32 ``[Kc]`` (unpadded): the largest finite
     32-block amax of ``t`` along its *outer* axis at each Kc index, found in the quantizer's read, for
-    quantizing ``t`` along the other axis next; ``row_amax``: that vector, handed to this quantization
+    quantizing ``t`` along the other axis next, whose Hadamard block and signs ``col_amax_transform``
+    gives (``(block, signs)``; None: no transform); ``row_amax``: that vector, handed to this quantization
     (issue 18's dual-layout read; `adahop.kernels.iht_quantize_mxfp4`). Both for MXFP4 operands of
-    a strategy without a mean split or outer transform; ``row_amax`` also without an inner transform
-    or OE on this side.
+    a strategy without a mean split or outer transform.
 
     Raises:
         ValueError: bad side, non-2-D input, an outer transform that does not fit, or ``row_amax`` /
@@ -264,7 +266,7 @@ def prepare(
     prep.Kc = t.shape[kc_axis]
     op = spec.a if side == "a" else spec.b
     q = _quantize(t, kc_axis, op, tr, signs, generator, backend, outputs, prep.oe_idx, row_amax,
-                  return_col_amax)  # OE rows quantize as 0
+                  return_col_amax, col_amax_transform)  # OE rows quantize as 0
     if return_col_amax:
         q, col = q
         prep.col_amax = col[:kc]  # the transform's zero padding along Kc is no row of the other layout

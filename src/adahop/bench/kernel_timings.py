@@ -18,7 +18,7 @@ Sections (medians of ``triton.testing.do_bench``, random inputs, never zeros):
    variants, replayed from a CUDA graph (`docs/benchmarks_history.md`, round 29).
 6. dual (``--sections dual --model M``, not in the default list): both layouts of each operand (X, W, ∇Y) as
    separate calls against the dual-layout read (the K-contiguous call writes the transposing call's row
-   maximum), plain MXFP4, replayed from a CUDA graph.
+   maximum), plain MXFP4 and IHT-32, replayed from a CUDA graph.
 
 Usage: ``python scripts/bench_kernels.py [--out DIR] [--quick] [--sections ...] [--model M]``. Prints tables; writes JSON.
 """
@@ -278,11 +278,12 @@ def _dual_plans(kp: int) -> dict:
 
 def dual_section(res, copy_bw, model, quick):
     """Issue 18's dual-layout quantization against today's calls, at ``model``'s linear shapes and 16384
-    tokens, plain MXFP4 (no transform), each pair replayed from a CUDA graph: "separate" is the
-    K-contiguous call plus the transposing one (its amax pass and its quantize pass: three reads of
-    the operand); "dual" zeroes a column-amax vector, runs the K-contiguous call that also writes
-    it, then the transposing call that reads it as its row maximum (two reads). Both layouts' bytes
-    are checked equal to the separate calls' (WRONG RESULT otherwise)."""
+    tokens, plain MXFP4 (no transform) and AdaHOP's IHT-32 on both layouts, each pair replayed from a CUDA
+    graph: "separate" is the K-contiguous call plus the transposing one (its amax pass and its quantize
+    pass: three reads of the operand); "dual" zeroes a column-amax vector, runs the K-contiguous call that
+    also writes it (applying the transposing call's Hadamard across its rows), then the transposing call
+    that reads it as its row maximum (two reads). Both layouts' bytes are checked equal to the separate
+    calls' (WRONG RESULT otherwise)."""
     from adahop.bench.harness import LINEAR_SHAPES
 
     t = ROLE_TOKENS if DEV == "cuda" else 64
@@ -294,30 +295,34 @@ def dual_section(res, copy_bw, model, quick):
         for name, src, first, second in (("X", x, (False, True), (True, False)), ("W", w, (False, True), (True, False)),
                                          ("dY", dy, (False, True), (False, True))):
             kc = src.shape[1]
+            for hb in (0, 32):
+                def separate(hb=hb):
+                    return (tq.mx_quantize(src, 1, hb, None, False, "floor", 8, None, *first)
+                            + tq.mx_quantize(src, 0, hb, None, False, "floor", 8, None, *second))
 
-            def separate():
-                return (tq.mx_quantize(src, 1, 0, None, False, "floor", 8, None, *first)
-                        + tq.mx_quantize(src, 0, 0, None, False, "floor", 8, None, *second))
+                want = separate()
+                us_sep = bench_graph(separate) * 1e6
+                rows_out.append(dict(layer=lname, operand=name, hb=hb, how="separate", plan="default", us=us_sep,
+                                     vs_separate=1.0))
+                for pname, plan in (_dual_plans(-(-kc // 32) * 32) if not quick and not hb else {"default": None}).items():
+                    def dual(plan=plan, hb=hb):
+                        col = torch.zeros(kc, dtype=torch.float32, device=src.device)
+                        a = tq.mx_quantize(src, 1, hb, None, False, "floor", 8, None, *first, plan=plan, colamax=col,
+                                           colamax_hadamard=hb)
+                        return a + tq.mx_quantize(src, 0, hb, None, False, "floor", 8, None, *second, row_amax=col)
 
-            want = separate()
-            us_sep = bench_graph(separate) * 1e6
-            rows_out.append(dict(layer=lname, operand=name, how="separate", plan="default", us=us_sep, vs_separate=1.0))
-            for pname, plan in (_dual_plans(-(-kc // 32) * 32) if not quick else {"default": None}).items():
-                def dual(plan=plan):
-                    col = torch.zeros(kc, dtype=torch.float32, device=src.device)
-                    a = tq.mx_quantize(src, 1, 0, None, False, "floor", 8, None, *first, plan=plan, colamax=col)
-                    return a + tq.mx_quantize(src, 0, 0, None, False, "floor", 8, None, *second, row_amax=col)
-
-                ok = _same(dual(), want)
-                us = bench_graph(dual) * 1e6
-                rows_out.append(dict(layer=lname, operand=name, how="dual", plan=pname + ("" if ok else " WRONG RESULT"),
-                                     us=us, vs_separate=us_sep / us))
+                    ok = _same(dual(), want)
+                    us = bench_graph(dual) * 1e6
+                    rows_out.append(dict(layer=lname, operand=name, hb=hb, how="dual",
+                                         plan=pname + ("" if ok else " WRONG RESULT"), us=us, vs_separate=us_sep / us))
         del x, w, dy
     res["dual"] = dict(model=model, tokens=t, rows=rows_out)
-    print(f"\n## both layouts of each operand, {model}, {t} tokens, plain MXFP4: separate calls vs the dual read (us)")
-    print(f"{'layer':14s} {'operand':7s} {'how':9s} {'plan':24s} {'us':>8s} {'speedup':>7s}")
+    print(f"\n## both layouts of each operand, {model}, {t} tokens, hb 0 (plain MXFP4) / 32 (IHT both sides): "
+          "separate calls vs the dual read (us)")
+    print(f"{'layer':14s} {'operand':7s} {'hb':>3s} {'how':9s} {'plan':24s} {'us':>8s} {'speedup':>7s}")
     for r in rows_out:
-        print(f"{r['layer']:14s} {r['operand']:7s} {r['how']:9s} {r['plan']:24s} {r['us']:8.1f} {r['vs_separate']:7.2f}")
+        print(f"{r['layer']:14s} {r['operand']:7s} {r['hb']:>3d} {r['how']:9s} {r['plan']:24s} {r['us']:8.1f} "
+              f"{r['vs_separate']:7.2f}")
 
 
 def gemm_shapes():

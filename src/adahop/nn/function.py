@@ -45,16 +45,18 @@ def fprop(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, spec, gen
         ValueError: from :func:`adahop.gemm.prepare`, for shapes or options ``spec`` cannot take."""
     if spec is None:
         return torch.nn.functional.linear(x, w, None if bias is None else bias.to(dtype))
-    return _fprop_col_amax(x, w, bias, spec, generator, backend, dtype, seed, sign_salt, False, False)[0]
+    return _fprop_col_amax(x, w, bias, spec, generator, backend, dtype, seed, sign_salt, None, None)[0]
 
 
-def _fprop_col_amax(x, w, bias, spec, generator, backend: str, dtype, seed, sign_salt: int, dual_x: bool, dual_w: bool):
+def _fprop_col_amax(x, w, bias, spec, generator, backend: str, dtype, seed, sign_salt: int, dual_x, dual_w):
     """:func:`fprop` (``spec`` not None) that also returns the column amaxes its quantizers found for the
-    transposed quantizations of X and W (``dual_x`` / ``dual_w``; else None): ``(y, col_x [K], col_w [K])``."""
+    transposed quantizations of X and W (``dual_x`` / ``dual_w``: that quantization's :func:`_col_transform`,
+    or None for none): ``(y, col_x [K] or None, col_w [K] or None)``."""
     signs = draw_signs(spec, generator, x.device, seed=seed, salt=sign_salt)
-    pa = prepare(x, "a", spec, signs=signs, generator=generator, backend=backend, outputs="fp8", return_col_amax=dual_x)
+    pa = prepare(x, "a", spec, signs=signs, generator=generator, backend=backend, outputs="fp8",
+                 return_col_amax=dual_x is not None, col_amax_transform=dual_x or None)
     pb = prepare(w.t(), "b", spec, signs=signs, generator=generator, backend=backend, outputs="fp8",
-                 return_col_amax=dual_w)
+                 return_col_amax=dual_w is not None, col_amax_transform=dual_w or None)
     y = multiply(pa, pb, spec, out_dtype=dtype, backend=backend)
     return (y if bias is None else y + bias.to(dtype)), pa.col_amax, pb.col_amax
 
@@ -66,6 +68,13 @@ def _dual(layer, first, first_side: str, second, second_side: str, t: torch.Tens
     if not layer.recipe.dual_layout or resolve_backend(layer.backend, t.device) != "triton":
         return False
     return dual_read(first, first_side, second, second_side)
+
+
+def _col_transform(spec, signs) -> tuple:
+    """``(Hadamard block, signs)`` of ``spec``'s inner transform, as the first read of a dual-layout pair
+    applies it (``prepare``'s ``col_amax_transform``); ``()`` without one (a false value: no transform)."""
+    tr = spec.transform
+    return (tr.block_size, signs) if tr is not None else ()
 
 
 class _Slot:
@@ -197,15 +206,16 @@ def forward_body(ctx, x, weight, bias, layer, dtype, seed=None) -> torch.Tensor:
         # save X for wgrad (B operand, contract T) and W for dgrad (B operand, contract N)
         wg, dg = specs["wgrad"], specs["dgrad"]
         fp = specs["fprop"]
-        dual_x = not _needs_hp_b(wg) and _dual(layer, fp, "a", wg, "b", x)
-        dual_w = not _needs_hp_b(dg) and _dual(layer, fp, "b", dg, "b", x)
-        y, col_x, col_w = _fprop_col_amax(x, w, bias, fp, layer.generator("fprop"), layer.backend, dtype, seed,
-                                          salt(layer, "fprop"), dual_x, dual_w)
         gw, gd = layer.generator("wgrad"), layer.generator("dgrad")
         ctx.gens = (gd, gw)
-        # drawn once here and saved: backward never draws them again (compiled: hashed from seed)
+        # drawn once here and saved: backward never draws them again (compiled: hashed from seed); before
+        # fprop, whose dual-layout reads apply them (each GEMM has its own generator: the order is free)
         signs_w = draw_signs(wg, gw, x.device, seed=seed, salt=salt(layer, "wgrad"))
         signs_d = draw_signs(dg, gd, x.device, seed=seed, salt=salt(layer, "dgrad"))
+        dual_x = _col_transform(wg, signs_w) if not _needs_hp_b(wg) and _dual(layer, fp, "a", wg, "b", x) else None
+        dual_w = _col_transform(dg, signs_d) if not _needs_hp_b(dg) and _dual(layer, fp, "b", dg, "b", x) else None
+        y, col_x, col_w = _fprop_col_amax(x, w, bias, fp, layer.generator("fprop"), layer.backend, dtype, seed,
+                                          salt(layer, "fprop"), dual_x, dual_w)
         # saved operands hold only the packed MXFP4 (4.25 bits/element; backward unpacks it straight
         # to FP8, `DESIGN.md` §3), or under recipe.saved_operands="fp8" only the fold; the GEMMs' own
         # operands only the FP8 fold
@@ -257,7 +267,8 @@ def backward_body(ctx, dy):
         x_prep = prepare(x, "b", specs["wgrad"], signs=signs_w, generator=gw, backend=be, outputs="fp8")
     # dgrad: ∇X = ∇Y·W
     dual = _dual(layer, specs["dgrad"], "a", specs["wgrad"], "a", dy)
-    pa = prepare(dy, "a", specs["dgrad"], signs=signs_d, generator=gd, backend=be, outputs="fp8", return_col_amax=dual)
+    pa = prepare(dy, "a", specs["dgrad"], signs=signs_d, generator=gd, backend=be, outputs="fp8", return_col_amax=dual,
+                 col_amax_transform=_col_transform(specs["wgrad"], signs_w) if dual else None)
     dx = multiply(pa, w_prep, specs["dgrad"], out_dtype=dtype, backend=be)
     # wgrad: ∇W = ∇Yᵀ·X
     pa = prepare(dy.t(), "a", specs["wgrad"], signs=signs_w, generator=gw, backend=be, outputs="fp8",

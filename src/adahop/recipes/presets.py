@@ -48,8 +48,9 @@ def get_recipe(name: str) -> Recipe:
       (`Recipe.saved_operands`): the same numbers, no fold kernel in backward, 8 bits a saved
       element instead of 4.25 (a speed-for-memory choice; issue 18).
     - ``dual-layout``: each operand's two quantized layouts from two reads, not three
-      (`Recipe.dual_layout`): the same numbers; for recipes with a backward GEMM that quantizes
-      without a transform (strategy ``none``: plain MXFP4).
+      (`Recipe.dual_layout`): the same numbers; for recipes where a quantized GEMM reads an
+      operand first as MXFP4 and a backward GEMM then along its other axis
+      (`Recipe.dual_layout_operands`: mxfp4, mxfp4-had, adahop-lv1/lv2; tseng's ∇Y).
     - ``bf16-calib``: a recipe with IHT on every GEMM (``mxfp4-had``) first runs AdaHOP's 30
       exact-BF16 calibration steps, then IHT everywhere (strategy table ``"iht"``); GEMMs an
       ``only-*`` variant made BF16 stay BF16, in either order. It is the
@@ -60,8 +61,8 @@ def get_recipe(name: str) -> Recipe:
         ValueError: unknown preset (lists the known names) or variant, a variant given twice, a variant
             that would change nothing (``foid`` without OE, ``msr-none`` without a limited MXFP4 operand,
             ``only-X`` where X is BF16 in the base or the only GEMM it quantizes, ``saved-fp8`` without a backward
-            GEMM whose saved operand folds to FP8, ``dual-layout`` without an operand two GEMMs quantize as plain
-            MXFP4, the second without a transform; both checked after every variant), or
+            GEMM whose saved operand folds to FP8, ``dual-layout`` without an operand two GEMMs quantize as
+            MXFP4 (`Recipe.dual_layout_operands`); both checked after every variant), or
             ``bf16-calib`` on a recipe that calibrates already or has a GEMM neither IHT nor BF16 (or none IHT).
     """
     base, *variants = name.split("@")
@@ -148,9 +149,9 @@ def _check_effect(recipe: Recipe, variant: str, name: str) -> None:
     elif not recipe.dual_layout_operands:
         # AdaHOP's tables give every pattern pair a transform or BF16 (patterns.STRATEGY_TABLES): no "none" GEMM
         raise ValueError(f"recipe variant 'dual-layout' needs an operand (X, W or dY) that one GEMM quantizes to MXFP4 as "
-                         f"given and a backward GEMM then quantizes along its other axis as plain MXFP4 (strategy 'none', "
-                         f"with the exponent-range limit; no mean split or outer transform), as mxfp4's; {name!r} has none, "
-                         f"so it would run as the base under another name")
+                         f"given and a backward GEMM then quantizes along its other axis to MXFP4 with the exponent-range "
+                         f"limit (no BF16 GEMM, mean split, outer transform or msr-none), as mxfp4's and adahop-lv2's; "
+                         f"{name!r} has none, so it would run as the base under another name")
 
 
 def list_recipes() -> list[str]:

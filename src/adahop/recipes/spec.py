@@ -323,10 +323,10 @@ class Recipe:
     """Quantize an operand's two layouts (X along K and T, W along K and N, ∇Y along N and T) from
     two reads instead of three: the K-contiguous quantization also finds the row maxima of the
     transposed one, which then skips its amax pass (issue 18; `adahop.kernels.iht_quantize_mxfp4`'s
-    ``return_col_amax``). Where the transposed quantization has no transform (strategy ``none``: plain
-    MXFP4; AdaHOP's tables give every GEMM a transform or BF16), on the fast path. The same numbers
-    either way; off until timed on a GPU (``experiments/gpu_call.sh r31k``). The ``@dual-layout``
-    variant sets it."""
+    ``return_col_amax``; the first read applies the second quantization's Hadamard across its rows).
+    Where both quantizations are MXFP4 of the operand as given (:func:`dual_read`), on the fast path.
+    The same numbers either way; off until timed on a GPU (``experiments/gpu_call.sh r31k``). The
+    ``@dual-layout`` variant sets it."""
 
     def __post_init__(self) -> None:
         for g in GEMMS:
@@ -413,10 +413,12 @@ class Recipe:
 def dual_read(first: GemmSpec, first_side: str, second: GemmSpec, second_side: str) -> bool:
     """Whether an operand's quantization for ``first`` (along its Kc, on ``first_side``) can hand its row
     maxima to its quantization for ``second`` along the other axis (:attr:`Recipe.dual_layout`): both MXFP4
-    as given (no BF16, mean split or outer transform), ``second`` without a transform (strategy ``none``)
-    but with a row exponent range."""
+    as given (no BF16, mean split or outer transform), ``second`` with a row exponent range and an inner
+    transform of at most 256 elements (or none) that the first read can apply across its rows. A
+    ``calibrated`` GEMM counts as possible: its plan decides, layer by layer."""
     ops = ((first, first_side), (second, second_side))
-    plain = all(s.strategy not in ("bf16", "calibrated") and s.mean_split == "none" and (s.a if side == "a" else s.b).fmt == "mxfp4"
+    plain = all(s.strategy != "bf16" and s.mean_split == "none" and (s.a if side == "a" else s.b).fmt == "mxfp4"
                 and (s.outer_a if side == "a" else s.outer_b) is None for s, side in ops)
-    return plain and second.strategy == "none" and second.transform is None and \
+    tr = second.transform
+    return plain and (tr is None or 0 < tr.block_size <= 256) and \
         (second.a if second_side == "a" else second.b).max_scale_range is not None
