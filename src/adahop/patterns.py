@@ -182,7 +182,7 @@ def classify(cv_row: float, cv_col: float, *, rule: str = "ratio", threshold: fl
 
 
 def detect_pattern(t: torch.Tensor, *, rule: str = "ratio", threshold: float = 2.0, floor: float | None = None,
-                   min_peak: float | None = None) -> Pattern:
+                   min_peak: float | None = None, stats: tuple[float, float] | None = None) -> Pattern:
     """Classify ``t`` (storage layout, e.g. X [T,K], W [N,K], ∇Y [T,N]) as ROW, COLUMN or NONE.
 
     :func:`pattern_stats`, then :func:`classify` (the official ratio test by default; its
@@ -191,11 +191,12 @@ def detect_pattern(t: torch.Tensor, *, rule: str = "ratio", threshold: float = 2
     Args:
         t: tensor with ≥ 2 dims, any float dtype. rule, threshold, floor, min_peak: as
             :func:`classify` (τ = 2.0 in the official code).
+        stats: ``pattern_stats(t)`` when the caller has it already (one read of ``t`` saved).
 
     Raises:
         ValueError: ``t`` has fewer than 2 dims, or an unknown ``rule``.
     """
-    cv_row, cv_col = pattern_stats(t)
+    cv_row, cv_col = pattern_stats(t) if stats is None else stats
     peaks = peak_ratios(t) if min_peak is not None else (None, None)
     return classify(cv_row, cv_col, rule=rule, threshold=threshold, floor=floor, min_peak=min_peak,
                     row_peak=peaks[0], col_peak=peaks[1])
@@ -379,10 +380,10 @@ class Calibrator:
         return cls(table=spec.table, steps=spec.steps, threshold=spec.threshold, rule=spec.rule, floor=spec.floor,
                    min_peak=spec.min_peak)
 
-    def detect(self, t: torch.Tensor) -> Pattern:
-        """This calibrator's detector on ``t`` (:func:`detect_pattern` with its rule and gates)."""
+    def detect(self, t: torch.Tensor, stats: tuple[float, float] | None = None) -> Pattern:
+        """This calibrator's detector on ``t`` (:func:`detect_pattern` with its rule and gates; ``stats`` as there)."""
         c = self.spec
-        return detect_pattern(t, rule=c.rule, threshold=c.threshold, floor=c.floor, min_peak=c.min_peak)
+        return detect_pattern(t, rule=c.rule, threshold=c.threshold, floor=c.floor, min_peak=c.min_peak, stats=stats)
 
     def observe(self, layer: str, tensor: str, t: torch.Tensor, *, step: int | None = None) -> Pattern | None:
         """Detect and record the pattern of ``tensor`` ("x", "w" or "dy") of ``layer`` at optimizer
@@ -412,7 +413,7 @@ class Calibrator:
                 self.first_step = step
             if (layer, tensor) == next(iter(self._last_step)):
                 self._repeats = 0
-        p = self.detect(t)  # computes the statistics again: calibration steps only, few and eager
+        p = self.detect(t, (cv_row, cv_col))
         self.history.setdefault(layer, {}).setdefault(tensor, []).append(str(p))
         return p
 
