@@ -363,6 +363,11 @@ def _f32(v: float) -> float:
     return float(np.float32(v))
 
 
+def _k_contiguous(stride_r: int, stride_k: int) -> bool:
+    """Whether the quantizer reads rows along K (its "rows" mode, LAYOUT 0): K contiguous, or neither dim."""
+    return stride_k == 1 or stride_r != 1
+
+
 def default_plan(rows: int, kp: int, stride_r: int, stride_k: int, elem_size: int, hb: int = 0,
                  row_max: bool = True, stochastic: bool = False, col_amax: bool = False, hb_t: int = 0) -> dict:
     """Tiles, warps and passes for one problem (H200 timings in `docs/kernels_notes.md`).
@@ -382,17 +387,15 @@ def default_plan(rows: int, kp: int, stride_r: int, stride_k: int, elem_size: in
       transposed quantization; ``hb_t`` rows for its Hadamard blocks above 32) over tiles of up to
       512 · 32 / rows, one 32-block per thread; not yet timed on a GPU.
     """
-    if col_amax:
-        if not (stride_k == 1 or stride_r != 1):
-            raise ValueError("col_amax: the column amaxes come from the K-contiguous quantizer; this x is read "
-                             "transposed (rows contiguous): quantize the other axis with colamax instead")
+    k_contiguous = _k_contiguous(stride_r, stride_k)
+    if col_amax and k_contiguous:  # (read transposed, the plan below has no whole row blocks: _launch_config refuses)
         br = max(32, hb_t)
         bk = 512 * 32 // br
         while kp % bk and bk > 32:
             bk //= 2
         return dict(mode="rows", BR=br, BK=bk, NCHUNK=-(-kp // bk), LAYOUT=0, VEC=16 // elem_size,
                     num_warps=max(1, min(16, br * bk // 1024)))
-    if stride_k == 1 or stride_r != 1:
+    if k_contiguous:
         vec = 16 // elem_size
         if kp <= 8192:
             bk = triton.next_power_of_2(kp)
@@ -423,7 +426,7 @@ def _launch_config(rows, kc, stride_r, stride_k, elem_size, hb, has_signs, stoch
     br, bk = p["BR"], max(p["BK"], hb, 32)
     if col_amax and (p["mode"] != "rows" or br % 32 or br % max(hb_t, 1)):
         raise ValueError(f"col_amax needs K-contiguous tiles of whole 32-row blocks and {hb_t}-row Hadamard blocks; "
-                         f"plan {p} has none")
+                         f"plan {p} has none (an x read transposed: quantize its other axis with colamax instead)")
     if p["mode"] == "rows":
         nchunk = p["NCHUNK"] if bk == p["BK"] else -(-kp // bk)
         n_kt, row_src = 1, (1 if row_max else 0)
@@ -481,8 +484,10 @@ def mx_quantize(x: torch.Tensor, axis: int, hadamard_block: int, signs: torch.Te
         raise ValueError(f"mx_quantize: colamax must be a zeroed float32 [{kc}], contiguous, got {colamax.dtype} "
                          f"{tuple(colamax.shape)} with strides {colamax.stride()}")
     hb_t = colamax_hadamard if colamax is not None and colamax_hadamard > 1 else 0
-    if colamax_signs is not None and (not hb_t or tuple(colamax_signs.shape) != (hb_t,)):
-        raise ValueError(f"mx_quantize: colamax_signs must be a [{hb_t}] vector with colamax and colamax_hadamard > 1")
+    if colamax_signs is not None and (not hb_t or tuple(colamax_signs.shape) != (hb_t,)
+                                      or colamax_signs.dtype != torch.float32 or not colamax_signs.is_contiguous()):
+        raise ValueError(f"mx_quantize: colamax_signs must be a contiguous float32 [{hb_t}] with colamax and "
+                         f"colamax_hadamard > 1")
     if row_amax is not None:
         if tuple(row_amax.shape) != (rows,) or row_amax.dtype != torch.float32:
             raise ValueError(f"mx_quantize: row_amax must be float32 [{rows}], got {row_amax.dtype} {tuple(row_amax.shape)}")
@@ -524,16 +529,16 @@ def mx_quantize(x: torch.Tensor, axis: int, hadamard_block: int, signs: torch.Te
            fp8_ptr=fp8, rscale_ptr=rscale, pamax_ptr=pamax, n_kt=n_kt, signs_ptr=signs_arg,
            seed_ptr=seed if seed is not None else x, keep_ptr=keep_arg,
            colamax_ptr=colamax if colamax is not None else x,
-           signs_t_ptr=colamax_signs.to(device=dev, dtype=torch.float32).contiguous() if colamax_signs is not None else x,
+           signs_t_ptr=colamax_signs if colamax_signs is not None else x,
            **quant)
     return codes, scales, fp8.view(torch.float8_e4m3fn), rscale
 
 
 def col_amax_in_read(x: torch.Tensor, axis: int) -> bool:
-    """Whether quantizing ``x`` along ``axis`` reads it K-contiguous, so that the same read can find
-    the column amaxes of the other axis (``mx_quantize(colamax=...)``)."""
+    """Whether quantizing ``x`` along ``axis`` reads it K-contiguous (:func:`default_plan`'s "rows" mode),
+    so that the same read can find the column amaxes of the other axis (``mx_quantize(colamax=...)``)."""
     _, _, stride_r, stride_k = row_geometry(x, axis)
-    return stride_k == 1 or stride_r != 1
+    return _k_contiguous(stride_r, stride_k)
 
 
 def quantize_body(x: torch.Tensor, axis: int, hadamard_block: int, signs: torch.Tensor | None, stochastic: bool,

@@ -15,7 +15,7 @@ import dataclasses
 
 import torch
 
-from ..gemm import draw_signs, multiply, prepare
+from ..gemm import draw_signs, multiply, prepare, prepare_pair
 from ..kernels.backend import resolve_backend
 from ..recipes.spec import dual_read
 
@@ -45,18 +45,15 @@ def fprop(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, spec, gen
         ValueError: from :func:`adahop.gemm.prepare`, for shapes or options ``spec`` cannot take."""
     if spec is None:
         return torch.nn.functional.linear(x, w, None if bias is None else bias.to(dtype))
-    return _fprop_col_amax(x, w, bias, spec, generator, backend, dtype, seed, sign_salt, None, None)[0]
+    return _fprop_col_amax(x, w, bias, spec, generator, backend, dtype, seed, sign_salt)[0]
 
 
-def _fprop_col_amax(x, w, bias, spec, generator, backend: str, dtype, seed, sign_salt: int, dual_x, dual_w):
-    """:func:`fprop` (``spec`` not None) that also returns the column amaxes its quantizers found for the
-    transposed quantizations of X and W (``dual_x`` / ``dual_w``: that quantization's :func:`_col_transform`,
-    or None for none): ``(y, col_x [K] or None, col_w [K] or None)``."""
-    signs = draw_signs(spec, generator, x.device, seed=seed, salt=sign_salt)
-    pa = prepare(x, "a", spec, signs=signs, generator=generator, backend=backend, outputs="fp8",
-                 return_col_amax=dual_x is not None, col_amax_transform=dual_x or None)
-    pb = prepare(w.t(), "b", spec, signs=signs, generator=generator, backend=backend, outputs="fp8",
-                 return_col_amax=dual_w is not None, col_amax_transform=dual_w or None)
+def _fprop_col_amax(x, w, bias, spec, generator, backend: str, dtype, seed, sign_salt: int, col_amax_for=(None, None)):
+    """:func:`fprop` (``spec`` not None) that also returns the column amaxes its quantizers of X and W found
+    for their transposed quantizations (``col_amax_for``: :func:`adahop.gemm.prepare_pair`'s, each a
+    :func:`_col_transform` or None): ``(y, col_x [K] or None, col_w [K] or None)``."""
+    pa, pb = prepare_pair(x, w.t(), spec, generator=generator, backend=backend, seed=seed, salt=sign_salt,
+                          col_amax_for=col_amax_for)
     y = multiply(pa, pb, spec, out_dtype=dtype, backend=backend)
     return (y if bias is None else y + bias.to(dtype)), pa.col_amax, pb.col_amax
 
@@ -71,10 +68,10 @@ def _dual(layer, first, first_side: str, second, second_side: str, t: torch.Tens
 
 
 def _col_transform(spec, signs) -> tuple:
-    """``(Hadamard block, signs)`` of ``spec``'s inner transform, as the first read of a dual-layout pair
-    applies it (``prepare``'s ``col_amax_transform``); ``()`` without one (a false value: no transform)."""
+    """``(Hadamard block, signs)`` of ``spec``'s inner transform (``(None, None)`` without one), as the first
+    read of a dual-layout pair applies it: :func:`adahop.gemm.prepare`'s ``col_amax_for``."""
     tr = spec.transform
-    return (tr.block_size, signs) if tr is not None else ()
+    return (tr.block_size, signs) if tr is not None else (None, None)
 
 
 class _Slot:
@@ -215,7 +212,7 @@ def forward_body(ctx, x, weight, bias, layer, dtype, seed=None) -> torch.Tensor:
         dual_x = _col_transform(wg, signs_w) if not _needs_hp_b(wg) and _dual(layer, fp, "a", wg, "b", x) else None
         dual_w = _col_transform(dg, signs_d) if not _needs_hp_b(dg) and _dual(layer, fp, "b", dg, "b", x) else None
         y, col_x, col_w = _fprop_col_amax(x, w, bias, fp, layer.generator("fprop"), layer.backend, dtype, seed,
-                                          salt(layer, "fprop"), dual_x, dual_w)
+                                          salt(layer, "fprop"), (dual_x, dual_w))
         # saved operands hold only the packed MXFP4 (4.25 bits/element; backward unpacks it straight
         # to FP8, `DESIGN.md` §3), or under recipe.saved_operands="fp8" only the fold; the GEMMs' own
         # operands only the FP8 fold
@@ -267,8 +264,8 @@ def backward_body(ctx, dy):
         x_prep = prepare(x, "b", specs["wgrad"], signs=signs_w, generator=gw, backend=be, outputs="fp8")
     # dgrad: ∇X = ∇Y·W
     dual = _dual(layer, specs["dgrad"], "a", specs["wgrad"], "a", dy)
-    pa = prepare(dy, "a", specs["dgrad"], signs=signs_d, generator=gd, backend=be, outputs="fp8", return_col_amax=dual,
-                 col_amax_transform=_col_transform(specs["wgrad"], signs_w) if dual else None)
+    pa = prepare(dy, "a", specs["dgrad"], signs=signs_d, generator=gd, backend=be, outputs="fp8",
+                 col_amax_for=_col_transform(specs["wgrad"], signs_w) if dual else None)
     dx = multiply(pa, w_prep, specs["dgrad"], out_dtype=dtype, backend=be)
     # wgrad: ∇W = ∇Yᵀ·X
     pa = prepare(dy.t(), "a", specs["wgrad"], signs=signs_w, generator=gw, backend=be, outputs="fp8",
