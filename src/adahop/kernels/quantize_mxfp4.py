@@ -142,6 +142,9 @@ def finite_block_amax_max(x: torch.Tensor, axis: int) -> torch.Tensor:
     Returns:
         float32 ``[C]`` for ``axis=0``, ``[R]`` for ``axis=1``. The PyTorch twin of the ``colamax`` the
         K-contiguous Triton quantizer writes for the other axis (issue 18's dual-layout quantization).
+
+    Raises:
+        ValueError: ``x`` not 2-D or ``axis`` not 0/1. TypeError: ``x`` not floating point.
     """
     _check_operand(x, axis, "finite_block_amax_max")
     xm = move_and_pad(x.float(), axis % 2, 32)
@@ -192,7 +195,19 @@ def col_amax_reference(x: torch.Tensor, axis: int, hadamard_block: int | None = 
     """What ``return_col_amax`` returns when quantizing ``x`` along ``axis``: :func:`finite_block_amax_max`
     ``(x', 1 - axis)`` of ``x' = H_b(x)`` along ``1 - axis`` (zero-padded to a multiple of ``b``, signs
     first; the transform the quantization along that axis applies), or of ``x`` itself without
-    ``hadamard_block``: float32 ``[x.shape[axis]]``, the row maxima of that quantization."""
+    ``hadamard_block``.
+
+    Args:
+        x: 2-D float ``[R, C]``; axis: 0 or 1; hadamard_block: ``b`` (a power of two) or None;
+        signs: float ±1 ``[b]`` or None.
+
+    Returns:
+        float32 ``[x.shape[axis]]``: the row maxima of quantizing ``x`` along ``1 - axis`` with that
+        transform (issue 18's dual-layout read; the row exponent of `DESIGN.md` §3 is their scale rule).
+
+    Raises:
+        ValueError / TypeError: as :func:`finite_block_amax_max`; ValueError for a bad block size or signs
+        (:func:`hadamard_butterfly`)."""
     axis = axis % 2
     if hadamard_block not in (None, 0, 1):
         other = 1 - axis
