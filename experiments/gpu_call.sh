@@ -523,6 +523,16 @@ if [ "$STAGE" = r31s ]; then  # issue 18: @saved-fp8 and @dual-layout beside the
   echo "${M31:-llama-125m}: exit $? at $(el) s"; grep -E "^llama" $OUT/bench_r31s.log | cut -c1-200
   echo "stage $STAGE done at $(el) s"; exit 0
 fi
+if [ "$STAGE" = r32s ]; then  # issue 18: @saved-fp8 beside its base and BF16 at llama-350m, then Llama-3.2-1B 4096 x 4, one process each
+  export CUDA_VISIBLE_DEVICES=0
+  R=bf16,mxfp4,mxfp4@saved-fp8,adahop-lv2,adahop-lv2@saved-fp8
+  timeout 230 python3 -m adahop bench model --modes auto --model llama-350m --seq-len 1024 --batch-size 16 --recipes $R \
+    --json $OUT/benchmarks.json > $OUT/bench_350m.log 2>&1; echo "350m: exit $? at $(el) s"; grep -E "^llama" $OUT/bench_350m.log | cut -c1-200
+  timeout $(( ${LIM:-575} - $(el) )) python3 -m adahop bench model --modes auto --model llama3.2-1b --seq-len 4096 --batch-size 4 \
+    --recipes bf16,adahop-lv2@saved-fp8,adahop-lv2,mxfp4@saved-fp8,mxfp4 --json $OUT/benchmarks.json > $OUT/bench_1b.log 2>&1
+  echo "1b: exit $? at $(el) s"; grep -E "^(llama|row:)" $OUT/bench_1b.log | cut -c1-200
+  echo "stage $STAGE done at $(el) s"; exit 0
+fi
 if [ "$STAGE" = r29p ]; then  # issue 18: the 350m kernel profile, and the small-GEMM rule where it keeps FP8 work
   export CUDA_VISIBLE_DEVICES=0
   timeout 120 python3 scripts/validate_kernels.py --only rivals --log $OUT/validate_rivals.json > $OUT/validate_rivals.log 2>&1

@@ -519,7 +519,9 @@ def converted_layer_grads(x, recipe: str, dev, out_features: int, *, compiled: b
         xin = x.detach().float().requires_grad_(True)
         y = f(xin)
         y.square().sum().backward()
-    return [y.detach().clone(), xin.grad, lin[0].weight.grad]
+    # copies: under reduce-overhead all three live in the CUDA-graph pool, which the next replay overwrites
+    # and torch.compiler.reset() frees (round 31: a later check then read freed memory)
+    return [y.detach().clone(), xin.grad.clone(), lin[0].weight.grad.clone()]
 
 
 def check_compile(dev, gen):
