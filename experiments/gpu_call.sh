@@ -142,7 +142,7 @@
 #      eager and CUDA-graphed; the dual-layout read's bytes), then bench_kernels --sections ceil,dual at llama-125m and
 #      llama-350m
 #   r31s (issue 18, one GPU): M31 (default llama-125m; then llama-350m) at 1024 x 16, mode auto, in one process: bf16,
-#      mxfp4, its @saved-fp8, @dual-layout and both, adahop-lv2, its @saved-fp8 and @dual-layout (R31_RECIPES overrides)
+#      mxfp4, its @saved-fp8, adahop-lv2, its @saved-fp8 (R31_RECIPES overrides)
 #   r21a (issue 18, one GPU): where the 8B-shaped model's first compile goes (round 20: mxfp4's did not finish in ~260 s;
 #      scripts/compile_census.py puts adahop's Triton kernels at ~12 s of it): scripts/bench_compile.py --phases cold for
 #      mxfp4 and adahop-lv2 at 4 blocks of Llama-3.1-8B, 4096 x 2, each alone with empty caches (COLD_TIMEOUT s each,
@@ -515,9 +515,9 @@ if [ "$STAGE" = r31k ]; then  # issue 18: validation of @saved-fp8 and the dual-
   done
   echo "stage $STAGE done at $(el) s"; exit 0
 fi
-if [ "$STAGE" = r31s ]; then  # issue 18: @saved-fp8 and @dual-layout beside their base and BF16, one process (M31: the model)
+if [ "$STAGE" = r31s ]; then  # issue 18: @saved-fp8 beside its base and BF16, one process (M31: the model)
   export CUDA_VISIBLE_DEVICES=0
-  R=${R31_RECIPES:-bf16,mxfp4,mxfp4@saved-fp8,mxfp4@dual-layout,mxfp4@dual-layout@saved-fp8,adahop-lv2,adahop-lv2@saved-fp8,adahop-lv2@dual-layout}
+  R=${R31_RECIPES:-bf16,mxfp4,mxfp4@saved-fp8,adahop-lv2,adahop-lv2@saved-fp8}
   timeout $(( ${LIM:-575} - $(el) )) python3 -m adahop bench model --modes auto --model ${M31:-llama-125m} --seq-len 1024 \
     --batch-size 16 --recipes $R --json $OUT/benchmarks.json > $OUT/bench_r31s.log 2>&1
   echo "${M31:-llama-125m}: exit $? at $(el) s"; grep -E "^llama" $OUT/bench_r31s.log | cut -c1-200

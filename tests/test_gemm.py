@@ -228,17 +228,3 @@ def test_oe_writes_slab_products_into_exact_zeros(strategy, out_dtype, gen):
     want = clean.index_add(dim, idx, slab.float()).to(out_dtype)
     got = multiply(pa, pb, spec, out_dtype=out_dtype)
     assert got.dtype == out_dtype and torch.equal(got, want)
-
-
-def test_prepare_names_why_it_cannot_hand_column_amaxes():
-    """``prepare(..., col_amax_for=...)`` / ``row_amax`` where the operand is not quantized as given: the error
-    names the reason (BF16, a mean split, an outer transform), not all three at once."""
-    from adahop.recipes import get_recipe
-
-    x = torch.randn(64, 64)
-    for recipe, gemm, side, why in (("bf16", "fprop", "a", "runs in BF16"), ("averis-mxfp4", "wgrad", "b", "mean split 'inner'"),
-                                    ("halo-1", "wgrad", "b", "outer transform on operand B")):
-        with pytest.raises(ValueError, match=why):
-            prepare(x, side, get_recipe(recipe).gemm(gemm), col_amax_for=(None, None))
-    with pytest.raises(ValueError, match="for MXFP4 operands"):
-        prepare(x, "a", get_recipe("nvfp4").gemm("fprop"), row_amax=torch.zeros(64))

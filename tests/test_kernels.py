@@ -534,7 +534,7 @@ def test_interp_fold_checks_the_range_unless_the_quantizer_did():
 
 
 @interp
-@pytest.mark.parametrize("recipe", ["mxfp4-had", "adahop-lv1", "tseng", "mxfp4@dual-layout"])
+@pytest.mark.parametrize("recipe", ["mxfp4-had", "adahop-lv1", "tseng", "mxfp4@saved-fp8"])
 def test_interp_fast_layer_compiles_without_graph_break(recipe):
     """A converted linear on the Triton path under torch.compile(fullgraph=True): dynamo must trace
     the autograd.Function's backward (quantize, fold of the saved operands, FP8 GEMM) in one graph.
@@ -554,93 +554,31 @@ def test_interp_fast_layer_compiles_without_graph_break(recipe):
 
 
 @interp
-@pytest.mark.parametrize("recipe", ["mxfp4", "tseng"])
+@pytest.mark.parametrize("recipe", ["mxfp4", "tseng", "adahop-lv1"])
 def test_interp_saved_fp8_runs_the_same_numbers_and_saves_the_fold(recipe, fwd_bwd):
     """``@saved-fp8`` (issue 18): X and W wait for backward as the FP8 fold the forward quantizer
     writes, so y, dX and dW are the packed-MXFP4 run's bit for bit (the fold is exact; tseng's
     4/3 rides in the row scale), and the saved bytes are the fold's: 1 byte an element plus a
     float32 row scale, against half a byte an element."""
-    t, k, n = 64, 64, 128  # multiples of tseng's 64-element Hadamard: nothing padded
-    saved = _same_numbers_as_base(recipe, "@saved-fp8", (t, k, n), fwd_bwd, lambda lin: lin[0].saved_bytes)
-    # the fold's byte an element for the codes' half byte, and a float32 row scale per row of Xᵀ and of
-    # W along N (K rows each); scales (and tseng's saved sign vectors) the same
-    assert saved[f"{recipe}@saved-fp8"] - saved[recipe] == (k * t + n * k) // 2 + 4 * (k + k)
-
-
-def _same_numbers_as_base(recipe: str, variant: str, shape, fwd_bwd, measure, patterns=None) -> dict:
-    """A bias-free linear [k -> n] converted to ``recipe`` and to ``recipe + variant`` (Triton path, same
-    seed; an AdaHOP recipe with the plan of ``patterns``), one step on the same x [t, k] and dY: asserts
-    y, dX and dW equal bit for bit, and returns ``{name: measure(layer)}`` taken right after each step."""
     from adahop.nn import convert_model, get_controller
     from adahop.patterns import Plan
 
-    t, k, n = shape
+    t, k, n = 64, 64, 128  # multiples of tseng's 64-element Hadamard: nothing padded
     x0, dy = torch.randn(t, k), torch.randn(t, n)
-    out, got = {}, {}
-    for name in (recipe, recipe + variant):
+    out, saved = {}, {}
+    for name in (recipe, f"{recipe}@saved-fp8"):
         torch.manual_seed(0)
         lin = torch.nn.Sequential(torch.nn.Linear(k, n, bias=False))
         convert_model(lin, name, backend="triton")
-        if patterns is not None:
-            get_controller(lin).set_plan(Plan.from_patterns({"0": patterns}))
+        if recipe.startswith("adahop"):  # IHT on both backward GEMMs: both saved operands quantized
+            get_controller(lin).set_plan(Plan.from_patterns({"0": {"x": "N", "w": "N", "dy": "N"}}))
         out[name] = fwd_bwd(lin, lin[0], x0, dy)
-        got[name] = measure(lin)
+        saved[name] = lin[0].saved_bytes
     for what, a, b in zip(("y", "dX", "dW"), *out.values()):
         assert torch.equal(a, b), what
-    return got
-
-
-@interp
-@pytest.mark.parametrize("recipe, passes", [("adahop-lv2", (3, 0)), ("tseng", (3, 2))])  # mxfp4's: the Inductor test
-def test_interp_dual_layout_layer_runs_the_same_numbers_without_the_amax_passes(recipe, passes, fwd_bwd, monkeypatch):
-    """``@dual-layout``: X, W and ∇Y are each read twice for both their layouts, not three times (the
-    transposing quantizer's amax pass is not launched), and y, dX, dW are the base recipe's bit for bit.
-    AdaHOP-Lv2's plan here: fprop and dgrad IHT, wgrad IHT + OE-Right (X's extracted columns are rows of
-    its transposed quantization, whose maximum is 0); tseng (64-element Hadamard, random signs, stochastic
-    rounding) keeps fprop in BF16, so only ∇Y has a first read to find its row maxima in."""
-    from adahop.kernels import _triton_quantize as tq
-
-    launched = []
-    real = tq.launch
-    monkeypatch.setattr(tq, "launch", lambda kernel, *a, **kw: (launched.append(getattr(kernel, "__name__", str(kernel))),
-                                                               real(kernel, *a, **kw)))
-
-    def amax_passes(lin):
-        n = sum("amax" in s for s in launched)
-        launched.clear()
-        return n
-
-    # 64 tokens: two row blocks of the transposed quantizations (one of tseng's)
-    patterns = {"x": "C", "w": "N", "dy": "N"} if recipe.startswith("adahop") else None
-    got = _same_numbers_as_base(recipe, "@dual-layout", (64, 64, 128), fwd_bwd, amax_passes, patterns)
-    assert got == {recipe: passes[0], f"{recipe}@dual-layout": passes[1]}
-
-
-@interp
-def test_interp_inductor_traces_the_dual_layout_read(fwd_bwd):
-    """``mxfp4@dual-layout`` with the layer's GEMMs traced by Inductor (fullgraph, CPU, the interpreter): the
-    column amaxes are an output of the quantizer's triton_op, the generated code launches no amax pass,
-    and y, dX, dW equal eager mode's."""
-    from torch._inductor.utils import run_and_get_code
-
-    from adahop.nn import convert_model
-    from adahop.nn.opaque import set_compiled_layers
-
-    torch.manual_seed(0)
-    lin = torch.nn.Sequential(torch.nn.Linear(64, 96, bias=False))
-    convert_model(lin, "mxfp4@dual-layout", backend="triton")
-    x0, dy = torch.randn(64, 64), torch.randn(64, 96)
-    eager = fwd_bwd(lin, lin[0], x0, dy)
-    prev = set_compiled_layers("traced")
-    try:
-        got, codes = run_and_get_code(lambda fn: fwd_bwd(fn, lin[0], x0, dy), torch.compile(lin, fullgraph=True))
-    finally:
-        set_compiled_layers(prev)
-        torch.compiler.reset()
-    code = "\n".join(codes)
-    assert code.count("_mx_quantize_kernel") >= 6 and "_mx_amax_kernel" not in code
-    for what, a, b in zip(("y", "dX", "dW"), got, eager):
-        assert torch.equal(a, b), what
+    # the fold's byte an element for the codes' half byte, and a float32 row scale per row of Xᵀ and of
+    # W along N (K rows each); scales (and tseng's saved sign vectors) the same
+    assert saved[f"{recipe}@saved-fp8"] - saved[recipe] == (k * t + n * k) // 2 + 4 * (k + k)
 
 
 @interp

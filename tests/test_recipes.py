@@ -548,34 +548,12 @@ def test_saved_fp8_variant_sets_the_saved_form_and_refuses_recipes_without_a_fol
         dataclasses.replace(get_recipe("mxfp4"), saved_operands="fp4")
 
 
-def test_dual_layout_variant_is_for_recipes_that_quantize_an_operand_twice_as_mxfp4():
-    r = get_recipe("mxfp4@dual-layout@saved-fp8")
-    assert r.dual_layout and r.saved_operands == "fp8" and not get_recipe("mxfp4").dual_layout
-    assert all(r.gemm(g) == get_recipe("mxfp4").gemm(g) for g in GEMMS)
-    # the second quantization's Hadamard (IHT-32, tseng's 64 with random signs) is applied by the first read;
-    # AdaHOP's calibrated GEMMs are decided by the plan, layer by layer
-    for name in ("adahop-lv2", "mxfp4-had"):
-        assert get_recipe(f"{name}@dual-layout").dual_layout_operands == ("x", "w", "dy"), name
-    assert get_recipe("tseng@dual-layout").dual_layout_operands == ("dy",)  # its fprop is BF16: X and W read once
-    for name in ("nvfp4@dual-layout", "bf16@dual-layout", "mxfp4@only-fprop@dual-layout"):
-        with pytest.raises(ValueError, match="'dual-layout' needs an operand .X, W or dY. that one GEMM quantizes"):
-            get_recipe(name)
-
-
-def test_saved_fp8_and_dual_layout_refuse_recipes_they_leave_unchanged_in_any_order():
-    """The two variants are checked on the recipe every variant made: a later only-* or msr-none, an
-    Averis mean split or HALO-2's outer transforms leave @dual-layout no operand to read once for both
-    layouts (`nn.function._dual` never pairs a read), and @saved-fp8 no operand with an FP8 fold."""
+def test_saved_fp8_refuses_recipes_it_leaves_unchanged_in_any_order():
+    """@saved-fp8 is checked on the recipe every variant made: a later only-* or msr-none may leave it no
+    operand with an FP8 fold."""
     for name in ("mxfp4@saved-fp8@msr-none", "mxfp4@saved-fp8@only-fprop"):
         with pytest.raises(ValueError, match="'saved-fp8' needs a backward GEMM whose saved operand"):
             get_recipe(name)
-    for name in ("mxfp4@dual-layout@only-fprop", "mxfp4@only-wgrad@dual-layout", "mxfp4@dual-layout@only-dgrad",
-                 "mxfp4@msr-none@dual-layout", "mxfp4@dual-layout@msr-none", "averis-mxfp4@dual-layout", "halo-2@dual-layout"):
-        with pytest.raises(ValueError, match="'dual-layout' needs an operand .X, W or dY. that one GEMM quantizes"):
-            get_recipe(name)
-    assert get_recipe("mxfp4@dual-layout").dual_layout_operands == ("x", "w", "dy")
-    assert "dual-layout reads: x, w, dy" in gemm_table(get_recipe("mxfp4@dual-layout"))
-    assert get_recipe("halo-1@dual-layout").dual_layout_operands == ("dy",)  # its backward B operands take outer transforms
     assert get_recipe("mxfp4@saved-fp8@only-wgrad").saved_operands == "fp8"
 
 

@@ -541,13 +541,20 @@ def test_a_run_of_another_definition_of_its_recipe_is_neither_resumed_nor_reused
     assert len(diff) == 1 and "the mxfp4 recipe's definition changed since the run (scale_rule='ceil' → " \
         "scale_rule='floor'" in diff[0], diff
     assert settings_diff(cfg, run, ("recipe",)) == []  # definition=False: the compile toggle's check
-    # a run of an adahop before Recipe.saved_operands / dual_layout: those fields at their defaults change no number
-    record(now.replace(", saved_operands='mxfp4'", "").replace(", dual_layout=False", ""))
+    # a run of an adahop before Recipe.saved_operands: that field at its default changes no number
+    record(now.replace(", saved_operands='mxfp4'", ""))
     assert settings_diff(cfg, run, ("recipe",), definition=True) == []
-    dual = TrainConfig(recipe="mxfp4@dual-layout", out=str(run))  # a field the run lacks, not at its default: a change
-    (run / "config.json").write_text(json.dumps({"adahop": {"config": dual.to_dict(), "recipe": repr(
-        get_recipe("mxfp4@dual-layout")).replace(", dual_layout=True", "")}}))
-    assert "→ dual_layout=True" in settings_diff(dual, run, ("recipe",), definition=True)[0]
+    fp8 = TrainConfig(recipe="mxfp4@saved-fp8", out=str(run))  # a field the run lacks, not at its default: a change
+    (run / "config.json").write_text(json.dumps({"adahop": {"config": fp8.to_dict(), "recipe": repr(
+        get_recipe("mxfp4@saved-fp8")).replace(", saved_operands='fp8'", "")}}))
+    assert "→ saved_operands='fp8'" in settings_diff(fp8, run, ("recipe",), definition=True)[0]
+    # a run of an adahop that had Recipe.dual_layout (removed): at its default it ran today's numbers; set, it did not
+    assert "dual_layout" not in now
+    record(now[:-1] + ", dual_layout=False)")
+    assert settings_diff(cfg, run, ("recipe",), definition=True) == []
+    record(now[:-1] + ", dual_layout=True)")
+    diff = settings_diff(cfg, run, ("recipe",), definition=True)
+    assert len(diff) == 1 and "the mxfp4 recipe's definition changed since the run (dual_layout=True;" in diff[0], diff
     record(now.replace("scale_rule='floor'", "scale_rule='ceil'"))
     monkeypatch.setattr(cmp, "resolve_data", lambda c: tmp_path)
     monkeypatch.setattr(cmp, "_run_child", lambda argv: pytest.fail("the stale run was reused or retrained"))

@@ -42,8 +42,6 @@ class Prepared:
             BF16 one (``a_rows``: [Kc]; else it rides in ``q`` as its last row).
         signs: the sign vector used by the inner transform (shared by both operands).
         rows: the unpadded outer size (M of A or N of B); Kc: the contracted size after padding.
-        col_amax: with ``prepare(..., col_amax_for=...)``, float32 [unpadded Kc]: the row maxima of
-            quantizing this operand along its other axis (not counted in :attr:`nbytes`: never saved).
     """
 
     side: str
@@ -55,7 +53,6 @@ class Prepared:
     signs: torch.Tensor | None = None
     rows: int = 0
     Kc: int = 0
-    col_amax: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
@@ -152,24 +149,17 @@ def without_quantization(spec: GemmSpec) -> GemmSpec:
 
 
 def _quantize(t: torch.Tensor, axis: int, op: OperandSpec, tr: Transform | None, signs, generator, backend: str,
-              outputs: str = "all", zero_rows: torch.Tensor | None = None, row_amax: torch.Tensor | None = None,
-              col_amax_for: tuple | None = None):
+              outputs: str = "all", zero_rows: torch.Tensor | None = None):
     """Zero the OE rows (``zero_rows`` along the other axis), inner transform along ``axis``, quantize
-    along it. ``outputs`` and ``row_amax`` as in :func:`adahop.kernels.iht_quantize_mxfp4`, and
-    ``col_amax_for`` (MXFP4 only; :func:`prepare`) its ``return_col_amax`` with ``(col_amax_hadamard,
-    col_amax_signs)``; for NVFP4 ``"fp8"`` (the GEMM's operand form) asks for the BF16 values
-    (:func:`adahop.kernels.iht_quantize_nvfp4`)."""
-    if (row_amax is not None or col_amax_for is not None) and op.fmt != "mxfp4":
-        raise ValueError(f"row_amax / col_amax_for are for MXFP4 operands (the dual-layout read), not {op.fmt!r}")
+    along it. ``outputs`` as in :func:`adahop.kernels.iht_quantize_mxfp4`; for NVFP4 ``"fp8"`` (the
+    GEMM's operand form) asks for the BF16 values (:func:`adahop.kernels.iht_quantize_nvfp4`)."""
     if op.fmt == "mxfp4":  # the kernel zeroes the OE rows as it reads: no copy of t
         if outputs == "fp8" and not _kernels().folds_exactly(op.max_scale_range):
             outputs = "all"  # no exact FP8 fold without the range limit: the GEMM multiplies the BF16 dequantized codes
         return _kernels().iht_quantize_mxfp4(
             t, axis=axis, hadamard_block=tr.block_size if tr is not None else None, signs=signs,
             rounding=op.rounding, scale_rule=op.scale_rule, max_scale_range=op.max_scale_range,
-            generator=generator, backend=backend, outputs=outputs, zero_rows=zero_rows, row_amax=row_amax,
-            return_col_amax=col_amax_for is not None, col_amax_hadamard=(col_amax_for or (None, None))[0],
-            col_amax_signs=(col_amax_for or (None, None))[1],
+            generator=generator, backend=backend, outputs=outputs, zero_rows=zero_rows,
         )  # fmt: skip
     if op.fmt == "nvfp4":  # fused likewise: transform, quantize and, for the GEMM at once, its BF16 operand
         return _kernels().iht_quantize_nvfp4(
@@ -196,23 +186,14 @@ def prepare(
     generator: torch.Generator | None = None,
     backend: str = "reference",
     outputs: str = "all",
-    row_amax: torch.Tensor | None = None,
-    col_amax_for: tuple[int | None, torch.Tensor | None] | None = None,
 ) -> Prepared:
     """Prepare operand ``t`` (A ``[M, Kc]`` when ``side="a"``, B ``[Kc, N]`` when ``side="b"``).
 
     ``outputs``: what the fused MXFP4 quantizer writes: ``"fp8"`` for an operand multiplied at once,
     ``"codes"`` for one saved for backward, ``"all"`` (`adahop.kernels.iht_quantize_mxfp4`).
-    ``col_amax_for``: ``(Hadamard block or None, signs or None)`` of a quantization of ``t`` along its
-    other axis that comes next; sets ``Prepared.col_amax``, float32 ``[Kc]`` (unpadded): the largest
-    finite 32-block amax of ``t``, so transformed, along its *outer* axis at each Kc index, found in the
-    quantizer's read. ``row_amax``: that vector, handed to that next quantization (issue 18's dual-layout
-    read; `adahop.kernels.iht_quantize_mxfp4`). Both for MXFP4 operands of a strategy without a mean
-    split or outer transform.
 
     Raises:
-        ValueError: bad side, non-2-D input, an outer transform that does not fit, or ``row_amax`` /
-            ``col_amax_for`` where the operand changes before its quantizer reads it.
+        ValueError: bad side, non-2-D input, or an outer transform that does not fit.
     """
     if side not in ("a", "b"):
         raise ValueError(f"side must be 'a' or 'b', got {side!r}")
@@ -223,13 +204,6 @@ def prepare(
     strategy = spec.strategy
     if strategy == "calibrated":
         raise ValueError("GemmSpec strategy 'calibrated' must be resolved from the plan before the GEMM runs")
-    if row_amax is not None or col_amax_for is not None:
-        why = ("runs in BF16" if strategy == "bf16" else f"has the mean split {spec.mean_split!r}"
-               if spec.mean_split != "none" else f"has an outer transform on operand {side.upper()}"
-               if (spec.outer_a if side == "a" else spec.outer_b) is not None else None)
-        if why is not None:
-            raise ValueError(f"row_amax / col_amax_for: this {strategy} GEMM {why}, so it does not quantize the operand "
-                             "as it is given; prepare without them")
     if strategy == "bf16":
         return Prepared(side=side, hp=t, rows=rows, Kc=kc)
     other_oe = "iht+oe_right" if side == "a" else "iht+oe_left"
@@ -265,12 +239,7 @@ def prepare(
         t = _pad_kc(t, kc_axis, b)  # zero rows/cols along Kc leave A·B unchanged
     prep.Kc = t.shape[kc_axis]
     op = spec.a if side == "a" else spec.b
-    q = _quantize(t, kc_axis, op, tr, signs, generator, backend, outputs, prep.oe_idx, row_amax,
-                  col_amax_for)  # OE rows quantize as 0
-    if col_amax_for is not None:
-        q, col = q
-        prep.col_amax = col[:kc]  # the transform's zero padding along Kc is no row of the other layout
-    prep.q = q
+    prep.q = _quantize(t, kc_axis, op, tr, signs, generator, backend, outputs, prep.oe_idx)  # OE rows quantize as 0
     if spec.mean_split == "inner" and not spec.mean_bf16:  # the mean vector is quantized on its own
         if op.fmt == "nvfp4":  # as one row, through the fused quantizer (the reference's numbers under RNE)
             q = _kernels().iht_quantize_nvfp4(prep.mean.reshape(1, -1), axis=1, rounding=op.rounding,
@@ -375,14 +344,13 @@ def multiply(pa: Prepared, pb: Prepared, spec: GemmSpec, *, out_dtype: torch.dty
 
 
 def prepare_pair(a: torch.Tensor, b: torch.Tensor, spec: GemmSpec, *, generator: torch.Generator | None = None,
-                 backend: str = "reference", seed: torch.Tensor | None = None, salt: int = 0,
-                 col_amax_for: tuple = (None, None)) -> tuple[Prepared, Prepared]:
+                 backend: str = "reference", seed: torch.Tensor | None = None, salt: int = 0) -> tuple[Prepared, Prepared]:
     """``A`` [M, Kc] and ``B`` [Kc, N] prepared for :func:`multiply` (``outputs="fp8"``), sharing one sign
-    draw (:func:`draw_signs`, with ``seed`` and ``salt``); ``col_amax_for``: :func:`prepare`'s argument for A
-    and for B. Source: `DESIGN.md` §2. Raises ValueError as :func:`prepare`."""
+    draw (:func:`draw_signs`, with ``seed`` and ``salt``). Source: `DESIGN.md` §2. Raises ValueError as
+    :func:`prepare`."""
     signs = draw_signs(spec, generator, a.device, seed=seed, salt=salt)
-    return tuple(prepare(t, side, spec, signs=signs, generator=generator, backend=backend, outputs="fp8", col_amax_for=c)
-                 for t, side, c in ((a, "a", col_amax_for[0]), (b, "b", col_amax_for[1])))
+    return (prepare(a, "a", spec, signs=signs, generator=generator, backend=backend, outputs="fp8"),
+            prepare(b, "b", spec, signs=signs, generator=generator, backend=backend, outputs="fp8"))
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, spec: GemmSpec, *, generator: torch.Generator | None = None,

@@ -16,8 +16,6 @@ import dataclasses
 import torch
 
 from ..gemm import draw_signs, multiply, prepare, prepare_pair
-from ..kernels.backend import resolve_backend
-from ..recipes.spec import dual_read
 
 __all__ = ["LowPrecisionLinearFn", "fprop", "forward_body", "backward_body", "flatten", "unflatten"]
 
@@ -45,33 +43,9 @@ def fprop(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, spec, gen
         ValueError: from :func:`adahop.gemm.prepare`, for shapes or options ``spec`` cannot take."""
     if spec is None:
         return torch.nn.functional.linear(x, w, None if bias is None else bias.to(dtype))
-    return _fprop_col_amax(x, w, bias, spec, generator, backend, dtype, seed, sign_salt)[0]
-
-
-def _fprop_col_amax(x, w, bias, spec, generator, backend: str, dtype, seed, sign_salt: int, col_amax_for=(None, None)):
-    """:func:`fprop` (``spec`` not None) that also returns the column amaxes its quantizers of X and W found
-    for their transposed quantizations (``col_amax_for``: :func:`adahop.gemm.prepare_pair`'s, each a
-    :func:`_col_transform` or None): ``(y, col_x [K] or None, col_w [K] or None)``."""
-    pa, pb = prepare_pair(x, w.t(), spec, generator=generator, backend=backend, seed=seed, salt=sign_salt,
-                          col_amax_for=col_amax_for)
+    pa, pb = prepare_pair(x, w.t(), spec, generator=generator, backend=backend, seed=seed, salt=sign_salt)
     y = multiply(pa, pb, spec, out_dtype=dtype, backend=backend)
-    return (y if bias is None else y + bias.to(dtype)), pa.col_amax, pb.col_amax
-
-
-def _dual(layer, first, first_side: str, second, second_side: str, t: torch.Tensor) -> bool:
-    """Whether ``t``'s quantization for ``first`` (along its Kc, on ``first_side``) should hand the row maxima
-    to its quantization for ``second`` along the other axis (`Recipe.dual_layout`): where
-    :func:`~adahop.recipes.spec.dual_read` allows it, on the fast path."""
-    if not layer.recipe.dual_layout or resolve_backend(layer.backend, t.device) != "triton":
-        return False
-    return dual_read(first, first_side, second, second_side)
-
-
-def _col_transform(spec, signs) -> tuple:
-    """``(Hadamard block, signs)`` of ``spec``'s inner transform (``(None, None)`` without one), as the first
-    read of a dual-layout pair applies it: :func:`adahop.gemm.prepare`'s ``col_amax_for``."""
-    tr = spec.transform
-    return (tr.block_size, signs) if tr is not None else (None, None)
+    return y if bias is None else y + bias.to(dtype)
 
 
 class _Slot:
@@ -202,24 +176,20 @@ def forward_body(ctx, x, weight, bias, layer, dtype, seed=None) -> torch.Tensor:
         ctx.specs = specs
         # save X for wgrad (B operand, contract T) and W for dgrad (B operand, contract N)
         wg, dg = specs["wgrad"], specs["dgrad"]
-        fp = specs["fprop"]
         gw, gd = layer.generator("wgrad"), layer.generator("dgrad")
         ctx.gens = (gd, gw)
-        # drawn once here and saved: backward never draws them again (compiled: hashed from seed); before
-        # fprop, whose dual-layout reads apply them (each GEMM has its own generator: the order is free)
+        # drawn once here and saved: backward never draws them again (compiled: hashed from seed); each
+        # GEMM has its own generator, so drawing them before fprop leaves fprop's draws as they were
         signs_w = draw_signs(wg, gw, x.device, seed=seed, salt=salt(layer, "wgrad"))
         signs_d = draw_signs(dg, gd, x.device, seed=seed, salt=salt(layer, "dgrad"))
-        dual_x = _col_transform(wg, signs_w) if not _needs_hp_b(wg) and _dual(layer, fp, "a", wg, "b", x) else None
-        dual_w = _col_transform(dg, signs_d) if not _needs_hp_b(dg) and _dual(layer, fp, "b", dg, "b", x) else None
-        y, col_x, col_w = _fprop_col_amax(x, w, bias, fp, layer.generator("fprop"), layer.backend, dtype, seed,
-                                          salt(layer, "fprop"), (dual_x, dual_w))
+        y = fprop(x, w, bias, specs["fprop"], layer.generator("fprop"), layer.backend, dtype, seed, salt(layer, "fprop"))
         # saved operands hold only the packed MXFP4 (4.25 bits/element; backward unpacks it straight
         # to FP8, `DESIGN.md` §3), or under recipe.saved_operands="fp8" only the fold; the GEMMs' own
         # operands only the FP8 fold
         x_prep = None if _needs_hp_b(wg) else prepare(x, "b", wg, signs=signs_w, generator=gw, backend=layer.backend,
-                                                      outputs=_saved_outputs(layer, wg), row_amax=col_x)
+                                                      outputs=_saved_outputs(layer, wg))
         w_prep = None if _needs_hp_b(dg) else prepare(w, "b", dg, signs=signs_d, generator=gd, backend=layer.backend,
-                                                      outputs=_saved_outputs(layer, dg), row_amax=col_w)
+                                                      outputs=_saved_outputs(layer, dg))
         # every tensor of them goes through save_for_backward, none stays on ctx: saved-tensor hooks
         # must see them all, or torch.utils.checkpoint (non-reentrant) kept them alive from forward
         # to backward as ctx attributes (a checkpointed layer held its whole packed X and W)
@@ -263,12 +233,9 @@ def backward_body(ctx, dy):
     if x_prep is None:
         x_prep = prepare(x, "b", specs["wgrad"], signs=signs_w, generator=gw, backend=be, outputs="fp8")
     # dgrad: ∇X = ∇Y·W
-    dual = _dual(layer, specs["dgrad"], "a", specs["wgrad"], "a", dy)
-    pa = prepare(dy, "a", specs["dgrad"], signs=signs_d, generator=gd, backend=be, outputs="fp8",
-                 col_amax_for=_col_transform(specs["wgrad"], signs_w) if dual else None)
+    pa = prepare(dy, "a", specs["dgrad"], signs=signs_d, generator=gd, backend=be, outputs="fp8")
     dx = multiply(pa, w_prep, specs["dgrad"], out_dtype=dtype, backend=be)
     # wgrad: ∇W = ∇Yᵀ·X
-    pa = prepare(dy.t(), "a", specs["wgrad"], signs=signs_w, generator=gw, backend=be, outputs="fp8",
-                 row_amax=pa.col_amax)
+    pa = prepare(dy.t(), "a", specs["wgrad"], signs=signs_w, generator=gw, backend=be, outputs="fp8")
     dw = multiply(pa, x_prep, specs["wgrad"], out_dtype=torch.float32, backend=be)
     return dx, dw.to(weight.dtype), grad_bias, None, None, None

@@ -25,8 +25,7 @@ def register(recipe: Recipe) -> Recipe:
 
 #: Variants a recipe name may carry after ``@`` (`get_recipe`): the per-GEMM ablation and the
 #: exponent-range arm of issue 19.
-VARIANTS = ("only-fprop", "only-dgrad", "only-wgrad", "msr-none", "foid", "bf16-calib", "mean-bf16", "saved-fp8",
-            "dual-layout")
+VARIANTS = ("only-fprop", "only-dgrad", "only-wgrad", "msr-none", "foid", "bf16-calib", "mean-bf16", "saved-fp8")
 
 
 def get_recipe(name: str) -> Recipe:
@@ -47,10 +46,6 @@ def get_recipe(name: str) -> Recipe:
     - ``saved-fp8``: X and W wait for backward as their FP8 fold, not packed MXFP4
       (`Recipe.saved_operands`): the same numbers, no fold kernel in backward, 8 bits a saved
       element instead of 4.25 (a speed-for-memory choice; issue 18).
-    - ``dual-layout``: each operand's two quantized layouts from two reads, not three
-      (`Recipe.dual_layout`): the same numbers; for recipes where a quantized GEMM reads an
-      operand first as MXFP4 and a backward GEMM then along its other axis
-      (`Recipe.dual_layout_operands`: mxfp4, mxfp4-had, adahop-lv1/lv2; tseng's ∇Y).
     - ``bf16-calib``: a recipe with IHT on every GEMM (``mxfp4-had``) first runs AdaHOP's 30
       exact-BF16 calibration steps, then IHT everywhere (strategy table ``"iht"``); GEMMs an
       ``only-*`` variant made BF16 stay BF16, in either order. It is the
@@ -61,8 +56,7 @@ def get_recipe(name: str) -> Recipe:
         ValueError: unknown preset (lists the known names) or variant, a variant given twice, a variant
             that would change nothing (``foid`` without OE, ``msr-none`` without a limited MXFP4 operand,
             ``only-X`` where X is BF16 in the base or the only GEMM it quantizes, ``saved-fp8`` without a backward
-            GEMM whose saved operand folds to FP8, ``dual-layout`` without an operand two GEMMs quantize as
-            MXFP4 (`Recipe.dual_layout_operands`); both checked after every variant), or
+            GEMM whose saved operand folds to FP8, checked after every variant), or
             ``bf16-calib`` on a recipe that calibrates already or has a GEMM neither IHT nor BF16 (or none IHT).
     """
     base, *variants = name.split("@")
@@ -77,9 +71,8 @@ def get_recipe(name: str) -> Recipe:
         raise ValueError(f"recipe {name!r}: each variant at most once, and one only-GEMM at most")
     for v in variants:
         recipe = _variant(recipe, v)
-    for v in ("saved-fp8", "dual-layout"):  # on the final recipe: a later variant (only-*, msr-none) may leave them nothing
-        if v in variants:
-            _check_effect(recipe, v, name)
+    if "saved-fp8" in variants:  # on the final recipe: a later variant (only-*, msr-none) may leave it nothing
+        _check_saved_fp8(recipe, name)
     return replace(recipe, name=name) if variants else recipe
 
 
@@ -132,26 +125,17 @@ def _variant(recipe: Recipe, variant: str) -> Recipe:
         specs = {g: replace(recipe.gemm(g), strategy="calibrated") for g in GEMMS if recipe.gemm(g).strategy == "iht"}
         return replace(recipe, description=f"{recipe.description} [after BF16 calibration steps, as AdaHOP (30 unless --calib-steps)]",
                        calibration=CalibSpec(table="iht"), **specs)
-    if variant == "saved-fp8":  # what it changes is checked on the final recipe (_check_effect)
+    if variant == "saved-fp8":  # what it changes is checked on the final recipe (_check_saved_fp8)
         return replace(recipe, description=f"{recipe.description} [X and W saved as their FP8 fold]", saved_operands="fp8")
-    if variant == "dual-layout":
-        return replace(recipe, description=f"{recipe.description} [two reads an operand for both layouts]", dual_layout=True)
     raise ValueError(f"unknown recipe variant {variant!r}; allowed after '@': {', '.join(VARIANTS)}")
 
 
-def _check_effect(recipe: Recipe, variant: str, name: str) -> None:
-    """Refuse ``saved-fp8`` / ``dual-layout`` where ``recipe`` (every variant of ``name`` applied) runs as without it."""
-    if variant == "saved-fp8":
-        if not any(recipe.gemm(g).strategy != "bf16" and recipe.gemm(g).b.folds_to_fp8 for g in ("dgrad", "wgrad")):
-            raise ValueError(f"recipe variant 'saved-fp8' needs a backward GEMM whose saved operand (W for dgrad, X for "
-                             f"wgrad) is MXFP4 with an exact FP8 fold; {name!r} has none, so it would run as the base "
-                             f"under another name")
-    elif not recipe.dual_layout_operands:
-        # AdaHOP's tables give every pattern pair a transform or BF16 (patterns.STRATEGY_TABLES): no "none" GEMM
-        raise ValueError(f"recipe variant 'dual-layout' needs an operand (X, W or dY) that one GEMM quantizes to MXFP4 as "
-                         f"given and a backward GEMM then quantizes along its other axis to MXFP4 with the exponent-range "
-                         f"limit (no BF16 GEMM, mean split, outer transform or msr-none), as mxfp4's and adahop-lv2's; "
-                         f"{name!r} has none, so it would run as the base under another name")
+def _check_saved_fp8(recipe: Recipe, name: str) -> None:
+    """Refuse ``saved-fp8`` where ``recipe`` (every variant of ``name`` applied) runs as without it."""
+    if not any(recipe.gemm(g).strategy != "bf16" and recipe.gemm(g).b.folds_to_fp8 for g in ("dgrad", "wgrad")):
+        raise ValueError(f"recipe variant 'saved-fp8' needs a backward GEMM whose saved operand (W for dgrad, X for "
+                         f"wgrad) is MXFP4 with an exact FP8 fold; {name!r} has none, so it would run as the base "
+                         f"under another name")
 
 
 def list_recipes() -> list[str]:

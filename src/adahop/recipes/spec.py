@@ -23,7 +23,7 @@ from ..formats.mxfp4 import folds_exactly
 from ..hadamard import SUPPORTED_SIZES
 
 __all__ = ["OperandSpec", "Transform", "GemmSpec", "CalibSpec", "Recipe", "STRATEGIES", "GEMMS", "DETECTOR_RULES",
-           "ACCUMULATIONS", "OE_SELECTS", "SAVED_FORMS", "SmallGemmRule", "DUAL_READS", "dual_read"]
+           "ACCUMULATIONS", "OE_SELECTS", "SAVED_FORMS", "SmallGemmRule"]
 
 #: The GEMM vocabulary used in fields, logs, plans and tables.
 GEMMS = ("fprop", "dgrad", "wgrad")
@@ -50,9 +50,6 @@ OE_SELECTS = ("exact", "foid")
 #: E8M0 scales (4.25 bits per element), folded to FP8 by a kernel in backward; ``"fp8"`` their FP8 E4M3
 #: fold and row scales (8 bits per element), written by the forward quantizer: no fold kernel in backward.
 SAVED_FORMS = ("mxfp4", "fp8")
-#: The operands :attr:`Recipe.dual_layout` may quantize from two reads: each GEMM (and side) that
-#: quantizes it along its Kc first, then the one that quantizes it along the other axis.
-DUAL_READS = {"x": ("fprop", "a", "wgrad", "b"), "w": ("fprop", "b", "dgrad", "b"), "dy": ("dgrad", "a", "wgrad", "a")}
 _FORMATS = ("mxfp4", "nvfp4", "none")
 _ROUNDINGS = ("nearest", "stochastic")
 _SIGNS = ("none", "fixed", "per_call")
@@ -319,14 +316,6 @@ class Recipe:
     saved element instead of 4.25. Only MXFP4 operands with an exact FP8 fold
     (``max_scale_range`` ≤ 8), on the fast path, change; the numbers are the same either way
     (the fold is exact). The ``@saved-fp8`` variant of a preset sets it."""
-    dual_layout: bool = False
-    """Quantize an operand's two layouts (X along K and T, W along K and N, ∇Y along N and T) from
-    two reads instead of three: the K-contiguous quantization also finds the row maxima of the
-    transposed one, which then skips its amax pass (issue 18; `adahop.kernels.iht_quantize_mxfp4`'s
-    ``return_col_amax``; the first read applies the second quantization's Hadamard across its rows).
-    Where both quantizations are MXFP4 of the operand as given (:func:`dual_read`), on the fast path.
-    The same numbers either way; off until timed on a GPU (``experiments/gpu_call.sh r31k``). The
-    ``@dual-layout`` variant sets it."""
 
     def __post_init__(self) -> None:
         for g in GEMMS:
@@ -344,7 +333,6 @@ class Recipe:
             self.bf16_small_gemms.validate(f"recipe {self.name!r} bf16_small_gemms")
         _check(self.saved_operands in SAVED_FORMS, f"recipe {self.name!r}",
                f"saved_operands={self.saved_operands!r}; allowed {SAVED_FORMS}")
-        _check(isinstance(self.dual_layout, bool), f"recipe {self.name!r}", f"dual_layout={self.dual_layout!r} must be a bool")
 
     def gemm(self, name: str) -> GemmSpec:
         """The spec of GEMM ``name`` (fprop, dgrad or wgrad)."""
@@ -402,23 +390,3 @@ class Recipe:
     def draws_random_bits(self) -> bool:
         """True when any GEMM draws random bits (stochastic rounding or per-call random signs)."""
         return any(getattr(self, g).draws_random_bits for g in GEMMS)
-
-    @property
-    def dual_layout_operands(self) -> tuple[str, ...]:
-        """The operands of :data:`DUAL_READS` whose two quantizations :attr:`dual_layout` pairs under these
-        specs (:func:`dual_read`; at run time also only on the fast path and where no GEMM became BF16)."""
-        return tuple(o for o, (g1, s1, g2, s2) in DUAL_READS.items() if dual_read(self.gemm(g1), s1, self.gemm(g2), s2))
-
-
-def dual_read(first: GemmSpec, first_side: str, second: GemmSpec, second_side: str) -> bool:
-    """Whether an operand's quantization for ``first`` (along its Kc, on ``first_side``) can hand its row
-    maxima to its quantization for ``second`` along the other axis (:attr:`Recipe.dual_layout`): both MXFP4
-    as given (no BF16, mean split or outer transform), ``second`` with a row exponent range and an inner
-    transform of at most 256 elements (or none) that the first read can apply across its rows. A
-    ``calibrated`` GEMM counts as possible: its plan decides, layer by layer."""
-    ops = ((first, first_side), (second, second_side))
-    plain = all(s.strategy != "bf16" and s.mean_split == "none" and (s.a if side == "a" else s.b).fmt == "mxfp4"
-                and (s.outer_a if side == "a" else s.outer_b) is None for s, side in ops)
-    tr = second.transform
-    return plain and (tr is None or 0 < tr.block_size <= 256) and \
-        (second.a if second_side == "a" else second.b).max_scale_range is not None

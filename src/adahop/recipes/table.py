@@ -87,7 +87,7 @@ def gemm_table(recipe: Recipe) -> str:
         Columns: GEMM, strategy, operand (A/B with its shape), format, rounding (RNE/SR),
         scale rule, the inner transform along the contracted dim Kc, an outer transform (undone
         on the output), the mean split. Empty columns (every row "-") are dropped, and a last
-        line gives the BF16 blocks, the saved form, the dual-layout reads and the calibration when the recipe has them.
+        line gives the BF16 blocks, the saved form and the calibration when the recipe has them.
     """
     strategy_table = recipe.calibration.table if recipe.calibration is not None else None
     rows = [row for g in GEMMS for row in _rows(g, recipe.gemm(g), strategy_table)]
@@ -101,9 +101,6 @@ def gemm_table(recipe: Recipe) -> str:
         notes.append(f"BF16 blocks: first {recipe.bf16_first_layers}, last {recipe.bf16_last_layers}")
     if recipe.saved_operands == "fp8":
         notes.append("saved for backward: X and W as their FP8 fold (8 bits/element; no fold kernel in backward)")
-    if recipe.dual_layout:
-        notes.append(f"dual-layout reads: {', '.join(recipe.dual_layout_operands) or 'none'} (two reads an operand for "
-                     "both layouts, on the fast path)")
     if recipe.calibration is not None:
         c = recipe.calibration
         gates = "".join(f", {k} {getattr(c, k)}" for k in ("floor", "min_peak") if getattr(c, k) is not None)

@@ -78,7 +78,7 @@ def settings_diff(cfg: TrainConfig, run: Path, keys, definition: bool = False) -
         diff.append(f"--{k.replace('_', '-')} {saved[k]!r} → {now.get(k)!r}")
     if definition and section.get("recipe") and saved.get("recipe") == cfg.recipe:
         old, new = (_DESCRIPTION.sub("", r) for r in (section["recipe"], repr(_configured_recipe(cfg))))
-        new = _without_added_defaults(old, new)
+        old, new = _without_added_defaults(old, new)
         if old != new:  # the description's words change no number
             diff.append(f"the {cfg.recipe} recipe's definition changed since the run ({_repr_changes(old, new)}; "
                         f"an adahop of another version?)")
@@ -88,14 +88,23 @@ def settings_diff(cfg: TrainConfig, run: Path, keys, definition: bool = False) -
 _DESCRIPTION = re.compile(r"description=(?:'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"), ")
 
 
-def _without_added_defaults(old: str, new: str) -> str:
-    """``new`` (a :class:`~adahop.recipes.Recipe` repr) without the ``, field=default`` items of the Recipe fields
-    ``old`` does not name: a field added by a later adahop (``saved_operands``, ``dual_layout``) at its default
-    runs the numbers the run's adahop ran, so an earlier run stays resumable and reusable."""
+#: Recipe fields an earlier adahop had, at the value that ran the numbers today's Recipe runs without them
+#: (``dual_layout``: the @dual-layout read, removed when it timed slower than the separate calls on an H100).
+_REMOVED_FIELDS = {"dual_layout": False}
+
+
+def _without_added_defaults(old: str, new: str) -> tuple[str, str]:
+    """The run's recorded :class:`~adahop.recipes.Recipe` repr ``old`` and today's ``new``, each without the
+    ``, field=default`` items of a field the other adahop lacks: one added since the run (``saved_operands``),
+    absent from ``old``, or one removed since (:data:`_REMOVED_FIELDS`), absent from ``new``. At its default
+    such a field runs the numbers the other adahop runs, so an earlier run stays resumable and reusable; a
+    removed field at another value stays in ``old`` (a change)."""
     for f in dataclasses.fields(Recipe):
         if f.default is not dataclasses.MISSING and f"{f.name}=" not in old:
             new = new.replace(f", {f.name}={f.default!r}", "")
-    return new
+    for name, default in _REMOVED_FIELDS.items():
+        old = old.replace(f", {name}={default!r}", "")
+    return old, new
 
 
 def _repr_changes(old: str, new: str, most: int = 3) -> str:
