@@ -138,9 +138,8 @@
 #      --bf16-small-gemms (bf16, mxfp4, adahop-lv2, auto)
 #   r30s (issue 18, one GPU, round 29's leftovers): Llama-3.2-1B 4096 x 4, mode auto, in one process: bf16, adahop-lv2,
 #      torchao float8 rowwise and tensorwise (round 29 ran only bf16 and rowwise before its limit); needs .whl carried
-#   r31k (issue 18, one GPU): validate_kernels --only fold,outputs (@saved-fp8 and @dual-layout layers == their base,
-#      eager and CUDA-graphed; the dual-layout read's bytes), then bench_kernels --sections ceil,dual at llama-125m and
-#      llama-350m
+#   r31k (issue 18, one GPU): validate_kernels --only fold,outputs (@saved-fp8 layers == their base, eager and
+#      CUDA-graphed; the quantizer's outputs into poisoned buffers)
 #   r31s (issue 18, one GPU): M31 (default llama-125m; then llama-350m) at 1024 x 16, mode auto, in one process: bf16,
 #      mxfp4, its @saved-fp8, adahop-lv2, its @saved-fp8 (R31_RECIPES overrides)
 #   r21a (issue 18, one GPU): where the 8B-shaped model's first compile goes (round 20: mxfp4's did not finish in ~260 s;
@@ -504,15 +503,10 @@ if [ "$STAGE" = r30s ]; then  # issue 18: Lv2 and both torchao float8 rows besid
   echo "1b lv2 + torchao: exit $? at $(el) s"; grep -E "^llama" $OUT/bench_1b_ao.log | cut -c1-200
   echo "stage $STAGE done at $(el) s"; exit 0
 fi
-if [ "$STAGE" = r31k ]; then  # issue 18: validation of @saved-fp8 and the dual-layout read, then its timings
+if [ "$STAGE" = r31k ]; then  # issue 18: validation of @saved-fp8 and the quantizer's outputs
   export CUDA_VISIBLE_DEVICES=0
   timeout 200 python3 scripts/validate_kernels.py --only fold,outputs --log $OUT/validate_r31.json > $OUT/validate_r31.log 2>&1
   tail -1 $OUT/validate_r31.log; grep -E "^FAIL" $OUT/validate_r31.log | head; echo "validate done at $(el) s"
-  for M in llama-125m llama-350m; do
-    timeout $(( (${LIM:-575} - $(el)) / 2 )) python3 scripts/bench_kernels.py --sections ceil,dual --model $M --out $OUT \
-      > $OUT/dual_$M.log 2>&1; echo "dual $M: exit $? at $(el) s"; mv $OUT/bench.json $OUT/dual_$M.json 2>/dev/null
-    grep -E " (X|W|dY) " $OUT/dual_$M.log | cut -c1-120
-  done
   echo "stage $STAGE done at $(el) s"; exit 0
 fi
 if [ "$STAGE" = r31s ]; then  # issue 18: @saved-fp8 beside its base and BF16, one process (M31: the model)

@@ -16,9 +16,6 @@ Sections (medians of ``triton.testing.do_bench``, random inputs, never zeros):
 5. roles (``--sections roles --model M``, not in the default list): every quantizer and fold call of one
    converted layer's training step at model ``M``'s linear shapes and 16384 tokens, default tiles against
    variants, replayed from a CUDA graph (`docs/benchmarks_history.md`, round 29).
-6. dual (``--sections dual --model M``, not in the default list): both layouts of each operand (X, W, ∇Y) as
-   separate calls against the dual-layout read (the K-contiguous call writes the transposing call's row
-   maximum), plain MXFP4 and IHT-32, replayed from a CUDA graph.
 
 Usage: ``python scripts/bench_kernels.py [--out DIR] [--quick] [--sections ...] [--model M]``. Prints tables; writes JSON.
 """
@@ -265,66 +262,6 @@ def roles_section(res, copy_bw, model, quick):
         print(f"{lname:14s} {role:12s} {hb:>3d} default {d:8.1f}  best {b:8.1f} ({d / b:4.2f}x)  {p}")
 
 
-def _dual_plans(kp: int) -> dict:
-    """Tiles of the K-contiguous call that writes the column amaxes: the default (None) and variants
-    (32 rows a program: one row block of the transposed quantization)."""
-    plans = {"default": None}
-    for br, bk in ((32, 256), (32, 1024), (64, 256), (64, 512)):
-        if bk < kp * 2 and kp % min(bk, kp) == 0:
-            plans[f"rows {br}x{bk}x{-(-kp // bk)} w{min(16, br * bk // 1024)}"] = _rows(br, bk, min(16, br * bk // 1024),
-                                                                                       -(-kp // bk))
-    return plans
-
-
-def dual_section(res, copy_bw, model, quick):
-    """Issue 18's dual-layout quantization against today's calls, at ``model``'s linear shapes and 16384
-    tokens, plain MXFP4 (no transform) and AdaHOP's IHT-32 on both layouts, each pair replayed from a CUDA
-    graph: "separate" is the K-contiguous call plus the transposing one (its amax pass and its quantize
-    pass: three reads of the operand); "dual" zeroes a column-amax vector, runs the K-contiguous call that
-    also writes it (applying the transposing call's Hadamard across its rows), then the transposing call
-    that reads it as its row maximum (two reads). Both layouts' bytes are checked equal to the separate
-    calls' (WRONG RESULT otherwise)."""
-    from adahop.bench.harness import LINEAR_SHAPES
-
-    t = ROLE_TOKENS if DEV == "cuda" else 64
-    shapes = LINEAR_SHAPES[model] if DEV == "cuda" else [("a", 64, 96), ("b", 96, 64)]
-    rows_out = []
-    for lname, k, n in shapes:
-        x, w, dy = rnd(t, k), rnd(n, k), rnd(t, n)
-        # (operand, tensor, K-contiguous call's (codes, fp8), transposing call's (codes, fp8)) as the layer writes them
-        for name, src, first, second in (("X", x, (False, True), (True, False)), ("W", w, (False, True), (True, False)),
-                                         ("dY", dy, (False, True), (False, True))):
-            kc = src.shape[1]
-            for hb in (0, 32):
-                def separate(hb=hb):
-                    return (tq.mx_quantize(src, 1, hb, None, False, "floor", 8, None, *first)
-                            + tq.mx_quantize(src, 0, hb, None, False, "floor", 8, None, *second))
-
-                want = separate()
-                us_sep = bench_graph(separate) * 1e6
-                rows_out.append(dict(layer=lname, operand=name, hb=hb, how="separate", plan="default", us=us_sep,
-                                     vs_separate=1.0))
-                for pname, plan in (_dual_plans(-(-kc // 32) * 32) if not quick and not hb else {"default": None}).items():
-                    def dual(plan=plan, hb=hb):
-                        col = torch.zeros(kc, dtype=torch.float32, device=src.device)
-                        a = tq.mx_quantize(src, 1, hb, None, False, "floor", 8, None, *first, plan=plan, colamax=col,
-                                           colamax_hadamard=hb)
-                        return a + tq.mx_quantize(src, 0, hb, None, False, "floor", 8, None, *second, row_amax=col)
-
-                    ok = _same(dual(), want)
-                    us = bench_graph(dual) * 1e6
-                    rows_out.append(dict(layer=lname, operand=name, hb=hb, how="dual",
-                                         plan=pname + ("" if ok else " WRONG RESULT"), us=us, vs_separate=us_sep / us))
-        del x, w, dy
-    res["dual"] = dict(model=model, tokens=t, rows=rows_out)
-    print(f"\n## both layouts of each operand, {model}, {t} tokens, hb 0 (plain MXFP4) / 32 (IHT both sides): "
-          "separate calls vs the dual read (us)")
-    print(f"{'layer':14s} {'operand':7s} {'hb':>3s} {'how':9s} {'plan':24s} {'us':>8s} {'speedup':>7s}")
-    for r in rows_out:
-        print(f"{r['layer']:14s} {r['operand']:7s} {r['hb']:>3d} {r['how']:9s} {r['plan']:24s} {r['us']:8.1f} "
-              f"{r['vs_separate']:7.2f}")
-
-
 def gemm_shapes():
     for lname, (k, n) in LINEARS.items():
         yield lname, "fprop", (T, k, n)  # Y[T,N] = X[T,K] · Wᵀ
@@ -473,10 +410,10 @@ def main():
     ap.add_argument("--out", default=None, help="directory for bench.json")
     ap.add_argument("--quick", action="store_true", help="fewer variants")
     ap.add_argument("--sections", default="ceil,quant,gemm,pipe,over",
-                    help="comma-separated of ceil, quant, roles, dual, gemm, pipe, over (default: %(default)s)")
+                    help="comma-separated of ceil, quant, roles, gemm, pipe, over (default: %(default)s)")
     ap.add_argument("--dry", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1): checks the script")
     ap.add_argument("--model", default="llama-350m",
-                    help="sections roles, dual: the model whose linear shapes they time (adahop.bench.LINEAR_SHAPES)")
+                    help="section roles: the model whose linear shapes it times (adahop.bench.LINEAR_SHAPES)")
     args = ap.parse_args()
     if args.dry:
         global DEV, T, LINEARS
@@ -493,8 +430,6 @@ def main():
         quantize_section(res, res["copy_TBps"], args.quick)
     if "roles" in secs:
         roles_section(res, res["copy_TBps"], args.model, args.quick)
-    if "dual" in secs:
-        dual_section(res, res["copy_TBps"], args.model, args.quick)
     if "gemm" in secs:
         gemm_section(res)
     if "pipe" in secs:

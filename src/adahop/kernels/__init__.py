@@ -38,8 +38,6 @@ from .nvfp4_matmul import (
     nvfp4_matmul_reference,
 )
 from .quantize_mxfp4 import (
-    col_amax_reference,
-    finite_block_amax_max,
     hadamard_butterfly,
     iht_quantize_mxfp4,
     iht_quantize_mxfp4_reference,
@@ -56,8 +54,6 @@ __all__ = [
     "fold_to_fp8",
     "fold_to_fp8_reference",
     "fold_to_fp8_triton",
-    "col_amax_reference",
-    "finite_block_amax_max",
     "folds_exactly",
     "hadamard_butterfly",
     "iht_quantize_mxfp4",

@@ -143,15 +143,6 @@ def _load_blocks(x_ptr, stride_r, stride_k, r, k0, rows, kc, signs_ptr, keep_ptr
     ZERO_ROWS: rows whose ``keep`` byte is 0 read as zeros (OE's extracted rows; a where, not a
     multiply, so a NaN there is dropped as ``index_fill`` drops it).
     """
-    v, rr = _load_tile(x_ptr, stride_r, stride_k, r, k0, rows, kc, BR, BK, LAYOUT, VEC, MASK_R, MASK_K, INT64)
-    return _to_blocks(v, rr, rows, signs_ptr, keep_ptr, BR, BK, LAYOUT, HB, LOG_HB, HSCALE, HAS_SIGNS, ZERO_ROWS)
-
-
-@triton.jit
-def _load_tile(x_ptr, stride_r, stride_k, r, k0, rows, kc,
-               BR: tl.constexpr, BK: tl.constexpr, LAYOUT: tl.constexpr, VEC: tl.constexpr,
-               MASK_R: tl.constexpr, MASK_K: tl.constexpr, INT64: tl.constexpr):
-    """The raw tile of :func:`_load_blocks` in fp32, in its LAYOUT's index shape, and its row indices."""
     NB: tl.constexpr = BK // 32
     if LAYOUT == 0:
         rr = r[:, None, None, None]
@@ -168,15 +159,7 @@ def _load_tile(x_ptr, stride_r, stride_k, r, k0, rows, kc,
         v = tl.load(x_ptr + offs, mask=(rr < rows) & (k < kc), other=0.0)
     else:
         v = tl.load(x_ptr + offs)
-    return v.to(tl.float32), rr
-
-
-@triton.jit
-def _to_blocks(v, rr, rows, signs_ptr, keep_ptr, BR: tl.constexpr, BK: tl.constexpr, LAYOUT: tl.constexpr,
-               HB: tl.constexpr, LOG_HB: tl.constexpr, HSCALE: tl.constexpr, HAS_SIGNS: tl.constexpr,
-               ZERO_ROWS: tl.constexpr):
-    """OE's zeroed rows, ``H_b`` and the 32-block amaxes of a :func:`_load_tile` tile (:func:`_load_blocks`)."""
-    NB: tl.constexpr = BK // 32
+    v = v.to(tl.float32)
     if ZERO_ROWS:
         keep = tl.load(keep_ptr + rr, mask=rr < rows, other=1)
         v = tl.where(keep != 0, v, 0.0)
@@ -192,33 +175,6 @@ def _to_blocks(v, rr, rows, signs_ptr, keep_ptr, BR: tl.constexpr, BK: tl.conste
     amax = tl.reduce(tl.abs(v), 2, _max_propagate_nan)  # NaN if the block holds one, Inf if an Inf
     bad = (amax != amax) | (amax == float("inf"))
     return v, tl.where(bad, 0.0, amax), bad
-
-
-@triton.jit
-def _store_col_amax(v, colamax_ptr, k0, kc, signs_t_ptr, BR: tl.constexpr, BK: tl.constexpr, HB_T: tl.constexpr,
-                    LOG_HB_T: tl.constexpr, HSCALE_T: tl.constexpr, HAS_SIGNS_T: tl.constexpr):
-    """Max into ``colamax[k]`` of each column's finite 32-row-block amaxes in a raw LAYOUT-0 tile ``v``
-    (rows ``r0 … r0+BR``, ``r0`` and ``BR`` multiples of 32 and of ``HB_T``): the row maximum that quantizing
-    the tile's transpose (blocks along the rows) starts from. ``HB_T`` > 1: the blocks of ``HB_T`` rows are
-    first transformed as that quantization transforms them (signs, then :func:`_fwht` in the same add/sub
-    order, so the amaxes are its own bit for bit), on the tile transposed through shared memory. Amaxes
-    are >= 0, so the atomic max of the programs' partial maxima is exact and independent of their order."""
-    if HB_T > 1:
-        vt = tl.reshape(tl.trans(tl.reshape(v, [BR, BK])), [BK * BR // HB_T, HB_T])  # a column's row blocks
-        if HAS_SIGNS_T:
-            vt = vt * tl.load(signs_t_ptr + tl.arange(0, HB_T))[None, :]
-        vt = _fwht(vt, BK * BR // HB_T, HB_T, LOG_HB_T) * HSCALE_T
-        a = tl.reshape(tl.abs(vt), [BK, BR // 32, 32])  # [column, row block, row in block]
-        amax = tl.reduce(a, 2, _max_propagate_nan)
-        bad = (amax != amax) | (amax == float("inf"))
-        cm = tl.max(tl.where(bad, 0.0, amax), axis=1)
-    else:
-        a = tl.reshape(tl.abs(v), [BR // 32, 32, BK])  # [row block, row in block, column]
-        amax = tl.reduce(a, 1, _max_propagate_nan)  # NaN / Inf: a block the transposed quantizer marks bad
-        bad = (amax != amax) | (amax == float("inf"))
-        cm = tl.max(tl.where(bad, 0.0, amax), axis=0)
-    k = k0 + tl.arange(0, BK)
-    tl.atomic_max(colamax_ptr + k, cm, mask=k < kc)
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -242,24 +198,17 @@ def _mx_amax_kernel(x_ptr, stride_r, stride_k, rows, kc, pamax_ptr, n_kt, signs_
 @triton.jit
 def _mx_quantize_kernel(x_ptr, stride_r, stride_k, rows, kc, kp,
                         codes_ptr, scales_ptr, fp8_ptr, rscale_ptr, pamax_ptr, n_kt, signs_ptr, seed_ptr, keep_ptr,
-                        colamax_ptr, signs_t_ptr,
                         BR: tl.constexpr, BK: tl.constexpr, NCHUNK: tl.constexpr,
                         LAYOUT: tl.constexpr, VEC: tl.constexpr, MASK_R: tl.constexpr, MASK_K: tl.constexpr,
                         INT64: tl.constexpr,
                         HB: tl.constexpr, LOG_HB: tl.constexpr, HSCALE: tl.constexpr, HAS_SIGNS: tl.constexpr,
                         RULE: tl.constexpr, STOCHASTIC: tl.constexpr, MSR: tl.constexpr, ROW_SRC: tl.constexpr,
                         WRITE_CODES: tl.constexpr, WRITE_FP8: tl.constexpr, ELEM_SCALE: tl.constexpr,
-                        ZERO_ROWS: tl.constexpr, COL_AMAX: tl.constexpr = False, HB_T: tl.constexpr = 0,
-                        LOG_HB_T: tl.constexpr = 0, HSCALE_T: tl.constexpr = 1.0, HAS_SIGNS_T: tl.constexpr = False):
+                        ZERO_ROWS: tl.constexpr):
     """Quantize rows ``X'[r]`` over ``NCHUNK`` K-tiles of BK to packed E2M1 codes, E8M0 scales and FP8.
 
     ROW_SRC: 0 no row maximum; 1 from this program's own tiles (it owns whole rows: one tile, or a
-    first loop over its tiles whose re-read hits L2); 2 from pass 1's per-tile amaxes (``n_kt`` 1: a
-    row maximum handed in, e.g. the ``colamax`` of quantizing the other axis).
-    COL_AMAX (LAYOUT 0, ``BR`` a multiple of 32 and ``HB_T``): also max each column's finite 32-row-block
-    amax of the raw tile, transformed by ``H_{HB_T}`` along the rows (signs ``signs_t``) when ``HB_T`` > 1,
-    into ``colamax`` (:func:`_store_col_amax`): the row maximum of quantizing ``X'ᵀ`` with that transform,
-    from this read (issue 18's dual-layout quantization: the transposing quantizer then skips its amax pass).
+    first loop over its tiles whose re-read hits L2); 2 from pass 1's per-tile amaxes.
     WRITE_CODES / WRITE_FP8: which of the two forms to store (E8M0 scales are always stored): an
     operand the GEMM consumes at once needs only the FP8 fold, one saved for backward only codes.
     """
@@ -277,25 +226,15 @@ def _mx_quantize_kernel(x_ptr, stride_r, stride_k, rows, kc, kp,
             pa = tl.load(pamax_ptr + r[:, None] * n_kt + t[None, :], mask=rmask[:, None] & (t < n_kt)[None, :], other=0.0)
             pa_max = tl.maximum(pa_max, pa)
         row_amax = tl.max(pa_max, axis=1)  # amaxes are >= 0 and masked lanes 0: the max of maxes is exact
-    FIRST_LOOP: tl.constexpr = ROW_SRC == 1 and NCHUNK > 1
-    if COL_AMAX:
-        tl.static_assert(LAYOUT == 0 and BR % 32 == 0 and (HB_T <= 1 or BR % HB_T == 0),
-                         "COL_AMAX takes K-contiguous tiles of whole 32-row blocks and Hadamard blocks")
-    if FIRST_LOOP:
+    if ROW_SRC == 1 and NCHUNK > 1:
         for c in range(NCHUNK):
-            v, rr = _load_tile(x_ptr, stride_r, stride_k, r, c * BK, rows, kc, BR, BK, LAYOUT, VEC, MASK_R, MASK_K, INT64)
-            if COL_AMAX:  # in the read that finds the row maximum: the second loop's re-read hits L2
-                _store_col_amax(v, colamax_ptr, c * BK, kc, signs_t_ptr, BR, BK, HB_T, LOG_HB_T, HSCALE_T, HAS_SIGNS_T)
-            _, amax, _ = _to_blocks(v, rr, rows, signs_ptr, keep_ptr, BR, BK, LAYOUT, HB, LOG_HB, HSCALE, HAS_SIGNS,
-                                    ZERO_ROWS)
+            _, amax, _ = _load_blocks(x_ptr, stride_r, stride_k, r, c * BK, rows, kc, signs_ptr, keep_ptr, BR, BK, LAYOUT,
+                                      VEC, MASK_R, MASK_K, INT64, HB, LOG_HB, HSCALE, HAS_SIGNS, ZERO_ROWS)
             row_amax = tl.maximum(row_amax, tl.max(amax, axis=1))
     for c in range(NCHUNK):
         k0 = (pid_k * NCHUNK + c) * BK
-        v, rr = _load_tile(x_ptr, stride_r, stride_k, r, k0, rows, kc, BR, BK, LAYOUT, VEC, MASK_R, MASK_K, INT64)
-        if COL_AMAX and not FIRST_LOOP:
-            _store_col_amax(v, colamax_ptr, k0, kc, signs_t_ptr, BR, BK, HB_T, LOG_HB_T, HSCALE_T, HAS_SIGNS_T)
-        vb, amax, bad = _to_blocks(v, rr, rows, signs_ptr, keep_ptr, BR, BK, LAYOUT, HB, LOG_HB, HSCALE, HAS_SIGNS,
-                                   ZERO_ROWS)
+        vb, amax, bad = _load_blocks(x_ptr, stride_r, stride_k, r, k0, rows, kc, signs_ptr, keep_ptr, BR, BK, LAYOUT,
+                                     VEC, MASK_R, MASK_K, INT64, HB, LOG_HB, HSCALE, HAS_SIGNS, ZERO_ROWS)
         if ROW_SRC == 1 and NCHUNK == 1:
             row_amax = tl.max(amax, axis=1)
         e = _block_exp(amax, RULE)  # [BR, NB]
@@ -363,13 +302,8 @@ def _f32(v: float) -> float:
     return float(np.float32(v))
 
 
-def _k_contiguous(stride_r: int, stride_k: int) -> bool:
-    """Whether the quantizer reads rows along K (its "rows" mode, LAYOUT 0): K contiguous, or neither dim."""
-    return stride_k == 1 or stride_r != 1
-
-
 def default_plan(rows: int, kp: int, stride_r: int, stride_k: int, elem_size: int, hb: int = 0,
-                 row_max: bool = True, stochastic: bool = False, col_amax: bool = False, hb_t: int = 0) -> dict:
+                 row_max: bool = True, stochastic: bool = False) -> dict:
     """Tiles, warps and passes for one problem (H200 timings in `docs/kernels_notes.md`).
 
     - K contiguous (or neither dim contiguous): programs own whole rows, one 32-block per thread;
@@ -383,19 +317,8 @@ def default_plan(rows: int, kp: int, stride_r: int, stride_k: int, elem_size: in
       maximum needs all of K) over tiles of ``32·VEC`` rows × 128 K, one block per warp. (Round 4's sweep:
       64 × 256 with 8 warps is faster when codes and FP8 are both written, not when only the
       one form an operand needs is: `docs/kernels_notes.md` §8.)
-    - ``col_amax`` (K contiguous, the dual-layout read): programs own 32 rows (one row block of the
-      transposed quantization; ``hb_t`` rows for its Hadamard blocks above 32) over tiles of up to
-      512 · 32 / rows, one 32-block per thread; not yet timed on a GPU.
     """
-    k_contiguous = _k_contiguous(stride_r, stride_k)
-    if col_amax and k_contiguous:  # (read transposed, the plan below has no whole row blocks: _launch_config refuses)
-        br = max(32, hb_t)
-        bk = 512 * 32 // br
-        while kp % bk and bk > 32:
-            bk //= 2
-        return dict(mode="rows", BR=br, BK=bk, NCHUNK=-(-kp // bk), LAYOUT=0, VEC=16 // elem_size,
-                    num_warps=max(1, min(16, br * bk // 1024)))
-    if k_contiguous:
+    if stride_k == 1 or stride_r != 1:
         vec = 16 // elem_size
         if kp <= 8192:
             bk = triton.next_power_of_2(kp)
@@ -416,43 +339,32 @@ def default_plan(rows: int, kp: int, stride_r: int, stride_k: int, elem_size: in
 
 @functools.lru_cache(maxsize=1024)
 def _launch_config(rows, kc, stride_r, stride_k, elem_size, hb, has_signs, stochastic, scale_rule, msr, plan_items,
-                   write_codes=True, want_fp8=True, zero_rows=False, col_amax=False, row_amax_given=False,
-                   hb_t=0, has_signs_t=False):
+                   write_codes=True, want_fp8=True, zero_rows=False):
     """Everything about a launch that follows from shapes and options (cached: host time matters)."""
     kp = -(-kc // 32) * 32
-    p = dict(plan_items) if plan_items else default_plan(rows, kp, stride_r, stride_k, elem_size, hb, msr >= 0, stochastic,
-                                                         col_amax, hb_t)
+    p = dict(plan_items) if plan_items else default_plan(rows, kp, stride_r, stride_k, elem_size, hb, msr >= 0, stochastic)
     row_max, write_fp8 = msr >= 0, want_fp8 and folds_exactly(msr)
     br, bk = p["BR"], max(p["BK"], hb, 32)
-    if col_amax and (p["mode"] != "rows" or br % 32 or br % max(hb_t, 1)):
-        raise ValueError(f"col_amax needs K-contiguous tiles of whole 32-row blocks and {hb_t}-row Hadamard blocks; "
-                         f"plan {p} has none (an x read transposed: quantize its other axis with colamax instead)")
     if p["mode"] == "rows":
         nchunk = p["NCHUNK"] if bk == p["BK"] else -(-kp // bk)
         n_kt, row_src = 1, (1 if row_max else 0)
     else:
         nchunk, n_kt = 1, triton.cdiv(kp, bk)
         row_src = 2 if row_max else 0
-    if row_max and row_amax_given:  # handed in: no pass 1, no first loop (the kernel reads it as one tile's amax)
-        row_src = 2
     common = dict(BR=br, BK=bk, LAYOUT=p["LAYOUT"], VEC=p["VEC"], MASK_R=rows % br != 0,
                   MASK_K=kc % (bk * nchunk) != 0 or kc != kp, INT64=False,
                   HB=hb, LOG_HB=int(math.log2(hb)) if hb else 0, HSCALE=_f32(1 / math.sqrt(hb)) if hb else 1.0,
                   HAS_SIGNS=has_signs, ZERO_ROWS=zero_rows, num_warps=p["num_warps"])
     quant = dict(common, NCHUNK=nchunk, RULE=RULE_IDS[scale_rule],
                  STOCHASTIC=stochastic, MSR=msr, ROW_SRC=row_src, WRITE_CODES=write_codes, WRITE_FP8=write_fp8,
-                 ELEM_SCALE=_f32(4.0 / 3.0) if scale_rule == "tseng" else 1.0, COL_AMAX=col_amax, HB_T=hb_t,
-                 LOG_HB_T=int(math.log2(hb_t)) if hb_t else 0, HSCALE_T=_f32(1 / math.sqrt(hb_t)) if hb_t else 1.0,
-                 HAS_SIGNS_T=has_signs_t)
+                 ELEM_SCALE=_f32(4.0 / 3.0) if scale_rule == "tseng" else 1.0)
     return kp, write_fp8, (triton.cdiv(rows, br), n_kt), n_kt, row_src, common, quant
 
 
 def mx_quantize(x: torch.Tensor, axis: int, hadamard_block: int, signs: torch.Tensor | None,
                 stochastic: bool, scale_rule: str, max_scale_range: int, seed: torch.Tensor | None,
                 write_codes: bool = True, want_fp8: bool = True, keep: torch.Tensor | None = None,
-                *, plan: dict | None = None, out: tuple | None = None, colamax: torch.Tensor | None = None,
-                colamax_hadamard: int = 0, colamax_signs: torch.Tensor | None = None,
-                row_amax: torch.Tensor | None = None):
+                *, plan: dict | None = None, out: tuple | None = None):
     """Launch the fused quantizer on a 2-D ``x``; arguments as the op :data:`quantize_op`.
 
     ``hadamard_block`` 0 means no transform; ``max_scale_range`` -1 means None. Returns
@@ -463,39 +375,12 @@ def mx_quantize(x: torch.Tensor, axis: int, hadamard_block: int, signs: torch.Te
     ``plan`` overrides :func:`default_plan` (benchmarks); ``out`` supplies the four output buffers
     (tests: poisoned ones). Traceable (the body of :data:`quantize_op`): shapes and strides are
     read as ints (a dynamic size is specialized), the launches go through :func:`launch`.
-
-    Dual-layout quantization (issue 18; `docs/kernels_notes.md` §5 item 1), two calls that read
-    ``x`` twice instead of three times:
-
-    - ``colamax``: a zeroed float32 ``[kc]`` that this (K-contiguous) call maxes, for each position
-      along the blocked axis, the largest finite amax of the 32-blocks along the other axis into:
-      of the raw ``x`` (before this call's transform and ``keep``), transformed along the other axis
-      by ``H_{colamax_hadamard}`` with ``colamax_signs`` first when ``colamax_hadamard`` > 1 (the
-      transform the other axis's quantization applies);
-    - ``row_amax``: float32 ``[rows]``, the row maxima of what this call quantizes (after its
-      transform and ``keep``): the result above, with ``keep``'s rows set to 0. The row maximum is
-      read, not found by a pass of its own.
-    Results are byte for byte those of the calls without them.
     """
     rows, kc, stride_r, stride_k = row_geometry(x, axis)
     hb = hadamard_block if hadamard_block > 1 else 0
-    if colamax is not None and (tuple(colamax.shape) != (kc,) or colamax.dtype != torch.float32
-                                or not colamax.is_contiguous()):
-        raise ValueError(f"mx_quantize: colamax must be a zeroed float32 [{kc}], contiguous, got {colamax.dtype} "
-                         f"{tuple(colamax.shape)} with strides {colamax.stride()}")
-    hb_t = colamax_hadamard if colamax is not None and colamax_hadamard > 1 else 0
-    if colamax_signs is not None and (not hb_t or tuple(colamax_signs.shape) != (hb_t,)
-                                      or colamax_signs.dtype != torch.float32 or not colamax_signs.is_contiguous()):
-        raise ValueError(f"mx_quantize: colamax_signs must be a contiguous float32 [{hb_t}] with colamax and "
-                         f"colamax_hadamard > 1")
-    if row_amax is not None:
-        if tuple(row_amax.shape) != (rows,) or row_amax.dtype != torch.float32:
-            raise ValueError(f"mx_quantize: row_amax must be float32 [{rows}], got {row_amax.dtype} {tuple(row_amax.shape)}")
-        row_amax = row_amax.contiguous()  # the kernel reads it as pass 1's [rows, 1] amaxes: row r at r
     kp, write_fp8, grid, n_kt, row_src, common, quant = _launch_config(
         rows, kc, stride_r, stride_k, x.element_size(), hb, signs is not None, stochastic, scale_rule,
-        max_scale_range, tuple(sorted(plan.items())) if plan else None, write_codes, want_fp8, keep is not None,
-        colamax is not None, row_amax is not None, hb_t, colamax_signs is not None)
+        max_scale_range, tuple(sorted(plan.items())) if plan else None, write_codes, want_fp8, keep is not None)
     dev = x.device
     if out is None:
         codes = torch.empty(rows, kp // 2 if write_codes else 0, dtype=torch.uint8, device=dev)  # outputs may not alias
@@ -517,55 +402,23 @@ def mx_quantize(x: torch.Tensor, axis: int, hadamard_block: int, signs: torch.Te
     signs_arg = signs if signs is not None else x  # never read without HAS_SIGNS
     keep_arg = keep if keep is not None else x  # never read without ZERO_ROWS
     pamax = x  # read only when ROW_SRC == 2
-    if row_src == 2 and row_amax is not None:
-        pamax, n_kt = row_amax, 1
-    elif row_src == 2:
+    if row_src == 2:
         pamax = torch.empty(rows, n_kt, dtype=torch.float32, device=dev)
         launch(_mx_amax_kernel, grid, ("pamax_ptr",), x_ptr=x, stride_r=stride_r, stride_k=stride_k, rows=rows, kc=kc,
                pamax_ptr=pamax, n_kt=n_kt, signs_ptr=signs_arg, keep_ptr=keep_arg, **common)
-    written = ("codes_ptr", "scales_ptr", "fp8_ptr", "rscale_ptr") + (("colamax_ptr",) if colamax is not None else ())
-    launch(_mx_quantize_kernel, grid, written,
+    launch(_mx_quantize_kernel, grid, ("codes_ptr", "scales_ptr", "fp8_ptr", "rscale_ptr"),
            x_ptr=x, stride_r=stride_r, stride_k=stride_k, rows=rows, kc=kc, kp=kp, codes_ptr=codes, scales_ptr=scales,
            fp8_ptr=fp8, rscale_ptr=rscale, pamax_ptr=pamax, n_kt=n_kt, signs_ptr=signs_arg,
-           seed_ptr=seed if seed is not None else x, keep_ptr=keep_arg,
-           colamax_ptr=colamax if colamax is not None else x,
-           signs_t_ptr=colamax_signs if colamax_signs is not None else x,
-           **quant)
+           seed_ptr=seed if seed is not None else x, keep_ptr=keep_arg, **quant)
     return codes, scales, fp8.view(torch.float8_e4m3fn), rscale
-
-
-def col_amax_in_read(x: torch.Tensor, axis: int) -> bool:
-    """Whether quantizing ``x`` along ``axis`` reads it K-contiguous (:func:`default_plan`'s "rows" mode),
-    so that the same read can find the column amaxes of the other axis (``mx_quantize(colamax=...)``)."""
-    _, _, stride_r, stride_k = row_geometry(x, axis)
-    return _k_contiguous(stride_r, stride_k)
-
-
-def quantize_body(x: torch.Tensor, axis: int, hadamard_block: int, signs: torch.Tensor | None, stochastic: bool,
-                  scale_rule: str, max_scale_range: int, seed: torch.Tensor | None, write_codes: bool = True,
-                  want_fp8: bool = True, keep: torch.Tensor | None = None, col_amax: bool = False,
-                  row_amax: torch.Tensor | None = None, col_amax_hadamard: int = 0,
-                  col_amax_signs: torch.Tensor | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`mx_quantize`'s four outputs and, with ``col_amax``, the column amaxes it wrote (float32
-    ``[kc]``, from a zeroed vector; ``[0]`` without; ``col_amax_hadamard`` / ``col_amax_signs`` as its
-    ``colamax_hadamard`` / ``colamax_signs``): the body of :data:`quantize_op`."""
-    kc = int(x.shape[axis])
-    colamax = torch.zeros(kc if col_amax else 0, dtype=torch.float32, device=x.device)
-    out = mx_quantize(x, axis, hadamard_block, signs, stochastic, scale_rule, max_scale_range, seed, write_codes,
-                      want_fp8, keep, colamax=colamax if col_amax else None, colamax_hadamard=col_amax_hadamard,
-                      colamax_signs=col_amax_signs if col_amax else None, row_amax=row_amax)
-    return (*out, colamax)
 
 
 @torch.library.triton_op("adahop::iht_quantize_mxfp4", mutates_args=())
 def quantize_op(x: torch.Tensor, axis: int, hadamard_block: int, signs: torch.Tensor | None, stochastic: bool,
                 scale_rule: str, max_scale_range: int, seed: torch.Tensor | None, write_codes: bool = True,
-                want_fp8: bool = True, keep: torch.Tensor | None = None, col_amax: bool = False,
-                row_amax: torch.Tensor | None = None, col_amax_hadamard: int = 0,
-                col_amax_signs: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                want_fp8: bool = True, keep: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused quantizer as a ``triton_op`` (what ``torch.compile`` sees: Inductor inlines its
-    launches); :func:`quantize_body` is its body."""
-    return quantize_body(x, axis, hadamard_block, signs, stochastic, scale_rule, max_scale_range, seed, write_codes,
-                         want_fp8, keep, col_amax, row_amax, col_amax_hadamard, col_amax_signs)
+    launches); :func:`mx_quantize` is its body and the eager path."""
+    return mx_quantize(x, axis, hadamard_block, signs, stochastic, scale_rule, max_scale_range, seed, write_codes,
+                       want_fp8, keep)

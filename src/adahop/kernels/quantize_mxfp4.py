@@ -13,15 +13,12 @@ import math
 
 import torch
 
-from ..formats.common import move_and_pad
 from ..formats.mxfp4 import MXTensor, check_mx_options, folds_exactly, quantize_mxfp4
 from ..hadamard import block_hadamard, check_block_size
 from .backend import resolve_backend
 
 __all__ = [
     "iht_quantize_mxfp4",
-    "finite_block_amax_max",
-    "col_amax_reference",
     "iht_quantize_mxfp4_reference",
     "iht_quantize_mxfp4_triton",
     "hadamard_butterfly",
@@ -131,91 +128,25 @@ def _check_args(x, axis, hadamard_block, rounding, scale_rule, max_scale_range, 
     return axis % 2
 
 
-def finite_block_amax_max(x: torch.Tensor, axis: int) -> torch.Tensor:
-    """For each row of ``x`` quantized along ``axis`` (rows: the other dim), the largest amax of its
-    finite 32-blocks along ``axis`` (0 for a row with none): the quantity the row exponent ``E`` of
-    `DESIGN.md` §3 is the scale rule of, before any transform.
-
-    Args:
-        x: 2-D float tensor ``[R, C]``; ``axis``: 0 or 1, the blocked dim (zero-padded to a multiple of 32).
-
-    Returns:
-        float32 ``[C]`` for ``axis=0``, ``[R]`` for ``axis=1``. The PyTorch twin of the ``colamax`` the
-        K-contiguous Triton quantizer writes for the other axis (issue 18's dual-layout quantization).
-
-    Raises:
-        ValueError: ``x`` not 2-D or ``axis`` not 0/1. TypeError: ``x`` not floating point.
-    """
-    _check_operand(x, axis, "finite_block_amax_max")
-    xm = move_and_pad(x.float(), axis % 2, 32)
-    if xm.shape[-1] == 0:
-        return xm.new_zeros(xm.shape[0])
-    blocks = xm.reshape(xm.shape[0], -1, 32).abs().amax(dim=-1)  # NaN and Inf propagate: a non-finite block
-    return torch.where(torch.isfinite(blocks), blocks, 0.0).amax(dim=-1)
-
-
 def iht_quantize_mxfp4_reference(
     x: torch.Tensor, *, axis: int, hadamard_block: int | None = 32, signs: torch.Tensor | None = None,
     rounding: str = "nearest", scale_rule: str = "floor", max_scale_range: int | None = 8,
     generator: torch.Generator | None = None, backend: str = "reference", outputs: str = "all",
-    zero_rows: torch.Tensor | None = None, row_amax: torch.Tensor | None = None, return_col_amax: bool = False,
-    col_amax_hadamard: int | None = None, col_amax_signs: torch.Tensor | None = None,
-) -> MXTensor | tuple[MXTensor, torch.Tensor]:
+    zero_rows: torch.Tensor | None = None,
+) -> MXTensor:
     """Reference: ``quantize_mxfp4(H(x) if hadamard_block else x, ...)``, ``H`` the butterfly for blocks up
     to 256 and the Kronecker form above (:func:`_iht_transform`).
 
     Arguments and result as :func:`iht_quantize_mxfp4` (``backend`` is ignored; the result has
-    codes and scales whatever ``outputs`` asks, and ``fp8=None``; ``row_amax`` is checked, not read:
-    the reference finds each row's maximum itself).
+    codes and scales whatever ``outputs`` asks, and ``fp8=None``).
     """
     axis = _check_args(x, axis, hadamard_block, rounding, scale_rule, max_scale_range, outputs, zero_rows)
-    _check_row_amax(x, axis, row_amax)
-    col = col_amax_reference(x, axis, col_amax_hadamard, col_amax_signs) if return_col_amax else None
     if zero_rows is not None:
         x = x.index_fill(1 - axis, zero_rows, 0)
     if hadamard_block is not None:
         x = _iht_transform(x, hadamard_block, axis, signs)
-    q = quantize_mxfp4(x, axis=axis, block_size=32, scale_rule=scale_rule, rounding=rounding,
-                       generator=generator, max_scale_range=max_scale_range)
-    return (q, col) if return_col_amax else q
-
-
-def _check_row_amax(x, axis: int, row_amax) -> None:
-    """``row_amax``: float32 ``[rows]``."""
-    if row_amax is None:
-        return
-    rows = x.shape[1 - axis]
-    if not isinstance(row_amax, torch.Tensor) or tuple(row_amax.shape) != (rows,) or row_amax.dtype != torch.float32:
-        raise ValueError(f"row_amax must be a float32 [{rows}] (one per row, from return_col_amax=True along the other "
-                         f"axis), got {getattr(row_amax, 'dtype', type(row_amax))} {tuple(getattr(row_amax, 'shape', ()))}")
-
-
-def col_amax_reference(x: torch.Tensor, axis: int, hadamard_block: int | None = None,
-                       signs: torch.Tensor | None = None) -> torch.Tensor:
-    """What ``return_col_amax`` returns when quantizing ``x`` along ``axis``: :func:`finite_block_amax_max`
-    ``(x', 1 - axis)`` of ``x' = H_b(x)`` along ``1 - axis`` (zero-padded to a multiple of ``b``, signs
-    first; the transform the quantization along that axis applies), or of ``x`` itself without
-    ``hadamard_block``.
-
-    Args:
-        x: 2-D float ``[R, C]``; axis: 0 or 1; hadamard_block: ``b`` (a power of two) or None;
-        signs: float ±1 ``[b]`` or None.
-
-    Returns:
-        float32 ``[x.shape[axis]]``: the row maxima of quantizing ``x`` along ``1 - axis`` with that
-        transform (issue 18's dual-layout read; the row exponent of `DESIGN.md` §3 is their scale rule).
-
-    Raises:
-        ValueError / TypeError: as :func:`finite_block_amax_max`; ValueError for a bad block size or signs
-        (:func:`hadamard_butterfly`)."""
-    axis = axis % 2
-    if hadamard_block not in (None, 0, 1):
-        other = 1 - axis
-        pad = (-x.shape[other]) % hadamard_block
-        if pad:
-            x = torch.nn.functional.pad(x, (0, pad) if other == 1 else (0, 0, 0, pad))
-        x = _iht_transform(x, hadamard_block, other, signs)
-    return finite_block_amax_max(x, 1 - axis)
+    return quantize_mxfp4(x, axis=axis, block_size=32, scale_rule=scale_rule, rounding=rounding,
+                          generator=generator, max_scale_range=max_scale_range)
 
 
 # ----------------------------------------------------------------------------- fused (Triton) path
@@ -242,26 +173,15 @@ def iht_quantize_mxfp4_triton(
     x: torch.Tensor, *, axis: int, hadamard_block: int | None = 32, signs: torch.Tensor | None = None,
     rounding: str = "nearest", scale_rule: str = "floor", max_scale_range: int | None = 8,
     generator: torch.Generator | None = None, backend: str = "triton", outputs: str = "all",
-    zero_rows: torch.Tensor | None = None, row_amax: torch.Tensor | None = None, return_col_amax: bool = False,
-    col_amax_hadamard: int | None = None, col_amax_signs: torch.Tensor | None = None,
-) -> MXTensor | tuple[MXTensor, torch.Tensor]:
+    zero_rows: torch.Tensor | None = None,
+) -> MXTensor:
     """Fused Triton path of :func:`iht_quantize_mxfp4` (same arguments; ``backend`` is ignored).
 
     Also sets ``fp8`` on the result when ``max_scale_range`` is 0…8 (unless ``outputs="codes"``);
     with ``outputs="fp8"`` its ``codes`` are ``[rows, 0]``. Stochastic rounding draws one seed from
     ``generator`` for Triton's Philox stream: statistically, not bitwise, equal to the reference.
-    ``return_col_amax`` on an ``x`` read transposed (rows contiguous), or with a ``col_amax_hadamard``
-    the kernel lacks, takes a pass of its own (:func:`col_amax_reference`): only a K-contiguous read
-    finds them on the way.
     """
     axis = _check_args(x, axis, hadamard_block, rounding, scale_rule, max_scale_range, outputs, zero_rows)
-    _check_row_amax(x, axis, row_amax)
-    hb_t = col_amax_hadamard if col_amax_hadamard not in (None, 0, 1) else 0
-    if hb_t:
-        check_block_size(hb_t, "col_amax_hadamard")
-    if col_amax_signs is not None and (not hb_t or col_amax_signs.ndim != 1 or col_amax_signs.numel() != hb_t):
-        raise ValueError(f"col_amax_signs must be a 1-D ±1 vector of length col_amax_hadamard={col_amax_hadamard}, got "
-                         f"shape {tuple(col_amax_signs.shape)}")
     why = _triton_supports(hadamard_block, signs)
     if why is not None:
         raise ValueError(f"iht_quantize_mxfp4: the Triton kernel does not support {why}; use backend='reference' or 'auto'")
@@ -279,36 +199,23 @@ def iht_quantize_mxfp4_triton(
     keep = None
     if zero_rows is not None:  # a byte per output row, 0 where OE extracted it
         keep = torch.ones(x.shape[1 - axis], dtype=torch.uint8, device=x.device).index_fill_(0, zero_rows.to(x.device), 0)
+    # traced by dynamo: the triton_op (its launches per _triton_launch.TRACED_LAUNCHES); else its body, without the op's dispatch
     tq = _triton()
+    op = tq.quantize_op if torch.compiler.is_dynamo_compiling() else tq.mx_quantize
     want_fp8 = outputs != "codes"
-    in_read = return_col_amax and tq.col_amax_in_read(x, axis) and hb_t <= TRITON_HADAMARD_SIZES[-1]
-    args = (x, axis, hadamard_block or 0, signs, rounding == "stochastic", scale_rule, msr, seed, outputs != "fp8",
-            want_fp8, keep)
-    row_amax = row_amax if msr >= 0 else None  # no row maximum to read without a limit
-    if row_amax is not None and zero_rows is not None:  # OE's rows quantize as zeros: their maximum is 0
-        row_amax = row_amax.index_fill(0, zero_rows.to(row_amax.device), 0.0)
-    signs_t = col_amax_signs.to(device=x.device, dtype=torch.float32).contiguous() if col_amax_signs is not None else None
-    if torch.compiler.is_dynamo_compiling():  # the triton_op (launches per _triton_launch.TRACED_LAUNCHES)
-        codes, scales, fp8, rscale, col = tq.quantize_op(*args, in_read, row_amax, hb_t, signs_t)
-    else:  # its body, without the op's dispatch (host time) or an empty column-amax output
-        col = torch.zeros(x.shape[axis], dtype=torch.float32, device=x.device) if in_read else None
-        codes, scales, fp8, rscale = tq.mx_quantize(*args, colamax=col, colamax_hadamard=hb_t,
-                                                    colamax_signs=signs_t if in_read else None, row_amax=row_amax)
-    q = MXTensor(codes=codes, scales=scales, shape=tuple(x.shape), axis=axis, block_size=32,
-                 elem_scale=4.0 / 3.0 if scale_rule == "tseng" else 1.0,
-                 fp8=(fp8, rscale) if want_fp8 and folds_exactly(msr) else None, scale_range=max_scale_range)
-    if return_col_amax and not in_read:
-        col = col_amax_reference(x, axis, hb_t or None, col_amax_signs)
-    return (q, col) if return_col_amax else q
+    codes, scales, fp8, rscale = op(x, axis, hadamard_block or 0, signs, rounding == "stochastic",
+                                    scale_rule, msr, seed, outputs != "fp8", want_fp8, keep)
+    return MXTensor(codes=codes, scales=scales, shape=tuple(x.shape), axis=axis, block_size=32,
+                    elem_scale=4.0 / 3.0 if scale_rule == "tseng" else 1.0,
+                    fp8=(fp8, rscale) if want_fp8 and folds_exactly(msr) else None, scale_range=max_scale_range)
 
 
 def iht_quantize_mxfp4(
     x: torch.Tensor, *, axis: int, hadamard_block: int | None = 32, signs: torch.Tensor | None = None,
     rounding: str = "nearest", scale_rule: str = "floor", max_scale_range: int | None = 8,
     generator: torch.Generator | None = None, backend: str = "auto", outputs: str = "all",
-    zero_rows: torch.Tensor | None = None, row_amax: torch.Tensor | None = None, return_col_amax: bool = False,
-    col_amax_hadamard: int | None = None, col_amax_signs: torch.Tensor | None = None,
-) -> MXTensor | tuple[MXTensor, torch.Tensor]:
+    zero_rows: torch.Tensor | None = None,
+) -> MXTensor:
     """Block-Hadamard-transform (optional) and quantize a GEMM operand to MXFP4 along ``axis``.
 
     Args:
@@ -333,31 +240,17 @@ def iht_quantize_mxfp4(
         zero_rows: 1-D integer indices of rows (along the dim *not* quantized: ``1 - axis``) to
             quantize as zeros, as ``x.index_fill(1 - axis, zero_rows, 0)`` would (OE's extracted
             rows or columns, without a copy of ``x``).
-        row_amax: float32 ``[rows]``, each row's largest finite 32-block amax after this call's
-            transform, before ``zero_rows`` (whose rows count as 0): the ``col_amax`` that quantizing the
-            other axis returned with ``col_amax_hadamard`` / ``col_amax_signs`` set to this call's
-            ``hadamard_block`` / ``signs``. The Triton path reads it instead of finding it in a pass of
-            its own (issue 18's dual-layout quantization: two reads of an operand for both of its
-            layouts, not three) and trusts it unchecked (other values give other bytes there); the
-            reference ignores it.
-        return_col_amax: also return :func:`col_amax_reference` ``(x, axis, col_amax_hadamard,
-            col_amax_signs)``: for each index along ``axis``, the largest finite 32-block amax along the
-            other axis of the raw ``x`` (before this call's transform and ``zero_rows``), transformed
-            along that axis by ``H_{col_amax_hadamard}`` (signs ``col_amax_signs`` first) when given. The
-            Triton path finds it in the same read when ``x`` is K-contiguous.
 
     Returns:
         :class:`MXTensor` of logical shape ``x.shape``, blocks of 32 along ``axis`` (codes
         ``[rows, padded/2]`` with ``rows`` the other dim), and, from the Triton path with
-        ``max_scale_range <= 8``, ``fp8 = (float8_e4m3fn [rows, padded], float32 [rows])``. With
-        ``return_col_amax``: ``(MXTensor, float32 [x.shape[axis]])``.
+        ``max_scale_range <= 8``, ``fp8 = (float8_e4m3fn [rows, padded], float32 [rows])``.
 
     Raises:
         ValueError: not 2-D, bad axis, unsupported Hadamard size or one that does not divide
             the dim, bad ``signs``, unknown rule or rounding, stochastic rounding with a clipping
             rule (use ``rceil``), negative ``max_scale_range``, unknown ``outputs`` or ``"fp8"``
-            without ``max_scale_range`` 0…8, ``zero_rows`` not a 1-D integer tensor, ``row_amax`` not a
-            float32 ``[rows]``, ``col_amax_signs`` not a vector of ``col_amax_hadamard`` entries.
+            without ``max_scale_range`` 0…8, ``zero_rows`` not a 1-D integer tensor.
         RuntimeError: backend ``"triton"`` without Triton or CUDA.
 
     Notes:
@@ -371,18 +264,11 @@ def iht_quantize_mxfp4(
         # own transform, then the kernel without one, so both backends quantize the same FP32 values (zeroing
         # whole rows commutes with a transform along them)
         axis = _check_args(x, axis, hadamard_block, rounding, scale_rule, max_scale_range, outputs, zero_rows)
-        _check_row_amax(x, axis, row_amax)
-        col = col_amax_reference(x, axis, col_amax_hadamard, col_amax_signs) if return_col_amax else None  # the raw x's
         x = _iht_transform(x, hadamard_block, axis, signs)
-        q = iht_quantize_mxfp4_triton(x, axis=axis, hadamard_block=None, rounding=rounding, scale_rule=scale_rule,
-                                      max_scale_range=max_scale_range, generator=generator, outputs=outputs,
-                                      zero_rows=zero_rows)
-        return (q, col) if return_col_amax else q
+        hadamard_block, signs = None, None
     if be == "triton" and _triton_supports(hadamard_block, signs) is None:
         fn = iht_quantize_mxfp4_triton
     else:
         fn = iht_quantize_mxfp4_reference
     return fn(x, axis=axis, hadamard_block=hadamard_block, signs=signs, rounding=rounding, scale_rule=scale_rule,
-              max_scale_range=max_scale_range, generator=generator, outputs=outputs, zero_rows=zero_rows,
-              row_amax=row_amax, return_col_amax=return_col_amax, col_amax_hadamard=col_amax_hadamard,
-              col_amax_signs=col_amax_signs)
+              max_scale_range=max_scale_range, generator=generator, outputs=outputs, zero_rows=zero_rows)
