@@ -354,7 +354,7 @@ def _bench_model_row_timed(model: str, recipe: str, mode: str, seq_len: int, bat
         if cuda and i == step.first_compiled:
             # a compiled row's peak spans its compile and CUDA-graph recording: the graphs' pool holds the
             # activations from then on, and replays allocate nothing (a peak of the replays alone is the
-            # parameters and optimizer state: every recipe read 17.63 GiB at Llama-3.2-1B 4096 x 4, round 32)
+            # parameters and optimizer state: every recipe read 17.63 GiB at Llama-3.2-1B 4096 x 4, round 31)
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
