@@ -355,7 +355,6 @@ CASES = [  # (shape, axis, hadamard_block, dtype, scale_rule, max_scale_range, s
     ((4, 17024), 1, 32, torch.bfloat16, "adahop", 8, False),  # the row loop (kp > 16384), read twice
     ((8, 512), 1, 512, torch.float32, "floor", 8, True),  # blocks above 256 (HALO): the Kronecker form, then the kernel
     ((512, 8), 0, 512, torch.bfloat16, "floor", 8, False),
-    ((8320, 8), 0, 32, torch.bfloat16, "floor", 8, False),  # transposing, 65 K-tiles: two steps of the row-max loop
 ]
 
 
@@ -378,6 +377,26 @@ def test_interp_quantizer_bit_exact(case):
         torch.testing.assert_close(qt.fp8[1], rs, atol=0, rtol=0)
     else:
         assert qt.fp8 is None
+
+
+@interp
+def test_interp_transposing_row_max_loop_takes_two_steps():
+    """The transposing quantizer reads pass 1's amaxes PAMAX_CHUNK (64) K-tiles per loop step: 65 K-tiles of 32
+    (the plan's smallest BK; the default 128 needs 8320 rows, 3x slower in the interpreter) take two steps, and the
+    codes, scales and FP8 fold equal the reference's."""
+    from adahop.kernels._triton_quantize import PAMAX_CHUNK, mx_quantize
+
+    x = _spread_rows(65 * 32, 8, seed=2080).to(torch.bfloat16)
+    x[3, 5] = float("nan")
+    assert 65 > PAMAX_CHUNK.value
+    plan = dict(mode="tiles", BR=64, BK=32, NCHUNK=1, LAYOUT=1, VEC=2, num_warps=1)
+    codes, scales, fp8, row_scale = mx_quantize(x, 0, 32, None, False, "floor", 8, None, plan=plan)
+    qr = iht_quantize_mxfp4(x, axis=0, hadamard_block=32, signs=None, scale_rule="floor", max_scale_range=8,
+                            backend="reference")
+    assert torch.equal(codes, qr.codes) and torch.equal(scales, qr.scales)
+    ref_fp8, ref_rs = fold_to_fp8(qr)
+    assert torch.equal(fp8.view(torch.uint8), ref_fp8.view(torch.uint8))
+    torch.testing.assert_close(row_scale, ref_rs, atol=0, rtol=0)
 
 
 FOLD_CASES = [  # (rows, cols, axis, scale_rule): one tile, masked rows/K, the chunk loop (kp > 2048), ragged Kc
