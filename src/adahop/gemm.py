@@ -23,7 +23,7 @@ from .formats import MXTensor, NVFP4Tensor
 from .hadamard import block_hadamard, hashed_signs, random_signs
 from .recipes.spec import GemmSpec, OperandSpec, Transform
 
-__all__ = ["Prepared", "prepare", "prepare_pair", "multiply", "gemm", "lowp_matmul", "draw_signs", "without_quantization", "oe_indices"]
+__all__ = ["Prepared", "prepare", "multiply", "gemm", "lowp_matmul", "draw_signs", "without_quantization", "oe_indices"]
 
 Quantized = MXTensor | NVFP4Tensor
 
@@ -343,20 +343,13 @@ def multiply(pa: Prepared, pb: Prepared, spec: GemmSpec, *, out_dtype: torch.dty
     return _own(c, pa.rows, pb.rows, out_dtype)
 
 
-def prepare_pair(a: torch.Tensor, b: torch.Tensor, spec: GemmSpec, *, generator: torch.Generator | None = None,
-                 backend: str = "reference", seed: torch.Tensor | None = None, salt: int = 0) -> tuple[Prepared, Prepared]:
-    """``A`` [M, Kc] and ``B`` [Kc, N] prepared for :func:`multiply` (``outputs="fp8"``), sharing one sign
-    draw (:func:`draw_signs`, with ``seed`` and ``salt``). Source: `DESIGN.md` §2. Raises ValueError as
-    :func:`prepare`."""
-    signs = draw_signs(spec, generator, a.device, seed=seed, salt=salt)
-    return (prepare(a, "a", spec, signs=signs, generator=generator, backend=backend, outputs="fp8"),
-            prepare(b, "b", spec, signs=signs, generator=generator, backend=backend, outputs="fp8"))
-
-
 def gemm(a: torch.Tensor, b: torch.Tensor, spec: GemmSpec, *, generator: torch.Generator | None = None,
          out_dtype: torch.dtype | None = None, backend: str = "reference", seed: torch.Tensor | None = None, salt: int = 0) -> torch.Tensor:
-    """``A·B`` under ``spec``: prepare both operands (:func:`prepare_pair`) and multiply."""
-    pa, pb = prepare_pair(a, b, spec, generator=generator, backend=backend, seed=seed, salt=salt)
+    """``A·B`` under ``spec``: prepare both operands (sharing one sign draw, see :func:`draw_signs`
+    for ``seed`` and ``salt``) and multiply."""
+    signs = draw_signs(spec, generator, a.device, seed=seed, salt=salt)
+    pa = prepare(a, "a", spec, signs=signs, generator=generator, backend=backend, outputs="fp8")
+    pb = prepare(b, "b", spec, signs=signs, generator=generator, backend=backend, outputs="fp8")
     return multiply(pa, pb, spec, out_dtype=out_dtype or a.dtype, backend=backend)
 
 

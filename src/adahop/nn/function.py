@@ -15,7 +15,7 @@ import dataclasses
 
 import torch
 
-from ..gemm import draw_signs, multiply, prepare, prepare_pair
+from ..gemm import draw_signs, gemm, multiply, prepare
 
 __all__ = ["LowPrecisionLinearFn", "fprop", "forward_body", "backward_body", "flatten", "unflatten"]
 
@@ -40,12 +40,12 @@ def fprop(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, spec, gen
     Source: the fprop of `DESIGN.md` §2 under the strategies of `specs/adahop.md` §3–§5.
 
     Raises:
-        ValueError: from :func:`adahop.gemm.prepare`, for shapes or options ``spec`` cannot take."""
+        ValueError: from :func:`adahop.gemm.gemm`, for shapes or options ``spec`` cannot take."""
+    b = None if bias is None else bias.to(dtype)
     if spec is None:
-        return torch.nn.functional.linear(x, w, None if bias is None else bias.to(dtype))
-    pa, pb = prepare_pair(x, w.t(), spec, generator=generator, backend=backend, seed=seed, salt=sign_salt)
-    y = multiply(pa, pb, spec, out_dtype=dtype, backend=backend)
-    return y if bias is None else y + bias.to(dtype)
+        return torch.nn.functional.linear(x, w, b)
+    y = gemm(x, w.t(), spec, generator=generator, out_dtype=dtype, backend=backend, seed=seed, salt=sign_salt)
+    return y if b is None else y + b
 
 
 class _Slot:
@@ -174,15 +174,14 @@ def forward_body(ctx, x, weight, bias, layer, dtype, seed=None) -> torch.Tensor:
         return fprop(x, w, bias, None, None, layer.backend, dtype)
     else:
         ctx.specs = specs
+        y = fprop(x, w, bias, specs["fprop"], layer.generator("fprop"), layer.backend, dtype, seed, salt(layer, "fprop"))
         # save X for wgrad (B operand, contract T) and W for dgrad (B operand, contract N)
         wg, dg = specs["wgrad"], specs["dgrad"]
         gw, gd = layer.generator("wgrad"), layer.generator("dgrad")
         ctx.gens = (gd, gw)
-        # drawn once here and saved: backward never draws them again (compiled: hashed from seed); each
-        # GEMM has its own generator, so drawing them before fprop leaves fprop's draws as they were
+        # drawn once here and saved: backward never draws them again (compiled: hashed from seed)
         signs_w = draw_signs(wg, gw, x.device, seed=seed, salt=salt(layer, "wgrad"))
         signs_d = draw_signs(dg, gd, x.device, seed=seed, salt=salt(layer, "dgrad"))
-        y = fprop(x, w, bias, specs["fprop"], layer.generator("fprop"), layer.backend, dtype, seed, salt(layer, "fprop"))
         # saved operands hold only the packed MXFP4 (4.25 bits/element; backward unpacks it straight
         # to FP8, `DESIGN.md` §3), or under recipe.saved_operands="fp8" only the fold; the GEMMs' own
         # operands only the FP8 fold
