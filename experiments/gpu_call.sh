@@ -142,6 +142,11 @@
 #      CUDA-graphed; the quantizer's outputs into poisoned buffers)
 #   r31s (issue 18, one GPU): M31 (default llama-125m; then llama-350m) at 1024 x 16, mode auto, in one process: bf16,
 #      mxfp4, its @saved-fp8, adahop-lv2, its @saved-fp8 (R31_RECIPES overrides)
+#   r33m, r33b, r33a (issue 18, round 32, one H200; r33m needs its memory): r33m: Llama-3.2-1B 4096 x 8 (bf16, mxfp4,
+#      adahop-lv2) eager with --max-batch MAXB (default 16), then mode auto (the compiled rows' peak since round 31's fix);
+#      r33b: Llama-3.2-1B 4096 x 4, mode auto, one process: R33B (default bf16, adahop-lv2, torchao float8 rowwise and
+#      tensorwise; needs .whl carried); r33a: llama-125m then llama-350m 1024 x 16, mode auto, one process each (bf16,
+#      mxfp4, @saved-fp8, adahop-lv2). Rows in $OUT/*.json
 #   r21a (issue 18, one GPU): where the 8B-shaped model's first compile goes (round 20: mxfp4's did not finish in ~260 s;
 #      scripts/compile_census.py puts adahop's Triton kernels at ~12 s of it): scripts/bench_compile.py --phases cold for
 #      mxfp4 and adahop-lv2 at 4 blocks of Llama-3.1-8B, 4096 x 2, each alone with empty caches (COLD_TIMEOUT s each,
@@ -525,6 +530,34 @@ if [ "$STAGE" = r32s ]; then  # issue 18: @saved-fp8 beside its base and BF16 at
   timeout $(( ${LIM:-575} - $(el) )) python3 -m adahop bench model --modes auto --model llama3.2-1b --seq-len 4096 --batch-size 4 \
     --recipes bf16,adahop-lv2@saved-fp8,adahop-lv2,mxfp4@saved-fp8,mxfp4 --json $OUT/benchmarks.json > $OUT/bench_1b.log 2>&1
   echo "1b: exit $? at $(el) s"; grep -E "^(llama|row:)" $OUT/bench_1b.log | cut -c1-200
+  echo "stage $STAGE done at $(el) s"; exit 0
+fi
+if [ "$STAGE" = r33m ]; then  # issue 18's memory row on an H200: Llama-3.2-1B at 4096 x 8, eager + largest batch, then auto
+  export CUDA_VISIBLE_DEVICES=0
+  BM="python3 -m adahop bench model --model llama3.2-1b --seq-len 4096 --batch-size 8 --recipes bf16,mxfp4,adahop-lv2"
+  timeout ${EAGER_LIM:-320} $BM --modes eager --max-batch ${MAXB:-16} --json $OUT/mem_eager.json > $OUT/mem_eager.log 2>&1
+  echo "1b 4096 x 8 eager + max batch: exit $? at $(el) s"
+  grep -E "^row:" $OUT/mem_eager.log | python3 -c "import json, sys; [print({k: json.loads(l[4:]).get(k) for k in ('recipe', 'mode', 'tok_per_s', 'peak_mem_gib', 'largest_batch', 'batches_tried', 'error')}) for l in sys.stdin]"
+  timeout $(( ${LIM:-570} - $(el) )) $BM --modes auto --json $OUT/mem_auto.json > $OUT/mem_auto.log 2>&1; echo "1b 4096 x 8 auto: exit $? at $(el) s"
+  grep -E "^row:" $OUT/mem_auto.log | python3 -c "import json, sys; [print({k: json.loads(l[4:]).get(k) for k in ('recipe', 'mode', 'tok_per_s', 'peak_mem_gib', 'warmup_s', 'error')}) for l in sys.stdin]"
+  echo "stage $STAGE done at $(el) s"; exit 0
+fi
+if [ "$STAGE" = r33b ]; then  # issue 18: Lv2 beside BF16 and torchao's float8 at 1B on an H200, one process
+  export CUDA_VISIBLE_DEVICES=0
+  case ${R33B:-bf16,adahop-lv2,torchao} in *torchao*) python3 -c "import torchao" || { echo "torchao missing: carry .whl (bash scripts/make_carry.sh)"; exit 1; };; esac
+  timeout $(( ${LIM:-570} - $(el) )) python3 -m adahop bench model --modes auto --model llama3.2-1b --seq-len 4096 --batch-size 4 \
+    --recipes ${R33B:-bf16,adahop-lv2,torchao-fp8-rowwise,torchao-fp8-tensorwise} --json $OUT/bench_1b.json > $OUT/bench_1b.log 2>&1
+  echo "1b: exit $? at $(el) s"; grep -E "^llama" $OUT/bench_1b.log | cut -c1-200
+  echo "stage $STAGE done at $(el) s"; exit 0
+fi
+if [ "$STAGE" = r33a ]; then  # issue 18: the small models' rows with the current code on an H200, one process each
+  export CUDA_VISIBLE_DEVICES=0
+  timeout ${A125_LIM:-190} python3 -m adahop bench model --modes auto --model llama-125m --seq-len 1024 --batch-size 16 \
+    --recipes bf16,mxfp4,mxfp4@saved-fp8,adahop-lv2 --json $OUT/bench_125m.json > $OUT/bench_125m.log 2>&1
+  echo "125m: exit $? at $(el) s"; grep -E "^llama" $OUT/bench_125m.log | cut -c1-200
+  timeout $(( ${LIM:-570} - $(el) )) python3 -m adahop bench model --modes auto --model llama-350m --seq-len 1024 --batch-size 16 \
+    --recipes bf16,mxfp4,adahop-lv2,adahop-lv2@saved-fp8 --json $OUT/bench_350m.json > $OUT/bench_350m.log 2>&1
+  echo "350m: exit $? at $(el) s"; grep -E "^llama" $OUT/bench_350m.log | cut -c1-200
   echo "stage $STAGE done at $(el) s"; exit 0
 fi
 if [ "$STAGE" = r29p ]; then  # issue 18: the 350m kernel profile, and the small-GEMM rule where it keeps FP8 work
