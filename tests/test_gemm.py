@@ -16,6 +16,7 @@ from adahop.recipes.spec import STRATEGIES
 
 SHAPES = [(64, 64, 64), (129, 200, 96), (33, 96, 17), (5, 31, 7)]
 QUANT_SHAPES = [(64, 64, 64), (129, 200, 96), (96, 160, 72)]
+EMPTY_SHAPES = [(0, 64, 32), (64, 64, 0), (48, 0, 32)]
 
 
 
@@ -204,6 +205,17 @@ def test_shape_and_argument_errors():
         prepare(a, "c", GemmSpec(strategy="iht"))
     with pytest.raises(ValueError, match="'calibrated' must be resolved"):
         prepare(a, "a", GemmSpec(strategy="calibrated", a=OperandSpec(), b=OperandSpec()))
+
+
+@pytest.mark.parametrize("strategy", ["bf16", "none", "iht", "iht+oe_left", "iht+oe_right"])
+@pytest.mark.parametrize("shape", EMPTY_SHAPES, ids=_ids(EMPTY_SHAPES))
+def test_an_empty_product_gives_what_matmul_gives(strategy, shape):
+    # an MoE expert that got no tokens calls with M = 0: torch answers zeros of [M, N], and so must every strategy
+    m, k, n = shape
+    a, b = torch.randn(m, k).bfloat16(), torch.randn(k, n).bfloat16()
+    y = lowp_matmul(a, b, strategy=strategy)
+    assert y.shape == (m, n) and y.dtype == torch.bfloat16
+    assert torch.equal(y, a @ b)
 
 
 @pytest.mark.parametrize("strategy", ["iht+oe_left", "iht+oe_right"])

@@ -385,7 +385,7 @@ def lowp_matmul(
             OE still run), which must equal ``a @ b`` to FP32 rounding.
 
     Returns:
-        ``[M, N]`` tensor in ``a``'s dtype.
+        ``[M, N]`` tensor in ``a``'s dtype; zeros where ``M``, ``K`` or ``N`` is 0, as ``a @ b`` gives.
 
     Raises:
         ValueError: unknown strategy/format, or shapes that do not chain.
@@ -399,6 +399,8 @@ def lowp_matmul(
     op = OperandSpec(fmt=fmt, rounding=rounding, scale_rule=scale_rule, max_scale_range=max_scale_range)
     spec = GemmSpec(strategy=strategy, a=op, b=op, oe_rank=oe_rank, oe_select=oe_select)
     spec.validate("lowp_matmul")
+    if a.numel() == 0 or b.numel() == 0:  # torch's answer for an empty product (zeros when K = 0); no block to quantize
+        return a.new_zeros(a.shape[0], b.shape[1])
     if not quantize:
         spec = without_quantization(spec)
     return gemm(a, b, spec, generator=generator, backend=backend)
