@@ -14,7 +14,7 @@ import torch
 
 from adahop import get_recipe
 from adahop.train import Diverged, TrainConfig, train
-from adahop.train.compare import COLUMNS, format_table
+from adahop.train.compare import COLUMNS, _markdown, format_table
 from adahop.train.metrics import read_metrics
 
 
@@ -670,6 +670,11 @@ def test_compare_table_fields():
     assert rows[2][1] == "failed: exit code 1" and set(rows[2][2:]) == {"-"}  # the reason in no other column
     assert rows[4][0] == "nvfp4 (1 layers BF16: shape; 2 layers BF16: the recipe's BF16 blocks)"
     assert rows[5][0] == "adahop-lv1 (plan never froze: all BF16)" and rows[5][2] == "+0.00"
+    # a long, multi-line reason with a '|': one line cut at 160 characters with a pointer, and one Markdown row
+    long = format_table({"x": {"error": "a|b\n" + "y" * 300}})[0][1]
+    assert long.startswith("failed: a|b " + "y" * 148) and long.endswith("(whole: compare.json, or the run's error.txt)")
+    md = _markdown([["x", long]], header=("recipe", "final val loss")).splitlines()
+    assert len(md) == 3 and md[2].count(" | ") == 1 and "a\\|b" in md[2]
 
 
 def test_compiled_run_reports_no_graph_break_after_the_plan_freeze(data_dir, tmp_path, single_thread, monkeypatch):

@@ -57,7 +57,7 @@ def format_table(summaries: dict[str, dict], baseline: str = "bf16") -> list[lis
     rows = []
     for name, s in summaries.items():
         if "error" in s:
-            rows.append([name, f"failed: {s['error'][:160]}", "-", "-", "-", "-", "-", "-"])  # the reason beside it, no column mislabelled
+            rows.append([name, f"failed: {_cell(s['error'])}", "-", "-", "-", "-", "-", "-"])  # the reason beside it, no column mislabelled
             continue
         vl = s.get("final_val_loss")
         gap = f"{100 * (vl - base) / base:+.2f}" if (base and vl is not None) else "-"
@@ -71,6 +71,12 @@ def format_table(summaries: dict[str, dict], baseline: str = "bf16") -> list[lis
                      f"{tps:,.0f}" if tps else "-", f"{mem / 2**20:,.0f}" if mem else "-", saved,
                      f"{s['bytes_per_param']:.2f}" if s.get("bytes_per_param") else "-"])
     return rows
+
+
+def _cell(text: str, width: int = 160) -> str:
+    """``text`` on one line of at most ``width`` characters, a longer reason cut with a pointer to where it is whole."""
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[:width].rstrip() + " … (whole: compare.json, or the run's error.txt)"
 
 
 def _bf16_note(s: dict) -> str:
@@ -97,7 +103,7 @@ def write_csv(path: Path, rows: list[list[str]], header=COLUMNS) -> None:
 
 def _markdown(rows: list[list[str]], header=COLUMNS) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in r) + " |" for r in rows]  # a '|' in a cell would split its row
     return "\n".join(lines)
 
 
