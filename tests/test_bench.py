@@ -271,3 +271,51 @@ def test_saved_census_counts_each_storage_once_and_fits_tokens_apart_from_weight
         sum(a + b * 100 for k, (a, b) in fits["bf16"].items() if k.startswith("block")))
     with pytest.raises(ValueError, match="two different token counts"):
         linear_fit(small, small)
+
+
+@pytest.mark.parametrize("first_compiled, expected_gib", [(None, 16.0), (2, 12.0)], ids=["eager", "cuda-graphs"])
+def test_bench_model_peak_spans_the_compile_of_a_compiled_row(monkeypatch, first_compiled, expected_gib):
+    """The peak a row reports (round 31's silent wrong number): CUDA-graph replays allocate nothing, so a compiled row's
+    peak must span its compile and graph recording; an eager row's is that of its timed steps. A fake CUDA
+    allocator: the compiling step reaches 12 GiB and replays 7 GiB (the parameters and optimizer state alone);
+    eager warm-up steps reach 20 GiB (first-step workspaces) and timed ones 16 GiB."""
+    import torch
+
+    import adahop.bench.harness as harness
+
+    gib = 2**30
+    mem = {"peak": 0.0}
+
+    def use(n):
+        mem["peak"] = max(mem["peak"], n * gib)
+
+    class Event:
+        def record(self):
+            pass
+
+        def elapsed_time(self, other):
+            return 1.0
+
+    def fake_model_step(model, recipe, mode, seq_len, batch, layers=None, device="cuda", small_gemms=False):
+        m = torch.nn.Linear(2, 2)
+        m.config = type("Config", (), {"num_hidden_layers": 1})()
+
+        def step(i, record=False):
+            if first_compiled is None:
+                use(20 if i < 5 else 16)
+            else:  # eager calibration steps (9 GiB), the compile and recording, then replays
+                use(9 if i < first_compiled else 12 if i == first_compiled else 7)
+            return {"loss": 1.0} if record else {}
+        step.compile_mode = None if first_compiled is None else "max-autotune-no-cudagraphs"
+        step.first_compiled = first_compiled
+        return m, step
+
+    monkeypatch.setattr(harness, "model_step", fake_model_step)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a, **k: mem.update(peak=0.0))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: mem["peak"])
+    monkeypatch.setattr(torch.cuda, "Event", lambda **k: Event())
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "fake GPU")
+    row = harness._bench_model_row_timed("llama-tiny", "mxfp4", "auto" if first_compiled else "eager", 16, 2, None, 3,
+                                         "cuda", False)
+    assert row["peak_mem_gib"] == expected_gib and row["gpu"] == "fake GPU" and row["step_ms"] == 1.0
