@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import time
@@ -235,12 +236,27 @@ def run(args: argparse.Namespace) -> dict:
 
     with folder_locked(Path(args.out), "adahop ptq"):  # every refusal is behind: only now may --out be created
         _check(args)  # again under the lock: another `adahop ptq` may have finished into --out since the first check
-        return _quantize_and_write(args, t_start, loaded, data, seq_len, batches, tasks, device, bf16, left,
-                                   fit_opts, rot_opts)
+        return _quantize_and_write(args, _Checked(t_start, loaded, data, seq_len, batches, tasks, device, bf16, left,
+                                                  fit_opts, rot_opts))
 
 
-def _quantize_and_write(args, t_start, loaded, data, seq_len, batches, tasks, device, bf16, left, fit_opts,
-                        rot_opts) -> dict:
+@dataclasses.dataclass(frozen=True)
+class _Checked:
+    """What :func:`run` resolved and checked before ``--out`` is locked, for :func:`_quantize_and_write`."""
+    t_start: float  # time.perf_counter() at the start of the run (the results' seconds_total)
+    loaded: object  # adahop.eval.model.LoadedModel of --model
+    data: Path  # the prepared calibration/validation folder
+    seq_len: int
+    batches: list  # calibration batches
+    tasks: object  # zero-shot tasks to score after the export (None: none)
+    device: object  # torch.device
+    bf16: bool  # perplexity under BF16 autocast (CUDA)
+    left: int  # matrix weights of the decoder blocks outside nn.Linear (stay unquantized)
+    fit_opts: object  # adahop.ptq.fit.FitOptions
+    rot_opts: object  # adahop.ptq.quantize.RotationOptions
+
+
+def _quantize_and_write(args, c: _Checked) -> dict:
     """The rest of :func:`run` once every check passed and ``--out`` is locked: baseline, quantization, export."""
     import torch
 
@@ -253,12 +269,12 @@ def _quantize_and_write(args, t_start, loaded, data, seq_len, batches, tasks, de
     from .grids import make_grid
     from .quantize import fit_block, quantize_layer
 
-    model, rc = loaded.model, loaded.run_config or {}
+    model, rc = c.loaded.model, c.loaded.run_config or {}
 
     def ppl(m):
         with torch.no_grad():
-            return perplexity(m, data, split="val", seq_len=seq_len, batch_size=args.batch_size,
-                              max_batches=args.eval_batches, device=device, bf16=bf16)
+            return perplexity(m, c.data, split="val", seq_len=c.seq_len, batch_size=args.batch_size,
+                              max_batches=args.eval_batches, device=c.device, bf16=c.bf16)
 
     base = base_fp32 = None
     if not args.skip_baseline:
@@ -274,57 +290,57 @@ def _quantize_and_write(args, t_start, loaded, data, seq_len, batches, tasks, de
     def prepare(items):  # harp-*: a block's layers of one shape share one fit (fewer, larger launches)
         fitted.clear()
         fitted.update(fit_block(items, args.method, make_grid(args.quantizer, args.bits, args.group_size), generator=gen,
-                                rot_opts=rot_opts, fit_opts=fit_opts, seed=args.seed))
+                                rot_opts=c.rot_opts, fit_opts=c.fit_opts, seed=args.seed))
 
     def quantize(name, w, h):
         try:
             return quantize_layer(w, h, args.method, make_grid(args.quantizer, args.bits, args.group_size), generator=gen,
-                                  rot_opts=rot_opts, fit_opts=fit_opts, damp=args.damp, seed=args.seed, fitted=fitted.get(name))
+                                  rot_opts=c.rot_opts, fit_opts=c.fit_opts, damp=args.damp, seed=args.seed, fitted=fitted.get(name))
         except ValueError as e:  # name the layer: nothing is written
             raise ValueError(f"{name}: {e}") from None
 
     t_q = time.perf_counter()
-    layers = quantize_model(model, batches, quantize, device=device, prepare=prepare)
+    layers = quantize_model(model, c.batches, quantize, device=c.device, prepare=prepare)
     quant_s = time.perf_counter() - t_q
     n_weights = sum(r.weight.numel() for r in layers.values())
     bpw = sum(r.stored_bits for r in layers.values()) / n_weights
     meta = {"method": args.method, "bits": args.bits, "quantizer": args.quantizer, "group_size": grid0.group_size,
-            "unquantized_block_weights": left,
-            "seed": args.seed, "rotation": {k: getattr(rot_opts, k) for k in rot_opts.__slots__},
+            "unquantized_block_weights": c.left,
+            "seed": args.seed, "rotation": {k: getattr(c.rot_opts, k) for k in c.rot_opts.__slots__},
             # the method's own settings (rotation's are above), so that a folder says how it was made
-            "method_options": {k: getattr(args, k) for k in _method_options(args.method) if k not in rot_opts.__slots__},
-            "source_model": str(Path(args.model).resolve()), "source": loaded.info,  # which weights (a checkpoint's?)
-            "calib_data": str(data), "calib_tokens": len(batches) * args.batch_size * seq_len,
+            "method_options": {k: getattr(args, k) for k in _method_options(args.method) if k not in c.rot_opts.__slots__},
+            "source_model": str(Path(args.model).resolve()), "source": c.loaded.info,  # which weights (a checkpoint's?)
+            "calib_data": str(c.data), "calib_tokens": len(c.batches) * args.batch_size * c.seq_len,
             # what `adahop eval` of the folder takes by default, so that it scores the number printed here: the
             # window, the batching (a last partial batch is left out) and how the text was prepared (the source
             # run's settings; without them 'default' was prepared anew with another validation share)
-            "seq_len": seq_len, "batch_size": args.batch_size, "eval_batches": args.eval_batches,
+            "seq_len": c.seq_len, "batch_size": args.batch_size, "eval_batches": args.eval_batches,
             "data_settings": {k: rc[k] for k in DATA_SETTINGS if k in rc}}
     out = Path(args.out)
-    save_quantized(model, loaded.tokenizer, out, layers, meta)
+    save_quantized(model, c.loaded.tokenizer, out, layers, meta)
     del model
-    reloaded = load_model(out, device=device)  # the number printed is the written folder's
+    reloaded = load_model(out, device=c.device)  # the number printed is the written folder's
     res_ppl = ppl(reloaded.model)
     fits = [r.stats["harp"] for r in layers.values() if "harp" in r.stats]
     res = {**meta, "bits_per_weight": bpw, "quantized_weights": n_weights, "perplexity": res_ppl, "baseline": base,
-           "baseline_fp32": base_fp32, "seq_len": seq_len, "device": str(device), "seconds_quantize": quant_s,
+           "baseline_fp32": base_fp32, "seq_len": c.seq_len, "device": str(c.device), "seconds_quantize": quant_s,
            "seconds_total": None,
            "harp_fit_seconds_per_layer": (sum(f["seconds"] for f in fits) / len(fits)) if fits else None,
            "git_revision": git_revision(), "packed": str(out / PACKED_FILE),
            "layers": {n: {"shape": list(r.weight.shape), "stored_bits": r.stored_bits, **r.stats} for n, r in layers.items()}}
-    if tasks is not None:
+    if c.tasks is not None:
         res["eval_max_length"] = args.eval_max_length
         try:
-            res["zero_shot"] = _zero_shot(args, reloaded, bf16, *tasks)
+            res["zero_shot"] = _zero_shot(args, reloaded, c.bf16, *c.tasks)
         except ValueError as e:  # e.g. an answer longer than the window: keep the quantization, say how to score it
             msg = str(e).replace("--max-length", "--eval-max-length")
-            res["zero_shot_error"], res["seconds_total"] = msg, time.perf_counter() - t_start
+            res["zero_shot_error"], res["seconds_total"] = msg, time.perf_counter() - c.t_start
             print(_table(res))
             atomic_write_text(out / RESULTS_FILE, json.dumps(res, indent=1))
             raise ValueError(f"{msg}. The quantized model and {RESULTS_FILE} are written to {out}; score it with "
                              f"`adahop eval {out} --tasks {args.eval_tasks}"
                              + (f" --limit {args.eval_limit}" if args.eval_limit else "") + " --max-length N`") from None
-    res["seconds_total"] = time.perf_counter() - t_start
+    res["seconds_total"] = time.perf_counter() - c.t_start
     print(_table(res))
     atomic_write_text(out / RESULTS_FILE, json.dumps(res, indent=1))  # written last: its presence means finished
     print(f"wrote {out} (transformers folder, {PACKED_FILE}, {RESULTS_FILE}) in {res['seconds_total']:.0f} s")
