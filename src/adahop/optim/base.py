@@ -243,7 +243,7 @@ class MasterOptimizer(torch.optim.Optimizer):
             plan = self._plans.get(gi)
             if plan is None or not plan.step(self, group, base):
                 self._plans.pop(gi, None)
-                self._general_step(group, base)
+                self._general_step(group, base, checked=plan is None)  # a group without a plan was checked above
                 self._plans[gi] = _Plan.build(self, group, base)
             base += len(group["params"])
         return loss
@@ -275,8 +275,9 @@ class MasterOptimizer(torch.optim.Optimizer):
                                  f"not contiguous, and the fused step updates it in place; store it contiguous "
                                  f"(p.data = p.data.contiguous()) before the first step")
 
-    def _general_step(self, group: dict, base: int) -> None:
-        self._check_params(group, base)
+    def _general_step(self, group: dict, base: int, checked: bool = False) -> None:
+        if not checked:
+            self._check_params(group, base)
         names = STATE_NAMES[self.algorithm]
         buckets: dict = {}
         for index, p in enumerate(group["params"], base):
