@@ -132,6 +132,22 @@ def test_a_resume_that_runs_no_step_validates_at_its_last_step(data_dir, tmp_pat
         capsys.readouterr().err
 
 
+@pytest.mark.parametrize("recipe", ["nvfp4", "tseng"])
+def test_a_resume_that_toggles_compile_of_a_stochastic_recipe_says_the_random_stream_changes(recipe, data_dir, tmp_path,
+                                                                                              single_thread, capsys):
+    """Compiled layers draw their stochastic-rounding bits and random signs from another stream than eager ones
+    (seed_compiled_rng): the resumed run is another sample, not the uninterrupted run to float rounding."""
+    from adahop.train.setup import check_run_dir
+
+    cfg = _cfg(data_dir, tmp_path / "r", recipe=recipe, steps=2, ckpt_every=1, eval_every=0, calib_steps=None)
+    train(cfg)
+    (tmp_path / "r" / "model.safetensors").unlink()
+    capsys.readouterr()
+    assert check_run_dir(dataclasses.replace(cfg, resume=True, compile=True), tmp_path / "r") == 2
+    err = capsys.readouterr().err
+    assert f"recipe {recipe} draws random bits" in err and "agree to float rounding" not in err
+
+
 def test_loss_falls_and_run_folder_is_complete(data_dir, tmp_path, single_thread):
     s = train(_cfg(data_dir, tmp_path / "r", steps=30, eval_every=30, ckpt_every=0, lr=1e-2))
     recs = read_metrics(tmp_path / "r" / "metrics.jsonl")
