@@ -93,6 +93,8 @@ import adahop.train.loop
      "argument --bits: invalid choice: 5 (choose from "),
     (["train", "--steps", "many"], "argument --steps: invalid int value: 'many'"),
     (["data", "prepare", "--out", "d"], "the following arguments are required: --source"),
+    (["train", "--stesp", "20"], "unrecognized arguments: --stesp 20"),  # named `adahop: error`, `adahop --help`
+    (["data", "prepare", "--source", "s", "--out", "d", "--lowercase"], "unrecognized arguments: --lowercase"),
 ])
 def test_option_errors_are_one_line_and_a_pointer_to_help(argv, error, capsys):
     """An invalid choice printed the whole usage first (40 lines for `adahop train`), the error last."""

@@ -27,6 +27,20 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}\nsee `{self.prog} --help`\n")
 
+    def parse_args(self, args=None, namespace=None):
+        """argparse's, but an unknown option is named by the (sub)command that was given it, with a pointer
+        to that command's ``--help`` (argparse names the root, whose help lists no option of a subcommand)."""
+        ns, extra = self.parse_known_args(args, namespace)
+        if extra:
+            parser = self
+            while True:  # down to the innermost subcommand given
+                sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+                if sub is None or getattr(ns, sub.dest, None) not in sub.choices:
+                    break
+                parser = sub.choices[getattr(ns, sub.dest)]
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        return ns
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of every ``adahop`` subcommand."""
