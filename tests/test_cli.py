@@ -93,6 +93,7 @@ import adahop.train.loop
      "argument --bits: invalid choice: 5 (choose from "),
     (["train", "--steps", "many"], "argument --steps: invalid int value: 'many'"),
     (["data", "prepare", "--out", "d"], "the following arguments are required: --source"),
+    (["data"], "the following arguments are required: {prepare}"),  # was 'data_cmd', argparse's dest
     (["train", "--stesp", "20"], "unrecognized arguments: --stesp 20"),  # named `adahop: error`, `adahop --help`
     (["data", "prepare", "--source", "s", "--out", "d", "--lowercase"], "unrecognized arguments: --lowercase"),
 ])

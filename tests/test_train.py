@@ -571,6 +571,13 @@ def test_a_run_of_another_definition_of_its_recipe_is_neither_resumed_nor_reused
     record(now[:-1] + ", dual_layout=True)")
     diff = settings_diff(cfg, run, ("recipe",), definition=True)
     assert len(diff) == 1 and "the mxfp4 recipe's definition changed since the run (dual_layout=True;" in diff[0], diff
+    # another --calib-steps is the flag's change, not a definition of another adahop version (probe user)
+    lv2_4 = TrainConfig(recipe="adahop-lv2", calib_steps=4, out=str(run))
+    from adahop.train.setup import _configured_recipe
+    (run / "config.json").write_text(json.dumps({"adahop": {"config": lv2_4.to_dict(),
+                                                            "recipe": repr(_configured_recipe(lv2_4))}}))
+    lv2_5 = dataclasses.replace(lv2_4, calib_steps=5)
+    assert settings_diff(lv2_5, run, ("recipe", "calib_steps"), definition=True) == ["--calib-steps 4 → 5"]
     record(now.replace("scale_rule='floor'", "scale_rule='ceil'"))
     monkeypatch.setattr(cmp, "resolve_data", lambda c: tmp_path)
     monkeypatch.setattr(cmp, "_run_child", lambda argv: pytest.fail("the stale run was reused or retrained"))

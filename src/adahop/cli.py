@@ -98,7 +98,18 @@ def build_parser() -> argparse.ArgumentParser:
     from .ptq.cli import add_arguments as add_ptq  # light: heavy imports happen inside run()
 
     add_ptq(pq)
+    _name_commands(p)
     return p
+
+
+def _name_commands(parser: argparse.ArgumentParser) -> None:
+    """Give every subcommand group the metavar its help shows, ``{linear,model}``: argparse names a missing
+    one by its dest otherwise ("the following arguments are required: bench_cmd")."""
+    for a in parser._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            a.metavar = a.metavar or "{" + ",".join(a.choices) + "}"
+            for child in a.choices.values():
+                _name_commands(child)
 
 
 def _leave_error(args, message: str) -> None:

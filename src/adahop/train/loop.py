@@ -166,8 +166,8 @@ def _on_sigint(stop: dict):
         if stop["asked"]:  # waiting for a long step to end is what the user refuses now
             raise KeyboardInterrupt
         stop["asked"] = True
-        name = b"Ctrl-C" if signum == signal.SIGINT else b"SIGTERM"
-        os.write(2, b"\n" + name + b": stopping after this step and writing a checkpoint; Ctrl-C again aborts at "
+        name, again = (b"Ctrl-C", b"Ctrl-C again") if signum == signal.SIGINT else (b"SIGTERM", b"a second SIGTERM or a Ctrl-C")
+        os.write(2, b"\n" + name + b": stopping after this step and writing a checkpoint; " + again + b" aborts at "
                     b"once (the last complete checkpoint stays)\n")  # os.write: print is not safe inside a handler
     return handler
 

@@ -77,7 +77,10 @@ def settings_diff(cfg: TrainConfig, run: Path, keys, definition: bool = False) -
             continue
         diff.append(f"--{k.replace('_', '-')} {saved[k]!r} → {now.get(k)!r}")
     if definition and section.get("recipe") and saved.get("recipe") == cfg.recipe:
-        old, new = (_DESCRIPTION.sub("", r) for r in (section["recipe"], repr(_configured_recipe(cfg))))
+        # today's preset under the run's own --calib-steps: a changed flag is reported above as the flag, not as
+        # a definition that changed (which points at another adahop version)
+        as_run = dataclasses.replace(cfg, calib_steps=saved["calib_steps"]) if "calib_steps" in saved else cfg
+        old, new = (_DESCRIPTION.sub("", r) for r in (section["recipe"], repr(_configured_recipe(as_run))))
         old, new = _without_added_defaults(old, new)
         if old != new:  # the description's words change no number
             diff.append(f"the {cfg.recipe} recipe's definition changed since the run ({_repr_changes(old, new)}; "
