@@ -34,7 +34,7 @@ class _Parser(argparse.ArgumentParser):
         if extra:
             parser = self
             while True:  # down to the innermost subcommand given
-                sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+                sub = _subcommands(parser)
                 if sub is None or getattr(ns, sub.dest, None) not in sub.choices:
                     break
                 parser = sub.choices[getattr(ns, sub.dest)]
@@ -102,14 +102,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _subcommands(parser: argparse.ArgumentParser):
+    """``parser``'s group of subcommands (its ``add_subparsers`` action), or None."""
+    return next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+
+
 def _name_commands(parser: argparse.ArgumentParser) -> None:
     """Give every subcommand group the metavar its help shows, ``{linear,model}``: argparse names a missing
     one by its dest otherwise ("the following arguments are required: bench_cmd")."""
-    for a in parser._actions:
-        if isinstance(a, argparse._SubParsersAction):
-            a.metavar = a.metavar or "{" + ",".join(a.choices) + "}"
-            for child in a.choices.values():
-                _name_commands(child)
+    sub = _subcommands(parser)
+    if sub is not None:
+        sub.metavar = sub.metavar or "{" + ",".join(sub.choices) + "}"
+        for child in sub.choices.values():
+            _name_commands(child)
 
 
 def _leave_error(args, message: str) -> None:

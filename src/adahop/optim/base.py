@@ -242,8 +242,10 @@ class MasterOptimizer(torch.optim.Optimizer):
         for gi, group in enumerate(self.param_groups):
             plan = self._plans.get(gi)
             if plan is None or not plan.step(self, group, base):
+                if plan is not None:  # a kept plan stopped fitting: the group was not checked above
+                    self._check_params(group, base)
                 self._plans.pop(gi, None)
-                self._general_step(group, base, checked=plan is None)  # a group without a plan was checked above
+                self._general_step(group, base)
                 self._plans[gi] = _Plan.build(self, group, base)
             base += len(group["params"])
         return loss
@@ -275,9 +277,9 @@ class MasterOptimizer(torch.optim.Optimizer):
                                  f"not contiguous, and the fused step updates it in place; store it contiguous "
                                  f"(p.data = p.data.contiguous()) before the first step")
 
-    def _general_step(self, group: dict, base: int, checked: bool = False) -> None:
-        if not checked:
-            self._check_params(group, base)
+    def _general_step(self, group: dict, base: int) -> None:
+        """One step of ``group`` through per-parameter states, bucketed by (step, device, dtypes); its parameters
+        were checked by :meth:`step` (:meth:`_check_params`)."""
         names = STATE_NAMES[self.algorithm]
         buckets: dict = {}
         for index, p in enumerate(group["params"], base):

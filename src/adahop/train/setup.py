@@ -247,14 +247,14 @@ def check_run_dir(cfg: TrainConfig, run: Path) -> int | None:
     toggled = settings_diff(cfg, run, ("compile",))
     if toggled:  # allowed (an eager run may finish compiled), but then it is not the uninterrupted run to the bit
         if get_recipe(cfg.recipe).draws_random_bits:  # compiled layers draw from another stream (seed_compiled_rng)
-            print(f"warning: --resume with {toggled[0]}: recipe {cfg.recipe} draws random bits (stochastic rounding or "
-                  "random signs), and compiled layers draw them from another stream than eager ones "
-                  "(adahop.nn.seed_compiled_rng), so the resumed run is another sample of the recipe, not an "
-                  "uninterrupted one to float rounding", file=sys.stderr)
+            why = (f"recipe {cfg.recipe} draws random bits (stochastic rounding or random signs), and compiled layers "
+                   "draw them from another stream than eager ones (adahop.nn.seed_compiled_rng), so the resumed run is "
+                   "another sample of the recipe, not an uninterrupted one to float rounding")
         else:
-            print(f"warning: --resume with {toggled[0]}: compiled and eager steps agree to float rounding, not bit for bit "
-                  "(Inductor fuses reductions, and a quantizer's rounding can flip on such a difference), so the resumed "
-                  "run will not equal an uninterrupted one exactly", file=sys.stderr)
+            why = ("compiled and eager steps agree to float rounding, not bit for bit (Inductor fuses reductions, and a "
+                   "quantizer's rounding can flip on such a difference), so the resumed run will not equal an "
+                   "uninterrupted one exactly")
+        print(f"warning: --resume with {toggled[0]}: {why}", file=sys.stderr)
     return step  # == --steps: the run ended before its export was written; resuming writes it
 
 
