@@ -147,6 +147,9 @@
 #      r33b: Llama-3.2-1B 4096 x 4, mode auto, one process: R33B (default bf16, adahop-lv2, torchao float8 rowwise and
 #      tensorwise; needs .whl carried); r33a: llama-125m then llama-350m 1024 x 16, mode auto, one process each (bf16,
 #      mxfp4, @saved-fp8, adahop-lv2). Rows in $OUT/*.json
+#   r34c (issue 18, one GPU): saved_census of Llama-3.2-1B (2 blocks, 4096 x 1 and x 2, projected to 16 x 16384) for R34C
+#      (default bf16, torchao float8 rowwise, mxfp4, adahop-lv2; needs .whl), --mode compiled then eager (why compiled
+#      MXFP4 peaks above torchao's FP8, round 32), then the 8B-shaped rows (4 blocks, 4096 x 2, bf16/mxfp4/adahop-lv2, auto)
 #   r21a (issue 18, one GPU): where the 8B-shaped model's first compile goes (round 20: mxfp4's did not finish in ~260 s;
 #      scripts/compile_census.py puts adahop's Triton kernels at ~12 s of it): scripts/bench_compile.py --phases cold for
 #      mxfp4 and adahop-lv2 at 4 blocks of Llama-3.1-8B, 4096 x 2, each alone with empty caches (COLD_TIMEOUT s each,
@@ -558,6 +561,19 @@ if [ "$STAGE" = r33a ]; then  # issue 18: the small models' rows with the curren
   timeout $(( ${LIM:-570} - $(el) )) python3 -m adahop bench model --modes auto --model llama-350m --seq-len 1024 --batch-size 16 \
     --recipes bf16,mxfp4,adahop-lv2,adahop-lv2@saved-fp8 --json $OUT/bench_350m.json > $OUT/bench_350m.log 2>&1
   echo "350m: exit $? at $(el) s"; grep -E "^llama" $OUT/bench_350m.log | cut -c1-200
+  echo "stage $STAGE done at $(el) s"; exit 0
+fi
+if [ "$STAGE" = r34c ]; then  # issue 18's memory lead: what compiled steps save (1B, 2 blocks), then the 8B-shaped rows
+  export CUDA_VISIBLE_DEVICES=0
+  for MODE in compiled eager; do
+    timeout $(( ${CEN_LIM:-420} - $(el) )) python3 -m adahop.bench.saved_census --model llama3.2-1b --layers 2 --seq-len 4096 \
+      --batch-size 1 --recipes ${R34C:-bf16,torchao-fp8-rowwise,mxfp4,adahop-lv2} --mode $MODE --shapes 20 --project 16:16384 \
+      --device cuda --json $OUT/census_$MODE.json > $OUT/census_$MODE.log 2>&1
+    echo "census $MODE: exit $? at $(el) s"; grep -v "^W1\|Failed to load" $OUT/census_$MODE.log | head -120
+  done
+  timeout $(( ${LIM:-570} - $(el) )) python3 -m adahop bench model --modes auto --model llama3.1-8b --layers 4 --seq-len 4096 \
+    --batch-size 2 --recipes bf16,mxfp4,adahop-lv2 --json $OUT/bench_8b.json > $OUT/bench_8b.log 2>&1
+  echo "8b-shaped: exit $? at $(el) s"; grep -E "^llama" $OUT/bench_8b.log | cut -c1-200
   echo "stage $STAGE done at $(el) s"; exit 0
 fi
 if [ "$STAGE" = r29p ]; then  # issue 18: the 350m kernel profile, and the small-GEMM rule where it keeps FP8 work

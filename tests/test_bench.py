@@ -273,6 +273,22 @@ def test_saved_census_counts_each_storage_once_and_fits_tokens_apart_from_weight
         linear_fit(small, small)
 
 
+def test_saved_census_of_a_compiled_step_counts_the_graphs_saved_tensors_by_shape():
+    """Compiled, autograd still sees what the graph saves, but no module runs its hooks: every byte is in one row,
+    named by dtype and shape, and the FP32 logits the loss keeps are among them, as eager. An unknown mode is refused."""
+    from adahop.bench.saved_census import COMPILED_KIND, census
+    vocab = 32768
+    eager, compiled = (census("llama-tiny", "bf16", 32, 2, layers=1, mode=m) for m in ("eager", "compiled"))
+    assert list(compiled["by_kind"]) == [COMPILED_KIND] and compiled["mode"] == "compiled"
+    assert sum(compiled["by_shape"].values()) == compiled["total"] == sum(compiled["by_dtype"].values())
+    assert sum(eager["by_shape"].values()) == eager["total"] and COMPILED_KIND not in eager["by_kind"]
+    for c in (eager, compiled):
+        assert c["by_shape"][f"float32[64, {vocab}]"] == 64 * vocab * 4 and c["step_peak"] is None
+    assert 0 < compiled["total"] <= eager["total"] * 1.05  # the partitioner recomputes; it does not save much more
+    with pytest.raises(ValueError, match="unknown mode 'fast'"):
+        census("llama-tiny", "bf16", 32, 2, layers=1, mode="fast")
+
+
 @pytest.mark.parametrize("first_compiled, expected_gib", [(None, 16.0), (2, 12.0)], ids=["eager", "cuda-graphs"])
 def test_bench_model_peak_spans_the_compile_of_a_compiled_row(monkeypatch, first_compiled, expected_gib):
     """The peak a row reports (round 31's silent wrong number): CUDA-graph replays allocate nothing, so a compiled row's

@@ -20,6 +20,8 @@ from collections import defaultdict
 
 import torch
 
+from .options import COMPILE_MODES  # torch-free
+
 __all__ = ["census", "linear_fit", "project", "main"]
 
 
@@ -38,22 +40,38 @@ def _kind(module: torch.nn.Module, name: str) -> str:
     return f"{scope}: other (logits, loss, glue)"
 
 
-def census(model: str, recipe: str, seq_len: int, batch: int, layers: int | None = None, device: str = "cpu") -> dict:
+#: the row of every tensor a compiled step saves: its graph runs no module hooks, so only dtype and shape name it
+COMPILED_KIND = "compiled graph (no module attribution)"
+
+
+def census(model: str, recipe: str, seq_len: int, batch: int, layers: int | None = None, device: str = "cpu",
+           mode: str = "eager") -> dict:
     """Bytes saved for backward by one training step of ``bench model``'s ``model`` in ``recipe``.
 
+    ``mode`` is a key of :data:`adahop.bench.options.COMPILE_MODES`. Eager, each saved tensor is
+    attributed to the module that saved it; compiled, autograd sees the graph's saved tensors (the
+    partitioner's choice between saving and recomputing) but no modules, so every byte is in the row
+    :data:`COMPILED_KIND` and ``by_shape`` names them.
+
     Returns a dict: ``total`` (bytes), ``per_token`` (bytes per token), ``by_kind`` (bytes per module kind,
-    see :func:`_kind`), ``by_dtype`` (bytes per dtype name), ``layers`` and ``tokens``.
+    see :func:`_kind`), ``by_dtype`` (bytes per dtype name), ``by_shape`` (bytes per ``"dtype[shape]"``,
+    largest first), ``layers``, ``tokens`` and ``mode``.
 
     Raises:
-        ValueError: as :func:`adahop.bench.harness.model_step` (an unknown recipe).
+        ValueError: as :func:`adahop.bench.harness.model_step` (an unknown recipe); an unknown ``mode``.
     """
     from .harness import model_step
 
-    m, step = model_step(model, recipe, "eager", seq_len, batch, layers, device)
-    for i in range(2):  # a calibrating recipe calibrates for 2 steps and freezes its plan
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"saved_census: unknown mode {mode!r}; use one of {', '.join(COMPILE_MODES)}")
+    m, step = model_step(model, recipe, mode, seq_len, batch, layers, device)
+    # eager: a calibrating recipe calibrates for 2 steps and freezes its plan; compiled: then the compiling
+    # step and two more (CUDA-graph trees warm up, then record), so the counted step is a replay
+    warm = 2 if step.first_compiled is None else step.first_compiled + 3
+    for i in range(warm):
         step(i)
     params = {p.untyped_storage().data_ptr() for p in m.parameters()}
-    names = {mod: n for n, mod in m.named_modules()}
+    names = {mod: n for n, mod in m.named_modules()} if step.first_compiled is None else {}
     stack: list[torch.nn.Module] = []
     def enter(mod, args) -> None:
         stack.append(mod)
@@ -65,6 +83,7 @@ def census(model: str, recipe: str, seq_len: int, batch: int, layers: int | None
     seen: set[int] = set()
     by_kind: dict[str, int] = defaultdict(int)
     by_dtype: dict[str, int] = defaultdict(int)
+    by_shape: dict[str, int] = defaultdict(int)
 
     def pack(t: torch.Tensor):
         s = t.untyped_storage()
@@ -72,20 +91,32 @@ def census(model: str, recipe: str, seq_len: int, batch: int, layers: int | None
         if ptr not in seen and ptr not in params and s.nbytes():
             seen.add(ptr)
             mod = stack[-1] if stack else m
-            by_kind[_kind(mod, names.get(mod, ""))] += s.nbytes()
-            by_dtype[str(t.dtype).removeprefix("torch.")] += s.nbytes()
+            kind = _kind(mod, names.get(mod, "")) if names else COMPILED_KIND
+            by_kind[kind] += s.nbytes()
+            dtype = str(t.dtype).removeprefix("torch.")
+            by_dtype[dtype] += s.nbytes()
+            by_shape[f"{dtype}{list(t.shape)}"] += s.nbytes()
         return t
 
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            step(2)
+            step(warm)
     finally:
         for h in hooks:
             h.remove()
+    # what the step allocated above its start at its peak: saved tensors, transients, the CUDA graphs' pool
+    # when recorded in it (a replay allocates nothing there, so under CUDA graphs this misses the pool)
+    step_peak = torch.cuda.max_memory_allocated() - before if cuda else None
     total = sum(by_kind.values())
-    return dict(model=model, recipe=recipe, layers=layers or m.config.num_hidden_layers, tokens=seq_len * batch,
-                total=total, per_token=total / (seq_len * batch),
-                by_kind=dict(sorted(by_kind.items(), key=lambda kv: -kv[1])), by_dtype=dict(by_dtype))
+    return dict(model=model, recipe=recipe, mode=mode, step_peak=step_peak, layers=layers or m.config.num_hidden_layers,
+                tokens=seq_len * batch, total=total, per_token=total / (seq_len * batch),
+                by_kind=dict(sorted(by_kind.items(), key=lambda kv: -kv[1])), by_dtype=dict(by_dtype),
+                by_shape=dict(sorted(by_shape.items(), key=lambda kv: -kv[1])))
 
 
 def linear_fit(small: dict, large: dict) -> dict[str, tuple[float, float]]:
@@ -122,12 +153,17 @@ def main(argv=None) -> None:
     p.add_argument("--project", default="16:32768", metavar="LAYERS:TOKENS",
                    help="the step to project the saved bytes to (default: Llama-3.2-1B's 16 blocks at 4096 x 8)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--mode", default="eager", choices=list(COMPILE_MODES),
+                   help="how the step runs (bench model's --modes); compiled: the census is by dtype and shape only")
+    p.add_argument("--shapes", type=int, default=0, metavar="N",
+                   help="also print each recipe's N largest saved (dtype, shape) groups at the larger token count")
     p.add_argument("--json", help="write the censuses and fits here")
     a = p.parse_args(argv)
     pl, pt = (int(x) for x in a.project.split(":"))
     runs = []
     for r in a.recipes.split(","):
-        small, large = (census(a.model, r, a.seq_len, b, a.layers, a.device) for b in (a.batch_size, 2 * a.batch_size))
+        small, large = (census(a.model, r, a.seq_len, b, a.layers, a.device, a.mode)
+                        for b in (a.batch_size, 2 * a.batch_size))
         runs.append(dict(recipe=r, small=small, large=large, fit=linear_fit(small, large), projected=None))
         runs[-1]["projected"] = project(runs[-1]["fit"], pl, pt)
     kinds = list(dict.fromkeys(k for c in runs for k in c["fit"]))
@@ -141,6 +177,12 @@ def main(argv=None) -> None:
     base = runs[0]["projected"]
     print(f"projected to {pl} blocks x {pt} tokens: " + ", ".join(
         f"{c['recipe']} {c['projected'] / 2**30:.1f} GiB ({c['projected'] / base:.3f}x)" for c in runs))
+    for c in runs if a.shapes else ():
+        large = c["large"]
+        peak = "" if large["step_peak"] is None else f"; the step's peak above its start {large['step_peak'] / 2**30:.2f} GiB"
+        print(f"{c['recipe']} ({a.mode}), {large['tokens']} tokens: the {a.shapes} largest saved groups, B/token{peak}")
+        for key, n in list(large["by_shape"].items())[:a.shapes]:
+            print(f"  {key:40s} {n / large['tokens']:10,.1f}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(runs, f, indent=1)
