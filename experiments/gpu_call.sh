@@ -147,7 +147,7 @@
 #      r33b: Llama-3.2-1B 4096 x 4, mode auto, one process: R33B (default bf16, adahop-lv2, torchao float8 rowwise and
 #      tensorwise; needs .whl carried); r33a: llama-125m then llama-350m 1024 x 16, mode auto, one process each (bf16,
 #      mxfp4, @saved-fp8, adahop-lv2). Rows in $OUT/*.json
-#   r34 (issue 18, either card): r33m on an H200 (over 100 GB), else r34c
+#   r34 (issue 18, either card): scripts/bench_topk.py (OE's top-k), then r33m on an H200 (over 100 GB), else r34c
 #   r34c (issue 18, one GPU): saved_census of Llama-3.2-1B (2 blocks, 4096 x 1 and x 2, projected to 16 x 16384) for R34C
 #      (default bf16, torchao float8 rowwise, mxfp4, adahop-lv2; needs .whl), --mode compiled then eager (why compiled
 #      MXFP4 peaks above torchao's FP8, round 32), then the 8B-shaped rows (4 blocks, 4096 x 2, bf16/mxfp4/adahop-lv2, auto)
@@ -540,6 +540,8 @@ if [ "$STAGE" = r34 ]; then  # whichever card comes: an H200 runs r33m (it needs
   MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
   if [ "$MEM" -gt 100000 ]; then STAGE=r33m; else STAGE=r34c; fi
   echo "card with $MEM MiB: stage $STAGE"
+  timeout 60 python3 scripts/bench_topk.py --json $OUT/bench_topk.json > $OUT/bench_topk.log 2>&1; echo "bench_topk: exit $? at $(el) s"
+  cat $OUT/bench_topk.log | tail -12
 fi
 if [ "$STAGE" = r33m ]; then  # issue 18's memory row on an H200: Llama-3.2-1B at 4096 x 8, eager + largest batch, then auto
   export CUDA_VISIBLE_DEVICES=0

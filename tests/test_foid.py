@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from adahop.analysis.foid import foid_compare, foid_markdown, foid_synthetic
-from adahop.gemm import gemm, lowp_matmul, oe_indices
+from adahop.gemm import TOPK_CHUNK, gemm, lowp_matmul, oe_indices, top_indices
 from adahop.recipes import GemmSpec, get_recipe
 from adahop.recipes.table import gemm_table
 
@@ -23,6 +23,31 @@ def test_oe_indices_exact_is_topk_of_full_norm_and_foid_of_the_prefix():
     # a prefix at least Kc long is the exact rule; columns (kc_axis 0) the same on the transpose
     assert oe_indices(t, 1, 5, prefix=500).tolist() == oe_indices(t, 1, 5).tolist()
     assert oe_indices(t.t(), 0, 5, prefix=64).tolist() == oe_indices(t, 1, 5, prefix=64).tolist()
+
+
+@pytest.mark.parametrize("n", [TOPK_CHUNK, 2 * TOPK_CHUNK + 1, 5 * TOPK_CHUNK, 16384 + 77])
+@pytest.mark.parametrize("k", [1, 64, 256])
+def test_top_indices_in_two_passes_are_topks_indices(n, k):
+    """The two-pass top-k (a long vector: OE over 16,384 tokens) picks exactly torch.topk's values, largest first;
+    distinct values leave no tie, so the indices are torch.topk's too. 256 is the most a 1,024-long first pass
+    keeps; one more goes back to torch.topk."""
+    g = torch.Generator().manual_seed(n + k)
+    v = torch.randperm(n, generator=g).float()  # distinct
+    assert top_indices(v, k).tolist() == torch.topk(v, k).indices.tolist()
+    ties = torch.randint(0, 40, (n,), generator=g).float()  # many ties: the values, not the indices, are fixed
+    got = top_indices(ties, k)
+    assert got.unique().numel() == k and ties[got].tolist() == torch.topk(ties, k).values.tolist()
+    if n > 2 * TOPK_CHUNK:  # NaN counts as largest, in any slice, as in torch.topk
+        v[n - 3] = float("nan")
+        assert top_indices(v, k)[0] == n - 3
+    assert top_indices(v, min(n, 257)).tolist() == torch.topk(v, min(n, 257)).indices.tolist()
+
+
+def test_top_indices_refuses_what_topk_cannot_take():
+    with pytest.raises(ValueError, match="1-D tensor and 1 <= k <= its length"):
+        top_indices(torch.zeros(4, 8), 1)
+    with pytest.raises(ValueError, match="got shape \\(3000,\\), k=3001"):
+        top_indices(torch.zeros(3000), 3001)
 
 
 def test_oe_takes_float64_operands():

@@ -23,7 +23,7 @@ from .formats import MXTensor, NVFP4Tensor
 from .hadamard import block_hadamard, hashed_signs, random_signs
 from .recipes.spec import GemmSpec, OperandSpec, Transform
 
-__all__ = ["Prepared", "prepare", "multiply", "gemm", "lowp_matmul", "draw_signs", "without_quantization", "oe_indices"]
+__all__ = ["Prepared", "prepare", "multiply", "gemm", "lowp_matmul", "draw_signs", "without_quantization", "oe_indices", "top_indices"]
 
 Quantized = MXTensor | NVFP4Tensor
 
@@ -275,7 +275,40 @@ def oe_indices(t: torch.Tensor, kc_axis: int, k: int, prefix: int | None = None)
     scan = t if prefix is None else t.narrow(kc_axis, 0, min(prefix, t.shape[kc_axis]))
     # norms in FP32 without an FP32 copy of t (a float64 t keeps float64: vector_norm refuses to narrow)
     dtype = torch.promote_types(t.dtype, torch.float32)
-    return torch.topk(torch.linalg.vector_norm(scan, dim=kc_axis, dtype=dtype), k).indices
+    return top_indices(torch.linalg.vector_norm(scan, dim=kc_axis, dtype=dtype), k)
+
+
+#: The slice length of :func:`top_indices`'s first pass.
+TOPK_CHUNK = 1024
+
+
+def top_indices(v: torch.Tensor, k: int) -> torch.Tensor:
+    """The indices of the ``k`` largest values of the 1-D ``v``, largest first: ``torch.topk(v, k).indices``
+    up to the order of ties, in two passes when ``v`` is long. ``torch.topk`` of one long vector runs
+    on the GPU as a single thread block (``sbtopk::gatherTopK``, 2.74 ms of a llama-125m AdaHOP-Lv2
+    step, `docs/benchmarks.md` round 17); the top ``k`` of each :data:`TOPK_CHUNK`-long slice runs a block
+    per slice, and the top ``k`` overall are among those candidates, so a second top-k over them is exact.
+
+    Args:
+        v: 1-D, floating point (NaN counts as largest, as in ``torch.topk``). k: ``1 <= k <= len(v)``.
+
+    Returns:
+        int64 ``[k]`` indices into ``v``.
+
+    Raises:
+        ValueError: ``v`` not 1-D, or ``k`` out of range.
+    """
+    if v.ndim != 1 or not 1 <= k <= v.numel():
+        raise ValueError(f"top_indices needs a 1-D tensor and 1 <= k <= its length, got shape {tuple(v.shape)}, k={k}")
+    n = v.numel()
+    if n <= 2 * TOPK_CHUNK or 4 * k > TOPK_CHUNK:  # short, or too few values dropped by the first pass to gain
+        return torch.topk(v, k).indices
+    pad = -n % TOPK_CHUNK
+    if pad:  # -inf fills the last slice; k <= n, so no pad value is ever among the top k
+        v = torch.nn.functional.pad(v, (0, pad), value=float("-inf"))
+    first = torch.topk(v.view(-1, TOPK_CHUNK), k, dim=1)
+    where = first.indices + torch.arange(0, n + pad, TOPK_CHUNK, device=v.device).unsqueeze(1)
+    return where.flatten()[torch.topk(first.values.flatten(), k).indices]
 
 
 def _own(c: torch.Tensor, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
