@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from adahop.analysis.foid import foid_compare, foid_markdown, foid_synthetic
-from adahop.gemm import TOPK_CHUNK, gemm, lowp_matmul, oe_indices, top_indices
+from adahop.gemm import TOPK_CHUNK, TOPK_TWO_PASS, gemm, lowp_matmul, oe_indices, top_indices
 from adahop.recipes import GemmSpec, get_recipe
 from adahop.recipes.table import gemm_table
 
@@ -25,7 +25,7 @@ def test_oe_indices_exact_is_topk_of_full_norm_and_foid_of_the_prefix():
     assert oe_indices(t.t(), 0, 5, prefix=64).tolist() == oe_indices(t, 1, 5, prefix=64).tolist()
 
 
-@pytest.mark.parametrize("n", [TOPK_CHUNK, 2 * TOPK_CHUNK + 1, 5 * TOPK_CHUNK, 16384 + 77])
+@pytest.mark.parametrize("n", [TOPK_CHUNK, TOPK_TWO_PASS[0], 16384 + 77, TOPK_TWO_PASS[1], TOPK_TWO_PASS[1] + 1])
 @pytest.mark.parametrize("k", [1, 64, 256])
 def test_top_indices_in_two_passes_are_topks_indices(n, k):
     """The two-pass top-k (a long vector: OE over 16,384 tokens) picks exactly torch.topk's values, largest first;
@@ -37,7 +37,7 @@ def test_top_indices_in_two_passes_are_topks_indices(n, k):
     ties = torch.randint(0, 40, (n,), generator=g).float()  # many ties: the values, not the indices, are fixed
     got = top_indices(ties, k)
     assert got.unique().numel() == k and ties[got].tolist() == torch.topk(ties, k).values.tolist()
-    if n > 2 * TOPK_CHUNK:  # NaN counts as largest, in any slice, as in torch.topk
+    if n > TOPK_CHUNK:  # NaN counts as largest, in any slice, as in torch.topk
         v[n - 3] = float("nan")
         assert top_indices(v, k)[0] == n - 3
     assert top_indices(v, min(n, 257)).tolist() == torch.topk(v, min(n, 257)).indices.tolist()

@@ -23,7 +23,7 @@ from .formats import MXTensor, NVFP4Tensor
 from .hadamard import block_hadamard, hashed_signs, random_signs
 from .recipes.spec import GemmSpec, OperandSpec, Transform
 
-__all__ = ["Prepared", "prepare", "multiply", "gemm", "lowp_matmul", "draw_signs", "without_quantization", "oe_indices", "top_indices"]
+__all__ = ["Prepared", "prepare", "multiply", "gemm", "lowp_matmul", "draw_signs", "without_quantization", "oe_indices", "top_indices", "TOPK_CHUNK", "TOPK_TWO_PASS"]
 
 Quantized = MXTensor | NVFP4Tensor
 
@@ -280,14 +280,20 @@ def oe_indices(t: torch.Tensor, kc_axis: int, k: int, prefix: int | None = None)
 
 #: The slice length of :func:`top_indices`'s first pass.
 TOPK_CHUNK = 1024
+#: The lengths :func:`top_indices` takes in two passes (inclusive). Replayed from a CUDA graph on an H100
+#: (`scripts/bench_topk.py`, round 33, k = 64), two passes against one ``torch.topk``: 4,096 long 0.79×,
+#: 8,192 1.15×, 16,384 1.87×, 32,768 1.09×, 65,536 0.96×; ``torch.topk`` of one slice goes multi-block
+#: itself past about 20,000.
+TOPK_TWO_PASS = (8192, 32768)
 
 
 def top_indices(v: torch.Tensor, k: int) -> torch.Tensor:
     """The indices of the ``k`` largest values of the 1-D ``v``, largest first: ``torch.topk(v, k).indices``
-    up to the order of ties, in two passes when ``v`` is long. ``torch.topk`` of one long vector runs
-    on the GPU as a single thread block (``sbtopk::gatherTopK``, 2.74 ms of a llama-125m AdaHOP-Lv2
-    step, `docs/benchmarks.md` round 17); the top ``k`` of each :data:`TOPK_CHUNK`-long slice runs a block
-    per slice, and the top ``k`` overall are among those candidates, so a second top-k over them is exact.
+    up to the order of ties, in two passes for the lengths :data:`TOPK_TWO_PASS`. There ``torch.topk``
+    of one vector runs on the GPU as a single thread block (``sbtopk::gatherTopK``, 2.74 ms of a
+    llama-125m AdaHOP-Lv2 step at 16,384 tokens, `docs/benchmarks.md` round 17); the top ``k`` of each
+    :data:`TOPK_CHUNK`-long slice runs a block per slice, and the top ``k`` overall are among those
+    candidates, so a second top-k over them is exact.
 
     Args:
         v: 1-D, floating point (NaN counts as largest, as in ``torch.topk``). k: ``1 <= k <= len(v)``.
@@ -301,7 +307,7 @@ def top_indices(v: torch.Tensor, k: int) -> torch.Tensor:
     if v.ndim != 1 or not 1 <= k <= v.numel():
         raise ValueError(f"top_indices needs a 1-D tensor and 1 <= k <= its length, got shape {tuple(v.shape)}, k={k}")
     n = v.numel()
-    if n <= 2 * TOPK_CHUNK or 4 * k > TOPK_CHUNK:  # short, or too few values dropped by the first pass to gain
+    if not TOPK_TWO_PASS[0] <= n <= TOPK_TWO_PASS[1] or 4 * k > TOPK_CHUNK:  # or too few values dropped by pass one
         return torch.topk(v, k).indices
     pad = -n % TOPK_CHUNK
     if pad:  # -inf fills the last slice; k <= n, so no pad value is ever among the top k
