@@ -273,12 +273,19 @@ def test_saved_census_counts_each_storage_once_and_fits_tokens_apart_from_weight
         linear_fit(small, small)
 
 
-def test_saved_census_of_a_compiled_step_counts_the_graphs_saved_tensors_by_shape():
+def test_saved_census_of_a_compiled_step_counts_the_graphs_saved_tensors_by_shape(tmp_path, capsys):
     """Compiled, autograd still sees what the graph saves, but no module runs its hooks: every byte is in one row,
-    named by dtype and shape, and the FP32 logits the loss keeps are among them, as eager. An unknown mode is refused."""
-    from adahop.bench.saved_census import COMPILED_KIND, census
+    named by dtype and shape, and the FP32 logits the loss keeps are among them, as eager. Nothing says which bytes
+    are a block's, so the command projects no other depth. An unknown mode is refused."""
+    import json
+
+    from adahop.bench.saved_census import COMPILED_KIND, census, main
     vocab = 32768
-    eager, compiled = (census("llama-tiny", "bf16", 32, 2, layers=1, mode=m) for m in ("eager", "compiled"))
+    main(["--model", "llama-tiny", "--recipes", "bf16", "--seq-len", "32", "--batch-size", "1", "--mode", "compiled",
+          "--json", str(tmp_path / "c.json")])
+    (run,) = json.loads((tmp_path / "c.json").read_text())
+    assert run["projected"] is None and "compiled, 1 blocks and the head, per token: bf16" in capsys.readouterr().out
+    eager, compiled = census("llama-tiny", "bf16", 32, 2, layers=1), run["large"]
     assert list(compiled["by_kind"]) == [COMPILED_KIND] and compiled["mode"] == "compiled"
     assert sum(compiled["by_shape"].values()) == compiled["total"] == sum(compiled["by_dtype"].values())
     assert sum(eager["by_shape"].values()) == eager["total"] and COMPILED_KIND not in eager["by_kind"]

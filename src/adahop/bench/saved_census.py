@@ -151,7 +151,8 @@ def main(argv=None) -> None:
     p.add_argument("--batch-size", type=int, default=1, help="the census runs at this batch and twice it")
     p.add_argument("--recipes", default="bf16,mxfp4,adahop-lv2")
     p.add_argument("--project", default="16:32768", metavar="LAYERS:TOKENS",
-                   help="the step to project the saved bytes to (default: Llama-3.2-1B's 16 blocks at 4096 x 8)")
+                   help="the step to project the saved bytes to (default: Llama-3.2-1B's 16 blocks at 4096 x 8); eager "
+                        "only: a compiled census has no per-block rows to scale")
     p.add_argument("--device", default="cpu")
     p.add_argument("--mode", default="eager", choices=list(COMPILE_MODES),
                    help="how the step runs (bench model's --modes); compiled: the census is by dtype and shape only")
@@ -164,8 +165,10 @@ def main(argv=None) -> None:
     for r in a.recipes.split(","):
         small, large = (census(a.model, r, a.seq_len, b, a.layers, a.device, a.mode)
                         for b in (a.batch_size, 2 * a.batch_size))
-        runs.append(dict(recipe=r, small=small, large=large, fit=linear_fit(small, large), projected=None))
-        runs[-1]["projected"] = project(runs[-1]["fit"], pl, pt)
+        fit = linear_fit(small, large)
+        # compiled, no byte is known to be a block's, so the blocks cannot be scaled to another depth
+        runs.append(dict(recipe=r, small=small, large=large, fit=fit,
+                         projected=project(fit, pl, pt) if a.mode == "eager" else None))
     kinds = list(dict.fromkeys(k for c in runs for k in c["fit"]))
     print(f"saved for backward, {a.model}: bytes per token (per block for block rows), and the fixed bytes of a step "
           f"(MiB; autocast's weight copies), from {a.seq_len} x {a.batch_size} and x {2 * a.batch_size} tokens")
@@ -174,9 +177,14 @@ def main(argv=None) -> None:
     for k in kinds:
         cells = [c["fit"].get(k, (0.0, 0.0)) for c in runs]
         print(f"| {k} | " + " | ".join(f"{b:,.0f} | {fx / 2**20:,.1f}" for fx, b in cells) + " |")
-    base = runs[0]["projected"]
-    print(f"projected to {pl} blocks x {pt} tokens: " + ", ".join(
-        f"{c['recipe']} {c['projected'] / 2**30:.1f} GiB ({c['projected'] / base:.3f}x)" for c in runs))
+    if a.mode == "eager":
+        base = runs[0]["projected"]
+        print(f"projected to {pl} blocks x {pt} tokens: " + ", ".join(
+            f"{c['recipe']} {c['projected'] / 2**30:.1f} GiB ({c['projected'] / base:.3f}x)" for c in runs))
+    else:  # per token, at the blocks built: the rows above, not projected (--project is for eager censuses)
+        base = runs[0]["fit"][COMPILED_KIND][1]
+        print(f"compiled, {a.layers} blocks and the head, per token: " + ", ".join(
+            f"{c['recipe']} {c['fit'][COMPILED_KIND][1]:,.0f} B ({c['fit'][COMPILED_KIND][1] / base:.3f}x)" for c in runs))
     for c in runs if a.shapes else ():
         large = c["large"]
         peak = "" if large["step_peak"] is None else f"; the step's peak above its start {large['step_peak'] / 2**30:.2f} GiB"
