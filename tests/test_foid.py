@@ -41,6 +41,9 @@ def test_top_indices_in_two_passes_are_topks_indices(n, k):
         v[n - 3] = float("nan")
         assert top_indices(v, k)[0] == n - 3
     assert top_indices(v, min(n, 257)).tolist() == torch.topk(v, min(n, 257)).indices.tolist()
+    floor = torch.full((n,), float("-inf"))  # ties at -inf: every index picked is one of v's, none twice
+    got = top_indices(floor, k)
+    assert got.unique().numel() == k and int(got.max()) < n
 
 
 def test_top_indices_refuses_what_topk_cannot_take():

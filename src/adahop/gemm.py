@@ -309,12 +309,14 @@ def top_indices(v: torch.Tensor, k: int) -> torch.Tensor:
     n = v.numel()
     if not TOPK_TWO_PASS[0] <= n <= TOPK_TWO_PASS[1] or 4 * k > TOPK_CHUNK:  # or too few values dropped by pass one
         return torch.topk(v, k).indices
-    pad = -n % TOPK_CHUNK
-    if pad:  # -inf fills the last slice; k <= n, so no pad value is ever among the top k
-        v = torch.nn.functional.pad(v, (0, pad), value=float("-inf"))
-    first = torch.topk(v.view(-1, TOPK_CHUNK), k, dim=1)
-    where = first.indices + torch.arange(0, n + pad, TOPK_CHUNK, device=v.device).unsqueeze(1)
-    return where.flatten()[torch.topk(first.values.flatten(), k).indices]
+    full = n - n % TOPK_CHUNK
+    first = torch.topk(v[:full].view(-1, TOPK_CHUNK), k, dim=1)
+    where = (first.indices + torch.arange(0, full, TOPK_CHUNK, device=v.device).unsqueeze(1)).flatten()
+    values = first.values.flatten()
+    if full < n:  # the tail, shorter than a slice, is all candidates (no padding value that could tie with v's)
+        values = torch.cat((values, v[full:]))
+        where = torch.cat((where, torch.arange(full, n, device=v.device)))
+    return where[torch.topk(values, k).indices]
 
 
 def _own(c: torch.Tensor, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
