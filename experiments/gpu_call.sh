@@ -148,7 +148,7 @@
 #      tensorwise; needs .whl carried); r33a: llama-125m then llama-350m 1024 x 16, mode auto, one process each (bf16,
 #      mxfp4, @saved-fp8, adahop-lv2). Rows in $OUT/*.json
 #   r34 (issue 18, either card): scripts/bench_topk.py (OE's top-k), then r33m on an H200 (over 100 GB), else r34c
-#   r34c (issue 18, one GPU): saved_census of Llama-3.2-1B (2 blocks, 4096 x 1 and x 2, projected to 16 x 16384) for R34C
+#   r34c (issue 18, one GPU): saved_census of Llama-3.2-1B (2 blocks, 4096 x 1 and x 2; eager projected to 16 x 16384) for R34C
 #      (default bf16, torchao float8 rowwise, mxfp4, adahop-lv2; needs .whl), --mode compiled then eager (why compiled
 #      MXFP4 peaks above torchao's FP8, round 32), then the 8B-shaped rows (4 blocks, 4096 x 2, bf16/mxfp4/adahop-lv2, auto)
 #   r21a (issue 18, one GPU): where the 8B-shaped model's first compile goes (round 20: mxfp4's did not finish in ~260 s;

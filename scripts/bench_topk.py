@@ -17,27 +17,17 @@ import json
 import torch
 
 
-def graphed_us(fn, reps: int = 100) -> float:
-    """Mean microseconds of ``fn()`` replayed ``reps`` times inside one CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
+def graphed_us(fn, calls: int = 100) -> float:
+    """Microseconds a call of ``fn()``: ``calls`` calls captured in one CUDA graph, the graph's replays timed by
+    :func:`adahop.bench.harness.cuda_graph_time_ms` (median of 5), divided by ``calls``: a call of a few µs
+    would otherwise be mostly the replay's own launch."""
+    from adahop.bench.harness import cuda_graph_time_ms
+
+    def many():
+        for _ in range(calls):
             fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(5):
-        g.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) * 1e3 / (5 * reps)
+
+    return cuda_graph_time_ms(many, reps=5) * 1e3 / calls
 
 
 def main(argv=None) -> None:
@@ -49,7 +39,7 @@ def main(argv=None) -> None:
     p.add_argument("--json")
     a = p.parse_args(argv)
     rows = []
-    print(f"k={a.k}; mean µs a call, replayed from a CUDA graph")
+    print(f"k={a.k}; µs a call, replayed from a CUDA graph")
     print("| length | torch.topk | top_indices | × |")
     print("|---|---|---|---|")
     for n in (int(x) for x in a.lengths.split(",")):
