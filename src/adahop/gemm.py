@@ -293,7 +293,7 @@ def top_indices(v: torch.Tensor, k: int) -> torch.Tensor:
     of one vector runs on the GPU as a single thread block (``sbtopk::gatherTopK``, 2.74 ms of a
     llama-125m AdaHOP-Lv2 step at 16,384 tokens, `docs/benchmarks.md` round 17); the top ``k`` of each
     :data:`TOPK_CHUNK`-long slice runs a block per slice, and the top ``k`` overall are among those
-    candidates, so a second top-k over them is exact.
+    candidates, so a second top-k over them is exact. Source: OE's runtime index selection, `specs/adahop.md` §4.
 
     Args:
         v: 1-D, floating point (NaN counts as largest, as in ``torch.topk``). k: ``1 <= k <= len(v)``.
