@@ -148,6 +148,9 @@
 #      tensorwise; needs .whl carried); r33a: llama-125m then llama-350m 1024 x 16, mode auto, one process each (bf16,
 #      mxfp4, @saved-fp8, adahop-lv2). Rows in $OUT/*.json
 #   r34 (issue 18, either card): scripts/bench_topk.py (OE's top-k), then r33m on an H200 (over 100 GB), else r34c
+#   r35 (issue 18, either card): selective activation recompute (adahop.nn.recompute) at Llama-3.2-1B, 4096 x 8 on an H200
+#      (x 4 on an H100, B35 sets it): mode auto, one process, R35 (bf16, lv2, mxfp4, each +recompute, torchao rowwise); then
+#      eager, R35E
 #   r34c (issue 18, one GPU): saved_census of Llama-3.2-1B (2 blocks, 4096 x 1 and x 2; eager projected to 16 x 16384) for R34C
 #      (default bf16, torchao float8 rowwise, mxfp4, adahop-lv2; needs .whl), --mode compiled then eager (why compiled
 #      MXFP4 peaks above torchao's FP8, round 32), then the 8B-shaped rows (4 blocks, 4096 x 2, bf16/mxfp4/adahop-lv2, auto)
@@ -534,6 +537,21 @@ if [ "$STAGE" = r32s ]; then  # issue 18: @saved-fp8 beside its base and BF16 at
   timeout $(( ${LIM:-575} - $(el) )) python3 -m adahop bench model --modes auto --model llama3.2-1b --seq-len 4096 --batch-size 4 \
     --recipes bf16,adahop-lv2@saved-fp8,adahop-lv2,mxfp4@saved-fp8,mxfp4 --json $OUT/benchmarks.json > $OUT/bench_1b.log 2>&1
   echo "1b: exit $? at $(el) s"; grep -E "^(llama|row:)" $OUT/bench_1b.log | cut -c1-200
+  echo "stage $STAGE done at $(el) s"; exit 0
+fi
+if [ "$STAGE" = r35 ]; then  # issue 18: selective activation recompute at 1B (4096 x 8 on an H200, x 4 on an H100), one process a mode
+  export CUDA_VISIBLE_DEVICES=0
+  MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+  if [ "$MEM" -gt 100000 ]; then B35=${B35:-8}; else B35=${B35:-4}; fi
+  case ${R35:-torchao} in *torchao*) python3 -c "import torchao" || echo "torchao missing: carry .whl (bash scripts/make_carry.sh)";; esac
+  SUM='import json, sys; [print({k: json.loads(l[4:]).get(k) for k in ("recipe", "mode", "tok_per_s", "peak_mem_gib", "warmup_s", "loss", "grads_ok", "error")}) for l in sys.stdin]'
+  timeout $(( ${AUTO_LIM:-400} - $(el) )) python3 -m adahop bench model --modes auto --model llama3.2-1b --seq-len 4096 --batch-size $B35 \
+    --recipes ${R35:-bf16,bf16+recompute,adahop-lv2,adahop-lv2+recompute,mxfp4,mxfp4+recompute,torchao-fp8-rowwise} \
+    --json $OUT/bench_1b_rc.json > $OUT/bench_1b_rc.log 2>&1
+  echo "1b 4096 x $B35 auto: exit $? at $(el) s"; grep -E "^row:" $OUT/bench_1b_rc.log | python3 -c "$SUM"
+  timeout $(( ${LIM:-570} - $(el) )) python3 -m adahop bench model --modes eager --model llama3.2-1b --seq-len 4096 --batch-size $B35 \
+    --recipes ${R35E:-bf16,adahop-lv2+recompute,adahop-lv2,bf16+recompute} --json $OUT/bench_1b_rc_eager.json > $OUT/bench_1b_rc_eager.log 2>&1
+  echo "1b 4096 x $B35 eager: exit $? at $(el) s"; grep -E "^row:" $OUT/bench_1b_rc_eager.log | python3 -c "$SUM"
   echo "stage $STAGE done at $(el) s"; exit 0
 fi
 if [ "$STAGE" = r34 ]; then  # whichever card comes: an H200 runs r33m (it needs the memory), an H100 r34c

@@ -244,6 +244,16 @@ def bench_model(model: str = "llama3.2-1b", *, recipes=("bf16", "adahop-lv2", "m
     return [normalize_row(r) for r in rows]
 
 
+#: The suffix of a ``bench model`` recipe that runs the model under selective activation recompute
+#: (:func:`adahop.nn.recompute.selective_recompute`); ``bf16+recompute`` is BF16 at equal recompute.
+RECOMPUTE = "+recompute"
+
+
+def split_recompute(recipe: str) -> tuple[str, bool]:
+    """``(recipe without the suffix, whether it had it)`` for a ``bench model`` recipe (:data:`RECOMPUTE`)."""
+    return (recipe[: -len(RECOMPUTE)], True) if recipe.endswith(RECOMPUTE) else (recipe, False)
+
+
 def model_step(model: str, recipe: str, mode: str, seq_len: int, batch: int, layers: int | None = None,
                device: str = "cuda", small_gemms: bool = False) -> tuple[torch.nn.Module, Callable[..., dict]]:
     """The model of ``bench model`` and one training step of it: ``(model, step)``.
@@ -260,7 +270,9 @@ def model_step(model: str, recipe: str, mode: str, seq_len: int, batch: int, lay
     ``scripts/profile_model.py`` (kernel breakdown).
 
     ``recipe`` is an adahop preset, or one of :data:`adahop.bench.torchao_fp8.TORCHAO_RECIPES`
-    (torchao's float8 training of the same linears: CUDA sm_89+ only). ``small_gemms``: run the
+    (torchao's float8 training of the same linears: CUDA sm_89+ only), either followed by
+    :data:`RECOMPUTE` (``adahop-lv2+recompute``): the blocks under selective activation recompute
+    (:func:`adahop.nn.recompute.selective_recompute`). ``small_gemms``: run the
     GEMMs too small for the fast path in BF16 (``Recipe.with_small_gemms_bf16()``, adahop recipes).
 
     Raises:
@@ -276,6 +288,7 @@ def model_step(model: str, recipe: str, mode: str, seq_len: int, batch: int, lay
     from .torchao_fp8 import convert_float8, float8_config, is_torchao_recipe
 
     dev = torch.device(device)
+    recipe, recompute = split_recompute(recipe)
     torchao = is_torchao_recipe(recipe)
     fp8_config = float8_config(recipe, dev) if torchao else None  # fails before the model is built
     r = get_recipe("bf16") if torchao else get_recipe(recipe)
@@ -293,6 +306,11 @@ def model_step(model: str, recipe: str, mode: str, seq_len: int, batch: int, lay
         convert_float8(m, fp8_config)
     elif not r.is_bf16:  # the BF16 row is the plain transformers model, nn.Linear and all
         convert_model(m, r)
+    if recompute:
+        from ..nn.recompute import selective_recompute
+
+        m.train()
+        selective_recompute(m)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True)
     compile_mode = COMPILE_MODES[mode]
     if compile_mode == "auto":  # what `adahop train --compile` runs once the plan is frozen
@@ -329,7 +347,7 @@ def model_step(model: str, recipe: str, mode: str, seq_len: int, batch: int, lay
 
 def _bench_model_row(model: str, recipe: str, mode: str, seq_len: int, batch: int, layers: int | None, steps: int,
                      device: str = "cuda", small_gemms: bool = False) -> dict:
-    if recipe == "torchao-fp8-rowwise" and mode != "eager":
+    if split_recompute(recipe)[0] == "torchao-fp8-rowwise" and mode != "eager":
         # as torchtitan does for this recipe (pytorch/pytorch#150859: Inductor's rowwise casts
         # otherwise round differently from eager's); only for this row
         import torch._inductor.config as inductor_config

@@ -34,7 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     mod.add_argument("--layers", type=int, help="keep only the first N blocks (e.g. 4 with llama3.1-8b)")
     mod.add_argument("--recipes", default="bf16,adahop-lv2,mxfp4",
                      help="comma-separated: adahop presets (adahop recipes lists them) and torchao's float8 training, "
-                          "torchao-fp8-rowwise, torchao-fp8-tensorwise (CUDA sm_89+, needs torchao)")
+                          "torchao-fp8-rowwise, torchao-fp8-tensorwise (CUDA sm_89+, needs torchao); any of them with "
+                          "+recompute (adahop-lv2+recompute, bf16+recompute): the blocks under selective activation "
+                          "recompute (adahop.nn.recompute)")
     mod.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default: %(default)s)")
     mod.add_argument("--batch-size", type=int, default=4, help="sequences per step (default: %(default)s)")
     mod.add_argument("--steps", type=int, default=6, help="timed steps after 5 untimed ones, median taken (default: %(default)s)")

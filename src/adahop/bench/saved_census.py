@@ -60,10 +60,16 @@ def census(model: str, recipe: str, seq_len: int, batch: int, layers: int | None
     Raises:
         ValueError: as :func:`adahop.bench.harness.model_step` (an unknown recipe); an unknown ``mode``.
     """
-    from .harness import model_step
+    from .harness import model_step, split_recompute
 
     if mode not in COMPILE_MODES:
         raise ValueError(f"saved_census: unknown mode {mode!r}; use one of {', '.join(COMPILE_MODES)}")
+    if mode == "eager" and split_recompute(recipe)[1]:
+        # the checkpoint's own saved-tensor hooks take over inside each block, and its cache of kept outputs
+        # passes no hook: this census would count the blocks' inputs alone
+        raise ValueError(f"saved_census: {recipe!r} in eager mode: a recomputed block keeps its tensors in the checkpoint's "
+                         "cache, which saved-tensor hooks do not see; count it with --mode compiled, or read bench model's "
+                         "peak_mem_gib")
     m, step = model_step(model, recipe, mode, seq_len, batch, layers, device)
     # eager: a calibrating recipe calibrates for 2 steps and freezes its plan; compiled: then the compiling
     # step and two more (CUDA-graph trees warm up, then record), so the counted step is a replay

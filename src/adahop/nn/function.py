@@ -185,7 +185,8 @@ def forward_body(ctx, x, weight, bias, layer, dtype, seed=None) -> torch.Tensor:
         # saved operands hold only the packed MXFP4 (4.25 bits/element; backward unpacks it straight
         # to FP8, `DESIGN.md` §3), or under recipe.saved_operands="fp8" only the fold; the GEMMs' own
         # operands only the FP8 fold
-        x_prep = None if _needs_hp_b(wg) else prepare(x, "b", wg, signs=signs_w, generator=gw, backend=layer.backend,
+        # under selective recompute X is saved by reference and prepared in backward (adahop.nn.recompute)
+        x_prep = None if _needs_hp_b(wg) or layer.recompute_x else prepare(x, "b", wg, signs=signs_w, generator=gw, backend=layer.backend,
                                                       outputs=_saved_outputs(layer, wg))
         w_prep = None if _needs_hp_b(dg) else prepare(w, "b", dg, signs=signs_d, generator=gd, backend=layer.backend,
                                                       outputs=_saved_outputs(layer, dg))

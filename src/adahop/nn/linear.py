@@ -326,7 +326,7 @@ class LowPrecisionLinear(nn.Linear):
         new.small_bf16 = () if force_bf16 else recipe.small_bf16_gemms(mod.in_features, mod.out_features)
         new.controller, new.force_bf16 = controller, force_bf16 or len(new.small_bf16) == len(GEMMS)
         new.saved_bytes, new.patterns, new._calls, new._unbound = 0, {}, {}, []
-        new._specs = None
+        new._specs, new.recompute_x = None, False
         controller.register(new)
         controller.place_sign_seed(new.weight.device)
         opaque.register(new)
@@ -344,6 +344,7 @@ class LowPrecisionLinear(nn.Linear):
         # restored by copy.deepcopy or pickle: join the (copied) controller, which does not copy its
         # weak references to the original's layers
         state.setdefault("_unbound", [])
+        state.setdefault("recompute_x", False)
         super().__setstate__(state)
         self.controller.register(self)
         opaque.register(self)
@@ -356,7 +357,15 @@ class LowPrecisionLinear(nn.Linear):
         # (adahop.nn.opaque). A digest of the content, not a counter: two processes that number their
         # layers alike (two recipes, or two plans, run side by side) must not share an Inductor/AOT cache
         # entry, whose graph bakes in the other one's saved tensors (round 15: "expected size 256==8192")
-        self._specs_version = specs_digest(self._specs, self.backend)
+        self._specs_version = specs_digest(self._specs, self.backend, self.recompute_x)
+
+    def set_recompute_x(self, on: bool) -> None:
+        """Save the input X by reference for backward (``on``), which then prepares it for wgrad, instead of
+        saving the prepared operand: for a layer inside a block under selective recompute
+        (:mod:`adahop.nn.recompute`), whose backward recomputes X. The numbers stay the same."""
+        self.recompute_x = bool(on)
+        # the opaque ops' saved outputs change with it: compiled graphs and caches must tell the two apart
+        self._specs_version = specs_digest(self._specs, self.backend, self.recompute_x)
 
     def _resolve_specs(self) -> None:
         if self.force_bf16 or self.recipe.is_bf16:
@@ -558,7 +567,7 @@ class LowPrecisionLinear(nn.Linear):
             if torch.is_grad_enabled() and (x2.requires_grad or params_grad):
                 if not self.training and not torch.compiler.is_compiling():
                     _warn_eval_with_grad()
-                if self._compiled_opaque():  # the layer as two ops, not its traced GEMMs (adahop.nn.opaque)
+                if self._compiled_opaque() or self._eager_opaque():  # the layer as two ops (adahop.nn.opaque)
                     y = opaque.lp_linear(self, x2, dtype, self._sign_seed(GEMMS))
                 else:
                     self._unbound.clear()
@@ -576,6 +585,15 @@ class LowPrecisionLinear(nn.Linear):
         # frozen quantized GEMMs under torch.compile, and the opaque form chosen for them (adahop.nn.opaque.layer_form)
         specs = self.current_specs() if torch.compiler.is_compiling() else None
         return specs is not None and opaque.layer_form(specs) == "opaque"
+
+    def _eager_opaque(self) -> bool:
+        # under selective recompute in eager mode, a frozen layer that draws no random bits runs as the
+        # opaque op, which the checkpoint keeps whole (adahop.nn.recompute); one that draws them runs its
+        # forward again in backward, where generator() hands it the bits of the forward it repeats
+        if not self.recompute_x or torch.compiler.is_compiling():
+            return False
+        specs = self.current_specs()
+        return specs is not None and not any(s.draws_random_bits for s in specs.values())
 
     def _sign_seed(self, gemms) -> torch.Tensor | None:
         """The compiled path's seed for this call's per-call signs (None in eager mode, or when none

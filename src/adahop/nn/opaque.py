@@ -114,11 +114,12 @@ def layer_form(specs: dict, how: str | None = None) -> str:
     return "opaque" if how == "auto" else how
 
 
-def specs_digest(specs: dict | None, backend: str) -> int:
-    """A 56-bit digest of a layer's resolved GEMM specs (GEMM name -> ``GemmSpec``, or None) and
-    backend: what the opaque ops' saved tensors depend on besides the shapes and dtypes the graph
-    already holds. The ops take it as a constant, so it keys dynamo's guards and Inductor's caches."""
-    text = repr((backend, None if specs is None else sorted(specs.items())))
+def specs_digest(specs: dict | None, backend: str, recompute_x: bool = False) -> int:
+    """A 56-bit digest of a layer's resolved GEMM specs (GEMM name -> ``GemmSpec``, or None), backend
+    and ``recompute_x`` (X saved by reference, :mod:`adahop.nn.recompute`): what the opaque ops' saved
+    tensors depend on besides the shapes and dtypes the graph already holds. The ops take it as a
+    constant, so it keys dynamo's guards and Inductor's caches."""
+    text = repr((backend, None if specs is None else sorted(specs.items()))) + ("+x" if recompute_x else "")
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
 
 
@@ -241,7 +242,8 @@ def _(dy, x, weight, saved, layer, dtype, has_bias):
 
 def _setup(ctx, inputs, output):
     x, weight, bias, layer, specs_version, dtype, seed = inputs
-    x_saved = _needs_hp_b(_layer(layer)._specs["wgrad"])  # no prepared X: wgrad needs X itself
+    mod = _layer(layer)
+    x_saved = mod.recompute_x or _needs_hp_b(mod._specs["wgrad"])  # no prepared X: wgrad takes X itself
     ctx.layer, ctx.dtype, ctx.has_bias = layer, dtype, bias is not None
     ctx.save_for_backward(x if x_saved else None, weight, *output[1:])
 
