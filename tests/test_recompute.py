@@ -1,0 +1,82 @@
+"""Selective activation recompute (adahop.nn.recompute): the same numbers, less saved for backward."""
+
+import pytest
+import torch
+
+from adahop.bench.harness import model_step, split_recompute
+from adahop.nn.recompute import context_fn, mark_layers, policy, selective_recompute
+
+STEPS = 4  # the calibrating recipe calibrates for 2 (model_step), so 2 steps run its frozen plan
+
+
+def _run(recipe: str, mode: str = "eager") -> tuple[list[float], float]:
+    m, step = model_step("llama-tiny", recipe, mode, 64, 2, None, "cpu")
+    losses = [step(i, record=True)["loss"] for i in range(STEPS)]
+    return losses, step(STEPS, record=True)["grad_norm"]
+
+
+@pytest.mark.parametrize("recipe", ["adahop-lv2", "tseng"])
+def test_eager_recompute_gives_the_same_losses_and_gradients_bit_for_bit(recipe):
+    """Eager, a recomputed block gives every number of the plain run: adahop-lv2 (no random bits: its layers run as the
+    opaque op, kept whole by the checkpoint, X prepared in backward) and tseng (stochastic rounding in backward: its
+    layers run their forward again, on the bits of the forward they repeat)."""
+    plain, rc = _run(recipe), _run(recipe + "+recompute")
+    assert plain == rc
+    assert plain[0][-1] < plain[0][0]  # it trains
+
+
+def _uint8_shapes_with(c: dict, n: int) -> list[str]:
+    return [k for k in c["by_shape"] if k.startswith("uint8[") and str(n) in k[6:-1].split(", ")]
+
+
+def test_compiled_recompute_saves_no_prepared_x():
+    """The packed X of wgrad (uint8 [K, T/2]: T = 96 tokens, so 48, a size no weight of llama-tiny has) is among what
+    an mxfp4 step saves (eager: the same saved operands as compiled, without a second compile), and a compiled step
+    under recompute saves none: backward recomputes X and prepares it there. It saves less in all."""
+    from adahop.bench.saved_census import census
+
+    plain = census("llama-tiny", "mxfp4", 48, 2, layers=1, mode="eager")
+    rc = census("llama-tiny", "mxfp4+recompute", 48, 2, layers=1, mode="compiled")
+    assert _uint8_shapes_with(plain, 48) and not _uint8_shapes_with(rc, 48)
+    assert rc["total"] < plain["total"]
+
+
+def test_recompute_keys_the_opaque_ops_and_marks_only_converted_layers():
+    """A layer that saves X by reference returns other saved tensors from its opaque op, so its specs digest (a graph
+    constant keying dynamo's guards and Inductor's caches) must differ; mark_layers counts the converted layers."""
+    from adahop.models import build_model
+    from adahop.nn import convert_model
+
+    m = build_model("llama-tiny", vocab_size=256, max_seq_len=32)
+    convert_model(m, "mxfp4")
+    layer = m.model.layers[0].self_attn.q_proj
+    before = layer._specs_version
+    assert mark_layers(m.model.layers[0]) == 7 and layer.recompute_x
+    assert layer._specs_version != before
+    assert mark_layers(m.model.layers[0], on=False) == 7 and layer._specs_version == before
+    selective_recompute(m)
+    assert all(b.self_attn.q_proj.recompute_x and b.gradient_checkpointing for b in m.model.layers)
+
+
+def test_policy_keeps_gemms_attention_and_random_ops_and_recomputes_the_rest():
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    save, again = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
+    assert policy(None, torch.ops.aten.mm.default) == save
+    assert policy(None, torch.ops.adahop.lp_linear_fwd.default) == save
+    assert policy(None, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default) == save
+    assert policy(None, torch.ops.aten.native_dropout.default) == save  # nondeterministic_seeded
+    for op in (torch.ops.aten.mul.Tensor, torch.ops.aten.rsqrt.default, torch.ops.aten.silu.default):
+        assert policy(None, op) == again
+    assert context_fn() is not None
+
+
+def test_recompute_refusals_and_the_bench_suffix():
+    from adahop.bench.saved_census import census
+
+    with pytest.raises(ValueError, match="not a transformers model with gradient checkpointing"):
+        selective_recompute(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+    with pytest.raises(ValueError, match="checkpoint's cache.*--mode compiled"):
+        census("llama-tiny", "bf16+recompute", 32, 1, layers=1, mode="eager")
+    assert split_recompute("adahop-lv2+recompute") == ("adahop-lv2", True)
+    assert split_recompute("bf16") == ("bf16", False)
