@@ -80,3 +80,29 @@ def test_recompute_refusals_and_the_bench_suffix():
         census("llama-tiny", "bf16+recompute", 32, 1, layers=1, mode="eager")
     assert split_recompute("adahop-lv2+recompute") == ("adahop-lv2", True)
     assert split_recompute("bf16") == ("bf16", False)
+
+
+def test_train_with_recompute_logs_the_plain_runs_losses(prepare_real_text, tmp_path, single_thread, monkeypatch):
+    """``adahop train --recompute`` (adahop-lv2: calibration under the checkpoint, then the frozen plan, evaluations
+    between steps): every logged loss and the final validation loss are the plain run's, and the policy did run
+    (on the opaque op of the frozen layers too)."""
+    import adahop.nn.recompute as recompute
+    from adahop.train import TrainConfig, train
+    from adahop.train.metrics import read_metrics
+
+    seen = set()
+
+    def counting(ctx, op, *args, **kwargs):
+        seen.add(str(op))
+        return policy(ctx, op, *args, **kwargs)
+
+    monkeypatch.setattr(recompute, "policy", counting)
+
+    data = prepare_real_text(150_000)
+    cfg = dict(model="llama-tiny", data=str(data), seq_len=32, batch_size=4, steps=6, lr=3e-3, warmup_steps=2,
+               eval_every=3, eval_batches=2, ckpt_every=0, log_every=1, device="cpu", recipe="adahop-lv2", calib_steps=3)
+    runs = {rc: train(TrainConfig(out=str(tmp_path / str(rc)), recompute=rc, **cfg)) for rc in (False, True)}
+    losses = {rc: [r["loss"] for r in read_metrics(tmp_path / str(rc) / "metrics.jsonl") if "loss" in r] for rc in runs}
+    assert len(losses[True]) == 6 and losses[True] == losses[False]
+    assert runs[True]["final_val_loss"] == runs[False]["final_val_loss"]
+    assert {"adahop.lp_linear_fwd.default", "aten.mm.default"} <= seen

@@ -19,6 +19,7 @@ from tqdm import tqdm
 from ..kernels import resolve_backend
 from ..compile_modes import CALIBRATION_MODE, dynamo_counts, frozen_mode, mark_step
 from ..nn import convert_model, get_controller, on_step, saved_bytes, seed_compiled_rng
+from ..nn.recompute import selective_recompute
 from ..optim import convert_master_weights, memory_bytes
 from ..utils import first_nonfinite, folder_locked
 from . import distributed as dp
@@ -256,6 +257,8 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
     bf16_layers = converted_layers(model)[1]
     dp.agree_on_plan(model)
     convert_master_weights(model, cfg.master_weights)  # --master-weights: the Parameters hold the master as stored
+    if cfg.recompute:
+        selective_recompute(model)
     # --compile: the final mode once the plan is frozen (CUDA graphs on one GPU). While the plan calibrates, one
     # process runs eagerly (compiling the calibrating model cost more than its few steps: about 20 s against 3 s for
     # 10 steps of llama-20m on the H200); under ddp/fsdp the wrapped model is compiled in the default mode from the start
