@@ -170,7 +170,7 @@ def forward_body(ctx, x, weight, bias, layer, dtype, seed=None) -> torch.Tensor:
         layer.observe("w", w)
         ctx.specs = None
         ctx.save_for_backward(x, weight)
-        layer.saved_bytes = x.numel() * x.element_size()
+        layer.saved_bytes = 0 if layer.recompute_x else x.numel() * x.element_size()
         return fprop(x, w, bias, None, None, layer.backend, dtype)
     else:
         ctx.specs = specs
@@ -202,7 +202,8 @@ def forward_body(ctx, x, weight, bias, layer, dtype, seed=None) -> torch.Tensor:
         else:
             ctx.saved_state = flatten(state, leaves)
         ctx.save_for_backward(x if x_prep is None else None, weight, *leaves)
-        layer.saved_bytes = x.numel() * x.element_size() if x_prep is None else x_prep.nbytes
+        # under recompute X is held by no one between forward and backward: the checkpoint recomputes it
+        layer.saved_bytes = 0 if layer.recompute_x else x.numel() * x.element_size() if x_prep is None else x_prep.nbytes
         if w_prep is not None:
             layer.saved_bytes += w_prep.nbytes
     return y
