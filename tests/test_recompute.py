@@ -60,6 +60,10 @@ def test_recompute_keys_the_opaque_ops_and_marks_only_converted_layers():
     assert mark_layers(m.model.layers[0], on=False) == 7 and layer._specs_version == before
     selective_recompute(m)
     assert all(b.self_attn.q_proj.recompute_x and b.gradient_checkpointing for b in m.model.layers)
+    # the other order: convert_model marks the layers it makes inside blocks already under recompute
+    m = selective_recompute(build_model("llama-tiny", vocab_size=256, max_seq_len=32))
+    convert_model(m, "mxfp4")
+    assert all(lin.recompute_x for b in m.model.layers for lin in (b.self_attn.o_proj, b.mlp.down_proj))
 
 
 def test_policy_keeps_gemms_attention_and_random_ops_and_recomputes_the_rest():

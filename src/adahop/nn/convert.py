@@ -16,6 +16,7 @@ from ..patterns import Plan
 from ..recipes import GEMMS, Recipe, get_recipe
 from ..utils import mix_seed
 from .linear import Controller, LowPrecisionLinear, check_plan_shapes, plan_for_another_model
+from .recompute import is_recomputed, mark_blocks
 
 __all__ = ["convert_model", "convert_layers", "on_step", "get_controller", "describe", "saved_bytes", "seed_compiled_rng",
            "supports_shape", "controller_state", "load_controller_state", "register_step_hook", "plan_rows", "strategy_counts",
@@ -223,6 +224,8 @@ def convert_layers(model: nn.Module, recipe: Recipe, names: list[str], *, layer_
     _warn_fused_weights(model, recipe, todo)
     controller.unquantizable = list(unsupported)  # reported by the run summary
     model._adahop_controller = controller
+    if is_recomputed(model):  # selective_recompute came first: the new layers inside its blocks save X by reference too
+        mark_blocks(model)
     return model
 
 

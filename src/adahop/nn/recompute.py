@@ -25,7 +25,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-__all__ = ["SAVED_OPS", "policy", "context_fn", "mark_layers", "selective_recompute", "is_recomputed"]
+from .linear import LowPrecisionLinear
+
+__all__ = ["SAVED_OPS", "policy", "context_fn", "mark_layers", "mark_blocks", "selective_recompute", "is_recomputed"]
 
 
 def _ops(*names: str) -> frozenset:
@@ -72,8 +74,6 @@ def mark_layers(module: nn.Module, on: bool = True) -> int:
     its prepared operand again (``on=False``); returns how many layers it set. Only for layers that run
     inside a checkpointed region with :func:`policy`: elsewhere X itself would be kept, 16 bits an
     element where the prepared operand takes 4.25."""
-    from .linear import LowPrecisionLinear
-
     layers = [m for m in module.modules() if isinstance(m, LowPrecisionLinear)]
     for m in layers:
         m.set_recompute_x(on)
@@ -82,8 +82,9 @@ def mark_layers(module: nn.Module, on: bool = True) -> int:
 
 def selective_recompute(model: nn.Module) -> nn.Module:
     """Run each transformer block of ``model`` (a ``transformers`` model, converted or not) under
-    selective activation recompute (module docstring); returns ``model``. Call it after
-    ``adahop.convert_model``, and train in ``model.train()`` mode (transformers checkpoints only then).
+    selective activation recompute (module docstring); returns ``model``. Before or after
+    ``adahop.convert_model`` (which marks the layers it makes inside the blocks); train in ``model.train()``
+    mode (transformers checkpoints only then).
     BF16 models take it too, for a comparison at equal recompute.
 
     Source: issue 18's memory target; the policy follows torchtitan's per-op selective activation
@@ -102,13 +103,17 @@ def selective_recompute(model: nn.Module) -> nn.Module:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    model._adahop_recompute = True
+    mark_blocks(model)
+    return model
+
+
+def mark_blocks(model: nn.Module) -> int:
+    """:func:`mark_layers` on every checkpointed block of a ``transformers`` ``model``; returns how many layers it set
+    (``convert_model`` calls it when :func:`selective_recompute` came first)."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    for block in model.modules():
-        if isinstance(block, GradientCheckpointingLayer):
-            mark_layers(block)
-    model._adahop_recompute = True
-    return model
+    return sum(mark_layers(b) for b in model.modules() if isinstance(b, GradientCheckpointingLayer))
 
 
 def is_recomputed(model: nn.Module) -> bool:
