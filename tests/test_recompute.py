@@ -64,6 +64,9 @@ def test_recompute_keys_the_opaque_ops_and_marks_only_converted_layers():
     m = selective_recompute(build_model("llama-tiny", vocab_size=256, max_seq_len=32))
     convert_model(m, "mxfp4")
     assert all(lin.recompute_x for b in m.model.layers for lin in (b.self_attn.o_proj, b.mlp.down_proj))
+    from adahop.nn import describe
+
+    assert "14 of 14 layers run under selective activation recompute" in describe(m)
 
 
 def test_policy_keeps_gemms_attention_and_random_ops_and_recomputes_the_rest():

@@ -448,7 +448,8 @@ def describe(model: nn.Module) -> str:
     the calibration state and the fast path's accumulation (``Recipe.accumulations``: fp32 for NVFP4
     GEMMs, which always sum in FP32; a model off CUDA is said to run the FP32 reference); a GEMM that ``recipe.bf16_small_gemms`` runs in BF16 shows as
     ``bf16 (small)``, and a line counts them. Last, the recipe's own table (:func:`adahop.recipes.table.gemm_table`):
-    each GEMM's operand formats, rounding, scales, transforms and mean split, which the per-layer columns do not show."""
+    each GEMM's operand formats, rounding, scales, transforms and mean split, which the per-layer columns do not show.
+    A line counts the layers under selective activation recompute (:mod:`adahop.nn.recompute`)."""
     ctrl = get_controller(model)
     acc = ctrl.recipe.accumulations
     acc_text = acc["fprop"] if len(set(acc.values())) == 1 else ", ".join(f"{g} {a}" for g, a in acc.items())
@@ -465,6 +466,10 @@ def describe(model: nn.Module) -> str:
         lines.append(f"{m.name:<44} {f'{m.in_features}->{m.out_features}':>12} {p.get('x', '-'):>2} {p.get('w', '-'):>2} "
                      f"{p.get('dy', '-'):>2}  {s['fprop']:<13} {s['dgrad']:<13} {s['wgrad']:<13} "
                      f"{_kib(m.saved_bytes, getattr(m, 'hp_saved_bytes', 0)):>18}")
+    recomputed = sum(m.recompute_x for m in ctrl.layers)
+    if recomputed:
+        lines.append(f"{recomputed} of {len(ctrl.layers)} layers run under selective activation recompute "
+                     "(adahop.nn.recompute): X saved by reference, recomputed and prepared for wgrad in backward")
     if ctrl.recipe.bf16_small_gemms is not None:
         rule = ctrl.recipe.bf16_small_gemms
         lines.append(f"{small_gemm_count(model)} of {len(GEMMS) * len(ctrl.layers)} GEMMs run BF16 as too small for the "
