@@ -296,6 +296,19 @@ def test_saved_census_of_a_compiled_step_counts_the_graphs_saved_tensors_by_shap
         census("llama-tiny", "bf16", 32, 2, layers=1, mode="fast")
 
 
+def test_saved_census_refuses_a_compiled_census_whose_step_ran_eagerly(monkeypatch):
+    """Past dynamo's recompile limit a step runs eagerly, and a checkpointed block's tensors then pass no saved-tensor
+    hook (a 6-recipe census in one process counted 138,268 B a token for adahop-lv2+recompute, its blocks' inputs
+    alone): the census compiles anew each time, and refuses a compiled census in which no frame compiled."""
+    import torch
+
+    from adahop.bench.saved_census import census
+
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: model)  # what the limit does: the frame runs eagerly
+    with pytest.raises(RuntimeError, match="compiled no frame: the step ran eagerly"):
+        census("llama-tiny", "bf16", 32, 1, layers=1, mode="compiled")
+
+
 @pytest.mark.parametrize("first_compiled, expected_gib", [(None, 16.0), (2, 12.0)], ids=["eager", "cuda-graphs"])
 def test_bench_model_peak_spans_the_compile_of_a_compiled_row(monkeypatch, first_compiled, expected_gib):
     """The peak a row reports (round 31's silent wrong number): CUDA-graph replays allocate nothing, so a compiled row's

@@ -70,12 +70,21 @@ def census(model: str, recipe: str, seq_len: int, batch: int, layers: int | None
         raise ValueError(f"saved_census: {recipe!r} in eager mode: a recomputed block keeps its tensors in the checkpoint's "
                          "cache, which saved-tensor hooks do not see; count it with --mode compiled, or read bench model's "
                          "peak_mem_gib")
+    from ..compile_modes import dynamo_counts
+
+    # every census compiles the model anew: past dynamo's recompile limit (8 frames of one code object in a
+    # process) the step would run eagerly and this census count the checkpointed blocks' inputs alone
+    torch.compiler.reset()
     m, step = model_step(model, recipe, mode, seq_len, batch, layers, device)
     # eager: a calibrating recipe calibrates for 2 steps and freezes its plan; compiled: then the compiling
     # step and two more (CUDA-graph trees warm up, then record), so the counted step is a replay
     warm = 2 if step.first_compiled is None else step.first_compiled + 3
+    frames = dynamo_counts()["frames"]
     for i in range(warm):
         step(i)
+    if step.first_compiled is not None and dynamo_counts()["frames"] == frames:
+        raise RuntimeError(f"saved_census: {recipe} in mode {mode} compiled no frame: the step ran eagerly, and a compiled "
+                           "census of it would be wrong")
     params = {p.untyped_storage().data_ptr() for p in m.parameters()}
     names = {mod: n for n, mod in m.named_modules()} if step.first_compiled is None else {}
     stack: list[torch.nn.Module] = []
