@@ -1,5 +1,7 @@
 """Selective activation recompute (adahop.nn.recompute): the same numbers, less saved for backward."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -117,3 +119,48 @@ def test_train_with_recompute_logs_the_plain_runs_losses(prepare_real_text, tmp_
     assert len(losses[True]) == 6 and losses[True] == losses[False]
     assert runs[True]["final_val_loss"] == runs[False]["final_val_loss"]
     assert {"adahop.lp_linear_fwd.default", "aten.mm.default"} <= seen
+
+
+def test_recompute_with_cpu_dropout_gives_the_plain_gradients():
+    """CPU dropout is an in-place bernoulli_: kept by the policy, torch raised "Tensor cached during selective activation
+    checkpoint has been mutated"; recomputed (the checkpoint restores the RNG state), it draws the forward's mask."""
+    import torch.nn.functional as F
+
+    from adahop.models import build_model
+    from adahop.nn import convert_model
+
+    assert policy(None, torch.ops.aten.bernoulli_.float) == torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+    ids = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(1))
+    grads = []
+    for rc in (False, True):
+        torch.manual_seed(0)
+        m = build_model("llama-tiny", vocab_size=256, max_seq_len=16)
+        for block in m.model.layers:
+            block.self_attn.attention_dropout = 0.1
+        convert_model(m, "mxfp4")
+        if rc:
+            selective_recompute(m)
+        m.train()
+        torch.manual_seed(7)
+        F.cross_entropy(m(input_ids=ids[:, :-1]).logits.flatten(0, 1), ids[:, 1:].flatten()).backward()
+        grads.append({n: p.grad for n, p in m.named_parameters()})
+    assert all(torch.equal(grads[0][k], grads[1][k]) for k in grads[0])
+
+
+def test_a_marked_layer_outside_any_checkpoint_warns(monkeypatch):
+    """A layer that saves X by reference but runs where nothing is recomputed (transformers checkpoints only in train
+    mode) keeps X in full precision, which saved_bytes leaves out: it says so, once."""
+    import adahop.nn.linear as linear
+    from adahop.models import build_model
+    from adahop.nn import convert_model
+
+    monkeypatch.setattr(linear, "_warned_recompute_outside", False)
+    m = selective_recompute(convert_model(build_model("llama-tiny", vocab_size=256, max_seq_len=16), "mxfp4"))
+    ids = torch.randint(0, 256, (1, 16))
+    m.train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        m(input_ids=ids).logits.sum().backward()  # checkpointed: no warning
+    m.eval()
+    with pytest.warns(UserWarning, match="outside a checkpointed region"):
+        m(input_ids=ids).logits.sum().backward()

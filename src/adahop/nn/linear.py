@@ -292,6 +292,22 @@ def _warn_eval_with_grad() -> None:
                       "torch.no_grad() or torch.inference_mode()", stacklevel=4)
 
 
+_warned_recompute_outside = False
+
+
+def _warn_recompute_outside_checkpoint(name: str) -> None:
+    # once per process: a layer marked to save X by reference (adahop.nn.recompute) that no checkpoint recomputes
+    # keeps X itself, 16 bits an element where the prepared operand takes 4.25, and saved_bytes does not count it
+    global _warned_recompute_outside
+    if not _warned_recompute_outside:
+        _warned_recompute_outside = True
+        warnings.warn(f"adahop: {name} saves its input X by reference for a selective recompute (mark_layers / "
+                      "selective_recompute), but runs outside a checkpointed region (checkpointing disabled, or the model "
+                      "in eval mode, where transformers does not checkpoint): it keeps X in full precision, and "
+                      "adahop.saved_bytes leaves it out. Train in model.train(), or call "
+                      "adahop.nn.recompute.mark_layers(model, on=False)", stacklevel=4)
+
+
 class LowPrecisionLinear(nn.Linear):
     """``nn.Linear`` whose fprop, dgrad and wgrad run under ``recipe``.
 
@@ -567,6 +583,9 @@ class LowPrecisionLinear(nn.Linear):
             if torch.is_grad_enabled() and (x2.requires_grad or params_grad):
                 if not self.training and not torch.compiler.is_compiling():
                     _warn_eval_with_grad()
+                if self.recompute_x and not torch.compiler.is_compiling() and _region_tag() is None \
+                        and torch._C._current_graph_task_id() == -1:
+                    _warn_recompute_outside_checkpoint(self.name)
                 if self._compiled_opaque() or self._eager_opaque():  # the layer as two ops (adahop.nn.opaque)
                     y = opaque.lp_linear(self, x2, dtype, self._sign_seed(GEMMS))
                 else:

@@ -56,9 +56,14 @@ SAVED_OPS = _ops("aten.mm.default", "aten.addmm.default", "aten.bmm.default", "a
 def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     """The selective-checkpoint policy (``torch.utils.checkpoint.create_selective_checkpoint_contexts``):
     :data:`SAVED_OPS` and random ops (``nondeterministic_seeded``: a recompute would draw other bits) are
-    saved, every other op is recomputed in backward."""
-    if op in SAVED_OPS or torch.Tag.nondeterministic_seeded in getattr(op, "tags", ()):
+    saved, every other op is recomputed in backward. An in-place random op (``bernoulli_``: CPU dropout) is
+    recomputed: the checkpoint cannot keep a tensor that is mutated after it (torch raises), and it restores
+    the RNG state before the recompute, so the op draws the forward's bits again."""
+    if op in SAVED_OPS:
         return CheckpointPolicy.MUST_SAVE
+    if torch.Tag.nondeterministic_seeded in getattr(op, "tags", ()):
+        schema = getattr(op, "_schema", None)
+        return CheckpointPolicy.PREFER_RECOMPUTE if schema is not None and schema.is_mutable else CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
