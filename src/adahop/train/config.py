@@ -97,7 +97,7 @@ class TrainConfig:
     compile: bool = False
     """torch.compile the model once the AdaHOP plan is frozen (calibration steps run eagerly), in mode reduce-overhead (Inductor replayed from CUDA graphs) in one CUDA process, in the default mode (Inductor, no CUDA graphs) on the CPU; under --parallel ddp/fsdp compiled in the default mode from the start and recompiled at the freeze."""
     recompute: bool = False
-    """Selective activation recompute of the transformer blocks (adahop.nn.recompute): GEMM and attention outputs kept, the rest (norms, SiLU·mul, RoPE) recomputed in backward, and the converted layers' X prepared there; less memory for a little time, the same numbers eager (compiled: equal to rounding)."""
+    """Selective activation recompute of the transformer blocks (adahop.nn.recompute): GEMM and attention outputs kept, the rest (norms, SiLU·mul, RoPE) recomputed in backward, and the converted layers' X prepared there; less memory for a little time, the same numbers eager (compiled: equal to rounding; recipes with random bits draw others of the same distribution)."""
     backend: str = "auto"
     """Kernel backend: auto (fast path on CUDA), triton or reference. Never changes numerics."""
     calib_steps: int | None = None
