@@ -118,6 +118,7 @@ def test_train_with_recompute_logs_the_plain_runs_losses(prepare_real_text, tmp_
     losses = {rc: [r["loss"] for r in read_metrics(tmp_path / str(rc) / "metrics.jsonl") if "loss" in r] for rc in runs}
     assert len(losses[True]) == 6 and losses[True] == losses[False]
     assert runs[True]["final_val_loss"] == runs[False]["final_val_loss"]
+    assert runs[True]["recompute"] is True and runs[False]["recompute"] is False  # summary.json, so compare's table says it
     assert {"adahop.lp_linear_fwd.default", "aten.mm.default"} <= seen
 
 

@@ -683,6 +683,7 @@ def test_compare_table_fields():
         "nvfp4": dict(final_val_loss=4.05, bf16_layers={"a": "shape 100->64", "b": "in a BF16 block of the recipe",
                                                         "c": "in a BF16 block of the recipe"}),
         "adahop-lv1": dict(final_val_loss=4.0, plan_frozen=False),
+        "mxfp4": dict(final_val_loss=4.03, recompute=True, unquantizable_layers=1),
     }
     rows = format_table(summaries)
     assert len(COLUMNS) == 8 and all(len(r) == 8 for r in rows)
@@ -693,6 +694,7 @@ def test_compare_table_fields():
     assert rows[2][1] == "failed: exit code 1" and set(rows[2][2:]) == {"-"}  # the reason in no other column
     assert rows[4][0] == "nvfp4 (1 layers BF16: shape; 2 layers BF16: the recipe's BF16 blocks)"
     assert rows[5][0] == "adahop-lv1 (plan never froze: all BF16)" and rows[5][2] == "+0.00"
+    assert rows[6][0] == "mxfp4 (1 layers BF16: shape; selective recompute)"  # adahop compare --recompute says so
     # a long, multi-line reason with a '|': one line cut at 160 characters with a pointer, and one Markdown row
     long = format_table({"x": {"error": "a|b\n" + "y" * 300}})[0][1]
     assert long.startswith("failed: a|b " + "y" * 148) and long.endswith("(whole: compare.json, or the run's error.txt)")

@@ -64,8 +64,8 @@ def format_table(summaries: dict[str, dict], baseline: str = "bf16") -> list[lis
         tps = s.get("tok_per_s")
         mem = s.get("peak_memory_bytes")
         saved = f"{s['saved_bytes'] / 2**20:.2f} ({s['saved_bytes_bf16'] / 2**20:.2f})" if s.get("saved_bytes_bf16") else "-"
-        note = _bf16_note(s)
-        if note:  # GEMMs that ran BF16: the row is partly (or wholly) BF16's result
+        note = "; ".join(filter(None, [_bf16_note(s), "selective recompute" if s.get("recompute") else ""]))
+        if note:  # GEMMs that ran BF16 (the row is partly or wholly BF16's result), or memory traded for time
             name = f"{name} ({note})"
         rows.append([name, f"{vl:.4f}" if vl is not None else "-", gap, f"{s['final_val_bpb']:.4f}" if s.get("final_val_bpb") else "-",
                      f"{tps:,.0f}" if tps else "-", f"{mem / 2**20:,.0f}" if mem else "-", saved,

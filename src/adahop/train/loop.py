@@ -445,7 +445,7 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
                    peak_memory_bytes=peak, peak_memory_bytes_per_rank=dp.gather_float(peak),
                    plan_frozen=_plan_frozen(model), plan_checked_on_ranks=plan_ranks, world_size=world,
                    graph_breaks_steady_state=breaks, recompiles_steady_state=recompiles,
-                   compile_mode=mode, saved_bytes=ours, saved_bytes_bf16=bf16,
+                   compile_mode=mode, recompute=cfg.recompute, saved_bytes=ours, saved_bytes_bf16=bf16,
                    unquantizable_layers=len(get_controller(model).unquantizable), bf16_layers=bf16_layers,
                    parameters=sum(p.numel() for p in model.parameters()), epochs=epochs, lr_schedule_steps=schedule,
                    device=str(device), interrupted=stop["now"], optimizer=cfg.optimizer, master_weights=cfg.master_weights,
