@@ -1362,3 +1362,16 @@ def test_a_curve_of_one_logged_point_is_drawn(tmp_path, monkeypatch):
                      ylabel="loss", title="t")
     one, many = figs[0].axes[0].get_lines()
     assert one.get_marker() == "o" and many.get_marker() in ("None", None, "")
+
+
+def test_eager_gpu_note_goes_to_low_precision_runs_on_a_gpu_without_compile():
+    """The start-up note that points GPU users at --compile: only a converted recipe, on CUDA, eager."""
+    from adahop.train import TrainConfig
+    from adahop.train.loop import EAGER_GPU_NOTE, _eager_gpu
+
+    lv2, bf16 = get_recipe("adahop-lv2"), get_recipe("bf16")
+    assert _eager_gpu("cuda", TrainConfig(), lv2)
+    assert not _eager_gpu("cuda", TrainConfig(compile=True), lv2)
+    assert not _eager_gpu("cpu", TrainConfig(), lv2)  # the CPU has no launch overhead to hide
+    assert not _eager_gpu("cuda", TrainConfig(), bf16)
+    assert "--compile" in EAGER_GPU_NOTE and "docs/benchmarks.md" in EAGER_GPU_NOTE
