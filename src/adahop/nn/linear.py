@@ -108,6 +108,38 @@ def _region_tag():
         return None
 
 
+def _same_closure(frame, fn) -> bool:
+    """Whether the Python ``frame`` is a call of the function object ``fn``: its code, and each of its free variables
+    bound to what ``fn``'s closure holds (closures of one ``def`` share their code object)."""
+    if frame.f_code is not fn.__code__ or not fn.__closure__:
+        return False
+    local = frame.f_locals  # free variables are among a frame's locals
+    try:
+        return all(local.get(name, local) is cell.cell_contents for name, cell in zip(fn.__code__.co_freevars, fn.__closure__))
+    except ValueError:  # an empty cell
+        return False
+
+
+def _running_region(queue: list):
+    """The checkpoint region (an entry's :func:`_region_tag` object) whose recompute runs now, or None. A non-reentrant
+    checkpoint recomputes a region inside the unpack hook its forward ran under, which is the region's tag: so the
+    innermost call of one of the queue's tags on the Python stack names the region, wherever backward happens to
+    start the recompute (a parallel branch that reaches no other branch's forward, as in a GPT-NeoX block)."""
+    # only a non-reentrant region's tag is a function; a reentrant one's is its checkpoint's autograd node
+    tags = {id(t): t for e in queue if (t := _alive(e[2])) is not None and hasattr(t, "__code__")}
+    if not tags:
+        return None
+    codes = {t.__code__ for t in tags.values()}
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code in codes:
+            for t in tags.values():
+                if _same_closure(f, t):
+                    return t
+        f = f.f_back
+    return None
+
+
 def _oldest_of_region(queue: list, i: int) -> int:
     """``i``, or the oldest entry of ``queue`` from the same checkpoint region as entry ``i``: a recompute replays
     its region in forward order, so a layer called twice there takes its first call's bits first."""
@@ -120,8 +152,9 @@ def _oldest_of_region(queue: list, i: int) -> int:
 def _recomputed(queue: list) -> int:
     """The position in ``queue`` (``[call, weak reference to the forward's autograd node or None, to its
     checkpoint region (:func:`_region_tag`) or None]`` entries, in call order) of the forward that the running
-    backward recomputes: the latest whose node the backward reaches from the node it runs now, then the
-    oldest call of that one's region (:func:`_oldest_of_region`). Forwards of a graph this backward does not
+    backward recomputes: the oldest waiting call of the non-reentrant region being recomputed, when the stack
+    names it (:func:`_running_region`); else the latest whose node the backward reaches from the node it runs
+    now, then the oldest call of that one's region (:func:`_oldest_of_region`). Forwards of a graph this backward does not
     reach (a later forward whose backward comes later) are passed over. An entry without a node (a frozen
     layer's call) is taken as it comes, as are all when torch cannot say which node runs.
 
@@ -129,6 +162,9 @@ def _recomputed(queue: list) -> int:
         RuntimeError: several forwards wait and the running node reaches none of them."""
     if len(queue) == 1:
         return 0
+    region = _running_region(queue)
+    if region is not None:  # the region being recomputed, found on the stack: its oldest waiting call
+        return next(k for k, e in enumerate(queue) if _alive(e[2]) is region)
     current = torch._C._current_autograd_node()
     if current is None:
         return _oldest_of_region(queue, len(queue) - 1)
@@ -144,9 +180,10 @@ def _recomputed(queue: list) -> int:
     if live > 1:  # several forwards' graphs wait and none is reached from here: any pick could be the wrong one
         raise RuntimeError(
             "adahop: a checkpointed region is recomputed from a node that reaches none of the forwards waiting for "
-            f"their backward ({live} of this layer's); its random bits cannot be matched to the right forward (a region "
-            "of parallel branches, such as a GPT-NeoX-style block, with several micro-batches' forwards run before their "
-            "backwards). Run each micro-batch's backward right after its forward, or one backward for their summed loss")
+            f"their backward ({live} of this layer's); its random bits cannot be matched to the right forward (several "
+            "forwards run before their backwards, under a checkpoint that names no region: not torch.utils.checkpoint's "
+            "use_reentrant=False form). Run each micro-batch's backward right after its forward, or checkpoint with "
+            "use_reentrant=False")
     return len(queue) - 1
 
 
@@ -474,9 +511,9 @@ class LowPrecisionLinear(nn.Linear):
         forward (a no-grad forward that backward runs again). Several forwards may wait for their
         backwards (micro-batches run forward first): a recompute takes the one whose autograd graph
         the running backward reaches (:func:`_recomputed`), and within one checkpoint region its calls in
-        forward order. Not matched (documented in `docs/integrations.md`): with several forwards waiting,
-        a frozen layer's calls (no autograd node) or nested reentrant checkpoints; a region of parallel
-        branches then raises.
+        forward order; a non-reentrant region being recomputed is found on the stack first, so a region of
+        parallel branches (a GPT-NeoX block) is matched too. Not matched (documented in `docs/integrations.md`):
+        with several forwards waiting, a frozen layer's calls (no autograd node) or nested reentrant checkpoints.
 
         Raises:
             RuntimeError: a recompute that reaches none of several waiting forwards (:func:`_recomputed`);
