@@ -150,7 +150,7 @@
 #   r34 (issue 18, either card): scripts/bench_topk.py (OE's top-k), then r33m on an H200 (over 100 GB), else r34c
 #   r35 (issue 18, either card): selective activation recompute (adahop.nn.recompute) at Llama-3.2-1B, 4096 x 8 on an H200
 #      (x 4 on an H100, B35 sets it): mode auto, one process, R35 (bf16, lv2, mxfp4, each +recompute, torchao rowwise); then
-#      eager, R35E
+#      eager, R35E (none: no eager rows; also skipped with under 30 s of LIM left)
 #   r34c (issue 18, one GPU): saved_census of Llama-3.2-1B (2 blocks, 4096 x 1 and x 2; eager projected to 16 x 16384) for R34C
 #      (default bf16, torchao float8 rowwise, mxfp4, adahop-lv2; needs .whl), --mode compiled then eager (why compiled
 #      MXFP4 peaks above torchao's FP8, round 32), then the 8B-shaped rows (4 blocks, 4096 x 2, bf16/mxfp4/adahop-lv2, auto)
@@ -549,9 +549,11 @@ if [ "$STAGE" = r35 ]; then  # issue 18: selective activation recompute at 1B (4
     --recipes ${R35:-bf16,bf16+recompute,adahop-lv2,adahop-lv2+recompute,mxfp4,mxfp4+recompute,torchao-fp8-rowwise} \
     --json $OUT/bench_1b_rc.json > $OUT/bench_1b_rc.log 2>&1
   echo "1b 4096 x $B35 auto: exit $? at $(el) s"; grep -E "^row:" $OUT/bench_1b_rc.log | python3 -c "$SUM"
-  timeout $(( ${LIM:-570} - $(el) )) python3 -m adahop bench model --modes eager --model llama3.2-1b --seq-len 4096 --batch-size $B35 \
-    --recipes ${R35E:-bf16,adahop-lv2+recompute,adahop-lv2,bf16+recompute} --json $OUT/bench_1b_rc_eager.json > $OUT/bench_1b_rc_eager.log 2>&1
-  echo "1b 4096 x $B35 eager: exit $? at $(el) s"; grep -E "^row:" $OUT/bench_1b_rc_eager.log | python3 -c "$SUM"
+  if [ "${R35E:-}" != none ] && [ $(( ${LIM:-570} - $(el) )) -gt 30 ]; then  # R35E=none: no eager rows
+    timeout $(( ${LIM:-570} - $(el) )) python3 -m adahop bench model --modes eager --model llama3.2-1b --seq-len 4096 --batch-size $B35 \
+      --recipes ${R35E:-bf16,adahop-lv2+recompute,adahop-lv2,bf16+recompute} --json $OUT/bench_1b_rc_eager.json > $OUT/bench_1b_rc_eager.log 2>&1
+    echo "1b 4096 x $B35 eager: exit $? at $(el) s"; grep -E "^row:" $OUT/bench_1b_rc_eager.log | python3 -c "$SUM"
+  fi
   echo "stage $STAGE done at $(el) s"; exit 0
 fi
 if [ "$STAGE" = r34 ]; then  # whichever card comes: an H200 runs r33m (it needs the memory), an H100 r34c
