@@ -876,3 +876,20 @@ def test_a_low_precision_linear_built_without_a_recipe_is_refused_with_the_way_t
         LowPrecisionLinear.from_linear(torch.nn.Linear(64, 64), adahop.get_recipe("mxfp4"), name="x", layer_id=0,
                                        controller=None)
     assert adahop.register_step_hook is adahop.nn.convert.register_step_hook  # exported beside on_step
+
+
+def test_a_region_recomputed_outside_backward_raises_instead_of_shifting_the_bits():
+    """Unpacking a checkpointed region's saved tensor by hand recomputes it outside backward, and backward recomputes it
+    again: its calls were counted as new forwards, shifting every later call's bits (tseng: gradients 2e-3 off with two
+    micro-batches, helper 57). No count can tell such a rerun from a new forward, so it raises."""
+    from torch.utils.checkpoint import checkpoint as ckpt
+
+    torch.manual_seed(0)
+    m = adahop.convert_model(nn.ModuleList([nn.Linear(64, 64), nn.Linear(64, 64)]), "tseng", exclude=None, seed=0)
+    f = lambda x: m[1](m[0](x)).sin()  # noqa: E731
+    y = ckpt(f, torch.randn(16, 64, requires_grad=True), use_reentrant=False)
+    with pytest.raises(RuntimeError, match="recomputed outside backward"):
+        y.grad_fn._saved_self
+    y = ckpt(f, torch.randn(16, 64, requires_grad=True), use_reentrant=False)  # the ordinary path still runs
+    y.square().mean().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters())

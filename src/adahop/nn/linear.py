@@ -181,9 +181,9 @@ def _recomputed(queue: list) -> int:
         raise RuntimeError(
             "adahop: a checkpointed region is recomputed from a node that reaches none of the forwards waiting for "
             f"their backward ({live} of this layer's); its random bits cannot be matched to the right forward (several "
-            "forwards run before their backwards, under a checkpoint that names no region: not torch.utils.checkpoint's "
-            "use_reentrant=False form). Run each micro-batch's backward right after its forward, or checkpoint with "
-            "use_reentrant=False")
+            "forwards run before their backwards, under a checkpoint whose region cannot be named: a reentrant one, or "
+            "regions nested in each other). Run each micro-batch's backward right after its forward, or checkpoint "
+            "with use_reentrant=False and without nesting")
     return len(queue) - 1
 
 
@@ -547,6 +547,13 @@ class LowPrecisionLinear(nn.Linear):
         # [calls so far, the entries of the forwards not yet recomputed (_recomputed: call, node, region)]
         issued = self._calls.setdefault((step, gemm, stream), [0, []])
         in_backward = torch._C._current_graph_task_id() != -1
+        if stream == "train" and not in_backward and issued[1] and _running_region(issued[1]) is not None:
+            # a region recomputed outside backward (a saved tensor unpacked by hand): backward recomputes it again,
+            # and no call count tells this run's calls apart from new ones, so nothing would match the forward's bits
+            raise RuntimeError(
+                f"adahop: {self.name}: a checkpointed region was recomputed outside backward (a saved tensor of it "
+                "unpacked by hand, such as grad_fn._saved_self), so its random bits cannot be matched to the forward "
+                "it repeats. Read saved tensors only in backward, or checkpoint without a recipe that draws random bits")
         if stream == "eval" or not in_backward:  # a new call; a training one may be recomputed later
             call = issued[0]
             issued[0] += 1
@@ -560,7 +567,7 @@ class LowPrecisionLinear(nn.Linear):
                 f"adahop: {self.name}: a forward ran inside backward with no forward of step {step} left for it to "
                 f"repeat, so its {gemm} random bits would differ from the forward's. torch.utils.checkpoint recomputes "
                 "each forward once per backward: use checkpoint(..., use_reentrant=False) (or use_reentrant=True) "
-                "without nesting one kind in the other, one backward per forward (no retain_graph through a "
+                "without nesting one checkpoint in another, one backward per forward (no retain_graph through a "
                 "checkpointed region), and call adahop.on_step only after the step's backward")
         # torch.utils.checkpoint recomputing a forward of this step: the latest one this backward reaches
         # (_recomputed), as backward visits them. A reentrant checkpoint's no-grad forward run inside such a
