@@ -893,3 +893,28 @@ def test_a_region_recomputed_outside_backward_raises_instead_of_shifting_the_bit
     y = ckpt(f, torch.randn(16, 64, requires_grad=True), use_reentrant=False)  # the ordinary path still runs
     y.square().mean().backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters())
+
+
+def test_a_reentrant_region_inside_a_non_reentrant_one_with_forwards_first_recomputes_each_with_its_bits():
+    """The outer region's recompute runs the inner reentrant forward again, which took the newest waiting call's bits:
+    with two micro-batches forward first and their backwards in order, averis's gradients were ~1e-4 off (helper 57).
+    It now takes the call of the outer region being recomputed, found on the stack."""
+    from torch.utils.checkpoint import checkpoint as ckpt
+
+    F = torch.nn.functional
+
+    def grads(checkpointed: bool):
+        torch.manual_seed(0)
+        m = adahop.convert_model(nn.ModuleList([nn.Linear(64, 64) for _ in range(3)]), "averis", exclude=None, seed=0)
+        inner = lambda h: m[1](F.gelu(h))  # noqa: E731
+        ci = (lambda h: ckpt(inner, h, use_reentrant=True)) if checkpointed else inner
+        outer = lambda x: m[2](F.gelu(ci(F.gelu(m[0](x)))))  # noqa: E731
+        g = torch.Generator().manual_seed(3)
+        xs = [torch.randn(16, 64, generator=g, requires_grad=True) for _ in range(2)]
+        losses = [(ckpt(outer, x, use_reentrant=False) if checkpointed else outer(x)).square().mean() for x in xs]
+        for loss in losses:
+            loss.backward()
+        return [p.grad for p in m.parameters()]
+
+    plain, ck = grads(False), grads(True)
+    assert len(ck) == 6 and all(torch.equal(a, b) for a, b in zip(plain, ck))

@@ -120,13 +120,13 @@ def _same_closure(frame, fn) -> bool:
         return False
 
 
-def _running_region(queue: list):
+def _running_region(queue: list, slot: int = 2):
     """The checkpoint region (an entry's :func:`_region_tag` object) whose recompute runs now, or None. A non-reentrant
     checkpoint recomputes a region inside the unpack hook its forward ran under, which is the region's tag: so the
     innermost call of one of the queue's tags on the Python stack names the region, wherever backward happens to
     start the recompute (a parallel branch that reaches no other branch's forward, as in a GPT-NeoX block)."""
     # only a non-reentrant region's tag is a function; a reentrant one's is its checkpoint's autograd node
-    tags = {id(t): t for e in queue if (t := _alive(e[2])) is not None and hasattr(t, "__code__")}
+    tags = {id(t): t for e in queue if (t := _alive(e[slot])) is not None and hasattr(t, "__code__")}
     if not tags:
         return None
     codes = {t.__code__ for t in tags.values()}
@@ -558,7 +558,8 @@ class LowPrecisionLinear(nn.Linear):
             call = issued[0]
             issued[0] += 1
             if stream == "train":
-                entry = [call, None, _region_tag()]
+                tag = _region_tag()  # [3] keeps it when a reentrant checkpoint's node takes [2] (_bind_calls)
+                entry = [call, None, tag, tag]
                 issued[1].append(entry)
                 self._unbound.append(entry)  # _forward gives it the output's autograd node
             return call
@@ -573,6 +574,10 @@ class LowPrecisionLinear(nn.Linear):
         # (_recomputed), as backward visits them. A reentrant checkpoint's no-grad forward run inside such a
         # recompute (nested checkpoints) runs once more, at its own recompute, which then takes the index
         if rerun:
+            # inside the recompute of an enclosing non-reentrant region: the call that region's forward made
+            outer = _running_region(issued[1], slot=3)
+            if outer is not None:
+                return next(e for e in issued[1] if _alive(e[3]) is outer)[0]
             return issued[1][-1][0]
         return issued[1].pop(_recomputed(issued[1]))[0]
 
