@@ -120,22 +120,27 @@ def _same_closure(frame, fn) -> bool:
         return False
 
 
-def _running_region(queue: list, slot: int = 2):
-    """The checkpoint region (an entry's :func:`_region_tag` object) whose recompute runs now, or None. A non-reentrant
-    checkpoint recomputes a region inside the unpack hook its forward ran under, which is the region's tag: so the
-    innermost call of one of the queue's tags on the Python stack names the region, wherever backward happens to
-    start the recompute (a parallel branch that reaches no other branch's forward, as in a GPT-NeoX block)."""
-    # only a non-reentrant region's tag is a function; a reentrant one's is its checkpoint's autograd node
-    tags = {id(t): t for e in queue if (t := _alive(e[slot])) is not None and hasattr(t, "__code__")}
-    if not tags:
+def _running_region(queue: list, slot: int = 2) -> int | None:
+    """The position in ``queue`` of the oldest waiting call of the checkpoint region whose recompute runs now (entry
+    ``slot`` holds each call's :func:`_region_tag`), or None. A non-reentrant checkpoint recomputes a region inside the
+    unpack hook its forward ran under, which is the region's tag: so the innermost call of one of the queue's tags on
+    the Python stack names the region, wherever backward happens to start the recompute (a parallel branch that
+    reaches no other branch's forward, as in a GPT-NeoX block)."""
+    oldest = {}  # id(tag) -> (tag, position of its first entry)
+    for k, e in enumerate(queue):
+        t = _alive(e[slot])
+        # only a non-reentrant region's tag is a function; a reentrant one's is its checkpoint's autograd node
+        if t is not None and hasattr(t, "__code__") and id(t) not in oldest:
+            oldest[id(t)] = (t, k)
+    if not oldest:
         return None
-    codes = {t.__code__ for t in tags.values()}
+    codes = {t.__code__ for t, _ in oldest.values()}
     f = sys._getframe(1)
     while f is not None:
         if f.f_code in codes:
-            for t in tags.values():
+            for t, k in oldest.values():
                 if _same_closure(f, t):
-                    return t
+                    return k
         f = f.f_back
     return None
 
@@ -151,7 +156,8 @@ def _oldest_of_region(queue: list, i: int) -> int:
 
 def _recomputed(queue: list) -> int:
     """The position in ``queue`` (``[call, weak reference to the forward's autograd node or None, to its
-    checkpoint region (:func:`_region_tag`) or None]`` entries, in call order) of the forward that the running
+    checkpoint region or None, to the saved-tensor hook it ran under (:func:`_region_tag`) or None]`` entries, in call
+    order; the region is that hook, or a reentrant checkpoint's node, :meth:`LowPrecisionLinear._bind_calls`) of the forward that the running
     backward recomputes: the oldest waiting call of the non-reentrant region being recomputed, when the stack
     names it (:func:`_running_region`); else the latest whose node the backward reaches from the node it runs
     now, then the oldest call of that one's region (:func:`_oldest_of_region`). Forwards of a graph this backward does not
@@ -162,9 +168,9 @@ def _recomputed(queue: list) -> int:
         RuntimeError: several forwards wait and the running node reaches none of them."""
     if len(queue) == 1:
         return 0
-    region = _running_region(queue)
-    if region is not None:  # the region being recomputed, found on the stack: its oldest waiting call
-        return next(k for k, e in enumerate(queue) if _alive(e[2]) is region)
+    k = _running_region(queue)
+    if k is not None:  # the region being recomputed, found on the stack: its oldest waiting call
+        return k
     current = torch._C._current_autograd_node()
     if current is None:
         return _oldest_of_region(queue, len(queue) - 1)
@@ -544,7 +550,7 @@ class LowPrecisionLinear(nn.Linear):
             return None
         step = self.controller.step
         self._calls = {k: v for k, v in self._calls.items() if k[0] == step}
-        # [calls so far, the entries of the forwards not yet recomputed (_recomputed: call, node, region)]
+        # [calls so far, the entries of the forwards not yet recomputed (_recomputed: call, node, region, hook)]
         issued = self._calls.setdefault((step, gemm, stream), [0, []])
         in_backward = torch._C._current_graph_task_id() != -1
         if stream == "train" and not in_backward and issued[1] and _running_region(issued[1]) is not None:
@@ -575,9 +581,9 @@ class LowPrecisionLinear(nn.Linear):
         # recompute (nested checkpoints) runs once more, at its own recompute, which then takes the index
         if rerun:
             # inside the recompute of an enclosing non-reentrant region: the call that region's forward made
-            outer = _running_region(issued[1], slot=3)
-            if outer is not None:
-                return next(e for e in issued[1] if _alive(e[3]) is outer)[0]
+            k = _running_region(issued[1], slot=3)
+            if k is not None:
+                return issued[1][k][0]
             return issued[1][-1][0]
         return issued[1].pop(_recomputed(issued[1]))[0]
 
