@@ -819,7 +819,7 @@ def test_an_eval_mode_forward_with_gradients_on_is_warned_about_once(monkeypatch
     import adahop.nn.linear as linear_mod
     from adahop.nn import convert_model
     from adahop.recipes import get_recipe
-    monkeypatch.setattr(linear_mod, "_warned_eval_with_grad", False)
+    monkeypatch.setattr(linear_mod, "_WARNED", set())
     m = torch.nn.Sequential(torch.nn.Linear(64, 64))
     convert_model(m, get_recipe("tseng"), exclude=())
     x = torch.randn(8, 64)

@@ -155,7 +155,7 @@ def test_a_marked_layer_outside_any_checkpoint_warns(monkeypatch):
     from adahop.models import build_model
     from adahop.nn import convert_model
 
-    monkeypatch.setattr(linear, "_warned_recompute_outside", False)
+    monkeypatch.setattr(linear, "_WARNED", set())
     m = selective_recompute(convert_model(build_model("llama-tiny", vocab_size=256, max_seq_len=16), "mxfp4"))
     ids = torch.randint(0, 256, (1, 16))
     m.train()

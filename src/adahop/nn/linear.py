@@ -321,34 +321,15 @@ class Controller:
             layer.resolve_specs()
 
 
-_warned_eval_with_grad = False
+_WARNED: set[str] = set()  # the once-per-process warnings given so far
 
 
-def _warn_eval_with_grad() -> None:
-    # once per process: a model trained in eval mode (dropout off) would see it on every call
-    global _warned_eval_with_grad
-    if not _warned_eval_with_grad:
-        _warned_eval_with_grad = True
-        warnings.warn("adahop: a converted layer ran a forward in eval mode with gradients enabled. It counts as a "
-                      "training call: its random bits (and, while calibrating, the plan's observations) are the "
-                      "training run's, so an evaluation this way changes the training that follows. Evaluate under "
-                      "torch.no_grad() or torch.inference_mode()", stacklevel=4)
-
-
-_warned_recompute_outside = False
-
-
-def _warn_recompute_outside_checkpoint(name: str) -> None:
-    # once per process: a layer marked to save X by reference (adahop.nn.recompute) that no checkpoint recomputes
-    # keeps X itself, 16 bits an element where the prepared operand takes 4.25, and saved_bytes does not count it
-    global _warned_recompute_outside
-    if not _warned_recompute_outside:
-        _warned_recompute_outside = True
-        warnings.warn(f"adahop: {name} saves its input X by reference for a selective recompute (mark_layers / "
-                      "selective_recompute), but runs outside a checkpointed region (checkpointing disabled, or the model "
-                      "in eval mode, where transformers does not checkpoint): it keeps X in full precision, and "
-                      "adahop.saved_bytes leaves it out. Train in model.train(), or call "
-                      "adahop.nn.recompute.mark_layers(model, on=False)", stacklevel=4)
+def _warn_once(key: str, message: str) -> None:
+    """``message`` as a UserWarning the first time ``key`` comes in this process, pointed at the user's call of the
+    layer (called from :meth:`LowPrecisionLinear._forward`)."""
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(message, stacklevel=4)
 
 
 class LowPrecisionLinear(nn.Linear):
@@ -636,11 +617,23 @@ class LowPrecisionLinear(nn.Linear):
                 return torch.nn.functional.linear(x2, self.weight.to(dtype), b).reshape(*x.shape[:-1], self.out_features)
             params_grad = self.weight.requires_grad or (self.bias is not None and self.bias.requires_grad)
             if torch.is_grad_enabled() and (x2.requires_grad or params_grad):
+                # once each: a model trained in eval mode (dropout off) would see the first on every call
                 if not self.training and not torch.compiler.is_compiling():
-                    _warn_eval_with_grad()
+                    _warn_once("eval_with_grad", (
+                        "adahop: a converted layer ran a forward in eval mode with gradients enabled. It counts as a "
+                        "training call: its random bits (and, while calibrating, the plan's observations) are the "
+                        "training run's, so an evaluation this way changes the training that follows. Evaluate under "
+                        "torch.no_grad() or torch.inference_mode()"))
+                # a layer marked to save X by reference (adahop.nn.recompute) that no checkpoint recomputes keeps X
+                # itself, 16 bits an element where the prepared operand takes 4.25, and saved_bytes does not count it
                 if self.recompute_x and not torch.compiler.is_compiling() and _region_tag() is None \
                         and torch._C._current_graph_task_id() == -1:
-                    _warn_recompute_outside_checkpoint(self.name)
+                    _warn_once("recompute_outside_checkpoint", (
+                        f"adahop: {self.name} saves its input X by reference for a selective recompute (mark_layers / "
+                        "selective_recompute), but runs outside a checkpointed region (checkpointing disabled, or the "
+                        "model in eval mode, where transformers does not checkpoint): it keeps X in full precision, and "
+                        "adahop.saved_bytes leaves it out. Train in model.train(), or call "
+                        "adahop.nn.recompute.mark_layers(model, on=False)"))
                 if self._compiled_opaque() or self._eager_opaque():  # the layer as two ops (adahop.nn.opaque)
                     y = opaque.lp_linear(self, x2, dtype, self._sign_seed(GEMMS))
                 else:
