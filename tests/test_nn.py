@@ -536,6 +536,43 @@ def test_nested_reentrant_checkpoints_match_and_mixed_nesting_is_refused():
         y.backward()
 
 
+@pytest.mark.parametrize("order", ["each", "forwards_first", "reversed", "summed"])
+@pytest.mark.parametrize("nesting", ["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("where", ["start", "middle"])
+def test_a_region_nested_in_the_middle_of_another_recomputes_with_its_bits(where, nesting, order):
+    """Nested checkpoints of one kind: the outer recompute runs the inner region's forward again before the inner
+    region's own recompute, so the inner layers run twice in backward; both runs take the forward's bits, also with
+    two micro-batches' forwards first. Until 2026-12-07 the non-reentrant form raised, and the reentrant one with
+    forwards first took the newest micro-batch's bits (gradients ~4e-4 off, silently)."""
+    from torch.utils.checkpoint import checkpoint as ckpt
+
+    def grads(checkpointed: bool):
+        torch.manual_seed(0)
+        b = adahop.convert_model(nn.Sequential(*[nn.Linear(32, 32) for _ in range(5)]), "averis", exclude=None, seed=0)
+        xs = [torch.randn(16, 32, generator=torch.Generator().manual_seed(3 + i), requires_grad=True) for i in range(2)]
+        c = (lambda f, h: ckpt(f, h, use_reentrant=nesting == "reentrant")) if checkpointed else (lambda f, h: f(h))
+        inner = lambda h: b[2](b[1](h))  # noqa: E731
+        if where == "start":
+            region = lambda h: b[3](c(inner, h))  # noqa: E731
+            loss = lambda x: b[4](c(region, b[0](x))).square().mean()  # noqa: E731
+        else:
+            region = lambda h: b[3](c(inner, b[0](h)))  # noqa: E731
+            loss = lambda x: b[4](c(region, x)).square().mean()  # noqa: E731
+        if order == "each":
+            for x in xs:
+                loss(x).backward()
+        elif order == "summed":
+            sum(loss(x) for x in xs).backward()
+        else:
+            losses = [loss(x) for x in xs]
+            for l in losses if order == "forwards_first" else losses[::-1]:
+                l.backward()
+        return [p.grad for p in b.parameters()] + [x.grad for x in xs]
+
+    plain, checked = grads(False), grads(True)
+    assert all(torch.equal(a, c) for a, c in zip(plain, checked))
+
+
 def test_forward_only_calls_equal_the_training_forward_and_are_not_calibrated():
     from adahop.nn import get_controller
 

@@ -71,19 +71,20 @@ class _Reach:
         return key in self.seen
 
 
-def _enclosing_function_node():
-    """The autograd node of the ``autograd.Function`` whose ``forward`` runs the caller (its ``ctx``, found on
-    the Python stack), or None: for a reentrant checkpoint's no-grad forward, that is the node whose
-    backward will recompute it (torch's ``CheckpointFunction``, and those built like it)."""
-    f = sys._getframe(2)
+def _enclosing_function_nodes() -> list:
+    """The autograd nodes of the ``autograd.Function`` calls whose ``forward`` runs the caller (their ``ctx``, found on
+    the Python stack), innermost first: for a reentrant checkpoint's no-grad forward, the first is the node whose
+    backward will recompute it (torch's ``CheckpointFunction``, and those built like it), and the others those of
+    the checkpoints it is nested in."""
+    nodes, f = [], sys._getframe(2)
     while f is not None:
         code = f.f_code
         if code.co_name == "forward" and "ctx" in code.co_varnames[:code.co_argcount]:
             ctx = f.f_locals.get("ctx")
             if isinstance(ctx, torch.autograd.function.BackwardCFunction):
-                return ctx
+                nodes.append(ctx)
         f = f.f_back
-    return None
+    return nodes
 
 
 _REACH: list = [None]  # the running recompute's _Reach; cleared when its backward ends (it holds graph nodes)
@@ -145,6 +146,42 @@ def _running_region(queue: list, slot: int = 2) -> int | None:
     return None
 
 
+def _reach() -> _Reach | None:
+    """The nodes reachable from the autograd node that runs now (None outside a node, or when torch cannot say which
+    runs), shared by every call of the recompute it runs."""
+    current = torch._C._current_autograd_node()
+    if current is None:
+        return None
+    if _REACH[0] is None or _REACH[0].start is not current:
+        if _REACH[0] is None:  # dropped at the end of this backward: its nodes (and the parameters behind them) stay no longer
+            torch.autograd.Variable._execution_engine.queue_callback(_forget_reach)
+        _REACH[0] = _Reach(current)
+    return _REACH[0]
+
+
+def _in_nested_region(queue: list) -> bool:
+    """Whether a call inside backward runs the forward of a non-reentrant checkpoint region (the saved-tensor hook on
+    top is one of the kind that tags ``queue``'s entries, :func:`_region_tag`), not a recompute: that is a region
+    nested in another, which the enclosing region's recompute runs again before the nested one's own recompute."""
+    top = _region_tag()
+    top = _alive(top)
+    if top is None or not hasattr(top, "__code__"):
+        return False
+    return any(hasattr(t, "__code__") and t.__code__ is top.__code__ for t in (_alive(e[3]) for e in queue))
+
+
+def _nested_in_running(queue: list) -> int | None:
+    """The position in ``queue`` of the latest call made inside a reentrant checkpoint nested in one whose node the
+    running backward reaches (entry slot 4: the nodes of the checkpoints a no-grad forward ran in), or None."""
+    reach = _reach()
+    if reach is None:
+        return None
+    for i in range(len(queue) - 1, -1, -1):
+        if any((n := _alive(r)) is not None and reach.has(n) for r in queue[i][4][1:]):
+            return i
+    return None
+
+
 def _oldest_of_region(queue: list, i: int) -> int:
     """``i``, or the oldest entry of ``queue`` from the same checkpoint region as entry ``i``: a recompute replays
     its region in forward order, so a layer called twice there takes its first call's bits first."""
@@ -171,16 +208,12 @@ def _recomputed(queue: list) -> int:
     k = _running_region(queue)
     if k is not None:  # the region being recomputed, found on the stack: its oldest waiting call
         return k
-    current = torch._C._current_autograd_node()
-    if current is None:
+    reach = _reach()
+    if reach is None:
         return _oldest_of_region(queue, len(queue) - 1)
-    if _REACH[0] is None or _REACH[0].start is not current:
-        if _REACH[0] is None:  # dropped at the end of this backward: its nodes (and the parameters behind them) stay no longer
-            torch.autograd.Variable._execution_engine.queue_callback(_forget_reach)
-        _REACH[0] = _Reach(current)
     for i in range(len(queue) - 1, -1, -1):
         node = _alive(queue[i][1])
-        if queue[i][1] is None or (node is not None and _REACH[0].has(node)):
+        if queue[i][1] is None or (node is not None and reach.has(node)):
             return _oldest_of_region(queue, i)
     live = sum(_alive(e[1]) is not None for e in queue)
     if live > 1:  # several forwards' graphs wait and none is reached from here: any pick could be the wrong one
@@ -499,13 +532,15 @@ class LowPrecisionLinear(nn.Linear):
         backwards (micro-batches run forward first): a recompute takes the one whose autograd graph
         the running backward reaches (:func:`_recomputed`), and within one checkpoint region its calls in
         forward order; a non-reentrant region being recomputed is found on the stack first, so a region of
-        parallel branches (a GPT-NeoX block) is matched too. Not matched (documented in `docs/integrations.md`):
-        with several forwards waiting, a frozen layer's calls (no autograd node) or nested reentrant checkpoints.
+        parallel branches (a GPT-NeoX block) is matched too, and so are nested checkpoints (an inner region's
+        layers run twice in backward: in the outer recompute and in their own) except a non-reentrant one inside a
+        reentrant one. Not matched (documented in `docs/integrations.md`): with several forwards waiting, a frozen
+        layer's calls (no autograd node).
 
         Raises:
             RuntimeError: a recompute that reaches none of several waiting forwards (:func:`_recomputed`);
                 a forward of this layer runs inside backward with no forward of this
-                step left for it to repeat (a reentrant checkpoint inside a non-reentrant one, a
+                step left for it to repeat (a non-reentrant checkpoint inside a reentrant one, a
                 second backward through a checkpointed region, ``adahop.on_step`` between a forward
                 and its backward, a forward from a backward hook): its bits would differ from the
                 forward's."""
@@ -531,7 +566,7 @@ class LowPrecisionLinear(nn.Linear):
             return None
         step = self.controller.step
         self._calls = {k: v for k, v in self._calls.items() if k[0] == step}
-        # [calls so far, the entries of the forwards not yet recomputed (_recomputed: call, node, region, hook)]
+        # [calls so far, the entries of the forwards not yet recomputed (_recomputed: call, node, region, hook, enclosing)]
         issued = self._calls.setdefault((step, gemm, stream), [0, []])
         in_backward = torch._C._current_graph_task_id() != -1
         if stream == "train" and not in_backward and issued[1] and _running_region(issued[1]) is not None:
@@ -546,7 +581,7 @@ class LowPrecisionLinear(nn.Linear):
             issued[0] += 1
             if stream == "train":
                 tag = _region_tag()  # [3] keeps it when a reentrant checkpoint's node takes [2] (_bind_calls)
-                entry = [call, None, tag, tag]
+                entry = [call, None, tag, tag, ()]
                 issued[1].append(entry)
                 self._unbound.append(entry)  # _forward gives it the output's autograd node
             return call
@@ -554,28 +589,41 @@ class LowPrecisionLinear(nn.Linear):
             raise RuntimeError(
                 f"adahop: {self.name}: a forward ran inside backward with no forward of step {step} left for it to "
                 f"repeat, so its {gemm} random bits would differ from the forward's. torch.utils.checkpoint recomputes "
-                "each forward once per backward: use checkpoint(..., use_reentrant=False) (or use_reentrant=True) "
-                "without nesting one checkpoint in another, one backward per forward (no retain_graph through a "
-                "checkpointed region), and call adahop.on_step only after the step's backward")
+                "each forward once per backward: nest no checkpoint(..., use_reentrant=False) inside a "
+                "use_reentrant=True one (nest checkpoints of one kind), run one backward per forward (no retain_graph "
+                "through a checkpointed region), and call adahop.on_step only after the step's backward")
         # torch.utils.checkpoint recomputing a forward of this step: the latest one this backward reaches
-        # (_recomputed), as backward visits them. A reentrant checkpoint's no-grad forward run inside such a
-        # recompute (nested checkpoints) runs once more, at its own recompute, which then takes the index
+        # (_recomputed), as backward visits them. A nested region's forward run inside the enclosing one's
+        # recompute runs once more, at its own recompute, which then takes the index
         if rerun:
             # inside the recompute of an enclosing non-reentrant region: the call that region's forward made
             k = _running_region(issued[1], slot=3)
             if k is not None:
                 return issued[1][k][0]
-            return issued[1][-1][0]
+            # inside the recompute of an enclosing reentrant region, which builds a new graph: the call whose enclosing
+            # checkpoint the running node is, bound to the new node that its own recompute will start from
+            k = _nested_in_running(issued[1])
+            if k is None:
+                return issued[1][-1][0]
+            self._unbound.append(issued[1][k])
+            return issued[1][k][0]
+        if _in_nested_region(issued[1]):
+            # a non-reentrant region nested in another, its forward run again by the enclosing region's recompute;
+            # its own recompute comes later and takes the call then
+            return issued[1][_recomputed(issued[1])][0]
         return issued[1].pop(_recomputed(issued[1]))[0]
 
-    def _bind_calls(self, node, region: bool = False) -> None:
+    def _bind_calls(self, node, region: bool = False, enclosing: list = ()) -> None:
         """Give the calls this forward queued (:attr:`_unbound`) the autograd ``node`` a checkpoint's recompute
-        finds them by (:func:`_recomputed`; ``region``: the node names their region too), and forget them."""
+        finds them by (:func:`_recomputed`; ``region``: the node names their region too; ``enclosing``: the nodes
+        of the reentrant checkpoints the call runs in, innermost first), and forget them."""
         ref = None if node is None else weakref.ref(node)
+        refs = tuple(weakref.ref(n) for n in enclosing)
         for entry in self._unbound:
             entry[1] = ref
             if region:
                 entry[2] = ref
+                entry[4] = refs
         self._unbound.clear()
 
     def observe(self, tensor: str, t: torch.Tensor) -> None:
@@ -695,7 +743,8 @@ class LowPrecisionLinear(nn.Linear):
             self._call_index("wgrad", "train", rerun)
             self._call_index("dgrad", "train", rerun)
             # the checkpoint Function's node, whose backward recomputes this call: its region, too
-            self._bind_calls(_enclosing_function_node() if self._unbound else None, region=True)
+            nodes = _enclosing_function_nodes() if self._unbound else []
+            self._bind_calls(nodes[0] if nodes else None, region=True, enclosing=nodes)
         self._unbound.clear()
         seed = None if spec is None else self._sign_seed(("fprop",))
         return fprop(x2, self.weight.to(dtype), self.bias, spec, gen, self.backend, dtype, seed, salt(self, "fprop"))
