@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import collections
-import sys
 import warnings
 import weakref
 
@@ -14,7 +12,7 @@ from torch import nn
 from ..patterns import Calibrator, Plan
 from ..recipes.spec import GEMMS, GemmSpec, Recipe
 from ..utils import mix_seed
-from . import opaque
+from . import opaque, replay
 from .opaque import specs_digest
 from .function import LowPrecisionLinearFn, fprop, salt
 from .shared_cast import shared_cast
@@ -40,190 +38,6 @@ def check_plan_shapes(plan: Plan, layers: list[tuple[str, int, int]]) -> None:
         raise ValueError(f"the plan was frozen on another model: layer {n!r} is {here[0]}->{here[1]} here and "
                          f"{there[0]}->{there[1]} in the plan ({len(other)} such layers). Calibrate this model instead, "
                          "or pass its own plan")
-
-
-def _runs_again() -> bool:
-    """True when a layer's forward (not yet inside its own autograd function) is one that backward
-    will run again with grad on: a no-grad call inside an autograd.Function's forward (torch runs
-    those with grad and forward-mode AD both off, where ``torch.no_grad`` turns off only the first),
-    which is what reentrant checkpoints are: ``torch.utils.checkpoint(..., use_reentrant=True)``,
-    and the autograd.Function checkpoints of DeepSpeed or Megatron-LM (built so; not run here).
-    ``torch.inference_mode`` turns both off as well, and is an evaluation: never a rerun."""
-    return (not torch.is_grad_enabled() and not torch._C._is_fwd_grad_enabled()
-            and not torch.is_inference_mode_enabled())
-
-
-class _Reach:
-    """The autograd nodes reachable from ``start`` through ``next_functions``, found lazily (breadth
-    first) and kept: every converted layer that one checkpointed region recomputes asks from the
-    same node (the one whose saved tensors backward was unpacking), so the walk is shared."""
-
-    def __init__(self, start):
-        self.start, self.seen, self.frontier = start, {id(start)}, collections.deque([start])
-
-    def has(self, node) -> bool:
-        key = id(node)
-        while key not in self.seen and self.frontier:
-            for nxt, _ in self.frontier.popleft().next_functions:
-                if nxt is not None and id(nxt) not in self.seen:
-                    self.seen.add(id(nxt))
-                    self.frontier.append(nxt)
-        return key in self.seen
-
-
-def _enclosing_function_nodes() -> list:
-    """The autograd nodes of the ``autograd.Function`` calls whose ``forward`` runs the caller (their ``ctx``, found on
-    the Python stack), innermost first: for a reentrant checkpoint's no-grad forward, the first is the node whose
-    backward will recompute it (torch's ``CheckpointFunction``, and those built like it), and the others those of
-    the checkpoints it is nested in."""
-    nodes, f = [], sys._getframe(2)
-    while f is not None:
-        code = f.f_code
-        if code.co_name == "forward" and "ctx" in code.co_varnames[:code.co_argcount]:
-            ctx = f.f_locals.get("ctx")
-            if isinstance(ctx, torch.autograd.function.BackwardCFunction):
-                nodes.append(ctx)
-        f = f.f_back
-    return nodes
-
-
-_REACH: list = [None]  # the running recompute's _Reach; cleared when its backward ends (it holds graph nodes)
-
-
-def _forget_reach() -> None:
-    _REACH[0] = None
-
-
-def _alive(ref):
-    """The object a weak reference ``ref`` names, or None (no reference, or its object is gone)."""
-    return None if ref is None else ref()
-
-
-def _region_tag():
-    """A weak reference that names the non-reentrant checkpoint region a forward runs in (the unpack hook of the
-    saved-tensor hooks torch.utils.checkpoint installs for it, alive while its graph waits), or None outside one."""
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    try:
-        return None if not hooks else weakref.ref(hooks[1])
-    except TypeError:  # a hook that takes no weak reference: no region to name
-        return None
-
-
-def _same_closure(frame, fn) -> bool:
-    """Whether the Python ``frame`` is a call of the function object ``fn``: its code, and each of its free variables
-    bound to what ``fn``'s closure holds (closures of one ``def`` share their code object)."""
-    if frame.f_code is not fn.__code__ or not fn.__closure__:
-        return False
-    local = frame.f_locals  # free variables are among a frame's locals
-    try:
-        return all(local.get(name, local) is cell.cell_contents for name, cell in zip(fn.__code__.co_freevars, fn.__closure__))
-    except ValueError:  # an empty cell
-        return False
-
-
-def _running_region(queue: list, slot: int = 2) -> int | None:
-    """The position in ``queue`` of the oldest waiting call of the checkpoint region whose recompute runs now (entry
-    ``slot`` holds each call's :func:`_region_tag`), or None. A non-reentrant checkpoint recomputes a region inside the
-    unpack hook its forward ran under, which is the region's tag: so the innermost call of one of the queue's tags on
-    the Python stack names the region, wherever backward happens to start the recompute (a parallel branch that
-    reaches no other branch's forward, as in a GPT-NeoX block)."""
-    oldest = {}  # id(tag) -> (tag, position of its first entry)
-    for k, e in enumerate(queue):
-        t = _alive(e[slot])
-        # only a non-reentrant region's tag is a function; a reentrant one's is its checkpoint's autograd node
-        if t is not None and hasattr(t, "__code__") and id(t) not in oldest:
-            oldest[id(t)] = (t, k)
-    if not oldest:
-        return None
-    codes = {t.__code__ for t, _ in oldest.values()}
-    f = sys._getframe(1)
-    while f is not None:
-        if f.f_code in codes:
-            for t, k in oldest.values():
-                if _same_closure(f, t):
-                    return k
-        f = f.f_back
-    return None
-
-
-def _reach() -> _Reach | None:
-    """The nodes reachable from the autograd node that runs now (None outside a node, or when torch cannot say which
-    runs), shared by every call of the recompute it runs."""
-    current = torch._C._current_autograd_node()
-    if current is None:
-        return None
-    if _REACH[0] is None or _REACH[0].start is not current:
-        if _REACH[0] is None:  # dropped at the end of this backward: its nodes (and the parameters behind them) stay no longer
-            torch.autograd.Variable._execution_engine.queue_callback(_forget_reach)
-        _REACH[0] = _Reach(current)
-    return _REACH[0]
-
-
-def _in_nested_region(queue: list) -> bool:
-    """Whether a call inside backward runs the forward of a non-reentrant checkpoint region (the saved-tensor hook on
-    top is one of the kind that tags ``queue``'s entries, :func:`_region_tag`), not a recompute: that is a region
-    nested in another, which the enclosing region's recompute runs again before the nested one's own recompute."""
-    top = _region_tag()
-    top = _alive(top)
-    if top is None or not hasattr(top, "__code__"):
-        return False
-    return any(hasattr(t, "__code__") and t.__code__ is top.__code__ for t in (_alive(e[3]) for e in queue))
-
-
-def _nested_in_running(queue: list) -> int | None:
-    """The position in ``queue`` of the latest call made inside a reentrant checkpoint nested in one whose node the
-    running backward reaches (entry slot 4: the nodes of the checkpoints a no-grad forward ran in), or None."""
-    reach = _reach()
-    if reach is None:
-        return None
-    for i in range(len(queue) - 1, -1, -1):
-        if any((n := _alive(r)) is not None and reach.has(n) for r in queue[i][4][1:]):
-            return i
-    return None
-
-
-def _oldest_of_region(queue: list, i: int) -> int:
-    """``i``, or the oldest entry of ``queue`` from the same checkpoint region as entry ``i``: a recompute replays
-    its region in forward order, so a layer called twice there takes its first call's bits first."""
-    tag = _alive(queue[i][2])
-    if tag is None:
-        return i
-    return next(k for k, e in enumerate(queue) if _alive(e[2]) is tag)
-
-
-def _recomputed(queue: list) -> int:
-    """The position in ``queue`` (``[call, weak reference to the forward's autograd node or None, to its
-    checkpoint region or None, to the saved-tensor hook it ran under (:func:`_region_tag`) or None]`` entries, in call
-    order; the region is that hook, or a reentrant checkpoint's node, :meth:`LowPrecisionLinear._bind_calls`) of the forward that the running
-    backward recomputes: the oldest waiting call of the non-reentrant region being recomputed, when the stack
-    names it (:func:`_running_region`); else the latest whose node the backward reaches from the node it runs
-    now, then the oldest call of that one's region (:func:`_oldest_of_region`). Forwards of a graph this backward does not
-    reach (a later forward whose backward comes later) are passed over. An entry without a node (a frozen
-    layer's call) is taken as it comes, as are all when torch cannot say which node runs.
-
-    Raises:
-        RuntimeError: several forwards wait and the running node reaches none of them."""
-    if len(queue) == 1:
-        return 0
-    k = _running_region(queue)
-    if k is not None:  # the region being recomputed, found on the stack: its oldest waiting call
-        return k
-    reach = _reach()
-    if reach is None:
-        return _oldest_of_region(queue, len(queue) - 1)
-    for i in range(len(queue) - 1, -1, -1):
-        node = _alive(queue[i][1])
-        if queue[i][1] is None or (node is not None and reach.has(node)):
-            return _oldest_of_region(queue, i)
-    live = sum(_alive(e[1]) is not None for e in queue)
-    if live > 1:  # several forwards' graphs wait and none is reached from here: any pick could be the wrong one
-        raise RuntimeError(
-            "adahop: a checkpointed region is recomputed from a node that reaches none of the forwards waiting for "
-            f"their backward ({live} of this layer's); its random bits cannot be matched to the right forward (several "
-            "forwards run before their backwards, under a checkpoint whose region cannot be named: a reentrant one, or "
-            "regions nested in each other). Run each micro-batch's backward right after its forward, or checkpoint "
-            "with use_reentrant=False and without nesting")
-    return len(queue) - 1
 
 
 class Controller:
@@ -530,7 +344,7 @@ class LowPrecisionLinear(nn.Linear):
         their first forward is a training call, see :meth:`_forward_only`); ``rerun`` marks such a
         forward (a no-grad forward that backward runs again). Several forwards may wait for their
         backwards (micro-batches run forward first): a recompute takes the one whose autograd graph
-        the running backward reaches (:func:`_recomputed`), and within one checkpoint region its calls in
+        the running backward reaches (:func:`adahop.nn.replay.recomputed`), and within one checkpoint region its calls in
         forward order; a non-reentrant region being recomputed is found on the stack first, so a region of
         parallel branches (a GPT-NeoX block) is matched too, and so are nested checkpoints (an inner region's
         layers run twice in backward: in the outer recompute and in their own) except a non-reentrant one inside a
@@ -538,7 +352,7 @@ class LowPrecisionLinear(nn.Linear):
         layer's calls (no autograd node).
 
         Raises:
-            RuntimeError: a recompute that reaches none of several waiting forwards (:func:`_recomputed`);
+            RuntimeError: a recompute that reaches none of several waiting forwards (:func:`adahop.nn.replay.recomputed`);
                 a forward of this layer runs inside backward with no forward of this
                 step left for it to repeat (a non-reentrant checkpoint inside a reentrant one, a
                 second backward through a checkpointed region, ``adahop.on_step`` between a forward
@@ -566,10 +380,11 @@ class LowPrecisionLinear(nn.Linear):
             return None
         step = self.controller.step
         self._calls = {k: v for k, v in self._calls.items() if k[0] == step}
-        # [calls so far, the entries of the forwards not yet recomputed (_recomputed: call, node, region, hook, enclosing)]
+        # [calls so far, the calls of the forwards not yet recomputed (replay.Call)]
         issued = self._calls.setdefault((step, gemm, stream), [0, []])
+        queue = issued[1]
         in_backward = torch._C._current_graph_task_id() != -1
-        if stream == "train" and not in_backward and issued[1] and _running_region(issued[1]) is not None:
+        if stream == "train" and not in_backward and queue and replay.running_hook(queue) is not None:
             # a region recomputed outside backward (a saved tensor unpacked by hand): backward recomputes it again,
             # and no call count tells this run's calls apart from new ones, so nothing would match the forward's bits
             raise RuntimeError(
@@ -580,50 +395,31 @@ class LowPrecisionLinear(nn.Linear):
             call = issued[0]
             issued[0] += 1
             if stream == "train":
-                tag = _region_tag()  # [3] keeps it when a reentrant checkpoint's node takes [2] (_bind_calls)
-                entry = [call, None, tag, tag, ()]
-                issued[1].append(entry)
-                self._unbound.append(entry)  # _forward gives it the output's autograd node
+                queue.append(replay.Call(call))
+                self._unbound.append(queue[-1])  # _forward gives it the output's autograd node
             return call
-        if not issued[1]:
+        if not queue:
             raise RuntimeError(
                 f"adahop: {self.name}: a forward ran inside backward with no forward of step {step} left for it to "
                 f"repeat, so its {gemm} random bits would differ from the forward's. torch.utils.checkpoint recomputes "
                 "each forward once per backward: nest no checkpoint(..., use_reentrant=False) inside a "
                 "use_reentrant=True one (nest checkpoints of one kind), run one backward per forward (no retain_graph "
                 "through a checkpointed region), and call adahop.on_step only after the step's backward")
-        # torch.utils.checkpoint recomputing a forward of this step: the latest one this backward reaches
-        # (_recomputed), as backward visits them. A nested region's forward run inside the enclosing one's
-        # recompute runs once more, at its own recompute, which then takes the index
-        if rerun:
-            # inside the recompute of an enclosing non-reentrant region: the call that region's forward made
-            k = _running_region(issued[1], slot=3)
-            if k is not None:
-                return issued[1][k][0]
-            # inside the recompute of an enclosing reentrant region, which builds a new graph: the call whose enclosing
-            # checkpoint the running node is, bound to the new node that its own recompute will start from
-            k = _nested_in_running(issued[1])
-            if k is None:
-                return issued[1][-1][0]
-            self._unbound.append(issued[1][k])
-            return issued[1][k][0]
-        if _in_nested_region(issued[1]):
-            # a non-reentrant region nested in another, its forward run again by the enclosing region's recompute;
-            # its own recompute comes later and takes the call then
-            return issued[1][_recomputed(issued[1])][0]
-        return issued[1].pop(_recomputed(issued[1]))[0]
+        # torch.utils.checkpoint running a forward of this step again (replay): a nested region's forward, run by
+        # the recompute of a region it is nested in, keeps the call for its own recompute, which then takes it
+        if rerun:  # a reentrant region's no-grad forward
+            k, rebind = replay.repeat_rerun(queue)
+            if rebind:  # to the new checkpoint node, in _forward_only
+                self._unbound.append(queue[k])
+            return queue[k].index
+        k = replay.repeat_nested(queue)
+        return queue[k].index if k is not None else queue.pop(replay.recomputed(queue)).index
 
     def _bind_calls(self, node, region: bool = False, enclosing: list = ()) -> None:
         """Give the calls this forward queued (:attr:`_unbound`) the autograd ``node`` a checkpoint's recompute
-        finds them by (:func:`_recomputed`; ``region``: the node names their region too; ``enclosing``: the nodes
-        of the reentrant checkpoints the call runs in, innermost first), and forget them."""
-        ref = None if node is None else weakref.ref(node)
-        refs = tuple(weakref.ref(n) for n in enclosing)
-        for entry in self._unbound:
-            entry[1] = ref
-            if region:
-                entry[2] = ref
-                entry[4] = refs
+        finds them by (:meth:`replay.Call.bind`), and forget them."""
+        for c in self._unbound:
+            c.bind(node, region, enclosing)
         self._unbound.clear()
 
     def observe(self, tensor: str, t: torch.Tensor) -> None:
@@ -674,7 +470,7 @@ class LowPrecisionLinear(nn.Linear):
                         "torch.no_grad() or torch.inference_mode()"))
                 # a layer marked to save X by reference (adahop.nn.recompute) that no checkpoint recomputes keeps X
                 # itself, 16 bits an element where the prepared operand takes 4.25, and saved_bytes does not count it
-                if self.recompute_x and not torch.compiler.is_compiling() and _region_tag() is None \
+                if self.recompute_x and not torch.compiler.is_compiling() and not replay.in_checkpoint() \
                         and torch._C._current_graph_task_id() == -1:
                     _warn_once("recompute_outside_checkpoint", (
                         f"adahop: {self.name} saves its input X by reference for a selective recompute (mark_layers / "
@@ -733,7 +529,7 @@ class LowPrecisionLinear(nn.Linear):
             # layers): X and W vote for its fprop, the one GEMM it runs; unobserved, its plan came from no data
             self.observe("x", x2)
             self.observe("w", self.weight.to(dtype))
-        rerun = _runs_again() if spec is not None and not torch.compiler.is_compiling() else False
+        rerun = replay.runs_again() if spec is not None and not torch.compiler.is_compiling() else False
         stream = "train" if rerun or torch.is_grad_enabled() else "eval"
         self._unbound.clear()
         gen = None if spec is None else self.generator("fprop", stream=stream, rerun=rerun)
@@ -743,7 +539,7 @@ class LowPrecisionLinear(nn.Linear):
             self._call_index("wgrad", "train", rerun)
             self._call_index("dgrad", "train", rerun)
             # the checkpoint Function's node, whose backward recomputes this call: its region, too
-            nodes = _enclosing_function_nodes() if self._unbound else []
+            nodes = replay.enclosing_function_nodes() if self._unbound else []
             self._bind_calls(nodes[0] if nodes else None, region=True, enclosing=nodes)
         self._unbound.clear()
         seed = None if spec is None else self._sign_seed(("fprop",))
