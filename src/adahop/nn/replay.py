@@ -75,6 +75,8 @@ def hook_chain() -> tuple:
     takes none). A non-reentrant checkpoint installs one pair for its region, alive while its graph waits, so the
     chain names the regions a call runs in. Torch shows only the top pair: the others are read by popping the stack
     and pushing it back."""
+    if not torch._C._autograd._saved_tensors_hooks_is_enabled():  # no hooks then, and none may be pushed back
+        return ()
     pairs = []
     try:
         while (top := torch._C._autograd._top_saved_tensors_default_hooks(False)):
