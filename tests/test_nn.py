@@ -612,6 +612,32 @@ def test_an_inner_reentrant_checkpoint_that_only_the_recompute_runs_gets_the_out
     assert all(torch.equal(a, b) for a, b in zip(grads(False), grads(True)))
 
 
+@pytest.mark.parametrize("reused", [False, True], ids=["fresh_hooks", "one_reused_instance"])
+def test_saved_tensor_hooks_of_a_user_name_no_checkpoint_region(reused):
+    """A user's saved_tensors_hooks (here save_on_cpu) inside a reentrant checkpoint that holds a nested one and a
+    second call of the same layer: only torch.utils.checkpoint's hooks name a region. Until 2026-12-07 one reused
+    save_on_cpu instance was taken for a region that both calls ran in, and the second call got the first call's
+    bits (averis gradients 0.31 relative off, silently); the hook stack is left as it was."""
+    from torch.utils.checkpoint import checkpoint as ckpt
+
+    shared = torch.autograd.graph.save_on_cpu()
+
+    def grads(checkpointed: bool):
+        torch.manual_seed(0)
+        layer = adahop.convert_model(nn.Sequential(nn.Linear(32, 32)), "averis", exclude=None, seed=0)[0]
+        x = torch.randn(16, 32, generator=torch.Generator().manual_seed(3), requires_grad=True)
+        c = (lambda f, h: ckpt(f, h, use_reentrant=True)) if checkpointed else (lambda f, h: f(h))
+
+        def outer(h):
+            with shared if reused else torch.autograd.graph.save_on_cpu():
+                return layer(c(lambda y: layer(y).tanh(), h)).tanh()
+        c(outer, x).square().mean().backward()
+        return [layer.weight.grad, layer.bias.grad, x.grad]
+
+    assert all(torch.equal(a, b) for a, b in zip(grads(False), grads(True)))
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
 def test_forward_only_calls_equal_the_training_forward_and_are_not_calibrated():
     from adahop.nn import get_controller
 

@@ -26,8 +26,8 @@ class Call:
             node, or the node of the reentrant checkpoint it ran in; None until bound (a frozen layer's call).
         region: weak reference naming its checkpoint region: the innermost non-reentrant checkpoint's unpack hook,
             or a reentrant checkpoint's node; None outside a checkpoint.
-        hooks: weak references to the unpack hooks of the saved-tensor hook stack at the call, innermost first: the
-            non-reentrant regions it ran in.
+        hooks: weak references naming the non-reentrant checkpoint regions the call ran in, innermost first
+            (:func:`hook_chain`).
         enclosing: weak references to the nodes of the reentrant checkpoints whose no-grad forward it ran in,
             innermost first.
         repeats: how many recomputes of enclosing regions have repeated it so far.
@@ -65,18 +65,11 @@ def runs_again() -> bool:
             and not torch.is_inference_mode_enabled())
 
 
-def in_checkpoint() -> bool:
-    """Whether saved-tensor hooks are on (a non-reentrant checkpoint's forward, or its recompute)."""
-    return bool(torch._C._autograd._top_saved_tensors_default_hooks(False))
-
-
-def hook_chain() -> tuple:
-    """Weak references to the unpack hooks of the saved-tensor hook stack, innermost first (None for a hook that
-    takes none). A non-reentrant checkpoint installs one pair for its region, alive while its graph waits, so the
-    chain names the regions a call runs in. Torch shows only the top pair: the others are read by popping the stack
-    and pushing it back."""
+def _hook_stack() -> list:
+    """The unpack hooks of the saved-tensor hook stack, innermost first. Torch shows only the top pair: the others
+    are read by popping the stack and pushing it back."""
     if not torch._C._autograd._saved_tensors_hooks_is_enabled():  # no hooks then, and none may be pushed back
-        return ()
+        return []
     pairs = []
     try:
         while (top := torch._C._autograd._top_saved_tensors_default_hooks(False)):
@@ -85,13 +78,33 @@ def hook_chain() -> tuple:
     finally:
         for pack, unpack in reversed(pairs):
             torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
-    refs = []
-    for _, unpack in pairs:
-        try:
-            refs.append(weakref.ref(unpack))
-        except TypeError:  # a hook that takes no weak reference: no region to name
-            refs.append(None)
-    return tuple(refs)
+    return [unpack for _, unpack in pairs]
+
+
+def _checkpoint_kind(fn) -> str | None:
+    """"forward" for the unpack hook of a non-reentrant checkpoint's region (installed while its forward runs, and
+    alive while its graph waits), "recompute" for the one its recompute runs under, None for any other hook (a
+    user's, or ``save_on_cpu``'s): those name no region."""
+    if getattr(fn, "__module__", None) != "torch.utils.checkpoint":
+        return None
+    return "recompute" if "_recomputation_hook" in getattr(fn, "__qualname__", "") else "forward"
+
+
+def innermost_checkpoint_hook():
+    """The innermost unpack hook of torch.utils.checkpoint on the saved-tensor hook stack, or None outside a
+    non-reentrant checkpoint's forward or recompute."""
+    return next((fn for fn in _hook_stack() if _checkpoint_kind(fn) is not None), None)
+
+
+def in_checkpoint() -> bool:
+    """Whether a non-reentrant checkpoint's forward or recompute runs (its saved-tensor hooks are on)."""
+    return innermost_checkpoint_hook() is not None
+
+
+def hook_chain() -> tuple:
+    """Weak references to the unpack hooks of the non-reentrant checkpoint regions a call runs in, innermost first:
+    each such region installs one for its forward, alive while its graph waits, so the chain names the regions."""
+    return tuple(weakref.ref(fn) for fn in _hook_stack() if _checkpoint_kind(fn) == "forward")
 
 
 def _same_closure(frame, fn) -> bool:
@@ -243,11 +256,11 @@ def repeat_nested(queue: list[Call]) -> int | None:
     """The position of the call that a forward run inside backward repeats without using it up, when that forward
     is a nested region's, run again by the recompute of a region it is nested in (its own recompute comes later and
     takes the call then); None when it is a recompute of its own region (:func:`recomputed`)."""
-    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    top = None if not top else top[1]
-    codes = {fn.__code__ for c in queue for h in c.hooks if (fn := alive(h)) is not None and hasattr(fn, "__code__")}
-    if top is None or getattr(top, "__code__", None) not in codes:
-        return None  # not the forward of a non-reentrant checkpoint (its hook's kind is the calls' regions')
+    if not any(c.hooks for c in queue):
+        return None  # no call ran in a non-reentrant region, so none is nested in one
+    top = innermost_checkpoint_hook()
+    if top is None or _checkpoint_kind(top) != "forward":
+        return None  # not the forward of a non-reentrant checkpoint: a recompute, or no checkpoint
     hook = running_hook(queue)
     found = _nested_in(queue, hook) if hook is not None else []
     if not found:  # the region being recomputed is not named on the stack: the forward the backward reaches
