@@ -415,11 +415,15 @@ class LowPrecisionLinear(nn.Linear):
         k = replay.repeat_nested(queue)
         return queue[k].index if k is not None else queue.pop(replay.recomputed(queue)).index
 
-    def _bind_calls(self, node, region: bool = False, enclosing: list = ()) -> None:
+    def _bind_calls(self, node=None, reentrant: list | None = None) -> None:
         """Give the calls this forward queued (:attr:`_unbound`) the autograd ``node`` a checkpoint's recompute
-        finds them by (:meth:`replay.Call.bind`), and forget them."""
+        finds them by, or the nodes of the ``reentrant`` checkpoints they ran in (:class:`replay.Call`), and forget
+        them."""
         for c in self._unbound:
-            c.bind(node, region, enclosing)
+            if reentrant is None:
+                c.bind(node)
+            else:
+                c.bind_reentrant(reentrant)
         self._unbound.clear()
 
     def observe(self, tensor: str, t: torch.Tensor) -> None:
@@ -539,8 +543,7 @@ class LowPrecisionLinear(nn.Linear):
             self._call_index("wgrad", "train", rerun)
             self._call_index("dgrad", "train", rerun)
             # the checkpoint Function's node, whose backward recomputes this call: its region, too
-            nodes = replay.enclosing_function_nodes() if self._unbound else []
-            self._bind_calls(nodes[0] if nodes else None, region=True, enclosing=nodes)
+            self._bind_calls(reentrant=replay.enclosing_function_nodes() if self._unbound else [])
         self._unbound.clear()
         seed = None if spec is None else self._sign_seed(("fprop",))
         return fprop(x2, self.weight.to(dtype), self.bias, spec, gen, self.backend, dtype, seed, salt(self, "fprop"))

@@ -40,13 +40,17 @@ class Call:
         self.hooks = hook_chain()
         self.region = self.hooks[0] if self.hooks else None
 
-    def bind(self, node, region: bool = False, enclosing: list = ()) -> None:
-        """Give the call the autograd ``node`` its recompute finds it by; ``region``: the node of the reentrant
-        checkpoint it runs in, which names its region too, and ``enclosing`` the nodes of all of them."""
+    def bind(self, node) -> None:
+        """Give the call the autograd ``node`` its recompute finds it by (the layer output's), or None."""
         self.node = None if node is None else weakref.ref(node)
-        if region:
-            self.region = self.node
-            self.enclosing = tuple(weakref.ref(n) for n in enclosing)
+
+    def bind_reentrant(self, nodes: list) -> None:
+        """Bind a call made in a reentrant checkpoint's no-grad forward to the ``nodes`` of the reentrant checkpoints
+        it runs in, innermost first (:func:`enclosing_function_nodes`): the innermost one's backward recomputes it, so
+        that node names its region too; none (a no-grad forward under no Function): unbound."""
+        self.bind(nodes[0] if nodes else None)
+        self.region = self.node
+        self.enclosing = tuple(weakref.ref(n) for n in nodes)
 
 
 def alive(ref):
