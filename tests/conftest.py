@@ -108,13 +108,15 @@ def fwd_bwd():
 
 @pytest.fixture(scope="session")
 def interp_child():
-    """``run(test_file)``: the file's ``interp_*`` tests in a child pytest started with ``TRITON_INTERPRET=1``
-    (Triton's interpreter must be chosen before triton is first imported, and torch may import it); fails
-    with the child's output unless they pass."""
+    """``run(test_file, group=None)``: the file's ``interp_*`` tests (those of the ``-k`` expression ``group`` too,
+    if given) in a child pytest started with ``TRITON_INTERPRET=1`` (Triton's interpreter must be chosen before
+    triton is first imported, and torch may import it); fails with the child's output unless they pass. Groups
+    let pytest-xdist spread a slow file's interpreted tests over its workers."""
 
-    def run(test_file: str) -> None:
+    def run(test_file: str, group: str | None = None) -> None:
         env = {**os.environ, "TRITON_INTERPRET": "1"}
-        cmd = [sys.executable, "-m", "pytest", test_file, "-o", "addopts=", "-q", "-k", "interp_", "-p", "no:cacheprovider", "-W", "ignore"]
+        sel = "interp_" if group is None else f"interp_ and ({group})"
+        cmd = [sys.executable, "-m", "pytest", test_file, "-o", "addopts=", "-q", "-k", sel, "-p", "no:cacheprovider", "-W", "ignore"]
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
         assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-6000:] + r.stderr[-3000:]
 
