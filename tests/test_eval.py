@@ -476,6 +476,31 @@ def test_an_answer_longer_than_the_window_is_an_error_naming_max_length(run_dir,
         score(hf_lm(m.model, m.tokenizer, max_length=3), get_tasks("piqa"), task_root, limit=1)
 
 
+def test_eval_under_a_stochastic_rounding_recipe_gives_the_runs_val_loss(prepare_real_text, tmp_path):
+    """averis rounds its forward stochastically, seeded by step: `adahop eval --recipe averis` of a finished run
+    scored at step 0 (helper 60: 6.698913 for a val_loss of 6.698557); it takes the checkpoint's step now, so
+    the score is the run's val_loss bit for bit, and another step draws other bits."""
+    import dataclasses
+
+    from adahop.cli import main
+    from adahop.eval.model import load_model
+    from adahop.nn.convert import load_controller_state
+    from adahop.eval.perplexity import perplexity
+    from adahop.train import train
+
+    run = tmp_path / "averis"
+    train(dataclasses.replace(_run_cfg(prepare_real_text(150_000), run), recipe="averis"))
+    summary = json.loads((run / "summary.json").read_text())
+    data_dir = json.loads((run / "config.json").read_text())["adahop"]["data_dir"]
+    out = tmp_path / "res.json"
+    assert main(["eval", str(run), "--tasks", "none", "--data", data_dir, "--recipe", "averis", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["perplexity"]["loss"] == summary["final_val_loss"]
+    m = load_model(run, device=torch.device("cpu"), recipe="averis")
+    load_controller_state(m.model, {"step": 0})  # what eval did before: the same weights, other random bits
+    other = perplexity(m.model, data_dir, seq_len=32, batch_size=4, max_batches=3, device=torch.device("cpu"), bf16=False)
+    assert other["loss"] != summary["final_val_loss"]
+
+
 def test_an_adahop_recipe_scores_with_the_runs_frozen_plan(prepare_real_text, tmp_path):
     import dataclasses
 

@@ -150,6 +150,8 @@ def load_model(path: str | Path, *, device: torch.device, recipe: str | None = N
     info = {"path": str(p), "weights": weights, "recipe": recipe, "plan": None}
     if recipe is not None:
         info["plan"] = _convert(model, recipe, plan, p, section, backend)
+        if loaded is not None:  # random bits (stochastic rounding, signs) are seeded by step: take the checkpoint's
+            _continue_at_checkpoint_step(model, ck)
     return LoadedModel(model=model.to(device).eval(), tokenizer=tokenizer, info=info,
                        run_config=section.get("config") if section else None,
                        data_dir=section.get("data_dir") if section else None)
@@ -214,6 +216,20 @@ def _newest_checkpoint(run: Path):
                 raise ValueError(f"MODEL {run}: its checkpoints changed while they were read twice (the run is writing "
                                  f"and pruning them); try again, or wait for the run to end") from None
     return None
+
+
+def _continue_at_checkpoint_step(model, ck: Path) -> None:
+    """Set the converted model's step counter to the checkpoint's, as the run's validation had it: a recipe
+    that draws random bits in its forward (averis's stochastic rounding) seeds them by step, so that is what
+    makes ``adahop eval --recipe`` give the run's ``val_loss`` to the last bit (step 0 gave averis 6.69891
+    for a run's 6.69856). A checkpoint without the counter (older runs) is left at step 0."""
+    from ..nn.convert import load_controller_state
+
+    try:
+        step = json.loads((ck / "state.json").read_text())["controller_step"]
+    except (OSError, ValueError, KeyError):
+        return
+    load_controller_state(model, {"step": step})
 
 
 def _warn_if_unfinished(run: Path, ck: Path, section: dict) -> None:
