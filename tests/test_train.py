@@ -528,8 +528,9 @@ def test_compare_passes_calib_steps_to_the_calibrating_recipes_only(tmp_path, mo
     # a bf16 run an earlier adahop made with --calib-steps 3 is this comparison's, with or without the flag
     cfg = TrainConfig(recipe="bf16", calib_steps=3, out=str(out / "bf16"))
     (out / "bf16" / "config.json").write_text(json.dumps({"adahop": {"config": cfg.to_dict()}}))
-    assert cmp.settings_diff(cmp._recipe_cfg(TrainConfig(), "bf16"), out / "bf16", ["calib_steps"]) == [
-        "--calib-steps 3 → None"]  # what compare used to compare
+    # settings_diff skips it for a recipe without calibration (it changes no number), as train --resume does
+    assert cmp.settings_diff(cmp._recipe_cfg(TrainConfig(), "bf16"), out / "bf16", ["calib_steps"]) == []
+    assert cmp.settings_diff(TrainConfig(recipe="adahop-lv2"), out / "bf16", ["calib_steps"]) == ["--calib-steps 3 → None"]
     argvs.clear()
     assert main(["compare", "--recipes", "bf16", "--out", str(out)]) == 1  # the stub child "fails": but it ran
     assert "bf16" in argvs
@@ -643,6 +644,37 @@ def test_machine_and_folder_errors_name_the_option_and_are_left_in_the_run_folde
     assert "cannot create the run folder" in capsys.readouterr().err
     assert main([*args, "--out", str(out)]) == 0  # a new attempt that succeeds clears the stale error
     assert not (out / "error.txt").exists() and (out / "summary.json").exists()
+
+
+def test_a_refused_resume_leaves_a_finished_run_as_it_was_and_a_no_op_calib_steps_does_not_block_it(data_dir, tmp_path,
+                                                                                                      capsys):
+    """helper 60: `train --recipe mxfp4 --calib-steps 10` warns that the flag does nothing and says to drop it; the
+    resume without it was refused (--calib-steps 10 → None), and the refusal was written into the finished run's
+    folder as error.txt, which means "the run failed". An empty --out wrote the run into the working directory."""
+    from adahop.cli import main
+
+    out = tmp_path / "run"
+    args = ["train", "--model", "llama-tiny", "--data", str(data_dir), "--seq-len", "32", "--batch-size", "4",
+            "--recipe", "mxfp4", "--device", "cpu", "--eval-every", "0", "--out", str(out)]
+    assert main([*args, "--steps", "2", "--calib-steps", "10"]) == 0
+    assert "--calib-steps 10 does nothing" in capsys.readouterr().out
+    assert main([*args, "--steps", "3", "--resume"]) == 0  # as the warning advised: the flag dropped
+    assert json.loads((out / "summary.json").read_text())["steps"] == 3
+    assert main([*args, "--steps", "3", "--resume", "--lr", "1e-2"]) == 2  # refused: the run is left as it was
+    assert "these settings differ" in capsys.readouterr().err and not (out / "error.txt").exists()
+    assert main([*args, "--steps", "3"]) == 2  # its checkpoints, without --resume
+    assert "holds checkpoints of an earlier run" in capsys.readouterr().err and not (out / "error.txt").exists()
+    (out / "error.txt").write_text("adahop train: error: an earlier attempt\n")  # kept through a refusal too
+    assert main([*args, "--steps", "3", "--resume", "--lr", "1e-2"]) == 2
+    assert (out / "error.txt").read_text() == "adahop train: error: an earlier attempt\n"
+    with pytest.raises(ValueError, match="--out: is empty; pass the run folder"):
+        _cfg(data_dir, "")
+    assert main([*args[:-2], "--steps", "1", "--out", ""]) == 2
+    assert "--out: is empty" in capsys.readouterr().err
+    assert main(["ptq", str(out), "--method", "rtn", "--bits", "4", "--calib-data", str(data_dir), "--out", ""]) == 2
+    assert "adahop ptq: error: --out is empty; pass a folder path" in capsys.readouterr().err
+    assert main(["eval", str(out), "--tasks", "none", "--data", str(data_dir), "--out", ""]) == 2
+    assert "adahop eval: error: --out is empty; pass a file path" in capsys.readouterr().err
 
 
 def test_a_second_compare_into_the_same_out_is_refused(data_dir, tmp_path):
@@ -1220,11 +1252,15 @@ def test_startup_notes_name_a_given_plan_and_packed_masters_under_round_to_neare
     """Fresh-user pass: with --plan the GEMM table still printed "calibration: 30 BF16 steps", and FP4
     masters trained under the default rounding (nearest) with no word, though they stall."""
     from adahop.train.config import TrainConfig
-    from adahop.train.setup import _run_notes
+    from adahop.train.setup import _gemm_lines, _run_notes
 
     assert _run_notes(TrainConfig()) == []
     (plan,) = _run_notes(TrainConfig(plan="runs/a/plan.json"))
     assert "frozen from runs/a/plan.json: no calibration runs" in plan
+    lv2 = get_recipe("adahop-lv2")  # helper 60: the table still said "calibration: 30 BF16 steps" above that note
+    assert any(line.startswith("calibration: 30 BF16 steps") for line in _gemm_lines(TrainConfig(), lv2))
+    given = _gemm_lines(TrainConfig(plan="runs/a/plan.json"), lv2)
+    assert not any("calibration:" in line for line in given) and any("calibrated" in line for line in given)
     for master, rounding in (("fp4", "auto"), ("fp8", "nearest"), ("nvfp4", "auto")):
         (warn,) = _run_notes(TrainConfig(master_weights=master, master_rounding=rounding))
         assert f"--master-weights {master} with round to nearest" in warn and "--master-rounding stochastic" in warn

@@ -324,7 +324,9 @@ def main(argv: list[str] | None = None) -> int:
             run_ptq(args)
     except ValueError as e:
         print(f"adahop {args.cmd}: error: {e}", file=sys.stderr)
-        _leave_error(args, f"adahop {args.cmd}: error: {e}")
+        setup = sys.modules.get("adahop.train.setup")  # not imported: the error cannot be a refused --out
+        if setup is None or not isinstance(e, setup.OutRefused):  # a refused --out is left as it was
+            _leave_error(args, f"adahop {args.cmd}: error: {e}")
         return 2
     except OSError as e:  # files and network (a download that cannot reach its host): one line, no traceback
         ck = sys.modules.get("adahop.train.checkpoint")  # not imported: the error cannot be a checkpoint's

@@ -55,8 +55,10 @@ def read_json(path: str | Path, what: str):
 
 def check_out_path(path: str | Path, flag: str, *, folder: bool) -> None:
     """Raise ValueError naming ``flag`` when ``path`` cannot become a folder (``folder=True``) or a
-    file: it exists as the other kind, or a path above it is a file. Commands check this first, so
+    file: it is empty, it exists as the other kind, or a path above it is a file. Commands check this first, so
     that a bad ``--out`` does not lose the results of a long run at its very end."""
+    if not str(path).strip():  # Path("") is the working directory: the outputs would land among the user's files
+        raise ValueError(f"{flag} is empty; pass a {'folder' if folder else 'file'} path")
     p = Path(path)
     if p.exists() and p.is_dir() != folder:
         fix = "pass a folder" if folder else f"pass a file path, e.g. {p / 'eval.json'}"

@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> dict:
                          f"(or adahop-lv1), or drop --plan to score the model as trained")
     from ..utils import check_out_path, refuse_unused
 
-    if args.out:
+    if args.out is not None:  # "" too: refused by check_out_path, not taken for "no file"
         check_out_path(args.out, "--out", folder=False)
         out = Path(args.out).resolve()
         inside = out.is_relative_to(Path(args.model).resolve())

@@ -121,7 +121,7 @@ def _check(args) -> None:
     out = Path(args.out)
     from .export import RESULTS_FILE
 
-    check_out_path(out, "--out", folder=True)
+    check_out_path(args.out, "--out", folder=True)  # the string: Path("") is "."
 
     if (out / RESULTS_FILE).exists():
         raise ValueError(f"--out {out} already holds a quantized model ({RESULTS_FILE}); pass another --out or delete it")

@@ -148,6 +148,8 @@ class TrainConfig:
             if self.model not in PRESETS:
                 bad("model", f"unknown model {self.model!r}; known models: {', '.join(PRESETS)} "
                              "(or pass --model-config PATH to a transformers config JSON)")
+        if not str(self.out).strip():  # Path("") is the working directory: the run's files would land among the user's
+            bad("out", "is empty; pass the run folder to write, e.g. --out runs/my-run")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             bad("device", f"{self.device!r}; use auto, cpu or cuda")
         if self.backend not in ("auto", "triton", "reference"):

@@ -43,7 +43,8 @@ def settings_diff(cfg: TrainConfig, run: Path, keys, definition: bool = False) -
     """The settings among ``keys`` in which ``cfg`` differs from the run saved in ``run/config.json``,
     as ``--flag old → new`` strings (empty if the folder holds no config). ``--data`` is left to
     :func:`data_changes`, which compares the data by content, where the run recorded its data's
-    identity; for a run of an older adahop it is compared as the prepared folder it names.
+    identity; for a run of an older adahop it is compared as the prepared folder it names. ``--calib-steps``
+    is not compared for a recipe without calibration: it changes no number there (the run warned so).
     ``definition``: also compare the recipe's definition (its GEMM specs, calibration...) with the one the
     run recorded, where the names agree: a preset changed by a newer adahop trains other numbers under
     the same name.
@@ -68,6 +69,8 @@ def settings_diff(cfg: TrainConfig, run: Path, keys, definition: bool = False) -
                             f"{', ...' if len(changed) > 4 else ''})")
             continue
         if k not in saved or saved[k] == now.get(k):
+            continue
+        if k == "calib_steps" and get_recipe(cfg.recipe).calibration is None:  # changes no number (train warns so)
             continue
         if k == "data_seed" and (data_order_seed(saved.get("seed"), saved["data_seed"])
                                  == data_order_seed(now.get("seed"), now.get("data_seed"))):  # --data-seed 0 on a run of --seed 0
@@ -182,8 +185,10 @@ def _data_identity(cfg: TrainConfig) -> dict:
     return manifest_identity(Manifest.load(folder)) if (folder / "manifest.json").is_file() else planned
 
 
-#: where a failed ``adahop train`` leaves its error (``compare`` points there); a new attempt removes it
-ERROR_FILE = "error.txt"
+class OutRefused(ValueError):
+    """``--out`` holds what this ``adahop train`` may not change (data, a model, another run's checkpoints, or
+    its own under other settings). Raised before anything is written there, so the folder is left as it was,
+    an earlier error.txt included: the refusal is this command's error, not the run's (``adahop`` prints it)."""
 
 
 def _refuse_foreign_out(run: Path) -> None:
@@ -193,13 +198,13 @@ def _refuse_foreign_out(run: Path) -> None:
     from .export import read_run_section
 
     if (run / "manifest.json").exists():
-        raise ValueError(f"--out {run} is a prepared data folder (manifest.json), which the run would write into; "
+        raise OutRefused(f"--out {run} is a prepared data folder (manifest.json), which the run would write into; "
                          f"pass it as --data and choose a new --out")
     if (run / "model.safetensors").exists():
-        raise ValueError(f"--out {run} holds a model (model.safetensors) and no checkpoint to resume; the run would "
+        raise OutRefused(f"--out {run} holds a model (model.safetensors) and no checkpoint to resume; the run would "
                          f"overwrite it. Choose a new --out (or delete the folder)")
     if (run / "config.json").is_file() and not read_run_section(run):
-        raise ValueError(f"--out {run} holds another model's config.json, which the run would overwrite; choose a new --out")
+        raise OutRefused(f"--out {run} holds another model's config.json, which the run would overwrite; choose a new --out")
 
 
 def check_run_dir(cfg: TrainConfig, run: Path) -> int | None:
@@ -222,28 +227,27 @@ def check_run_dir(cfg: TrainConfig, run: Path) -> int | None:
                          f"write to") from None
     if not os.access(run, os.W_OK):
         raise ValueError(f"--out {run}: the folder is not writable; pass a folder you can write to")
-    if os.environ.get("RANK", "0") == "0":  # rank 0 alone: another rank, started late, removed an early failure's
-        (run / ERROR_FILE).unlink(missing_ok=True)
     ck = latest_checkpoint(run)
     if ck is None:
         _refuse_foreign_out(run)
         if cfg.resume:
             print(f"--resume: no checkpoint in {run / 'checkpoints'}; starting at step 0")
+        _clear_error(run)
         return None
     step = int(ck.name.split("_")[1])
     if not cfg.resume:
-        raise ValueError(f"--out {run} holds checkpoints of an earlier run (up to step {step}); pass --resume to "
+        raise OutRefused(f"--out {run} holds checkpoints of an earlier run (up to step {step}); pass --resume to "
                          f"continue that run, or choose a new --out (or delete the folder)")
     diff = settings_diff(cfg, run, RESUME_KEYS, definition=True)
     if diff:
-        raise ValueError(f"--resume: these settings differ from the checkpointed run in {run}: {'; '.join(diff)}. "
+        raise OutRefused(f"--resume: these settings differ from the checkpointed run in {run}: {'; '.join(diff)}. "
                          f"Resume with the run's own settings, or start a new run with a new --out")
     changes, fix = data_changes(cfg, run)
     if changes:
-        raise ValueError(f"--resume: the data differs from the checkpointed run's in {run}: {'; '.join(changes)}. "
+        raise OutRefused(f"--resume: the data differs from the checkpointed run's in {run}: {'; '.join(changes)}. "
                          f"To fix: {fix}; or start a new run with a new --out")
     if cfg.steps < step or (cfg.steps == step and (run / "model.safetensors").exists()):
-        raise ValueError(f"--resume: the run in {run} is already at step {step}; pass --steps above {step} to train further")
+        raise OutRefused(f"--resume: the run in {run} is already at step {step}; pass --steps above {step} to train further")
     toggled = settings_diff(cfg, run, ("compile",))
     if toggled:  # allowed (an eager run may finish compiled), but then it is not the uninterrupted run to the bit
         if get_recipe(cfg.recipe).draws_random_bits:  # compiled layers draw from another stream (seed_compiled_rng)
@@ -255,7 +259,15 @@ def check_run_dir(cfg: TrainConfig, run: Path) -> int | None:
                    "quantizer's rounding can flip on such a difference), so the resumed run will not equal an "
                    "uninterrupted one exactly")
         print(f"warning: --resume with {toggled[0]}: {why}", file=sys.stderr)
+    _clear_error(run)
     return step  # == --steps: the run ended before its export was written; resuming writes it
+
+
+def _clear_error(run: Path) -> None:
+    """Remove an earlier attempt's error.txt once this one is accepted (rank 0 alone: another rank, started
+    late, removed an early failure's)."""
+    if os.environ.get("RANK", "0") == "0":
+        (run / ERROR_FILE).unlink(missing_ok=True)
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -460,8 +472,6 @@ def startup_summary(cfg: TrainConfig, model: torch.nn.Module, recipe, train: Tok
     """What the run is about to do, printed before its first step: model and recipe, parameters
     (total, and in the layers that run the recipe's GEMMs), the layers left BF16, data, tokens per
     step, epochs, and the recipe's GEMM table (``adahop recipes``)."""
-    from ..recipes.table import gemm_table
-
     run, rest = converted_layers(model)
     mods = dict(model.named_modules())
     total = sum(p.numel() for p in model.parameters())
@@ -482,8 +492,17 @@ def startup_summary(cfg: TrainConfig, model: torch.nn.Module, recipe, train: Tok
               f"over {schedule_steps} steps (its last step runs at lr {lr_at(cfg, cfg.steps - 1, schedule_steps):.3g})"
               + _short_run_note(cfg, schedule_steps),
               f"  GEMMs of {recipe.name}:"]
-    lines += ["    " + line for line in gemm_table(recipe).splitlines()]
+    lines += ["    " + line for line in _gemm_lines(cfg, recipe)]
     return "\n".join(lines + _run_notes(cfg, recipe))
+
+
+def _gemm_lines(cfg: TrainConfig, recipe: Recipe) -> list[str]:
+    """The recipe's GEMM table (:func:`adahop.recipes.table.gemm_table`) as the start-up printout shows it: with a
+    given plan no calibration runs (:func:`_run_notes` says so), so the table's calibration line is left out."""
+    from ..recipes.table import gemm_table
+
+    table = gemm_table(recipe).splitlines()
+    return [line for line in table if not line.startswith("calibration:")] if cfg.plan else table
 
 
 def _run_notes(cfg: TrainConfig, recipe=None) -> list[str]:
@@ -498,7 +517,8 @@ def _run_notes(cfg: TrainConfig, recipe=None) -> list[str]:
                      "calibration (its GEMM strategies are fixed); drop --calib-steps, or use a calibrating recipe "
                      "such as adahop-lv2")
     if cfg.plan:
-        notes.append(f"  plan            frozen from {cfg.plan}: no calibration runs")
+        notes.append(f"  plan            frozen from {cfg.plan}: no calibration runs; the 'calibrated' GEMMs take their "
+                     "strategies from it")
     if cfg.master_weights in PACKED_FORMATS and resolved_rounding(cfg.optimizer, cfg.master_rounding) == "nearest":
         notes.append(f"  warning         --master-weights {cfg.master_weights} with round to nearest: updates below half a "
                      "step of the format are lost (docs/results.md: an FP4 master stalled at 6.69, FP8 ended 5.8% behind); "
