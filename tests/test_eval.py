@@ -495,6 +495,15 @@ def test_eval_under_a_stochastic_rounding_recipe_gives_the_runs_val_loss(prepare
     out = tmp_path / "res.json"
     assert main(["eval", str(run), "--tasks", "none", "--data", data_dir, "--recipe", "averis", "--out", str(out)]) == 0
     assert json.loads(out.read_text())["perplexity"]["loss"] == summary["final_val_loss"]
+    # a --grad-accum run validates in micro-batches, and averis' token means span one forward: eval scores as many
+    # micro-batches (the run's whole batch in one forward gave 7.6e-4 off; helper 61)
+    ga = tmp_path / "averis-ga"
+    train(dataclasses.replace(_run_cfg(prepare_real_text(150_000), ga), recipe="averis", grad_accum=2))
+    assert main(["eval", str(ga), "--tasks", "none", "--data", data_dir, "--recipe", "averis", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["perplexity"]["loss"] == pytest.approx(json.loads((ga / "summary.json").read_text())["final_val_loss"],
+                                                      rel=1e-12, abs=0)
+    assert (res["settings"]["batch_size"], res["settings"]["eval_batches"], res["perplexity"]["tokens"]) == (2, 6, 3 * 4 * 32)
     m = load_model(run, device=torch.device("cpu"), recipe="averis")
     load_controller_state(m.model, {"step": 0})  # what eval did before: the same weights, other random bits
     other = perplexity(m.model, data_dir, seq_len=32, batch_size=4, max_batches=3, device=torch.device("cpu"), bf16=False)

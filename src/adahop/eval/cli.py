@@ -119,11 +119,17 @@ def run(args: argparse.Namespace) -> dict:
     # what an omitted --eval-batches stands for, so that a refusal of too many batches advises what works
     args.eval_batches_given, args.run_eval_batches = args.eval_batches is not None, None
     if args.data is not None and scored_as:
+        # a --grad-accum run validates each batch in its micro-batches: as many batches of that size score the same
+        # windows in the same forwards (averis' token means and OE's outlier ranks span one forward's tokens, so the
+        # run's whole batch in one forward gave averis 7.6e-4 off; helper 61)
+        accum = (scored_as.get("grad_accum") or 1) if args.batch_size is None else 1
         if args.batch_size is None:
-            args.batch_size = scored_as.get("batch_size")
-        args.run_eval_batches = scored_as.get("eval_batches")
+            args.batch_size = scored_as.get("batch_size") and scored_as["batch_size"] // accum
+        args.run_eval_batches = scored_as.get("eval_batches") and scored_as["eval_batches"] * accum
         if args.eval_batches is None:
             args.eval_batches = args.run_eval_batches
+        elif accum > 1:
+            args.eval_batches *= accum  # counted in the run's batches, as --batch-size is the run's
     args.batch_size = args.batch_size or DEFAULT_BATCH_SIZE
     from .model import check_window, warn_beyond_training
 
