@@ -531,6 +531,11 @@ def test_compare_passes_calib_steps_to_the_calibrating_recipes_only(tmp_path, mo
     # settings_diff skips it for a recipe without calibration (it changes no number), as train --resume does
     assert cmp.settings_diff(cmp._recipe_cfg(TrainConfig(), "bf16"), out / "bf16", ["calib_steps"]) == []
     assert cmp.settings_diff(TrainConfig(recipe="adahop-lv2"), out / "bf16", ["calib_steps"]) == ["--calib-steps 3 → None"]
+    # the preset's own 30 named or not: the same steps run (helper 61)
+    assert cmp.settings_diff(TrainConfig(recipe="adahop-lv2", calib_steps=30), out / "bf16", ["calib_steps"]) == [
+        "--calib-steps 3 → 30"]
+    (out / "bf16" / "config.json").write_text(json.dumps({"adahop": {"config": TrainConfig(recipe="adahop-lv2").to_dict()}}))
+    assert cmp.settings_diff(TrainConfig(recipe="adahop-lv2", calib_steps=30), out / "bf16", ["calib_steps"]) == []
     argvs.clear()
     assert main(["compare", "--recipes", "bf16", "--out", str(out)]) == 1  # the stub child "fails": but it ran
     assert "bf16" in argvs
@@ -664,9 +669,15 @@ def test_a_refused_resume_leaves_a_finished_run_as_it_was_and_a_no_op_calib_step
     assert "these settings differ" in capsys.readouterr().err and not (out / "error.txt").exists()
     assert main([*args, "--steps", "3"]) == 2  # its checkpoints, without --resume
     assert "holds checkpoints of an earlier run" in capsys.readouterr().err and not (out / "error.txt").exists()
+    assert main([*args, "--steps", "4", "--resume", "--lr", "-1"]) == 2  # a bad option (helper 61)
+    assert "--lr: must be > 0" in capsys.readouterr().err and not (out / "error.txt").exists()
     (out / "error.txt").write_text("adahop train: error: an earlier attempt\n")  # kept through a refusal too
     assert main([*args, "--steps", "3", "--resume", "--lr", "1e-2"]) == 2
     assert (out / "error.txt").read_text() == "adahop train: error: an earlier attempt\n"
+    # an unfinished run (compare reruns those, and shows error.txt's first line): the refusal is left there
+    (out / "summary.json").unlink()
+    assert main([*args, "--steps", "3", "--resume"]) == 2
+    assert "is already at step 3" in (out / "error.txt").read_text()
     with pytest.raises(ValueError, match="--out: is empty; pass the run folder"):
         _cfg(data_dir, "")
     assert main([*args[:-2], "--steps", "1", "--out", ""]) == 2
@@ -675,6 +686,10 @@ def test_a_refused_resume_leaves_a_finished_run_as_it_was_and_a_no_op_calib_step
     assert "adahop ptq: error: --out is empty; pass a folder path" in capsys.readouterr().err
     assert main(["eval", str(out), "--tasks", "none", "--data", str(data_dir), "--out", ""]) == 2
     assert "adahop eval: error: --out is empty; pass a file path" in capsys.readouterr().err
+    for cmd in (["data", "prepare", "--source", str(data_dir), "--out", " "],
+                ["analyze", "--synthetic", "--synthetic-size", "64", "--synthetic-seeds", "0", "--out", ""]):
+        assert main(cmd) == 2 and f"adahop {cmd[0]}: error: --out is empty" in capsys.readouterr().err
+    assert not (Path.cwd() / " ").exists()
 
 
 def test_a_second_compare_into_the_same_out_is_refused(data_dir, tmp_path):

@@ -7,6 +7,7 @@ errors answer at once; each command imports what it needs when it runs.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -140,6 +141,17 @@ def _leave_error(args, message: str) -> None:
         pass
 
 
+def _holds_finished_run(out: str) -> bool:
+    """Whether ``--out`` holds a run that ended (its export and a summary not marked interrupted): an error.txt
+    there would say the run failed. Compare's refused children keep theirs: compare reruns unfinished ones only."""
+    p = Path(out) if out and out.strip() else None
+    try:
+        return (p is not None and (p / "model.safetensors").is_file()
+                and not json.loads((p / "summary.json").read_text()).get("interrupted", False))
+    except (OSError, ValueError):
+        return False
+
+
 def _one_line_warnings() -> None:
     """Show adahop's own warnings (their text starts with "adahop") as ``warning: MESSAGE`` lines, as the
     commands print theirs; Python's default format adds the file, the line number and the source line
@@ -181,8 +193,9 @@ def _quiet_imports() -> None:
 def _prepare(args) -> None:
     """`adahop data prepare`: refuses to replace a prepared --out unless --overwrite (runs may train on
     it), and --vocab-size with a tokenizer that brings its own; says which vocabulary was used."""
-    import json
+    from .utils import check_out_path
 
+    check_out_path(args.out, "--out", folder=True)
     if args.tokenizer != "bpe" and args.vocab_size != _BPE_VOCAB:  # not the default: given on purpose
         raise ValueError(f"--vocab-size {args.vocab_size} is for --tokenizer bpe; --tokenizer {args.tokenizer} brings "
                          f"its own vocabulary: drop --vocab-size")
@@ -243,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     a recipe of ``compare`` failed), 2 a bad option or path (named in the message), 130 interrupted."""
     args = build_parser().parse_args(argv)
     _one_line_warnings()
+    finished = args.cmd == "train" and _holds_finished_run(args.out)
     try:
         if args.cmd == "data":
             _prepare(args)
@@ -324,8 +338,7 @@ def main(argv: list[str] | None = None) -> int:
             run_ptq(args)
     except ValueError as e:
         print(f"adahop {args.cmd}: error: {e}", file=sys.stderr)
-        setup = sys.modules.get("adahop.train.setup")  # not imported: the error cannot be a refused --out
-        if setup is None or not isinstance(e, setup.OutRefused):  # a refused --out is left as it was
+        if not finished:  # a refusal (bad option, another run's settings) leaves a finished run's folder as it was
             _leave_error(args, f"adahop {args.cmd}: error: {e}")
         return 2
     except OSError as e:  # files and network (a download that cannot reach its host): one line, no traceback

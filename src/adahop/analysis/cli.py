@@ -106,6 +106,9 @@ def capture_layers(names: list[str], n: int, chosen: str) -> list[str]:
 
 def run(args: argparse.Namespace) -> dict[str, Path]:
     """Run `adahop analyze`; returns ``{output name: path}``."""
+    from ..utils import check_out_path
+
+    check_out_path(args.out, "--out", folder=True)  # before mkdir: "" or " " made the working directory or " " the folder
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.synthetic:

@@ -44,7 +44,7 @@ def settings_diff(cfg: TrainConfig, run: Path, keys, definition: bool = False) -
     as ``--flag old → new`` strings (empty if the folder holds no config). ``--data`` is left to
     :func:`data_changes`, which compares the data by content, where the run recorded its data's
     identity; for a run of an older adahop it is compared as the prepared folder it names. ``--calib-steps``
-    is not compared for a recipe without calibration: it changes no number there (the run warned so).
+    is compared as the steps that run (none given: the preset's own), and not for a recipe without calibration.
     ``definition``: also compare the recipe's definition (its GEMM specs, calibration...) with the one the
     run recorded, where the names agree: a preset changed by a newer adahop trains other numbers under
     the same name.
@@ -70,8 +70,10 @@ def settings_diff(cfg: TrainConfig, run: Path, keys, definition: bool = False) -
             continue
         if k not in saved or saved[k] == now.get(k):
             continue
-        if k == "calib_steps" and get_recipe(cfg.recipe).calibration is None:  # changes no number (train warns so)
-            continue
+        if k == "calib_steps":  # none under a recipe without calibration (train warns so), else the preset's own
+            cal = get_recipe(cfg.recipe).calibration
+            if cal is None or (saved[k] or cal.steps) == (now.get(k) or cal.steps):
+                continue
         if k == "data_seed" and (data_order_seed(saved.get("seed"), saved["data_seed"])
                                  == data_order_seed(now.get("seed"), now.get("data_seed"))):  # --data-seed 0 on a run of --seed 0
             continue
@@ -185,12 +187,6 @@ def _data_identity(cfg: TrainConfig) -> dict:
     return manifest_identity(Manifest.load(folder)) if (folder / "manifest.json").is_file() else planned
 
 
-class OutRefused(ValueError):
-    """``--out`` holds what this ``adahop train`` may not change (data, a model, another run's checkpoints, or
-    its own under other settings). Raised before anything is written there, so the folder is left as it was,
-    an earlier error.txt included: the refusal is this command's error, not the run's (``adahop`` prints it)."""
-
-
 def _refuse_foreign_out(run: Path) -> None:
     """Raise ValueError when ``--out`` (with no checkpoint) holds what a new run would overwrite: prepared data,
     an exported model or finished run (``model.safetensors``), or another model's ``config.json``. A start of a
@@ -198,13 +194,13 @@ def _refuse_foreign_out(run: Path) -> None:
     from .export import read_run_section
 
     if (run / "manifest.json").exists():
-        raise OutRefused(f"--out {run} is a prepared data folder (manifest.json), which the run would write into; "
+        raise ValueError(f"--out {run} is a prepared data folder (manifest.json), which the run would write into; "
                          f"pass it as --data and choose a new --out")
     if (run / "model.safetensors").exists():
-        raise OutRefused(f"--out {run} holds a model (model.safetensors) and no checkpoint to resume; the run would "
+        raise ValueError(f"--out {run} holds a model (model.safetensors) and no checkpoint to resume; the run would "
                          f"overwrite it. Choose a new --out (or delete the folder)")
     if (run / "config.json").is_file() and not read_run_section(run):
-        raise OutRefused(f"--out {run} holds another model's config.json, which the run would overwrite; choose a new --out")
+        raise ValueError(f"--out {run} holds another model's config.json, which the run would overwrite; choose a new --out")
 
 
 def check_run_dir(cfg: TrainConfig, run: Path) -> int | None:
@@ -236,18 +232,18 @@ def check_run_dir(cfg: TrainConfig, run: Path) -> int | None:
         return None
     step = int(ck.name.split("_")[1])
     if not cfg.resume:
-        raise OutRefused(f"--out {run} holds checkpoints of an earlier run (up to step {step}); pass --resume to "
+        raise ValueError(f"--out {run} holds checkpoints of an earlier run (up to step {step}); pass --resume to "
                          f"continue that run, or choose a new --out (or delete the folder)")
     diff = settings_diff(cfg, run, RESUME_KEYS, definition=True)
     if diff:
-        raise OutRefused(f"--resume: these settings differ from the checkpointed run in {run}: {'; '.join(diff)}. "
+        raise ValueError(f"--resume: these settings differ from the checkpointed run in {run}: {'; '.join(diff)}. "
                          f"Resume with the run's own settings, or start a new run with a new --out")
     changes, fix = data_changes(cfg, run)
     if changes:
-        raise OutRefused(f"--resume: the data differs from the checkpointed run's in {run}: {'; '.join(changes)}. "
+        raise ValueError(f"--resume: the data differs from the checkpointed run's in {run}: {'; '.join(changes)}. "
                          f"To fix: {fix}; or start a new run with a new --out")
     if cfg.steps < step or (cfg.steps == step and (run / "model.safetensors").exists()):
-        raise OutRefused(f"--resume: the run in {run} is already at step {step}; pass --steps above {step} to train further")
+        raise ValueError(f"--resume: the run in {run} is already at step {step}; pass --steps above {step} to train further")
     toggled = settings_diff(cfg, run, ("compile",))
     if toggled:  # allowed (an eager run may finish compiled), but then it is not the uninterrupted run to the bit
         if get_recipe(cfg.recipe).draws_random_bits:  # compiled layers draw from another stream (seed_compiled_rng)
