@@ -117,10 +117,12 @@ def load_model(path: str | Path, *, device: torch.device, recipe: str | None = N
                          f"model folder")
     section = read_run_section(p)
     loaded = _newest_checkpoint(p) if section else None
+    state = {}  # the checkpoint's state.json: its step, and the step counter that seeds random bits
     if loaded is not None:
         model, ck, ck_weights, fmt = loaded
         weights = f"{ck_weights} ({fmt.upper()} master weights{'' if fmt == 'fp32' else ', as FP32'})"
-        _warn_if_unfinished(p, ck, section)
+        state = _checkpoint_state(ck)
+        _warn_if_unfinished(p, state.get("step"), section)
     else:
         if not any(p.glob("*.safetensors")) and not any(p.glob("*.bin")):
             raise ValueError(f"MODEL {p}: no weights (model.safetensors or a checkpoint); "
@@ -150,8 +152,12 @@ def load_model(path: str | Path, *, device: torch.device, recipe: str | None = N
     info = {"path": str(p), "weights": weights, "recipe": recipe, "plan": None}
     if recipe is not None:
         info["plan"] = _convert(model, recipe, plan, p, section, backend)
-        if loaded is not None:  # random bits (stochastic rounding, signs) are seeded by step: take the checkpoint's
-            _continue_at_checkpoint_step(model, ck)
+        if state.get("controller_step") is not None:
+            # random bits (averis's stochastic rounding) are seeded by step: the run's validation drew the checkpoint's
+            # (step 0 gave averis 6.69891 for a run's val_loss of 6.69856); an older checkpoint without it: step 0
+            from ..nn.convert import load_controller_state
+
+            load_controller_state(model, {"step": state["controller_step"]})
     return LoadedModel(model=model.to(device).eval(), tokenizer=tokenizer, info=info,
                        run_config=section.get("config") if section else None,
                        data_dir=section.get("data_dir") if section else None)
@@ -218,29 +224,19 @@ def _newest_checkpoint(run: Path):
     return None
 
 
-def _continue_at_checkpoint_step(model, ck: Path) -> None:
-    """Set the converted model's step counter to the checkpoint's, as the run's validation had it: a recipe
-    that draws random bits in its forward (averis's stochastic rounding) seeds them by step, so that is what
-    makes ``adahop eval --recipe`` give the run's ``val_loss`` to the last bit (step 0 gave averis 6.69891
-    for a run's 6.69856). A checkpoint without the counter (older runs) is left at step 0."""
-    from ..nn.convert import load_controller_state
-
+def _checkpoint_state(ck: Path) -> dict:
+    """The checkpoint folder ``ck``'s state.json, or {} when it cannot be read."""
     try:
-        step = json.loads((ck / "state.json").read_text())["controller_step"]
-    except (OSError, ValueError, KeyError):
-        return
-    load_controller_state(model, {"step": step})
+        return json.loads((ck / "state.json").read_text())
+    except (OSError, ValueError):
+        return {}
 
 
-def _warn_if_unfinished(run: Path, ck: Path, section: dict) -> None:
-    """Warn when the newest checkpoint is short of the run's --steps (an interrupted or running run),
+def _warn_if_unfinished(run: Path, step: int | None, section: dict) -> None:
+    """Warn when the newest checkpoint's ``step`` is short of the run's --steps (an interrupted or running run),
     so that its score is not taken for the finished model's."""
-    try:
-        step = json.loads((ck / "state.json").read_text())["step"]
-    except (OSError, ValueError, KeyError):
-        return
     steps = section.get("config", {}).get("steps")
-    if steps is not None and step < steps:
+    if step is not None and steps is not None and step < steps:
         print(f"warning: MODEL {run} is unfinished: scoring its checkpoint of step {step} of --steps {steps}; "
               f"let the run finish, or continue it with `adahop train --out {run} --resume` and its settings",
               file=sys.stderr)  # a print: a warning would show this module's source line to the user
