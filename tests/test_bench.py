@@ -244,6 +244,48 @@ def test_bench_model_max_batch_reports_the_largest_batch_that_trains(monkeypatch
     assert [b for b, _ in row["batches_tried"]] == [8, 4, 6, 5]
     with pytest.raises(ValueError, match="--max-batch 1 must be at least --batch-size 2"):
         bench_model("llama-tiny", recipes=("bf16",), seq_len=16, batch=2, device="cpu", max_batch=1)
+
+    # A compiled row's graphs (and on a GPU their CUDA-graph pool) live until torch.compiler.reset(): the
+    # search must start after it. The fake runs out of memory while an earlier model's graphs are held.
+    held = []
+    real_reset = torch.compiler.reset
+
+    def holding(model, recipe, mode, seq_len, batch, *a, **kw):
+        m, step = real(model, recipe, mode, seq_len, batch, *a, **kw)
+        crowded = bool(held)
+
+        def oom(i, record=False):
+            if crowded:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory (fake: an earlier model's graphs)")
+            return step(i, record)
+        oom.compile_mode, oom.first_compiled = step.compile_mode, step.first_compiled
+        held.append(True)
+        return m, oom
+    monkeypatch.setattr(harness, "model_step", holding)
+    monkeypatch.setattr(torch.compiler, "reset", lambda: (held.clear(), real_reset()))
+    (row,) = bench_model("llama-tiny", recipes=("bf16",), seq_len=16, batch=2, steps=1, modes=("eager",),
+                         device="cpu", max_batch=4)
+    assert row["largest_batch"] == 4 and "largest_batch_error" not in row
+    assert row["search_start_mem_gib"] is None  # no allocator counter on the CPU
+    # memory held all the same (here: every model after the row's) gives a search result below the batch the
+    # row trained at: the row says so instead of reporting it as the largest batch
+    built = []
+
+    def leaking(model, recipe, mode, seq_len, batch, *a, **kw):
+        m, step = real(model, recipe, mode, seq_len, batch, *a, **kw)
+        built.append(batch)
+
+        def oom(i, record=False):
+            if len(built) > 1 and batch > 1:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory (fake: held memory)")
+            return step(i, record)
+        oom.compile_mode, oom.first_compiled = step.compile_mode, step.first_compiled
+        return m, oom
+    monkeypatch.setattr(harness, "model_step", leaking)
+    (row,) = bench_model("llama-tiny", recipes=("bf16",), seq_len=16, batch=2, steps=1, modes=("eager",),
+                         device="cpu", max_batch=4)
+    assert row["largest_batch"] == 1 and row["batches_tried"] == [[2, False], [1, True]]
+    assert "found 1 although the row trained at batch 2" in row["largest_batch_error"]
     from adahop.bench.max_batch import _out_of_memory
     assert _out_of_memory(RuntimeError("CUDA error: out of memory")) and not _out_of_memory(RuntimeError("shape"))
 

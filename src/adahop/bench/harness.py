@@ -227,17 +227,20 @@ def bench_model(model: str = "llama3.2-1b", *, recipes=("bf16", "adahop-lv2", "m
                 rows.append(dict(bench="model", model=model, layers=layers, seq_len=seq_len, batch=batch, recipe=recipe,
                                  mode=mode, bf16_small_gemms=small_gemms, error=f"{type(e).__name__}: {e}"[:300],
                                  **_where(device)))
+            # the row's compiled graphs and their CUDA-graph pool outlive its model until this reset: the search
+            # must start from free memory (round 34 on an H100: without it, Lv2+recompute "did not fit" at the
+            # batch its row had just trained at)
+            torch.compiler.reset()
+            if device == "cuda":
+                torch.cuda.empty_cache()
             # an out-of-memory row still gets its largest batch (the search bisects below --batch-size)
             if max_batch is not None and ("error" not in rows[-1] or "out of memory" in rows[-1]["error"].lower()):
                 try:
                     rows[-1].update(_largest_batch(model, recipe, mode, seq_len, batch, layers, device, small_gemms,
-                                                   max_batch))
+                                                   max_batch, trained="error" not in rows[-1]))
                 except Exception as e:  # noqa: BLE001 - the timed row stands without it
                     rows[-1]["largest_batch_error"] = f"{type(e).__name__}: {e}"[:300]
             print("row:", json.dumps(rows[-1]), flush=True)  # a run cut short keeps the finished rows
-            torch.compiler.reset()
-            if device == "cuda":
-                torch.cuda.empty_cache()
     for r in rows:
         base = next((b.get("tok_per_s") for b in rows if b["recipe"] == "bf16" and b["mode"] == r["mode"]), None)
         r["vs_bf16"] = r["tok_per_s"] / base if base and "tok_per_s" in r else None
@@ -416,8 +419,10 @@ def _bench_model_row_timed(model: str, recipe: str, mode: str, seq_len: int, bat
 
 
 def _largest_batch(model: str, recipe: str, mode: str, seq_len: int, batch: int, layers: int | None, device: str,
-                   small_gemms: bool, limit: int) -> dict:
-    """``largest_batch`` and ``batches_tried`` of one row (see :func:`bench_model`'s ``max_batch``)."""
+                   small_gemms: bool, limit: int, trained: bool) -> dict:
+    """``largest_batch``, ``batches_tried`` and ``search_start_mem_gib`` (GiB allocated when the search began: the
+    row's memory must be gone by then) of one row (see :func:`bench_model`'s ``max_batch``). ``trained``: the row
+    itself trained at ``batch``; a search that then finds a smaller batch adds ``largest_batch_error``."""
     import gc
 
     from .max_batch import batch_fits, largest_fitting
@@ -429,8 +434,13 @@ def _largest_batch(model: str, recipe: str, mode: str, seq_len: int, batch: int,
     def fits(b: int) -> bool:
         return batch_fits(lambda n: model_step(model, recipe, mode, seq_len, n, layers, device, small_gemms), b)
 
+    start_gib = torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else None
     largest, tried = largest_fitting(fits, batch, limit)
-    return dict(largest_batch=largest, batches_tried=[list(t) for t in tried])
+    out = dict(largest_batch=largest, batches_tried=[list(t) for t in tried], search_start_mem_gib=start_gib)
+    if trained and largest < batch:  # the row trained at `batch`: memory the search did not start from was held
+        out["largest_batch_error"] = (f"the search found {largest} although the row trained at batch {batch}: "
+                                      f"{start_gib or 0:.2f} GiB were allocated when it started; the result is not valid")
+    return out
 
 
 def _where(device) -> dict:
