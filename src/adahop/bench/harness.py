@@ -196,7 +196,9 @@ def bench_model(model: str = "llama3.2-1b", *, recipes=("bf16", "adahop-lv2", "m
     that step: must be 0) and ``cudagraph_skips`` (graphs run without CUDA graphs). ``peak_mem_gib``
     (GiB allocated, the caching allocator's peak) spans the timed steps of an eager row, and a compiled
     row's steps from its compile on (its CUDA-graph recording allocates what replays reuse); calibration
-    steps are never in it.
+    steps are never in it: a calibrating recipe's row gives their peak as ``calibration_peak_mem_gib``
+    (eager BF16 steps that record the outlier statistics; None on the CPU and for other recipes), and a
+    batch fits only if both do.
     One more untimed step records what the model computed: ``loss``, ``grad_norm`` (all
     parameters) and ``params_with_grad`` (of ``params``), equal across modes of one recipe;
     ``grads_ok`` is False when some parameter got no gradient (such a row's speed is not valid).
@@ -345,6 +347,7 @@ def model_step(model: str, recipe: str, mode: str, seq_len: int, batch: int, lay
 
     step.compile_mode = compile_mode  # the torch.compile mode the step runs in (None: eager)
     step.first_compiled = None if compile_mode is None else (2 if calibrating else 0)  # index of the step that compiles
+    step.calibration_steps = 2 if calibrating else 0  # the first steps, eager and BF16, that calibrate the plan
     return m, step
 
 
@@ -371,6 +374,10 @@ def _bench_model_row_timed(model: str, recipe: str, mode: str, seq_len: int, bat
     cuda = torch.device(device).type == "cuda"
     counts0, counts1, compile_s = dynamo_counts(), None, None
     t_warm = time.perf_counter()
+    calib_peak = None
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     for i in range(5):  # calibration (2 steps), the compile after the plan freeze, CUDA-graph recording
         if cuda and i == step.first_compiled:
             # a compiled row's peak spans its compile and CUDA-graph recording: the graphs' pool holds the
@@ -382,6 +389,8 @@ def _bench_model_row_timed(model: str, recipe: str, mode: str, seq_len: int, bat
         step(i)
         if cuda:
             torch.cuda.synchronize()
+            if i == step.calibration_steps - 1:  # eager BF16 steps: what fits is bounded by them too (round 34)
+                calib_peak = torch.cuda.max_memory_allocated() / 2**30
         if i == step.first_compiled:  # the step that compiled (cold: with empty caches, the first compile)
             compile_s, counts1 = time.perf_counter() - t0, dynamo_counts()
         # progress on stderr: a compile can take minutes, and a row that times out prints nothing else
@@ -414,7 +423,7 @@ def _bench_model_row_timed(model: str, recipe: str, mode: str, seq_len: int, bat
                         cudagraph_skips=counts2["cudagraph_skips"] - counts0["cudagraph_skips"])
     return dict(bench="model", model=model, layers=layers or m.config.num_hidden_layers, seq_len=seq_len, batch=batch,
                 recipe=recipe, mode=mode, step_ms=ms, tok_per_s=batch * seq_len / ms * 1e3, peak_mem_gib=peak,
-                warmup_s=warmup_s, bf16_small_gemms=small_gemms, small_gemms_bf16=small_gemm_count(m),
+                calibration_peak_mem_gib=calib_peak, warmup_s=warmup_s, bf16_small_gemms=small_gemms, small_gemms_bf16=small_gemm_count(m),
                 strategies=_strategy_counts(m), **compiled, **check, **_where(device))
 
 
