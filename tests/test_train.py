@@ -1426,3 +1426,46 @@ def test_eager_gpu_note_goes_to_low_precision_runs_on_a_gpu_without_compile():
     assert not _eager_gpu("cpu", TrainConfig(), lv2)  # the CPU has no launch overhead to hide
     assert not _eager_gpu("cuda", TrainConfig(), bf16)
     assert "--compile" in EAGER_GPU_NOTE and "docs/benchmarks.md" in EAGER_GPU_NOTE
+
+
+def test_out_of_gpu_memory_says_the_phase_what_fits_and_the_checkpoint_kept(data_dir, tmp_path, single_thread,
+                                                                            monkeypatch, capsys):
+    """Round 34: plain Lv2 at Llama-3.2-1B 4096 x 8 ran out of memory on an H100 in its eager BF16 calibration, where
+    its compiled steps would have fit. torch's OutOfMemoryError is raised on the CPU here, in the gradient clip of a
+    chosen step: train says whether the plan was calibrating, what takes less memory, and which checkpoint is kept."""
+    from adahop.cli import main
+    from adahop.train.loop import OutOfGPUMemory
+
+    real, calls = torch.nn.utils.clip_grad_norm_, {"n": 0}
+
+    def oom_at(step):
+        def clip(*a, **k):
+            calls["n"] += 1
+            if calls["n"] == step:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 GiB (fake)")
+            return real(*a, **k)
+        calls["n"] = 0
+        monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
+
+    oom_at(2)  # step 2 of 3 calibration steps, after step 1's checkpoint
+    with pytest.raises(OutOfGPUMemory) as e:
+        train(_cfg(data_dir, tmp_path / "a", ckpt_every=1, eval_every=0))
+    msg = str(e.value)
+    assert msg.startswith("out of GPU memory in adahop-lv2's calibration (CUDA out of memory. Tried to allocate 4.00 GiB")
+    assert "--recompute (selective" in msg and "--grad-accum 2 (micro-batches of 2 sequences, the same 4 a step" in msg
+    assert "--compile (" in msg and "The checkpoint of step 1 is kept; --resume goes on from it" in msg
+    assert isinstance(e.value.__cause__, torch.OutOfMemoryError)
+    oom_at(6)  # after the freeze (step 3), no checkpoint written, under recompute: neither is offered again
+    with pytest.raises(OutOfGPUMemory) as e:
+        train(_cfg(data_dir, tmp_path / "b", ckpt_every=0, eval_every=0, recompute=True, grad_accum=4))
+    msg = str(e.value)
+    assert msg.startswith("out of GPU memory (CUDA out of memory") and "calibration" not in msg
+    assert "--recompute" not in msg and "a shorter --seq-len" in msg and "No checkpoint had been written yet." in msg
+    # the command line: one line, exit 1, no traceback, and the run folder's error.txt says the same
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    oom_at(1)
+    out = tmp_path / "c"
+    assert main(["train", *TINY_ARGS, "--data", str(data_dir), "--out", str(out), "--steps", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "adahop train: out of GPU memory (CUDA out of memory" in err and "Traceback" not in err, err
+    assert "out of GPU memory" in (out / "error.txt").read_text()

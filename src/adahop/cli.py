@@ -353,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as e:
         loop = sys.modules.get("adahop.train.loop")
-        if loop is not None and isinstance(e, loop.Diverged):
+        if loop is not None and isinstance(e, (loop.Diverged, loop.OutOfGPUMemory)):
             print(f"adahop {args.cmd}: {e}", file=sys.stderr)
             _leave_error(args, f"adahop {args.cmd}: {e}")
             return 1

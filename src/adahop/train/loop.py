@@ -31,12 +31,38 @@ from .setup import (build_optimizer, check_data_fits, check_run_dir, converted_l
                     make_model, make_streams, prepared_data_changes, resolve_data, resolve_device, resolve_recipe,
                     startup_summary)
 
-__all__ = ["train", "Diverged", "evaluate"]
+__all__ = ["train", "Diverged", "OutOfGPUMemory", "evaluate"]
 
 
 class Diverged(RuntimeError):
     """The loss became NaN or Inf, or rose above :func:`~adahop.train.setup.loss_ceiling`; the run
     stopped and kept its last good checkpoint."""
+
+
+class OutOfGPUMemory(RuntimeError):
+    """The GPU ran out of memory during training; the message says in which phase, what fits, and which
+    checkpoint is kept (the run's earlier checkpoints are untouched)."""
+
+
+def _oom_message(cfg: TrainConfig, recipe, run: Path, e: BaseException) -> str:
+    """What :class:`OutOfGPUMemory` says: torch's first line, whether the plan was still calibrating (its steps
+    run eagerly in BF16, so at a size where the compiled steps fit they may not: round 34, docs/benchmarks.md), the
+    options that take less memory, and the last checkpoint."""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    calibrating = recipe.calibration is not None and cfg.plan is None and not (run / "plan.json").exists()
+    phase = (f" in {recipe.name}'s calibration, whose steps run eagerly in BF16 and need more memory than its "
+             f"compiled steps" if calibrating and cfg.compile else f" in {recipe.name}'s calibration" if calibrating else "")
+    fixes = [] if cfg.recompute else ["--recompute (selective activation recompute: at Llama-3.2-1B 4096 x 8 it took "
+                                      "the peak to 0.74x of BF16's)"]
+    ga = cfg.grad_accum * 2  # --batch-size is the step's batch, split into --grad-accum micro-batches
+    fixes += [f"--grad-accum {ga} (micro-batches of {cfg.batch_size // ga} sequences, the same {cfg.batch_size} a step; "
+              f"a new run)" if cfg.batch_size % ga == 0 else "a shorter --seq-len (a new run)"]
+    if not cfg.compile:
+        fixes.append("--compile (Inductor's graphs keep less for backward)")
+    ckpts = complete_checkpoints(run)
+    kept = (f"The checkpoint of step {int(ckpts[-1].name.removeprefix('step_'))} is kept; --resume goes on from it "
+            f"(--recompute and --compile may be added there)." if ckpts else "No checkpoint had been written yet.")
+    return f"out of GPU memory{phase} ({first}). To fit, try {'; or '.join(fixes)}. {kept}"
 
 
 def _kept(run: Path, step: int, first_bad: torch.Tensor, is_main: bool, start: int) -> str:
@@ -144,12 +170,15 @@ def train(cfg: TrainConfig, *, rank: int = 0, world: int = 1) -> dict:
         ValueError: a bad option, data too small for the run, a recipe that converts no layer of the
             model, or ``--out`` in use by another run, before any training starts.
         Diverged: non-finite loss or gradient norm, or a loss above :func:`~adahop.train.setup.loss_ceiling`.
+        OutOfGPUMemory: the GPU ran out of memory (torch's OutOfMemoryError, with what to change).
         CheckpointWriteError: a checkpoint could not be written (disk full, I/O error).
     """
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     with folder_locked(Path(cfg.out), take=rank == 0):  # released also when the run fails
         try:
             return _train(cfg, rank, world)
+        except torch.OutOfMemoryError as e:
+            raise OutOfGPUMemory(_oom_message(cfg, resolve_recipe(cfg)[0], Path(cfg.out), e)) from e
         finally:
             for sig, h in handlers.items():
                 signal.signal(sig, h)
