@@ -453,3 +453,27 @@ def test_sigterm_during_the_stop_all_reduce_stops_every_rank_with_a_checkpoint(d
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["interrupted"] is True and summary["steps"] == 4, summary
     assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["step_0000004"]
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_eval_of_a_data_parallel_run_scores_each_ranks_forwards(runs, parallel, tmp_path):
+    """Each rank validated its own consecutive windows in forwards of --batch-size / world, and AdaHOP's OE ranks
+    the tokens of one forward: `adahop eval --recipe` scored the run's whole batch in one forward, and the BF16
+    export, off the run's val_loss. It reads the ranks from config.json, scores batches of a rank's size, and reads
+    the sharded checkpoint's master weights in one process."""
+    from adahop.cli import main
+
+    run = runs / f"{parallel}-adahop-lv2"
+    section = json.loads((run / "config.json").read_text())["adahop"]
+    assert section["world_size"] == 2
+    out = tmp_path / "res.json"
+    assert main(["eval", str(run), "--tasks", "none", "--data", section["data_dir"], "--recipe", "adahop-lv2",
+                 "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    final = json.loads((run / "summary.json").read_text())["final_val_loss"]
+    assert (res["settings"]["batch_size"], res["settings"]["eval_batches"]) == (2, 4)
+    # the weights are the sharded checkpoint's FP32 masters, read in one process (the BF16 export was 4e-4 off);
+    # a rank's forwards of 2 windows, not 4 (2.4e-8 off here) or 8 (1.7e-4)
+    assert "master weights" in res["model"]["weights"] and "step_0000006" in res["model"]["weights"]
+    # FSDP2 ran its forwards on all-gathered parameters: FP32 rounding apart (2e-8 relative on the CPU)
+    assert res["perplexity"]["loss"] == pytest.approx(final, rel=1e-12 if parallel == "ddp" else 1e-7, abs=0)

@@ -119,10 +119,12 @@ def run(args: argparse.Namespace) -> dict:
     # what an omitted --eval-batches stands for, so that a refusal of too many batches advises what works
     args.eval_batches_given, args.run_eval_batches = args.eval_batches is not None, None
     if args.data is not None and scored_as:
-        # a --grad-accum run validates each batch in its micro-batches: as many batches of that size score the same
-        # windows in the same forwards (averis' token means and OE's outlier ranks span one forward's tokens, so the
-        # run's whole batch in one forward gave averis 7.6e-4 off; helper 61)
-        accum = (scored_as.get("grad_accum") or 1) if args.batch_size is None else 1
+        # a --grad-accum run validates each batch in its micro-batches, and each rank of a ddp/fsdp run its own
+        # consecutive windows: as many batches of that size score the same windows in the same forwards (averis'
+        # token means and OE's outlier ranks span one forward's tokens, so the run's whole batch in one forward gave
+        # averis 7.6e-4 off; helper 61)
+        world = 1 if ptq_meta else loaded.run_world_size
+        accum = (scored_as.get("grad_accum") or 1) * world if args.batch_size is None else 1
         if args.batch_size is None:
             args.batch_size = scored_as.get("batch_size") and scored_as["batch_size"] // accum
         args.run_eval_batches = scored_as.get("eval_batches") and scored_as["eval_batches"] * accum

@@ -49,6 +49,9 @@ class LoadedModel:
     """The ``adahop train`` config of a run folder (config.json's "adahop" section), else None."""
     data_dir: str | None = None
     """The prepared data folder a run trained on, else None."""
+    run_world_size: int = 1
+    """The data-parallel ranks that validated the run (config.json's ``world_size``; summary.json's for a run of
+    an adahop that did not record it there; 1 when neither says, or for a model folder)."""
 
 
 def _load_weights(model: torch.nn.Module, path: Path) -> str:
@@ -79,8 +82,9 @@ def load_model(path: str | Path, *, device: torch.device, recipe: str | None = N
     A run folder of ``adahop train`` (config.json with an "adahop" section) gives the master
     weights of its newest checkpoint in FP32 (BF16 masters widened, packed FP8/FP4/NVFP4 ones
     dequantized, both exactly), the very weights its validation loss was measured with (so
-    :func:`adahop.eval.perplexity.perplexity` reproduces that loss of an FP32-master run); without a single-file checkpoint
-    (a data-parallel run's are sharded) it gives the BF16 export ``model.safetensors``. Any other
+    :func:`adahop.eval.perplexity.perplexity` reproduces that loss of an FP32-master run); a data-parallel run's sharded
+    checkpoint is read in this one process (``torch.distributed.checkpoint``); a run without checkpoints, or whose
+    shards do not load (a warning says why), gives the BF16 export ``model.safetensors``. Any other
     folder is loaded with ``transformers.AutoModelForCausalLM.from_pretrained``.
 
     Args:
@@ -160,7 +164,8 @@ def load_model(path: str | Path, *, device: torch.device, recipe: str | None = N
             load_controller_state(model, {"step": state["controller_step"]})
     return LoadedModel(model=model.to(device).eval(), tokenizer=tokenizer, info=info,
                        run_config=section.get("config") if section else None,
-                       data_dir=section.get("data_dir") if section else None)
+                       data_dir=section.get("data_dir") if section else None,
+                       run_world_size=_run_world_size(p, section))
 
 
 def _convert(model, recipe_name: str, plan_path: str | None, folder: Path, section: dict | None, backend: str):
@@ -209,12 +214,17 @@ def _newest_checkpoint(run: Path):
 
     for attempt in range(2):
         ck = latest_checkpoint(run)
-        ck_weights = ck / "model.safetensors" if ck is not None and (ck / "model.safetensors").is_file() else None
-        if ck_weights is None:
+        if ck is None:
+            return None
+        ck_weights = ck / "model.safetensors" if (ck / "model.safetensors").is_file() else None
+        sharded = ck_weights is None and any(ck.glob("*.distcp"))  # a ddp/fsdp run's (torch.distributed.checkpoint)
+        if ck_weights is None and not sharded:
             return None
         model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(run),
                                                              **_dtype_kwarg(torch.float32))
         try:
+            if sharded:
+                return _sharded_master_weights(model, ck)
             with unreadable_weights(ck_weights):
                 return model, ck, ck_weights, _load_weights(model, ck_weights)
         except FileNotFoundError:
@@ -222,6 +232,40 @@ def _newest_checkpoint(run: Path):
                 raise ValueError(f"MODEL {run}: its checkpoints changed while they were read twice (the run is writing "
                                  f"and pruning them); try again, or wait for the run to end") from None
     return None
+
+
+def _sharded_master_weights(model: torch.nn.Module, ck: Path):
+    """``(model, ck, ck, master format)`` with a data-parallel run's checkpoint folder ``ck`` (its shards, written by
+    :func:`adahop.train.distributed.save_sharded`) read into the FP32 ``model`` in this one process, BF16 masters
+    widened exactly; None (the caller takes the BF16 export, and says so) when the shards do not load into it."""
+    import torch.distributed.checkpoint as dcp
+
+    state = model.state_dict()
+    try:
+        meta = dcp.FileSystemReader(str(ck)).read_metadata().state_dict_metadata
+        dtypes = {meta[f"model.{k}"].properties.dtype for k, v in state.items() if v.is_floating_point() and v.ndim == 2}
+        dcp.load({"model": state}, checkpoint_id=ck, no_dist=True)
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # noqa: BLE001 - packed masters, another layout: the export still scores
+        print(f"warning: {ck}: its shards do not load into the model in one process ({type(e).__name__}: "
+              f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}); scoring the BF16 export instead",
+              file=sys.stderr)
+        return None
+    fmt = "/".join(sorted({"bf16" if d == torch.bfloat16 else "fp32" if d == torch.float32 else str(d) for d in dtypes}))
+    return model, ck, ck, fmt or "fp32"
+
+
+def _run_world_size(run: Path, section: dict | None) -> int:
+    """:attr:`LoadedModel.run_world_size` of the folder ``run`` with config.json's "adahop" ``section``."""
+    if not section:
+        return 1
+    if section.get("world_size"):
+        return int(section["world_size"])
+    try:
+        return int(json.loads((run / "summary.json").read_text()).get("world_size") or 1)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 1
 
 
 def _checkpoint_state(ck: Path) -> dict:

@@ -31,17 +31,18 @@ def git_revision() -> str | None:
         return None
 
 
-def write_config(run: Path, cfg: TrainConfig, model, data_dir: Path, recipe) -> None:
+def write_config(run: Path, cfg: TrainConfig, model, data_dir: Path, recipe, world: int = 1) -> None:
     """config.json = the model's transformers config + an "adahop" section (run config, recipe,
     data folder and the data's identity (:mod:`adahop.data.identity`: what --resume and compare
-    check), version, git revision)."""
+    check), the data-parallel ranks ``world`` that run it (each validates its own micro-batches, which
+    ``adahop eval`` repeats), version, git revision)."""
     run.mkdir(parents=True, exist_ok=True)
     d = model.config.to_dict()
     d["torch_dtype"] = d["dtype"] = "bfloat16"  # the exported weights are BF16 (transformers 5 reads "dtype")
     # the data folder as an absolute path: a relative one named another folder from another working directory
     d["adahop"] = dict(config=cfg.to_dict(), recipe=repr(recipe), data_dir=str(Path(data_dir).resolve()),
-                       data_identity=manifest_identity(Manifest.load(data_dir)), version=__version__,
-                       git_revision=git_revision())
+                       data_identity=manifest_identity(Manifest.load(data_dir)), world_size=world,
+                       version=__version__, git_revision=git_revision())
     if cfg.model_config:  # the file's content: --resume and compare check that it was not edited since
         d["adahop"]["model_config_file"] = model_config_file(cfg.model_config)
     atomic_write_text(run / "config.json", json.dumps(d, indent=1, default=str))
@@ -59,7 +60,7 @@ def model_config_file(path: str | Path) -> dict | None:
 
 def read_run_section(run: str | Path) -> dict | None:
     """The "adahop" section :func:`write_config` put in ``run/config.json`` (keys ``config``, ``recipe``,
-    ``data_dir``, ``data_identity``, ``version``, ``git_revision``), or None when the folder has no
+    ``data_dir``, ``data_identity``, ``world_size``, ``version``, ``git_revision``), or None when the folder has no
     config.json or the file no such section (a plain transformers model folder).
 
     Raises:

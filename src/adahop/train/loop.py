@@ -334,7 +334,7 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
             print(f"warning: --steps {cfg.steps} x --batch-size {cfg.batch_size} makes {epochs:.2f} passes over the "
                   f"training split ({train_s.n_windows:,} windows of --seq-len {cfg.seq_len}): later passes repeat the "
                   f"same windows. Pass fewer --steps or more --data", file=sys.stderr)
-        write_config(run, cfg, model, data_dir, recipe)
+        write_config(run, cfg, model, data_dir, recipe, world)
         save_hf_tokenizer(run, data_dir)  # now, with the data the run reads: the folder may be prepared again meanwhile
         if plan is not None:  # the plan that runs (re-mapped if it came from the other level) belongs in the run folder
             get_controller(model).plan.save(run / "plan.json")
