@@ -151,6 +151,9 @@
 #   r35 (issue 18, either card): selective activation recompute (adahop.nn.recompute) at Llama-3.2-1B, 4096 x 8 on an H200
 #      (x 4 on an H100, B35 sets it): mode auto, one process, R35 (bf16, lv2, mxfp4, each +recompute, torchao rowwise); then
 #      eager, R35E (none: no eager rows; also skipped with under 30 s of LIM left)
+#   r36 (issue 18's acceptance, either card): the full kernel validation on today's code (last whole in round 9; since
+#      then only sections; now with OE's top-k and FOID, section topk), then the 8B-shaped rows (4 blocks, 4096 x 2, auto)
+#      with the time left (none with under 150 s of LIM)
 #   r34c (issue 18, one GPU): saved_census of Llama-3.2-1B (2 blocks, 4096 x 1 and x 2; eager projected to 16 x 16384) for R34C
 #      (default bf16, torchao float8 rowwise, mxfp4, adahop-lv2; needs .whl), --mode compiled then eager (why compiled
 #      MXFP4 peaks above torchao's FP8, round 32), then the 8B-shaped rows (4 blocks, 4096 x 2, bf16/mxfp4/adahop-lv2, auto)
@@ -537,6 +540,17 @@ if [ "$STAGE" = r32s ]; then  # issue 18: @saved-fp8 beside its base and BF16 at
   timeout $(( ${LIM:-575} - $(el) )) python3 -m adahop bench model --modes auto --model llama3.2-1b --seq-len 4096 --batch-size 4 \
     --recipes bf16,adahop-lv2@saved-fp8,adahop-lv2,mxfp4@saved-fp8,mxfp4 --json $OUT/benchmarks.json > $OUT/bench_1b.log 2>&1
   echo "1b: exit $? at $(el) s"; grep -E "^(llama|row:)" $OUT/bench_1b.log | cut -c1-200
+  echo "stage $STAGE done at $(el) s"; exit 0
+fi
+if [ "$STAGE" = r36 ]; then  # issue 18's acceptance: every kernel against its reference, then the 8B-shaped rows
+  export CUDA_VISIBLE_DEVICES=0
+  timeout ${VAL_LIM:-420} python3 scripts/validate_kernels.py --log $OUT/validate.json > $OUT/validate.log 2>&1
+  echo "validate: exit $? at $(el) s"; grep "^FAIL" $OUT/validate.log | head -20; tail -1 $OUT/validate.log
+  if [ $(( ${LIM:-570} - $(el) )) -gt 150 ]; then
+    timeout $(( ${LIM:-570} - $(el) )) python3 -m adahop bench model --modes auto --model llama3.1-8b --layers 4 --seq-len 4096 \
+      --batch-size 2 --recipes bf16,mxfp4,adahop-lv2 --json $OUT/bench_8b.json > $OUT/bench_8b.log 2>&1
+    echo "8b: exit $? at $(el) s"; grep -E "^llama" $OUT/bench_8b.log | cut -c1-200
+  fi
   echo "stage $STAGE done at $(el) s"; exit 0
 fi
 if [ "$STAGE" = r35 ]; then  # issue 18: selective activation recompute at 1B (4096 x 8 on an H200, x 4 on an H100), one process a mode

@@ -677,7 +677,28 @@ def check_optim_multi(name, alg, w_dtype, s_dtype, rounding, dev, gen, small):
     record(name, ok, **detail)
 
 
-SECTIONS = ("quantize", "outputs", "sweep", "fold", "sr", "gemm", "nvfp4", "rivals", "compile", "baselines", "optim", "matvec")
+SECTIONS = ("quantize", "outputs", "sweep", "fold", "sr", "gemm", "nvfp4", "rivals", "compile", "baselines", "optim", "matvec",
+            "topk")
+
+
+def check_topk(name, n, k, dev, gen):
+    """OE's index selection on the device: adahop.gemm.top_indices (two passes for 8,192-32,768 values) against
+    torch.topk's indices on distinct values, and against its values on many ties; oe_indices (exact and FOID's
+    64-element prefix) of a BF16 operand against the same selection from the operand on the CPU (set equality:
+    the device's norms may round differently only where two norms tie)."""
+    from adahop.gemm import oe_indices, top_indices
+
+    v = torch.randperm(n, device=dev, generator=gen).float()
+    same = top_indices(v, k).tolist() == torch.topk(v, k).indices.tolist()
+    ties = torch.randint(0, 40, (n,), device=dev, generator=gen).float()
+    got = top_indices(ties, k)
+    same_ties = got.unique().numel() == k and ties[got].tolist() == torch.topk(ties, k).values.tolist()
+    t = make_input((n, 256), torch.bfloat16, dev, gen)
+    picks = {}
+    for prefix in (None, 64):
+        picks[prefix] = set(oe_indices(t, 1, k, prefix).tolist()) == set(oe_indices(t.cpu(), 1, k, prefix).tolist())
+    record(name, same and same_ties and all(picks.values()), distinct=same, ties=same_ties, oe_exact=picks[None],
+           oe_foid=picks[64])
 
 
 def check_int_matvec(name, m, n, bits, g, rows, dev, gen, quantizer="int"):
@@ -884,6 +905,10 @@ def main() -> int:
             for wdt, sdt, rnd in ((bf, bf, "nearest"), (bf, bf, "stochastic"), (f32, f32, "nearest")):
                 check_optim_multi(f"optim multi-tensor {alg} w={str(wdt)[6:]} states={str(sdt)[6:]} {rnd}", alg, wdt,
                                   sdt, rnd, dev, gen, not s)
+    if "topk" in only:
+        # --- OE's top-k (two passes for 8,192-32,768 values, round 33) and FOID's prefix norms -----------------
+        for n in (4096, 8192, 16384, 16384 + 77, 32768, 65536):
+            check_topk(f"top_indices n={n} k=64, oe_indices exact/FOID", n if s else min(n, 8192 + 77), 64, dev, gen)
     if "matvec" in only:
         # --- the decode matvec on packed int codes (adahop.ptq.decode, issue 22's inference path) -----------
         for m, n, bits, g, rows in ((4096, 4096, 2, 128, 1), (14336, 4096, 4, 128, 1), (4096, 14336, 2, 128, 1),
