@@ -477,3 +477,35 @@ def test_eval_of_a_data_parallel_run_scores_each_ranks_forwards(runs, parallel, 
     assert "master weights" in res["model"]["weights"] and "step_0000006" in res["model"]["weights"]
     # FSDP2 ran its forwards on all-gathered parameters: FP32 rounding apart (2e-8 relative on the CPU)
     assert res["perplexity"]["loss"] == pytest.approx(final, rel=1e-12 if parallel == "ddp" else 1e-7, abs=0)
+
+
+def test_eval_of_a_data_parallel_run_with_damaged_shards_scores_the_export(runs, tmp_path, capsys):
+    """A shard cut short or missing, or the metadata gone: DCP raises a CheckpointException (a BaseException) or
+    FileNotFoundError, which crashed eval or read as a checkpoint pruned under it (helper 62). Now it warns and
+    scores the BF16 export. A run of an older adahop without world_size, and without a summary, is counted by
+    its shard files."""
+    import shutil
+
+    from adahop.cli import main
+    from adahop.eval.model import load_model
+
+    run = tmp_path / "ddp"
+    shutil.copytree(runs / "ddp-adahop-lv2", run)
+    cfg = json.loads((run / "config.json").read_text())
+    del cfg["adahop"]["world_size"]
+    (run / "config.json").write_text(json.dumps(cfg))
+    (run / "summary.json").unlink()
+    assert load_model(run, device=torch.device("cpu")).run_world_size == 2
+    newest = run / "checkpoints" / "step_0000006"
+    data = cfg["adahop"]["data_dir"]
+    for damage in ("truncate", "metadata"):
+        if damage == "truncate":
+            (newest / "__1_0.distcp").write_bytes((newest / "__1_0.distcp").read_bytes()[:1000])
+        else:
+            (newest / ".metadata").unlink()
+        out = tmp_path / f"{damage}.json"
+        assert main(["eval", str(run), "--tasks", "none", "--data", data, "--out", str(out)]) == 0
+        err = capsys.readouterr().err
+        assert f"warning: {newest}: its shards do not load into the model in one process" in err, err
+        assert "scoring the BF16 export instead" in err and "Traceback" not in err
+        assert json.loads(out.read_text())["model"]["weights"] == f"{run} (the BF16 export)"

@@ -1451,16 +1451,38 @@ def test_out_of_gpu_memory_says_the_phase_what_fits_and_the_checkpoint_kept(data
     with pytest.raises(OutOfGPUMemory) as e:
         train(_cfg(data_dir, tmp_path / "a", ckpt_every=1, eval_every=0))
     msg = str(e.value)
-    assert msg.startswith("out of GPU memory in adahop-lv2's calibration (CUDA out of memory. Tried to allocate 4.00 GiB")
-    assert "--recompute (selective" in msg and "--grad-accum 2 (micro-batches of 2 sequences, the same 4 a step" in msg
-    assert "--compile (" in msg and "The checkpoint of step 1 is kept; --resume goes on from it" in msg
-    assert isinstance(e.value.__cause__, torch.OutOfMemoryError)
+    assert msg.startswith("out of GPU memory during adahop-lv2's calibration (CUDA out of memory. Tried to allocate 4.00")
+    assert "run eagerly in BF16, also under --compile" in msg and "--recompute (selective" in msg
+    assert "--grad-accum 2 (micro-batches of 2 sequences a rank, the same 4 a step" in msg
+    assert "--compile (" not in msg  # calibration runs eagerly under --compile too
+    assert f"The checkpoint of step 1 is kept: `adahop train --out {tmp_path / 'a'} --resume` goes on from it (and may " \
+           f"add --recompute and --compile)." in msg
+    assert isinstance(e.value, torch.OutOfMemoryError) and isinstance(e.value.__cause__, torch.OutOfMemoryError)
     oom_at(6)  # after the freeze (step 3), no checkpoint written, under recompute: neither is offered again
     with pytest.raises(OutOfGPUMemory) as e:
         train(_cfg(data_dir, tmp_path / "b", ckpt_every=0, eval_every=0, recompute=True, grad_accum=4))
     msg = str(e.value)
     assert msg.startswith("out of GPU memory (CUDA out of memory") and "calibration" not in msg
-    assert "--recompute" not in msg and "a shorter --seq-len" in msg and "No checkpoint had been written yet." in msg
+    assert "--recompute" not in msg and "a shorter --seq-len" in msg and "--compile (" in msg
+    assert "No checkpoint had been written yet." in msg
+    oom_at(2)  # --batch-size 6 --grad-accum 2: the next --grad-accum that divides it is 3; an OOM a compiler wrapped
+    real_clip = torch.nn.utils.clip_grad_norm_
+
+    def wrapped(*a, **k):
+        try:
+            return real_clip(*a, **k)
+        except torch.OutOfMemoryError as oom:
+            raise RuntimeError("backend='inductor' raised:") from oom
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", wrapped)
+    with pytest.raises(OutOfGPUMemory, match=r"^out of GPU memory \(CUDA out of memory.*--grad-accum 3 \(micro-batches of 2"):
+        train(_cfg(data_dir, tmp_path / "d", batch_size=6, grad_accum=2, recipe="bf16", calib_steps=None,
+                   ckpt_every=0, eval_every=0))
+    from adahop.train.loop import _oom_message
+    from adahop.recipes import get_recipe as recipe_of
+    two_ranks = _oom_message(_cfg(data_dir, tmp_path / "d", recipe="bf16", batch_size=4, grad_accum=2, compile=True),
+                             recipe_of("bf16"), tmp_path / "d", 2, torch.OutOfMemoryError("x"))
+    assert "a shorter --seq-len" in two_ranks and "--grad-accum" not in two_ranks  # 4 = 2 ranks x 2: no room left
+    assert "--compile (" not in two_ranks
     # the command line: one line, exit 1, no traceback, and the run folder's error.txt says the same
     monkeypatch.setenv("TQDM_DISABLE", "1")
     oom_at(1)

@@ -1,4 +1,5 @@
-"""Small shared helpers: atomic file writes, seed mixing, JSON reading, command-line checks and a finiteness scan."""
+"""Small shared helpers: atomic file writes, seed mixing, JSON reading, command-line checks, a finiteness scan and
+the out-of-memory test."""
 
 from __future__ import annotations
 
@@ -79,6 +80,21 @@ def refuse_unused(args, flags, reason: str, fix: str) -> None:
     for flag, default in unset.items():
         if getattr(args, flag) != default:
             raise ValueError(f"--{flag.replace('_', '-')} is for {reason} (it would be unused); {fix}")
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """Whether ``e`` is the GPU running out of memory: torch's ``OutOfMemoryError``, or an error that carries it (a
+    compiler's ``BackendCompilerFailed`` wraps it as its cause) or says so (a library's allocation: cuBLAS
+    workspaces, Triton's launches)."""
+    import torch
+
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower():
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def first_nonfinite(tensors) -> tuple[str, int, int] | None:

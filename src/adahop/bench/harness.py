@@ -210,7 +210,9 @@ def bench_model(model: str = "llama3.2-1b", *, recipes=("bf16", "adahop-lv2", "m
     without running out of GPU memory, searched from ``batch`` by :func:`adahop.bench.max_batch.largest_fitting`;
     each try (:func:`adahop.bench.max_batch.batch_fits`) builds the model anew and runs a calibrating recipe's
     calibration, then three steps in the row's mode (compiled: the compile, CUDA-graph recording, a replay).
-    The row gets ``largest_batch`` and ``batches_tried`` (``[batch, fitted]`` pairs).
+    The row gets ``largest_batch``, ``batches_tried`` (``[batch, fitted]`` pairs) and ``search_start_mem_gib``; a
+    search that failed, or found less than the batch its row trained at, gives ``largest_batch`` None and
+    ``largest_batch_error``.
 
     Raises:
         ValueError: an unknown mode, or ``max_batch`` below ``batch``.
@@ -241,7 +243,7 @@ def bench_model(model: str = "llama3.2-1b", *, recipes=("bf16", "adahop-lv2", "m
                     rows[-1].update(_largest_batch(model, recipe, mode, seq_len, batch, layers, device, small_gemms,
                                                    max_batch, trained="error" not in rows[-1]))
                 except Exception as e:  # noqa: BLE001 - the timed row stands without it
-                    rows[-1]["largest_batch_error"] = f"{type(e).__name__}: {e}"[:300]
+                    rows[-1].update(largest_batch=None, largest_batch_error=f"{type(e).__name__}: {e}"[:300])
             print("row:", json.dumps(rows[-1]), flush=True)  # a run cut short keeps the finished rows
     for r in rows:
         base = next((b.get("tok_per_s") for b in rows if b["recipe"] == "bf16" and b["mode"] == r["mode"]), None)
@@ -431,7 +433,8 @@ def _largest_batch(model: str, recipe: str, mode: str, seq_len: int, batch: int,
                    small_gemms: bool, limit: int, trained: bool) -> dict:
     """``largest_batch``, ``batches_tried`` and ``search_start_mem_gib`` (GiB allocated when the search began: the
     row's memory must be gone by then) of one row (see :func:`bench_model`'s ``max_batch``). ``trained``: the row
-    itself trained at ``batch``; a search that then finds a smaller batch adds ``largest_batch_error``."""
+    itself trained at ``batch``; a search that then finds a smaller batch gives ``largest_batch`` None and says why in
+    ``largest_batch_error`` (as a search that failed does)."""
     import gc
 
     from .max_batch import batch_fits, largest_fitting
@@ -447,6 +450,7 @@ def _largest_batch(model: str, recipe: str, mode: str, seq_len: int, batch: int,
     largest, tried = largest_fitting(fits, batch, limit)
     out = dict(largest_batch=largest, batches_tried=[list(t) for t in tried], search_start_mem_gib=start_gib)
     if trained and largest < batch:  # the row trained at `batch`: memory the search did not start from was held
+        out["largest_batch"] = None
         out["largest_batch_error"] = (f"the search found {largest} although the row trained at batch {batch}: "
                                       f"{start_gib or 0:.2f} GiB were allocated when it started; the result is not valid")
     return out

@@ -8,6 +8,8 @@ from collections.abc import Callable
 
 import torch
 
+from ..utils import is_out_of_memory
+
 __all__ = ["largest_fitting", "batch_fits"]
 
 
@@ -48,11 +50,6 @@ def largest_fitting(fits: Callable[[int], bool], start: int, limit: int) -> tupl
     return lo, tried
 
 
-def _out_of_memory(e: BaseException) -> bool:
-    # torch's own error, or one wrapped by a compiler or raised by a library's allocation (cuBLAS workspaces)
-    return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
-
-
 def batch_fits(make_step: Callable[[int], tuple[torch.nn.Module, Callable[..., dict]]], batch: int) -> bool:
     """Whether ``make_step(batch)``'s model (:func:`adahop.bench.harness.model_step`'s ``(model, step)``) trains
     without running out of GPU memory: its eager steps (a calibrating recipe's calibration) and then three
@@ -69,7 +66,7 @@ def batch_fits(make_step: Callable[[int], tuple[torch.nn.Module, Callable[..., d
             torch.cuda.synchronize()
         return True
     except Exception as e:  # noqa: BLE001 - any other error propagates below
-        if _out_of_memory(e):
+        if is_out_of_memory(e):
             return False
         raise
     finally:

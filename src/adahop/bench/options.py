@@ -50,5 +50,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     mod.add_argument("--max-batch", type=int, metavar="N",
                      help="after each row, find the largest batch up to N that trains without running out of GPU "
                           "memory (doubling from --batch-size, then bisection; each try builds the model and runs its "
-                          "calibration and 3 steps in the row's mode): the row's largest_batch")
+                          "calibration and 3 steps in the row's mode, from the memory the row freed): the row's largest_batch, "
+                          "batches_tried and search_start_mem_gib; largest_batch_error when it is not valid")
     mod.add_argument("--json", metavar="PATH", help=_JSON_HELP)

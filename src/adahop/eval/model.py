@@ -237,20 +237,30 @@ def _newest_checkpoint(run: Path):
 def _sharded_master_weights(model: torch.nn.Module, ck: Path):
     """``(model, ck, ck, master format)`` with a data-parallel run's checkpoint folder ``ck`` (its shards, written by
     :func:`adahop.train.distributed.save_sharded`) read into the FP32 ``model`` in this one process, BF16 masters
-    widened exactly; None (the caller takes the BF16 export, and says so) when the shards do not load into it."""
+    widened exactly; None (the caller takes the BF16 export, and this warns why) when the shards do not load: a
+    shard or the metadata missing or damaged.
+
+    Raises:
+        FileNotFoundError: the folder is gone (a live run pruned it): the caller reads the new newest."""
+    import warnings
+
     import torch.distributed.checkpoint as dcp
 
     state = model.state_dict()
     try:
-        meta = dcp.FileSystemReader(str(ck)).read_metadata().state_dict_metadata
-        dtypes = {meta[f"model.{k}"].properties.dtype for k, v in state.items() if v.is_floating_point() and v.ndim == 2}
-        dcp.load({"model": state}, checkpoint_id=ck, no_dist=True)
-    except FileNotFoundError:
-        raise
-    except Exception as e:  # noqa: BLE001 - packed masters, another layout: the export still scores
+        with warnings.catch_warnings():  # "torch.distributed is disabled...": one process is what is meant here
+            warnings.filterwarnings("ignore", message=".*torch.distributed.*", category=UserWarning)
+            meta = dcp.FileSystemReader(str(ck)).read_metadata().state_dict_metadata
+            dtypes = {meta[f"model.{k}"].properties.dtype for k, v in state.items() if v.is_floating_point() and v.ndim == 2}
+            dcp.load({"model": state}, checkpoint_id=ck, no_dist=True)
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException; the export still scores
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        if not ck.exists():
+            raise FileNotFoundError(ck) from None
+        why = str(e).strip().splitlines()[0] if str(e).strip() else ""
         print(f"warning: {ck}: its shards do not load into the model in one process ({type(e).__name__}: "
-              f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}); scoring the BF16 export instead",
-              file=sys.stderr)
+              f"{why[:200]}); scoring the BF16 export instead", file=sys.stderr)
         return None
     fmt = "/".join(sorted({"bf16" if d == torch.bfloat16 else "fp32" if d == torch.float32 else str(d) for d in dtypes}))
     return model, ck, ck, fmt or "fp32"
@@ -263,9 +273,13 @@ def _run_world_size(run: Path, section: dict | None) -> int:
     if section.get("world_size"):
         return int(section["world_size"])
     try:
-        return int(json.loads((run / "summary.json").read_text()).get("world_size") or 1)
-    except (OSError, ValueError, TypeError, AttributeError):
-        return 1
+        return int(json.loads((run / "summary.json").read_text())["world_size"])
+    except (OSError, ValueError, TypeError, KeyError):
+        pass
+    from ..train.checkpoint import latest_checkpoint
+
+    ck = latest_checkpoint(run)  # an unfinished run of an older adahop: one shard file a rank (__RANK_0.distcp)
+    return max(len(list(ck.glob("__*_0.distcp"))), 1) if ck is not None else 1
 
 
 def _checkpoint_state(ck: Path) -> dict:

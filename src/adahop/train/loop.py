@@ -21,7 +21,7 @@ from ..compile_modes import CALIBRATION_MODE, dynamo_counts, frozen_mode, mark_s
 from ..nn import convert_model, get_controller, on_step, saved_bytes, seed_compiled_rng
 from ..nn.recompute import selective_recompute
 from ..optim import convert_master_weights, memory_bytes
-from ..utils import first_nonfinite, folder_locked
+from ..utils import first_nonfinite, folder_locked, is_out_of_memory
 from . import distributed as dp
 from .checkpoint import complete_checkpoints, latest_checkpoint, save_checkpoint
 from .config import TrainConfig
@@ -39,30 +39,38 @@ class Diverged(RuntimeError):
     stopped and kept its last good checkpoint."""
 
 
-class OutOfGPUMemory(RuntimeError):
-    """The GPU ran out of memory during training; the message says in which phase, what fits, and which
-    checkpoint is kept (the run's earlier checkpoints are untouched)."""
+class OutOfGPUMemory(torch.OutOfMemoryError):
+    """The GPU ran out of memory during training (a ``torch.OutOfMemoryError``, so callers that catch torch's still
+    do); the message says whether the plan was calibrating, what takes less memory, and which checkpoint is kept
+    (the run's earlier checkpoints are untouched)."""
 
 
-def _oom_message(cfg: TrainConfig, recipe, run: Path, e: BaseException) -> str:
-    """What :class:`OutOfGPUMemory` says: torch's first line, whether the plan was still calibrating (its steps
+def _oom_message(cfg: TrainConfig, recipe, run: Path, world: int, e: BaseException) -> str:
+    """What :class:`OutOfGPUMemory` says: torch's first line, whether the plan was still calibrating (its train steps
     run eagerly in BF16, so at a size where the compiled steps fit they may not: round 34, docs/benchmarks.md), the
-    options that take less memory, and the last checkpoint."""
+    options that take less memory and that train accepts, and the last checkpoint."""
+    while e.__cause__ is not None and not isinstance(e, torch.OutOfMemoryError):  # a compiler's wrapper: torch's own
+        e = e.__cause__
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     calibrating = recipe.calibration is not None and cfg.plan is None and not (run / "plan.json").exists()
-    phase = (f" in {recipe.name}'s calibration, whose steps run eagerly in BF16 and need more memory than its "
-             f"compiled steps" if calibrating and cfg.compile else f" in {recipe.name}'s calibration" if calibrating else "")
+    phase = f" during {recipe.name}'s calibration" if calibrating else ""
+    why = (f" Its train steps run eagerly in BF16, also under --compile, and need more memory than the compiled steps "
+           f"after it." if calibrating else "")
     fixes = [] if cfg.recompute else ["--recompute (selective activation recompute: at Llama-3.2-1B 4096 x 8 it took "
                                       "the peak to 0.74x of BF16's)"]
-    ga = cfg.grad_accum * 2  # --batch-size is the step's batch, split into --grad-accum micro-batches
-    fixes += [f"--grad-accum {ga} (micro-batches of {cfg.batch_size // ga} sequences, the same {cfg.batch_size} a step; "
-              f"a new run)" if cfg.batch_size % ga == 0 else "a shorter --seq-len (a new run)"]
-    if not cfg.compile:
+    # --batch-size is the step's batch, split over the ranks and then into --grad-accum micro-batches
+    more = next((g for g in range(cfg.grad_accum + 1, cfg.batch_size // world + 1) if cfg.batch_size % (world * g) == 0),
+                None)
+    fixes.append(f"--grad-accum {more} (micro-batches of {cfg.batch_size // (world * more)} sequences a rank, the same "
+                 f"{cfg.batch_size} a step; a new run)" if more else "a shorter --seq-len (a new run)")
+    if not cfg.compile and not calibrating:
         fixes.append("--compile (Inductor's graphs keep less for backward)")
     ckpts = complete_checkpoints(run)
-    kept = (f"The checkpoint of step {int(ckpts[-1].name.removeprefix('step_'))} is kept; --resume goes on from it "
-            f"(--recompute and --compile may be added there)." if ckpts else "No checkpoint had been written yet.")
-    return f"out of GPU memory{phase} ({first}). To fit, try {'; or '.join(fixes)}. {kept}"
+    can_add = " and ".join(f for f, on in (("--recompute", cfg.recompute), ("--compile", cfg.compile)) if not on)
+    kept = (f"The checkpoint of step {int(ckpts[-1].name.removeprefix('step_'))} is kept: `adahop train --out {run} "
+            f"--resume` goes on from it{f' (and may add {can_add})' if can_add else ''}." if ckpts
+            else "No checkpoint had been written yet.")
+    return f"out of GPU memory{phase} ({first}).{why} To fit, try {'; or '.join(fixes)}. {kept}"
 
 
 def _kept(run: Path, step: int, first_bad: torch.Tensor, is_main: bool, start: int) -> str:
@@ -177,8 +185,10 @@ def train(cfg: TrainConfig, *, rank: int = 0, world: int = 1) -> dict:
     with folder_locked(Path(cfg.out), take=rank == 0):  # released also when the run fails
         try:
             return _train(cfg, rank, world)
-        except torch.OutOfMemoryError as e:
-            raise OutOfGPUMemory(_oom_message(cfg, resolve_recipe(cfg)[0], Path(cfg.out), e)) from e
+        except Exception as e:
+            if isinstance(e, OutOfGPUMemory) or not is_out_of_memory(e):
+                raise
+            raise OutOfGPUMemory(_oom_message(cfg, resolve_recipe(cfg)[0], Path(cfg.out), world, e)) from e
         finally:
             for sig, h in handlers.items():
                 signal.signal(sig, h)
