@@ -212,6 +212,24 @@ def test_largest_fitting_doubles_then_bisects_to_the_last_batch_that_fits():
         largest_fitting(lambda b: True, 4, 2)
 
 
+def _oom_model_step(real, fails):
+    """``harness.model_step`` whose model's steps raise CUDA's out-of-memory error when ``fails(batch)``, asked once
+    as the model is built, said True (a fake allocator)."""
+    import torch
+
+    def make(model, recipe, mode, seq_len, batch, *a, **kw):
+        m, step = real(model, recipe, mode, seq_len, batch, *a, **kw)
+        full = fails(batch)
+
+        def oom(i, record=False):
+            if full:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory (fake)")
+            return step(i, record)
+        oom.compile_mode, oom.first_compiled, oom.calibration_steps = step.compile_mode, step.first_compiled, step.calibration_steps
+        return m, oom
+    return make
+
+
 def test_bench_model_max_batch_reports_the_largest_batch_that_trains(monkeypatch):
     """On the CPU nothing runs out of memory: every try up to the limit trains 3 real steps, so the largest
     batch is the limit. Out of memory is what the GPU raises: a fake allocator that fails above 5 sequences
@@ -223,17 +241,7 @@ def test_bench_model_max_batch_reports_the_largest_batch_that_trains(monkeypatch
                          device="cpu", max_batch=4)
     assert row["largest_batch"] == 4 and row["batches_tried"] == [[2, True], [4, True]]
     real = harness.model_step
-
-    def tight(model, recipe, mode, seq_len, batch, *a, **kw):
-        m, step = real(model, recipe, mode, seq_len, batch, *a, **kw)
-
-        def oom(i, record=False):
-            if batch > 5:
-                raise torch.cuda.OutOfMemoryError("CUDA out of memory (fake)")
-            return step(i, record)
-        oom.compile_mode, oom.first_compiled, oom.calibration_steps = step.compile_mode, step.first_compiled, step.calibration_steps
-        return m, oom
-    monkeypatch.setattr(harness, "model_step", tight)
+    monkeypatch.setattr(harness, "model_step", _oom_model_step(real, lambda batch: batch > 5))
     (row,) = bench_model("llama-tiny", recipes=("bf16",), seq_len=16, batch=2, steps=1, modes=("eager",),
                          device="cpu", max_batch=8)
     assert row["largest_batch"] == 5 and [b for b, _ in row["batches_tried"]] == [2, 4, 8, 6, 5]
@@ -250,18 +258,11 @@ def test_bench_model_max_batch_reports_the_largest_batch_that_trains(monkeypatch
     held = []
     real_reset = torch.compiler.reset
 
-    def holding(model, recipe, mode, seq_len, batch, *a, **kw):
-        m, step = real(model, recipe, mode, seq_len, batch, *a, **kw)
-        crowded = bool(held)
-
-        def oom(i, record=False):
-            if crowded:
-                raise torch.cuda.OutOfMemoryError("CUDA out of memory (fake: an earlier model's graphs)")
-            return step(i, record)
-        oom.compile_mode, oom.first_compiled, oom.calibration_steps = step.compile_mode, step.first_compiled, step.calibration_steps
+    def crowded(batch):
+        full = bool(held)
         held.append(True)
-        return m, oom
-    monkeypatch.setattr(harness, "model_step", holding)
+        return full
+    monkeypatch.setattr(harness, "model_step", _oom_model_step(real, crowded))
     monkeypatch.setattr(torch.compiler, "reset", lambda: (held.clear(), real_reset()))
     (row,) = bench_model("llama-tiny", recipes=("bf16",), seq_len=16, batch=2, steps=1, modes=("eager",),
                          device="cpu", max_batch=4)
@@ -271,17 +272,10 @@ def test_bench_model_max_batch_reports_the_largest_batch_that_trains(monkeypatch
     # row trained at: the row says so instead of reporting it as the largest batch
     built = []
 
-    def leaking(model, recipe, mode, seq_len, batch, *a, **kw):
-        m, step = real(model, recipe, mode, seq_len, batch, *a, **kw)
+    def leaking(batch):
         built.append(batch)
-
-        def oom(i, record=False):
-            if len(built) > 1 and batch > 1:
-                raise torch.cuda.OutOfMemoryError("CUDA out of memory (fake: held memory)")
-            return step(i, record)
-        oom.compile_mode, oom.first_compiled, oom.calibration_steps = step.compile_mode, step.first_compiled, step.calibration_steps
-        return m, oom
-    monkeypatch.setattr(harness, "model_step", leaking)
+        return len(built) > 1 and batch > 1
+    monkeypatch.setattr(harness, "model_step", _oom_model_step(real, leaking))
     (row,) = bench_model("llama-tiny", recipes=("bf16",), seq_len=16, batch=2, steps=1, modes=("eager",),
                          device="cpu", max_batch=4)
     assert row["largest_batch"] is None and row["batches_tried"] == [[2, False], [1, True]]
