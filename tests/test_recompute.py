@@ -121,6 +121,27 @@ def test_train_with_recompute_logs_the_plain_runs_losses(prepare_real_text, tmp_
     assert runs[True]["recompute"] is True and runs[False]["recompute"] is False  # summary.json, so compare's table says it
     assert {"adahop.lp_linear_fwd.default", "aten.mm.default"} <= seen
 
+    # On a GPU the calibration steps of a run without --recompute run under it (their eager BF16 steps need more
+    # memory than the steps after: round 34), and it is turned off at the freeze: the same numbers and plan.
+    import adahop.train.loop as loop
+
+    undone, seen_before, real = [], set(), loop._recompute_calibration
+
+    def undo(model):
+        undone.append(recompute.is_recomputed(model))
+        seen_before.update(seen)
+        seen.clear()
+        return recompute.undo_selective_recompute(model)
+    monkeypatch.setattr(loop, "_recompute_calibration", lambda c, device: not c.recompute)
+    monkeypatch.setattr(loop, "undo_selective_recompute", undo)
+    calib = train(TrainConfig(out=str(tmp_path / "calib"), recompute=False, **cfg))
+    assert undone == [True] and seen_before and not seen  # recomputed while calibrating, never after the freeze
+    assert [r["loss"] for r in read_metrics(tmp_path / "calib" / "metrics.jsonl") if "loss" in r] == losses[False]
+    assert calib["final_val_loss"] == runs[False]["final_val_loss"] and calib["recompute"] is False
+    assert (tmp_path / "calib" / "plan.json").read_text() == (tmp_path / "False" / "plan.json").read_text()
+    assert real(TrainConfig(out="x", **cfg), torch.device("cuda")) and not real(TrainConfig(out="x", **cfg), torch.device("cpu"))
+    assert not real(TrainConfig(out="x", recompute=True, **cfg), torch.device("cuda"))
+
 
 def test_recompute_with_cpu_dropout_gives_the_plain_gradients():
     """CPU dropout is an in-place bernoulli_: kept by the policy, torch raised "Tensor cached during selective activation

@@ -1483,6 +1483,13 @@ def test_out_of_gpu_memory_says_the_phase_what_fits_and_the_checkpoint_kept(data
                              recipe_of("bf16"), tmp_path / "d", 2, torch.OutOfMemoryError("x"))
     assert "a shorter --seq-len" in two_ranks and "--grad-accum" not in two_ranks  # 4 = 2 ranks x 2: no room left
     assert "--compile (" not in two_ranks
+    # on a GPU the calibration steps already run under selective recompute: --recompute would not help there
+    import adahop.train.loop as loop
+    monkeypatch.setattr(loop, "_recompute_calibration", lambda c, device: not c.recompute)
+    gpu = _oom_message(_cfg(data_dir, tmp_path / "e"), recipe_of("adahop-lv2"), tmp_path / "e", 1,
+                       torch.OutOfMemoryError("x"))
+    assert gpu.startswith("out of GPU memory during adahop-lv2's calibration (x). Its train steps run eagerly in BF16 "
+                          "under selective recompute, also under --compile. To fit, try --grad-accum 2"), gpu
     # the command line: one line, exit 1, no traceback, and the run folder's error.txt says the same
     monkeypatch.setenv("TQDM_DISABLE", "1")
     oom_at(1)

@@ -269,7 +269,8 @@ def model_step(model: str, recipe: str, mode: str, seq_len: int, batch: int, lay
     when given) on ``device``, converted to ``recipe`` (BF16: left as it is), fused AdamW, random
     token ids ``[batch, seq_len + 1]``. ``step(i, record=False)`` runs forward (bf16 autocast),
     cross-entropy, backward and the optimizer step ``i`` (0-based); a calibrating recipe calibrates
-    for 2 steps eagerly and is compiled once its plan is frozen. With ``record=True`` it returns
+    for 2 steps eagerly (on a GPU under selective recompute, as ``adahop train`` does) and is compiled once its
+    plan is frozen. With ``record=True`` it returns
     what the step computed (``loss``, ``grad_norm``, ``params_with_grad``, ``params``,
     ``grads_ok``), else ``{}``. ``mode`` is a key of :data:`COMPILE_MODES`; ``step.compile_mode``
     is the ``torch.compile`` mode it resolved to (None: eager) and ``step.first_compiled`` the
@@ -324,8 +325,15 @@ def model_step(model: str, recipe: str, mode: str, seq_len: int, batch: int, lay
         from ..compile_modes import frozen_mode
 
         compile_mode = frozen_mode(dev.type)
-    # a calibrating recipe runs its calibration steps eagerly and is compiled once its plan is frozen
+    # a calibrating recipe runs its calibration steps eagerly and is compiled once its plan is frozen; as in
+    # `adahop train` on a GPU, those steps run under selective recompute (train.loop._recompute_calibration)
     calibrating = not r.is_bf16 and r.calibration is not None
+    calib_recompute = calibrating and not recompute and dev.type == "cuda"
+    if calib_recompute:
+        from ..nn.recompute import selective_recompute
+
+        m.train()
+        selective_recompute(m)
     fwd = m if compile_mode is None or calibrating else torch.compile(m, mode=compile_mode)
     ids = torch.randint(0, 32768, (batch, seq_len + 1), device=dev)
 
@@ -343,8 +351,13 @@ def model_step(model: str, recipe: str, mode: str, seq_len: int, batch: int, lay
                          params_with_grad=n_with, params=n_all, grads_ok=n_with == n_all)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if calibrating and on_step(m, i + 1) and compile_mode is not None:
-            fwd = torch.compile(m, mode=compile_mode)
+        if calibrating and on_step(m, i + 1):
+            if calib_recompute:
+                from ..nn.recompute import undo_selective_recompute
+
+                undo_selective_recompute(m)
+            if compile_mode is not None:
+                fwd = torch.compile(m, mode=compile_mode)
         return check
 
     step.compile_mode = compile_mode  # the torch.compile mode the step runs in (None: eager)

@@ -27,7 +27,8 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from .linear import LowPrecisionLinear
 
-__all__ = ["SAVED_OPS", "policy", "context_fn", "mark_layers", "mark_blocks", "selective_recompute", "is_recomputed"]
+__all__ = ["SAVED_OPS", "policy", "context_fn", "mark_layers", "mark_blocks", "selective_recompute", "undo_selective_recompute",
+           "is_recomputed"]
 
 
 def _ops(*names: str) -> frozenset:
@@ -110,6 +111,23 @@ def selective_recompute(model: nn.Module) -> nn.Module:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     model._adahop_recompute = True
     mark_blocks(model)
+    return model
+
+
+def undo_selective_recompute(model: nn.Module) -> nn.Module:
+    """Turn :func:`selective_recompute` off again: the blocks run without checkpoints and the converted layers save
+    their prepared operands; returns ``model``. ``adahop train`` runs an AdaHOP recipe's eager BF16 calibration
+    steps under recompute, for memory, and calls this at the plan's freeze (eager, the numbers are the same)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    if hasattr(model, "activation_checkpointing_disable"):  # transformers >= 5.2x; the older name warns there
+        model.activation_checkpointing_disable()
+    else:
+        model.gradient_checkpointing_disable()
+    for b in model.modules():
+        if isinstance(b, GradientCheckpointingLayer):
+            mark_layers(b, on=False)
+    model._adahop_recompute = False
     return model
 
 

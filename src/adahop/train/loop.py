@@ -19,7 +19,7 @@ from tqdm import tqdm
 from ..kernels import resolve_backend
 from ..compile_modes import CALIBRATION_MODE, dynamo_counts, frozen_mode, mark_step
 from ..nn import convert_model, get_controller, on_step, saved_bytes, seed_compiled_rng
-from ..nn.recompute import selective_recompute
+from ..nn.recompute import selective_recompute, undo_selective_recompute
 from ..optim import convert_master_weights, memory_bytes
 from ..utils import first_nonfinite, folder_locked, is_out_of_memory
 from . import distributed as dp
@@ -54,10 +54,12 @@ def _oom_message(cfg: TrainConfig, recipe, run: Path, world: int, e: BaseExcepti
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     calibrating = recipe.calibration is not None and cfg.plan is None and not (run / "plan.json").exists()
     phase = f" during {recipe.name}'s calibration" if calibrating else ""
-    why = (f" Its train steps run eagerly in BF16, also under --compile, and need more memory than the compiled steps "
-           f"after it." if calibrating else "")
-    fixes = [] if cfg.recompute else ["--recompute (selective activation recompute: at Llama-3.2-1B 4096 x 8 it took "
-                                      "the peak to 0.74x of BF16's)"]
+    # on one GPU the calibration steps already run under selective recompute (_recompute_calibration)
+    recomputed = cfg.recompute or (calibrating and _recompute_calibration(cfg, resolve_device(cfg.device)))
+    why = (f" Its train steps run eagerly in BF16{' under selective recompute' if recomputed else ''}, also under "
+           f"--compile." if calibrating else "")
+    fixes = [] if recomputed else ["--recompute (selective activation recompute: at Llama-3.2-1B 4096 x 8 it took "
+                                   "the peak to 0.74x of BF16's)"]
     # --batch-size is the step's batch, split over the ranks and then into --grad-accum micro-batches
     more = next((g for g in range(cfg.grad_accum + 1, cfg.batch_size // world + 1) if cfg.batch_size % (world * g) == 0),
                 None)
@@ -71,6 +73,14 @@ def _oom_message(cfg: TrainConfig, recipe, run: Path, world: int, e: BaseExcepti
             f"--resume` goes on from it{f' (and may add {can_add})' if can_add else ''}." if ckpts
             else "No checkpoint had been written yet.")
     return f"out of GPU memory{phase} ({first}).{why} To fit, try {'; or '.join(fixes)}. {kept}"
+
+
+def _recompute_calibration(cfg: TrainConfig, device: torch.device) -> bool:
+    """Whether an AdaHOP recipe's calibration steps run under selective recompute (:mod:`adahop.nn.recompute`) though
+    ``--recompute`` is off: in one process on a GPU. They are eager BF16 steps, also under ``--compile``, and need
+    more memory than the steps after them (round 34: plain Lv2 at Llama-3.2-1B 4096 x 8 ran out of memory there on
+    an H100, where its compiled steps fit); eager, recompute changes no number. Turned off at the freeze."""
+    return not cfg.recompute and cfg.parallel == "none" and device.type == "cuda"
 
 
 def _kept(run: Path, step: int, first_bad: torch.Tensor, is_main: bool, start: int) -> str:
@@ -332,6 +342,9 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
                              f"finite weights, so the file was damaged after it was written: {_fall_back(run)}")
     if mode != final_mode and cfg.parallel == "none" and _plan_frozen(model) is not False:  # resumed after the freeze
         mode, fwd = final_mode, dp.wrap(model, cfg.parallel, device, compile=True, mode=final_mode)
+    calib_recompute = _plan_frozen(model) is False and _recompute_calibration(cfg, device)
+    if calib_recompute:
+        selective_recompute(model)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     is_main = rank == 0
     schedule = _schedule_steps(cfg, meta, saved_steps, start, verbose=is_main)
@@ -415,6 +428,9 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
         opt.zero_grad(set_to_none=True)
         if on_step(model, step + 1):  # every rank freezes the same plan (dp.agree_on_plan)
             plan_ranks = dp.check_same_plan(model)
+            if calib_recompute:  # the steps with the plan run as asked (before a recompile sees the blocks)
+                undo_selective_recompute(model)
+                calib_recompute = False
             clock, timed_tokens, warm_from, timed_steps, estimated = 0.0, 0, step + 3, 0, False
             if is_main:
                 get_controller(model).plan.save(run / "plan.json")
