@@ -154,6 +154,9 @@
 #   r36 (issue 18's acceptance, either card): the full kernel validation on today's code (last whole in round 9; since
 #      then only sections; now with OE's top-k and FOID, section topk), then the 8B-shaped rows (4 blocks, 4096 x 2, auto)
 #      with the time left (none with under 150 s of LIM)
+#   r37 (issue 18, either card): plain Lv2 beside BF16 at Llama-3.2-1B 4096 x 8, mode auto, --max-batch MAXB (default 12):
+#      whether its calibration steps, under selective recompute since round 34, now fit where its compiled steps do
+#      (calibration_peak_mem_gib), and its largest batch
 #   r34c (issue 18, one GPU): saved_census of Llama-3.2-1B (2 blocks, 4096 x 1 and x 2; eager projected to 16 x 16384) for R34C
 #      (default bf16, torchao float8 rowwise, mxfp4, adahop-lv2; needs .whl), --mode compiled then eager (why compiled
 #      MXFP4 peaks above torchao's FP8, round 32), then the 8B-shaped rows (4 blocks, 4096 x 2, bf16/mxfp4/adahop-lv2, auto)
@@ -551,6 +554,14 @@ if [ "$STAGE" = r36 ]; then  # issue 18's acceptance: every kernel against its r
       --batch-size 2 --recipes bf16,mxfp4,adahop-lv2 --json $OUT/bench_8b.json > $OUT/bench_8b.log 2>&1
     echo "8b: exit $? at $(el) s"; grep -E "^llama" $OUT/bench_8b.log | cut -c1-200
   fi
+  echo "stage $STAGE done at $(el) s"; exit 0
+fi
+if [ "$STAGE" = r37 ]; then  # issue 18: plain Lv2's calibration under recompute at 1B 4096 x 8
+  export CUDA_VISIBLE_DEVICES=0
+  timeout $(( ${LIM:-570} - $(el) )) python3 -m adahop bench model --modes auto --model llama3.2-1b --seq-len 4096 --batch-size 8 \
+    --max-batch ${MAXB:-12} --recipes adahop-lv2,bf16 --json $OUT/bench_1b_x8.json > $OUT/bench_1b_x8.log 2>&1
+  echo "1b 4096 x 8: exit $? at $(el) s"
+  grep -E "^row:" $OUT/bench_1b_x8.log | python3 -c "import json, sys; [print({k: json.loads(l[4:]).get(k) for k in ('recipe', 'tok_per_s', 'peak_mem_gib', 'calibration_peak_mem_gib', 'largest_batch', 'batches_tried', 'largest_batch_error', 'error')}) for l in sys.stdin]"
   echo "stage $STAGE done at $(el) s"; exit 0
 fi
 if [ "$STAGE" = r35 ]; then  # issue 18: selective activation recompute at 1B (4096 x 8 on an H200, x 4 on an H100), one process a mode
