@@ -872,7 +872,7 @@ def test_a_second_run_into_the_same_out_is_refused_while_the_first_runs(data_dir
 
     seen = {}
 
-    def nested(cfg, rank, world):  # while the run holds its folder, start another into it
+    def nested(cfg, rank, world, live):  # while the run holds its folder, start another into it
         with pytest.raises(ValueError, match="another adahop run is writing to this folder"):
             train(cfg)
         seen["refused"] = True
@@ -1452,7 +1452,8 @@ def test_out_of_gpu_memory_says_the_phase_what_fits_and_the_checkpoint_kept(data
         train(_cfg(data_dir, tmp_path / "a", ckpt_every=1, eval_every=0))
     msg = str(e.value)
     assert msg.startswith("out of GPU memory during adahop-lv2's calibration (CUDA out of memory. Tried to allocate 4.00")
-    assert "run eagerly in BF16, also under --compile" in msg and "--recompute (selective" in msg
+    assert "run eagerly in BF16, also under --compile, and need more memory than the compiled steps" in msg
+    assert "--recompute (selective" in msg
     assert "--grad-accum 2 (micro-batches of 2 sequences a rank, the same 4 a step" in msg
     assert "--compile (" not in msg  # calibration runs eagerly under --compile too
     assert f"The checkpoint of step 1 is kept: `adahop train --out {tmp_path / 'a'} --resume` goes on from it (and may " \
@@ -1484,12 +1485,11 @@ def test_out_of_gpu_memory_says_the_phase_what_fits_and_the_checkpoint_kept(data
     assert "a shorter --seq-len" in two_ranks and "--grad-accum" not in two_ranks  # 4 = 2 ranks x 2: no room left
     assert "--compile (" not in two_ranks
     # on a GPU the calibration steps already run under selective recompute: --recompute would not help there
-    import adahop.train.loop as loop
-    monkeypatch.setattr(loop, "_recompute_calibration", lambda c, device: not c.recompute)
-    gpu = _oom_message(_cfg(data_dir, tmp_path / "e"), recipe_of("adahop-lv2"), tmp_path / "e", 1,
-                       torch.OutOfMemoryError("x"))
+    gpu = _oom_message(_cfg(data_dir, tmp_path / "a"), recipe_of("adahop-lv2"), tmp_path / "a", 1,
+                       torch.OutOfMemoryError("x"), calib_recompute=True)
     assert gpu.startswith("out of GPU memory during adahop-lv2's calibration (x). Its train steps run eagerly in BF16 "
                           "under selective recompute, also under --compile. To fit, try --grad-accum 2"), gpu
+    assert gpu.endswith("goes on from it (and may add --compile).")
     # the command line: one line, exit 1, no traceback, and the run folder's error.txt says the same
     monkeypatch.setenv("TQDM_DISABLE", "1")
     oom_at(1)

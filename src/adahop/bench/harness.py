@@ -328,7 +328,8 @@ def model_step(model: str, recipe: str, mode: str, seq_len: int, batch: int, lay
     # a calibrating recipe runs its calibration steps eagerly and is compiled once its plan is frozen; as in
     # `adahop train` on a GPU, those steps run under selective recompute (train.loop._recompute_calibration)
     calibrating = not r.is_bf16 and r.calibration is not None
-    calib_recompute = calibrating and not recompute and dev.type == "cuda"
+    calib_recompute = (calibrating and not recompute and dev.type == "cuda"
+                       and getattr(m, "supports_gradient_checkpointing", False))
     if calib_recompute:
         from ..nn.recompute import selective_recompute
 

@@ -105,6 +105,9 @@ def selective_recompute(model: nn.Module) -> nn.Module:
                          "checkpointing; wrap each block in torch.utils.checkpoint.checkpoint(block, ..., use_reentrant=False, "
                          "context_fn=adahop.nn.recompute.context_fn) and call adahop.nn.recompute.mark_layers(block)")
     kwargs = {"use_reentrant": False, "context_fn": context_fn}
+    # transformers adds a hook that makes the embeddings' output require grad; undo_selective_recompute removes it
+    # only if it was not there before
+    model._adahop_added_grads_hooks = not getattr(model, "_require_grads_hooks", None)
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x; the older name warns there
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
@@ -127,7 +130,9 @@ def undo_selective_recompute(model: nn.Module) -> nn.Module:
     for b in model.modules():
         if isinstance(b, GradientCheckpointingLayer):
             mark_layers(b, on=False)
-    model._adahop_recompute = False
+    if getattr(model, "_adahop_added_grads_hooks", False) and hasattr(model, "disable_input_require_grads"):
+        model.disable_input_require_grads()  # the embeddings' require-grad hook the enable added (helper 63)
+    model._adahop_recompute = model._adahop_added_grads_hooks = False
     return model
 
 

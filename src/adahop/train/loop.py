@@ -45,19 +45,20 @@ class OutOfGPUMemory(torch.OutOfMemoryError):
     (the run's earlier checkpoints are untouched)."""
 
 
-def _oom_message(cfg: TrainConfig, recipe, run: Path, world: int, e: BaseException) -> str:
+def _oom_message(cfg: TrainConfig, recipe, run: Path, world: int, e: BaseException, calib_recompute: bool = False) -> str:
     """What :class:`OutOfGPUMemory` says: torch's first line, whether the plan was still calibrating (its train steps
     run eagerly in BF16, so at a size where the compiled steps fit they may not: round 34, docs/benchmarks.md), the
-    options that take less memory and that train accepts, and the last checkpoint."""
+    options that take less memory and that train accepts, and the last checkpoint. ``calib_recompute``: the
+    calibration steps were running under selective recompute (:func:`_recompute_calibration`)."""
     while e.__cause__ is not None and not isinstance(e, torch.OutOfMemoryError):  # a compiler's wrapper: torch's own
         e = e.__cause__
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     calibrating = recipe.calibration is not None and cfg.plan is None and not (run / "plan.json").exists()
     phase = f" during {recipe.name}'s calibration" if calibrating else ""
-    # on one GPU the calibration steps already run under selective recompute (_recompute_calibration)
-    recomputed = cfg.recompute or (calibrating and _recompute_calibration(cfg, resolve_device(cfg.device)))
-    why = (f" Its train steps run eagerly in BF16{' under selective recompute' if recomputed else ''}, also under "
-           f"--compile." if calibrating else "")
+    recomputed = cfg.recompute or (calibrating and calib_recompute)
+    why = ((" Its train steps run eagerly in BF16 under selective recompute, also under --compile." if recomputed else
+            " Its train steps run eagerly in BF16, also under --compile, and need more memory than the compiled steps "
+            "after it.") if calibrating else "")
     fixes = [] if recomputed else ["--recompute (selective activation recompute: at Llama-3.2-1B 4096 x 8 it took "
                                    "the peak to 0.74x of BF16's)"]
     # --batch-size is the step's batch, split over the ranks and then into --grad-accum micro-batches
@@ -68,19 +69,21 @@ def _oom_message(cfg: TrainConfig, recipe, run: Path, world: int, e: BaseExcepti
     if not cfg.compile and not calibrating:
         fixes.append("--compile (Inductor's graphs keep less for backward)")
     ckpts = complete_checkpoints(run)
-    can_add = " and ".join(f for f, on in (("--recompute", cfg.recompute), ("--compile", cfg.compile)) if not on)
+    can_add = " and ".join(f for f, on in (("--recompute", recomputed), ("--compile", cfg.compile)) if not on)
     kept = (f"The checkpoint of step {int(ckpts[-1].name.removeprefix('step_'))} is kept: `adahop train --out {run} "
             f"--resume` goes on from it{f' (and may add {can_add})' if can_add else ''}." if ckpts
             else "No checkpoint had been written yet.")
     return f"out of GPU memory{phase} ({first}).{why} To fit, try {'; or '.join(fixes)}. {kept}"
 
 
-def _recompute_calibration(cfg: TrainConfig, device: torch.device) -> bool:
+def _recompute_calibration(cfg: TrainConfig, device: torch.device, model) -> bool:
     """Whether an AdaHOP recipe's calibration steps run under selective recompute (:mod:`adahop.nn.recompute`) though
     ``--recompute`` is off: in one process on a GPU. They are eager BF16 steps, also under ``--compile``, and need
     more memory than the steps after them (round 34: plain Lv2 at Llama-3.2-1B 4096 x 8 ran out of memory there on
-    an H100, where its compiled steps fit); eager, recompute changes no number. Turned off at the freeze."""
-    return not cfg.recompute and cfg.parallel == "none" and device.type == "cuda"
+    an H100, where its compiled steps fit); eager, recompute changes no number. Turned off at the freeze. Not for a
+    model without transformers' gradient checkpointing (jetmoe, gpt_neox_japanese: they train as before)."""
+    return (not cfg.recompute and cfg.parallel == "none" and device.type == "cuda"
+            and getattr(model, "supports_gradient_checkpointing", False))
 
 
 def _kept(run: Path, step: int, first_bad: torch.Tensor, is_main: bool, start: int) -> str:
@@ -193,12 +196,14 @@ def train(cfg: TrainConfig, *, rank: int = 0, world: int = 1) -> dict:
     """
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     with folder_locked(Path(cfg.out), take=rank == 0):  # released also when the run fails
+        live = {}  # what the run does now: calib_recompute (its calibration steps under recompute), for the OOM message
         try:
-            return _train(cfg, rank, world)
+            return _train(cfg, rank, world, live)
         except Exception as e:
             if isinstance(e, OutOfGPUMemory) or not is_out_of_memory(e):
                 raise
-            raise OutOfGPUMemory(_oom_message(cfg, resolve_recipe(cfg)[0], Path(cfg.out), world, e)) from e
+            raise OutOfGPUMemory(_oom_message(cfg, resolve_recipe(cfg)[0], Path(cfg.out), world, e,
+                                              live.get("calib_recompute", False))) from e
         finally:
             for sig, h in handlers.items():
                 signal.signal(sig, h)
@@ -287,7 +292,7 @@ def _fmt_time(seconds: float) -> str:
     return f"{h} h {m:02d} min" if h else f"{m} min {s:02d} s" if m else f"{s} s"
 
 
-def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
+def _train(cfg: TrainConfig, rank: int, world: int, live: dict) -> dict:
     # ---- setup ---------------------------------------------------------------------------------
     if world > 1 and cfg.parallel == "none":
         raise ValueError(f"--parallel none under torchrun with {world} processes; pass --parallel ddp or fsdp")
@@ -342,9 +347,10 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
                              f"finite weights, so the file was damaged after it was written: {_fall_back(run)}")
     if mode != final_mode and cfg.parallel == "none" and _plan_frozen(model) is not False:  # resumed after the freeze
         mode, fwd = final_mode, dp.wrap(model, cfg.parallel, device, compile=True, mode=final_mode)
-    calib_recompute = _plan_frozen(model) is False and _recompute_calibration(cfg, device)
+    calib_recompute = _plan_frozen(model) is False and _recompute_calibration(cfg, device, model)
     if calib_recompute:
         selective_recompute(model)
+    live["calib_recompute"] = ran_calib_recompute = calib_recompute
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     is_main = rank == 0
     schedule = _schedule_steps(cfg, meta, saved_steps, start, verbose=is_main)
@@ -430,7 +436,7 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
             plan_ranks = dp.check_same_plan(model)
             if calib_recompute:  # the steps with the plan run as asked (before a recompile sees the blocks)
                 undo_selective_recompute(model)
-                calib_recompute = False
+                calib_recompute = live["calib_recompute"] = False
             clock, timed_tokens, warm_from, timed_steps, estimated = 0.0, 0, step + 3, 0, False
             if is_main:
                 get_controller(model).plan.save(run / "plan.json")
@@ -489,6 +495,8 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
                 print(f"interrupted: checkpoint of step {done} written to {run / 'checkpoints'}; resume with --resume")
             break
     bar.close()
+    if calib_recompute:  # the run ended before its plan froze
+        undo_selective_recompute(model)
     val_at = next((r["step"] for r in reversed(metrics.records) if "val_loss" in r), None)
     if cfg.eval_every and not stop["now"] and val_at != done:
         # a resume with --steps at the checkpoint's step ran no step: the last val loss on record is an earlier
@@ -512,7 +520,8 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> dict:
                    peak_memory_bytes=peak, peak_memory_bytes_per_rank=dp.gather_float(peak),
                    plan_frozen=_plan_frozen(model), plan_checked_on_ranks=plan_ranks, world_size=world,
                    graph_breaks_steady_state=breaks, recompiles_steady_state=recompiles,
-                   compile_mode=mode, recompute=cfg.recompute, saved_bytes=ours, saved_bytes_bf16=bf16,
+                   compile_mode=mode, recompute=cfg.recompute, calibration_recompute=ran_calib_recompute,
+                   saved_bytes=ours, saved_bytes_bf16=bf16,
                    unquantizable_layers=len(get_controller(model).unquantizable), bf16_layers=bf16_layers,
                    parameters=sum(p.numel() for p in model.parameters()), epochs=epochs, lr_schedule_steps=schedule,
                    device=str(device), interrupted=stop["now"], optimizer=cfg.optimizer, master_weights=cfg.master_weights,
