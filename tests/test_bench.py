@@ -280,7 +280,7 @@ def test_bench_model_max_batch_reports_the_largest_batch_that_trains(monkeypatch
                          device="cpu", max_batch=4)
     assert row["largest_batch"] is None and row["batches_tried"] == [[2, False], [1, True]]
     assert "found 1 although the row trained at batch 2" in row["largest_batch_error"]
-    from adahop.utils import is_out_of_memory
+    from adahop.utils import is_out_of_memory, out_of_memory_error
     assert is_out_of_memory(RuntimeError("CUDA error: out of memory")) and not is_out_of_memory(RuntimeError("shape"))
     try:  # a compiler's error that carries it (BackendCompilerFailed's cause), its own message silent on memory
         try:
@@ -289,6 +289,7 @@ def test_bench_model_max_batch_reports_the_largest_batch_that_trains(monkeypatch
             raise RuntimeError("backend='inductor' raised an error") from e
     except RuntimeError as wrapped:
         assert is_out_of_memory(wrapped)
+        assert isinstance(out_of_memory_error(wrapped), torch.OutOfMemoryError)  # torch's own, not the wrapper
 
 
 def test_saved_census_counts_each_storage_once_and_fits_tokens_apart_from_weights():

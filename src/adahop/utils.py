@@ -82,19 +82,23 @@ def refuse_unused(args, flags, reason: str, fix: str) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} is for {reason} (it would be unused); {fix}")
 
 
-def is_out_of_memory(e: BaseException) -> bool:
-    """Whether ``e`` is the GPU running out of memory: torch's ``OutOfMemoryError``, or an error that carries it (a
-    compiler's ``BackendCompilerFailed`` wraps it as its cause) or says so (a library's allocation: cuBLAS
-    workspaces, Triton's launches)."""
+def out_of_memory_error(e: BaseException) -> BaseException | None:
+    """The GPU's out-of-memory error in ``e``'s chain (``e`` itself, its causes and contexts), or None: torch's
+    ``OutOfMemoryError`` where the chain holds one (a compiler's ``BackendCompilerFailed`` wraps it as its cause),
+    else the first error that says "out of memory" (a library's allocation: cuBLAS workspaces, Triton's launches)."""
     import torch
 
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower():
-            return True
+    chain = []
+    while e is not None and all(e is not c for c in chain):
+        chain.append(e)
         e = e.__cause__ or e.__context__
-    return False
+    return (next((c for c in chain if isinstance(c, torch.OutOfMemoryError)), None)
+            or next((c for c in chain if "out of memory" in str(c).lower()), None))
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """Whether ``e`` is, or carries, the GPU running out of memory (:func:`out_of_memory_error`)."""
+    return out_of_memory_error(e) is not None
 
 
 def first_nonfinite(tensors) -> tuple[str, int, int] | None:

@@ -314,9 +314,13 @@ def model_step(model: str, recipe: str, mode: str, seq_len: int, batch: int, lay
         convert_float8(m, fp8_config)
     elif not r.is_bf16:  # the BF16 row is the plain transformers model, nn.Linear and all
         convert_model(m, r)
-    if recompute:
-        from ..nn.recompute import selective_recompute
+    # a calibrating recipe runs its calibration steps eagerly and is compiled once its plan is frozen; as in
+    # `adahop train`, those steps run under selective recompute on a GPU, turned off at the freeze
+    from ..nn.recompute import calibrates_under_recompute, selective_recompute, undo_selective_recompute
 
+    calibrating = not r.is_bf16 and r.calibration is not None
+    calib_recompute = calibrating and not recompute and calibrates_under_recompute(m, dev)
+    if recompute or calib_recompute:
         m.train()
         selective_recompute(m)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True)
@@ -325,16 +329,6 @@ def model_step(model: str, recipe: str, mode: str, seq_len: int, batch: int, lay
         from ..compile_modes import frozen_mode
 
         compile_mode = frozen_mode(dev.type)
-    # a calibrating recipe runs its calibration steps eagerly and is compiled once its plan is frozen; as in
-    # `adahop train` on a GPU, those steps run under selective recompute (train.loop._recompute_calibration)
-    calibrating = not r.is_bf16 and r.calibration is not None
-    calib_recompute = (calibrating and not recompute and dev.type == "cuda"
-                       and getattr(m, "supports_gradient_checkpointing", False))
-    if calib_recompute:
-        from ..nn.recompute import selective_recompute
-
-        m.train()
-        selective_recompute(m)
     fwd = m if compile_mode is None or calibrating else torch.compile(m, mode=compile_mode)
     ids = torch.randint(0, 32768, (batch, seq_len + 1), device=dev)
 
@@ -354,8 +348,6 @@ def model_step(model: str, recipe: str, mode: str, seq_len: int, batch: int, lay
         opt.zero_grad(set_to_none=True)
         if calibrating and on_step(m, i + 1):
             if calib_recompute:
-                from ..nn.recompute import undo_selective_recompute
-
                 undo_selective_recompute(m)
             if compile_mode is not None:
                 fwd = torch.compile(m, mode=compile_mode)

@@ -28,7 +28,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from .linear import LowPrecisionLinear
 
 __all__ = ["SAVED_OPS", "policy", "context_fn", "mark_layers", "mark_blocks", "selective_recompute", "undo_selective_recompute",
-           "is_recomputed"]
+           "is_recomputed", "calibrates_under_recompute"]
 
 
 def _ops(*names: str) -> frozenset:
@@ -134,6 +134,16 @@ def undo_selective_recompute(model: nn.Module) -> nn.Module:
         model.disable_input_require_grads()  # the embeddings' require-grad hook the enable added (helper 63)
     model._adahop_recompute = model._adahop_added_grads_hooks = False
     return model
+
+
+def calibrates_under_recompute(model: nn.Module, device: torch.device) -> bool:
+    """Whether an AdaHOP recipe's calibration steps of ``model`` on ``device`` run under :func:`selective_recompute`
+    when the run itself does not (``adahop train`` in one process, ``bench model``): on a GPU, for a model with
+    transformers' gradient checkpointing. Those steps are eager BF16 steps, also under ``--compile``, and need more
+    memory than the steps after them (round 34: plain Lv2 at Llama-3.2-1B 4096 x 8 ran out of memory there on an
+    H100, where its compiled steps fit); eager, recompute changes no number, and :func:`undo_selective_recompute`
+    turns it off at the freeze."""
+    return torch.device(device).type == "cuda" and getattr(model, "supports_gradient_checkpointing", False)
 
 
 def mark_blocks(model: nn.Module) -> int:

@@ -19,9 +19,9 @@ from tqdm import tqdm
 from ..kernels import resolve_backend
 from ..compile_modes import CALIBRATION_MODE, dynamo_counts, frozen_mode, mark_step
 from ..nn import convert_model, get_controller, on_step, saved_bytes, seed_compiled_rng
-from ..nn.recompute import selective_recompute, undo_selective_recompute
+from ..nn.recompute import calibrates_under_recompute, selective_recompute, undo_selective_recompute
 from ..optim import convert_master_weights, memory_bytes
-from ..utils import first_nonfinite, folder_locked, is_out_of_memory
+from ..utils import first_nonfinite, folder_locked, out_of_memory_error
 from . import distributed as dp
 from .checkpoint import complete_checkpoints, latest_checkpoint, save_checkpoint
 from .config import TrainConfig
@@ -45,14 +45,14 @@ class OutOfGPUMemory(torch.OutOfMemoryError):
     (the run's earlier checkpoints are untouched)."""
 
 
-def _oom_message(cfg: TrainConfig, recipe, run: Path, world: int, e: BaseException, calib_recompute: bool = False) -> str:
-    """What :class:`OutOfGPUMemory` says: torch's first line, whether the plan was still calibrating (its train steps
-    run eagerly in BF16, so at a size where the compiled steps fit they may not: round 34, docs/benchmarks.md), the
-    options that take less memory and that train accepts, and the last checkpoint. ``calib_recompute``: the
-    calibration steps were running under selective recompute (:func:`_recompute_calibration`)."""
-    while e.__cause__ is not None and not isinstance(e, torch.OutOfMemoryError):  # a compiler's wrapper: torch's own
-        e = e.__cause__
-    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+def _oom_message(cfg: TrainConfig, recipe, run: Path, world: int, oom: BaseException,
+                 calib_recompute: bool = False) -> str:
+    """What :class:`OutOfGPUMemory` says: the first line of ``oom`` (torch's error in the chain,
+    :func:`adahop.utils.out_of_memory_error`), whether the plan was still calibrating (its train steps run eagerly
+    in BF16, so at a size where the compiled steps fit they may not: round 34, docs/benchmarks.md), the options that
+    take less memory and that train accepts, and the last checkpoint. ``calib_recompute``: the calibration steps
+    were running under selective recompute (:func:`_recompute_calibration`)."""
+    first = str(oom).strip().splitlines()[0] if str(oom).strip() else type(oom).__name__
     calibrating = recipe.calibration is not None and cfg.plan is None and not (run / "plan.json").exists()
     phase = f" during {recipe.name}'s calibration" if calibrating else ""
     recomputed = cfg.recompute or (calibrating and calib_recompute)
@@ -77,13 +77,10 @@ def _oom_message(cfg: TrainConfig, recipe, run: Path, world: int, e: BaseExcepti
 
 
 def _recompute_calibration(cfg: TrainConfig, device: torch.device, model) -> bool:
-    """Whether an AdaHOP recipe's calibration steps run under selective recompute (:mod:`adahop.nn.recompute`) though
-    ``--recompute`` is off: in one process on a GPU. They are eager BF16 steps, also under ``--compile``, and need
-    more memory than the steps after them (round 34: plain Lv2 at Llama-3.2-1B 4096 x 8 ran out of memory there on
-    an H100, where its compiled steps fit); eager, recompute changes no number. Turned off at the freeze. Not for a
-    model without transformers' gradient checkpointing (jetmoe, gpt_neox_japanese: they train as before)."""
-    return (not cfg.recompute and cfg.parallel == "none" and device.type == "cuda"
-            and getattr(model, "supports_gradient_checkpointing", False))
+    """Whether this run's calibration steps run under selective recompute though ``--recompute`` is off: in one
+    process, where :func:`adahop.nn.recompute.calibrates_under_recompute` says so (a GPU; not for a model without
+    transformers' gradient checkpointing, such as jetmoe or gpt_neox_japanese: they train as before)."""
+    return not cfg.recompute and cfg.parallel == "none" and calibrates_under_recompute(model, device)
 
 
 def _kept(run: Path, step: int, first_bad: torch.Tensor, is_main: bool, start: int) -> str:
@@ -200,9 +197,9 @@ def train(cfg: TrainConfig, *, rank: int = 0, world: int = 1) -> dict:
         try:
             return _train(cfg, rank, world, live)
         except Exception as e:
-            if isinstance(e, OutOfGPUMemory) or not is_out_of_memory(e):
+            if isinstance(e, OutOfGPUMemory) or (oom := out_of_memory_error(e)) is None:
                 raise
-            raise OutOfGPUMemory(_oom_message(cfg, resolve_recipe(cfg)[0], Path(cfg.out), world, e,
+            raise OutOfGPUMemory(_oom_message(cfg, resolve_recipe(cfg)[0], Path(cfg.out), world, oom,
                                               live.get("calib_recompute", False))) from e
         finally:
             for sig, h in handlers.items():
