@@ -99,9 +99,9 @@ def ptq_cmd(args, model, method, bits, quantizer, seed, d: Path, with_baseline: 
     cmd += ["--harp-steps", str(args.harp_steps)] if method.startswith("harp-") else []  # the others refuse it (unused)
     cmd += ["--theta-format", args.theta_format] if method.startswith("harp-") and args.theta_format != "fp16" else []
     cmd += [] if with_baseline else ["--skip-baseline"]
-    cmd += ["--seq-len", str(args.seq_len)] if args.seq_len else []
-    cmd += ["--eval-batches", str(args.eval_batches)] if args.eval_batches else []
-    cmd += ["--group-size", str(args.group_size)] if quantizer == "int" and args.group_size else []
+    cmd += ["--seq-len", str(args.seq_len)] if args.seq_len is not None else []  # 0 too: ptq refuses it, by name
+    cmd += ["--eval-batches", str(args.eval_batches)] if args.eval_batches is not None else []
+    cmd += ["--group-size", str(args.group_size)] if quantizer == "int" and args.group_size is not None else []
     return cmd
 
 
@@ -286,6 +286,24 @@ def write_summary(out: Path, todo: list, status: dict, bases: dict) -> list[dict
     return rows
 
 
+def check_options(p: argparse.ArgumentParser, args, todo: list) -> None:
+    """Refuse, before any cell runs, what would fail every cell or run none: each distinct cell's `adahop ptq`
+    options as that command checks them, a --data that does not exist, and a budget or concurrency below one."""
+    from adahop.ptq.cli import check_options as check_ptq
+
+    if not args.budget_s > 0:
+        p.error(f"--budget-s {args.budget_s}: must be > 0 (no cell starts after it)")
+    if args.concurrent < 1:
+        p.error(f"--concurrent {args.concurrent}: must be >= 1 (cells at once)")
+    if args.data != "default" and not args.data.startswith("hf:") and not Path(args.data).exists():
+        p.error(f"--data {args.data} does not exist; pass a folder of `adahop data prepare`, 'default' or text files")
+    for argv in dict.fromkeys(tuple(ptq_cmd(args, "MODEL", *c[1:], Path("OUT"))[4:]) for c in todo):
+        try:
+            check_ptq(list(argv))
+        except ValueError as e:
+            p.error(f"every such cell would fail: {e}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", help="a prepared data folder (calibration: train split; perplexity: val split)")
@@ -323,8 +341,8 @@ def main(argv=None) -> int:
         args.device = "cpu" if args.device == "auto" else args.device
         args.calib_tokens = min(args.calib_tokens, 4096)
         args.harp_steps = min(args.harp_steps, 40)
-        args.eval_batches = args.eval_batches or 8
-        args.group_size = args.group_size or 64
+        args.eval_batches = 8 if args.eval_batches is None else args.eval_batches
+        args.group_size = 64 if args.group_size is None else args.group_size
         if not args.models:
             args.models = smoke_model(args, out)
     if not args.models:
@@ -361,6 +379,7 @@ def main(argv=None) -> int:
         p.error(f"--repeat-seeds {args.repeat_seeds}: the seeds must be > 0 (seed 0 is the table's own run) and the "
                 f"repeats are cells of --repeat-bits {args.repeat_bits}, so --bits ({args.bits}) must include those widths")
     todo = cells(models, bits, methods, not args.no_mx, seeds, repeat_bits)
+    check_options(p, args, todo)
     if args.dry_run:
         print(f"{len(todo)} cells, none run (--dry-run):")
         for c in todo:

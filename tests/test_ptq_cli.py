@@ -118,6 +118,17 @@ def test_the_folder_decodes_from_its_codes_with_packed_linears(run_dir, tmp_path
     assert float((a - b).norm() / b.norm()) < 4e-3  # 7.7e-4 seen: the export's BF16 weights, ~2^-9 relative each
     with pytest.raises(ValueError, match="no ptq_packed.safetensors"):
         load_packed_model(run_dir)
+    with pytest.raises(ValueError, match="does not exist; pass a folder written by `adahop ptq`"):
+        load_packed_model(tmp_path / "none")
+    if not torch.cuda.is_available():  # refused before the weights load, not torch's AssertionError after
+        with pytest.raises(ValueError, match="torch sees no CUDA GPU; pass device='cpu'"):
+            load_packed_model(out, device="cuda")
+    with pytest.raises(NotImplementedError, match="is saved already: copy its folder"):  # transformers crashed in it
+        packed.save_pretrained(tmp_path / "again")
+    (out / "ptq.json").rename(tmp_path / "ptq.json")
+    with pytest.warns(UserWarning, match="has no ptq.json: the `adahop ptq` run that wrote it did not finish"):
+        load_packed_model(out, dtype=torch.float32)
+    (tmp_path / "ptq.json").rename(out / "ptq.json")
     bench = repo_script("scripts/bench_decode.py")  # its end-to-end mode, as a user times a folder
     assert bench.main(["--folder", str(out), "--tokens", "3", "--device", "cpu", "--json", str(tmp_path / "d.json")]) == 0
     res = json.loads((tmp_path / "d.json").read_text())
@@ -189,13 +200,17 @@ def test_eval_tasks_add_the_zero_shot_average(run_dir, tmp_path, capsys):
 
     root = make_task_data(tmp_path / "tasks")
     out = tmp_path / "rtn4"
-    assert _ptq(run_dir, out, "--method", "rtn", "--bits", "4", "--skip-baseline", "--eval-tasks", "piqa",
-                "--eval-limit", "3", "--task-data", str(root)) == 0
+    assert _ptq(run_dir, out, "--method", "rtn", "--bits", "4", "--eval-tasks", "piqa", "--eval-limit", "3",
+                "--task-data", str(root)) == 0
     res = json.loads((out / "ptq.json").read_text())
     acc = res["zero_shot"]["tasks"]["piqa"]["metrics"]["acc"]
     assert res["zero_shot"]["tasks"]["piqa"]["n_samples"]["effective"] == 3
+    # the unquantized row is scored on the same documents (it showed "-": no Δ to read; helper 64)
+    base = res["baseline_zero_shot"]["tasks"]["piqa"]
+    assert base["n_samples"]["effective"] == 3 and 0 <= base["metrics"]["acc"] <= 1
     printed = capsys.readouterr().out
     assert "zero-shot avg |" in printed and f"| {100 * acc:.2f} |" in printed
+    assert f"| +0.00 | {100 * base['metrics']['acc']:.2f} |" in printed  # the unquantized row's cell
 
 
 def test_answers_beyond_the_window_need_eval_max_length_and_keep_the_quantization(run_dir, tmp_path, capsys):
@@ -584,6 +599,11 @@ def test_eval_of_a_ptq_folder_scores_at_the_window_ptq_printed(run_dir, tmp_path
     got = json.loads((tmp_path / "e.json").read_text())
     ppl = got["perplexity"]["perplexity"] if isinstance(got.get("perplexity"), dict) else got["perplexity"]
     assert ppl == res["perplexity"]["perplexity"]  # the same window (16, not the model's 32), the same number
+    assert "has no ptq.json" not in capsys.readouterr().err
+    # a folder whose run stopped after the export (ptq.json is written last) is scored with a warning
+    (q / "ptq.json").unlink()
+    assert main(["eval", str(q), "--tasks", "none", "--data", data, "--eval-batches", "1", "--batch-size", "4"]) == 0
+    assert f"warning: {q} has no ptq.json: the `adahop ptq` run that wrote it did not finish" in capsys.readouterr().err
 
 
 def test_eval_of_a_ptq_folder_of_a_text_trained_run_scores_the_split_and_batches_ptq_printed(

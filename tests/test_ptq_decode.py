@@ -4,6 +4,7 @@ Triton kernel against its reference in Triton's CPU interpreter, and PackedLinea
 from __future__ import annotations
 
 import importlib.util
+import io
 import os
 
 import pytest
@@ -323,3 +324,34 @@ def test_packed_linear_state_dict_carries_its_rotations_and_drops_stale_caches(g
     state["_extra_state"]["signs_in"] = state["_extra_state"]["signs_in"] * 2
     with pytest.raises(ValueError, match="signs must be ±1 vectors of 64"):
         b.load_state_dict(state)
+
+
+def test_packed_linear_refuses_the_state_of_another_grid_before_copying(gen):
+    """An MXFP4 layer and an int W4 g32 layer store codes and scales of the same shapes (uint8 E8M0 against int16
+    FP16 bits): load_state_dict accepted either's state, copy_ converted the scale values, and the logits moved by
+    10 (helper 64). Now the scale dtype and the extra state's grid are checked before anything is copied."""
+    w = torch.randn(32, 64, generator=gen)
+    layers = {}
+    for name, grid in (("int", make_grid("int", 4, 32)), ("mxfp4", make_grid("mxfp4", 4))):
+        codes, scales, _ = grid.quantize(w)
+        layers[name] = PackedLinear(grid, {"codes": pack_bits(codes, 4), **grid.stored_scales(scales)}, None, (32, 64))
+    a, m = layers["int"], layers["mxfp4"]
+    assert a.codes.shape == m.codes.shape and a.q_scales.shape == m.q_scales.shape  # what load_state_dict compares
+    x = torch.randn(3, 64, generator=gen)
+    ya = a(x)
+    with pytest.raises(ValueError, match=r"the state's q_scales is torch.uint8, this int layer's torch.int16"):
+        a.load_state_dict(m.state_dict())
+    assert torch.equal(a(x), ya)  # left as it was
+    state = m.state_dict()
+    state["q_scales"] = a.q_scales.clone()  # the dtypes made to agree: the extra state's grid still differs
+    with pytest.raises(ValueError, match=r"the state's grid \{'name': 'mxfp4'.*is not this layer's \{'name': 'int'"):
+        a.load_state_dict(state)
+    with pytest.raises(ValueError, match="not a PackedLinear's"):  # e.g. the None a layer without rotations gave
+        a.set_extra_state(None)
+    b = PackedLinear(a.grid, {"codes": a.codes.clone(), "scales": a.scales()["scales"].clone()}, None, (32, 64))
+    b.load_state_dict(a.state_dict())  # same grid: accepted, and a torch.save round trip keeps it loadable
+    buf = io.BytesIO()
+    torch.save(a.state_dict(), buf)
+    buf.seek(0)
+    b.load_state_dict(torch.load(buf, weights_only=True))
+    assert torch.equal(b(x), ya)

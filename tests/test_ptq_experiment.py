@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -96,8 +97,6 @@ def test_the_first_cell_of_a_model_scores_the_baseline_and_later_cells_skip_it(s
 def test_only_the_harp_cells_get_harp_steps(s):
     """`adahop ptq` refuses --harp-steps under a method that does not fit a rotation: the script passed
     it to every cell, so `--harp-steps 200` failed all the rtn/gptq/rht cells."""
-    import argparse
-
     args = argparse.Namespace(data="d", calib_tokens=64, batch_size=2, harp_steps=200, device="cpu", seq_len=None,
                               eval_batches=None, group_size=None, theta_format="int8")
     for method in ("rtn", "gptq", "rht-gptq"):
@@ -145,8 +144,6 @@ def test_concurrent_cells_run_at_once_and_a_model_scores_its_baseline_once(s, tm
 def test_the_smoke_model_lives_outside_the_cells_folders(s, tmp_path, monkeypatch):
     """--smoke trained its model into OUT/smoke-llama-tiny, the folder its cells go to: `adahop ptq` refused
     every cell (an --out inside MODEL)."""
-    import argparse
-
     monkeypatch.setattr(s, "run", lambda cmd, log, timeout: (0, 0.1))
     model = Path(s.smoke_model(argparse.Namespace(), tmp_path))
     cell = s.cell_dir(tmp_path, str(model), "gptq", 2, "int")
@@ -198,3 +195,25 @@ def test_a_table_resumed_with_other_settings_or_two_models_of_one_name_are_refus
     d.joinpath("ptq.json").write_text(json.dumps({"source_model": str(tmp_path / "b" / "run")}))
     with pytest.raises(SystemExit, match="holds a cell of .*b/run, not of"):
         s.main(base)
+
+
+def test_dry_run_refuses_options_every_cell_would_fail_on(s, tmp_path, capsys):
+    """--dry-run listed 14 cells for --calib-tokens -5, --group-size 0 (dropped as falsy: the default ran), a missing
+    --data, a negative budget and --concurrent 0; a real run then failed every cell (helper 64). Each is now refused
+    up front, in `adahop ptq`'s words where a cell's command would be refused."""
+    base = ["--models", "m", "--data", str(tmp_path), "--out", str(tmp_path / "o"), "--dry-run"]
+    for extra, why in ((["--calib-tokens", "-5"], "--calib-tokens -5: must be >= 1"),
+                       (["--group-size", "0"], "--group-size 0 must be >= 1"),
+                       (["--harp-steps", "0"], "--harp-steps 0: must be >= 1"),
+                       (["--seq-len", "0"], "--seq-len 0: must be >= 1"),
+                       (["--budget-s", "-3"], "--budget-s -3.0: must be > 0"),
+                       (["--concurrent", "0"], "--concurrent 0: must be >= 1"),
+                       (["--data", str(tmp_path / "none")], "does not exist")):
+        with pytest.raises(SystemExit):
+            s.main(base + extra)
+        assert why in capsys.readouterr().err, extra
+    assert s.main(base + ["--group-size", "7", "--bits", "3", "--no-mx"]) == 0  # an odd group size is a valid one
+    assert "('m', 'harp-gptq', 3, 'int', 0)" in capsys.readouterr().out
+    args = argparse.Namespace(data="d", calib_tokens=8, batch_size=2, device="cpu", harp_steps=3, theta_format="fp16",
+                              seq_len=None, eval_batches=None, group_size=0)
+    assert s.ptq_cmd(args, "m", "gptq", 2, "int", 0, tmp_path)[-2:] == ["--group-size", "0"]  # passed on, not dropped

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 __all__ = ["add_arguments", "run", "settings", "ALL_TASKS"]
@@ -68,6 +69,7 @@ def run(args: argparse.Namespace) -> dict:
     """Run `adahop eval`; returns the results written to ``--out``. Raises ValueError for bad input."""
     import torch
 
+    from ..ptq.export import unfinished
     from ..train.export import git_revision
     from ..train.setup import resolve_device
     from .model import load_model
@@ -112,6 +114,8 @@ def run(args: argparse.Namespace) -> dict:
     root = task_root(specs, args.task_data) if specs else None
     loaded = load_model(args.model, device=device, recipe=args.recipe, plan=args.plan)
     ptq_meta = getattr(loaded.model.config, "adahop_ptq", None) or {}
+    if ptq_meta and (why := unfinished(Path(args.model))):
+        print(f"warning: {why}", file=sys.stderr)
     # score the windows the model's own number was of: those `adahop ptq` printed its perplexity of, or those a
     # run's val_loss was (its --batch-size and --eval-batches; validation walks the split in order, on any world size)
     # (the val split only: on the train split neither scored anything, and its whole split is eval's default)

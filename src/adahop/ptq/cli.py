@@ -22,8 +22,9 @@ import math
 import time
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "check_options", "run"]
 
 
 # The options only some methods use, with their defaults: a value other than the default under a method
@@ -67,7 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass (default 8)")
     g.add_argument("--eval-batches", type=int, default=None, metavar="N", help="perplexity on the first N val batches (default: all)")
     g.add_argument("--skip-baseline", action="store_true", help="do not score the unquantized model (its BF16 copy, "
-                   "which Δ ppl is against, and the FP32 weights as loaded)")
+                   "which Δ ppl is against, and the FP32 weights as loaded; with --eval-tasks, its zero-shot scores)")
     g.add_argument("--eval-tasks", default=None, help="also score these zero-shot tasks (as `adahop eval --tasks`)")
     g.add_argument("--eval-limit", type=int, default=None, metavar="N", help="first N documents of each task")
     g.add_argument("--eval-max-length", type=int, default=None, metavar="TOKENS",
@@ -93,7 +94,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
 
 
+def check_options(argv: list[str]) -> None:
+    """Check `adahop ptq`'s options ``argv`` (MODEL and ``--out`` included, neither read) as the command would
+    before loading anything: the ranges, the options the method leaves unused, and the grid (``--group-size`` with
+    ``--quantizer``). For a launcher that builds many commands (``scripts/run_ptq_experiment.py --dry-run``).
+
+    Raises:
+        ValueError: the option and the fix, as `adahop ptq` words it (argparse's own errors as its message).
+    """
+    from .grids import make_grid
+
+    p = argparse.ArgumentParser(prog="adahop ptq", exit_on_error=False)
+    add_arguments(p)
+    try:
+        args = p.parse_args(argv)
+    except (argparse.ArgumentError, SystemExit) as e:  # a missing required option still exits, exit_on_error or not
+        raise ValueError(f"adahop ptq {' '.join(argv)}: {e}") from None
+    _check_options(args)
+    make_grid(args.quantizer, args.bits, args.group_size)
+
+
 def _check(args) -> None:
+    _check_options(args)
+    _check_paths(args)
+
+
+def _check_options(args) -> None:
+    """The checks of :func:`_check` that read no file."""
     for flag in ("calib_tokens", "batch_size", "seq_len", "eval_batches", "eval_limit", "eval_max_length", "harp_steps",
                  "passes", "hbd_block"):
         v = getattr(args, flag)
@@ -113,11 +140,17 @@ def _check(args) -> None:
             if flag not in used and getattr(args, flag) != _METHOD_DEFAULTS[flag]:
                 raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} is unused by --method "
                                  f"{args.method}; drop it, or pass --method {methods}")
-    from ..utils import check_out_path, refuse_unused
+    from ..utils import refuse_unused
 
     if args.eval_tasks is None or args.eval_tasks.strip().lower() == "none":
         refuse_unused(args, _EVAL_TASKS_ONLY, "the zero-shot tasks and no --eval-tasks is given",
                       "add --eval-tasks piqa,... or drop it")
+
+
+def _check_paths(args) -> None:
+    """The checks of :func:`_check` of ``--out`` and MODEL."""
+    from ..utils import check_out_path
+
     out = Path(args.out)
     from .export import RESULTS_FILE
 
@@ -170,7 +203,8 @@ def run(args: argparse.Namespace) -> dict:
     one's numbers, or a mix).
 
     ``baseline`` (which Δ ppl is against) is the perplexity of the unquantized model rounded to BF16,
-    ``baseline_fp32`` that of the model as loaded; both None with ``--skip-baseline``.
+    ``baseline_fp32`` that of the model as loaded, ``baseline_zero_shot`` (with ``--eval-tasks``) the BF16 copy's
+    zero-shot scores; all None with ``--skip-baseline``.
     """
     _check(args)
     from .grids import make_grid
@@ -199,7 +233,7 @@ def run(args: argparse.Namespace) -> dict:
     left, left_names = unquantized_weights(blocks)
     if left:  # e.g. a mixture of experts' fused expert tensors: say how much of the model stays as it is
         total = left + sum(lin.weight.numel() for b in blocks for _, lin in block_linears(b))
-        warnings.warn(f"{left:,} of the decoder blocks' {total:,} matrix weights ({left / total:.0%}) are not in "
+        warnings.warn(f"adahop: {left:,} of the decoder blocks' {total:,} matrix weights ({left / total:.0%}) are not in "
                       f"nn.Linear layers and stay unquantized (e.g. {', '.join(left_names)}): bits/weight and the "
                       "perplexity are those of the linears alone quantized")
     with _named("--data", "--calib-data"):
@@ -276,11 +310,16 @@ def _quantize_and_write(args, c: _Checked) -> dict:
             return perplexity(m, c.data, split="val", seq_len=c.seq_len, batch_size=args.batch_size,
                               max_batches=args.eval_batches, device=c.device, bf16=c.bf16)
 
-    base = base_fp32 = None
+    base = base_fp32 = base_zs = None
     if not args.skip_baseline:
         deployed = _bf16_rounded(model)
         base = ppl(deployed)
         base_fp32 = base if deployed is model else ppl(model)
+        if c.tasks is not None:  # the unquantized row's zero-shot scores, beside the quantized one's in the table
+            try:
+                base_zs = _zero_shot(args, SimpleNamespace(model=deployed, tokenizer=c.loaded.tokenizer), c.bf16, *c.tasks)
+            except ValueError as e:  # e.g. an answer longer than the window: refused before anything is quantized
+                raise ValueError(str(e).replace("--max-length", "--eval-max-length")) from None
         del deployed
     gen = torch.Generator().manual_seed(args.seed)
     grid0 = make_grid(args.quantizer, args.bits, args.group_size)
@@ -323,7 +362,7 @@ def _quantize_and_write(args, c: _Checked) -> dict:
     res_ppl = ppl(reloaded.model)
     fits = [r.stats["harp"] for r in layers.values() if "harp" in r.stats]
     res = {**meta, "bits_per_weight": bpw, "quantized_weights": n_weights, "perplexity": res_ppl, "baseline": base,
-           "baseline_fp32": base_fp32, "seq_len": c.seq_len, "device": str(c.device), "seconds_quantize": quant_s,
+           "baseline_fp32": base_fp32, "baseline_zero_shot": base_zs, "seq_len": c.seq_len, "device": str(c.device), "seconds_quantize": quant_s,
            "seconds_total": None,
            "harp_fit_seconds_per_layer": (sum(f["seconds"] for f in fits) / len(fits)) if fits else None,
            "git_revision": git_revision(), "packed": str(out / PACKED_FILE),
@@ -440,18 +479,20 @@ def _zero_shot(args, loaded, bf16: bool, specs: list, root: Path) -> dict:
 
 def _table(res: dict) -> str:
     """The printed table: the unquantized model (when scored) and the quantized one."""
+    from ..eval.report import cells
+
     zs = "zero_shot" in res
     head = "| method | bits | quantizer | bits/weight | perplexity | Δ ppl % |" + (" zero-shot avg |" if zs else "")
     rows = [head, "|" + "---|" * (6 + zs)]
     base = res["baseline"]
     if base is not None:
-        rows.append(f"| unquantized | 16 | - | 16 | {base['perplexity']:.4f} | +0.00 |" + (" - |" if zs else ""))
+        base_zs = res.get("baseline_zero_shot")
+        rows.append(f"| unquantized | 16 | - | 16 | {base['perplexity']:.4f} | +0.00 |"
+                    + ((f" {cells(base_zs)[-1]} |" if base_zs else " - |") if zs else ""))
     p = res["perplexity"]["perplexity"]
     gap = f"{100 * (p / base['perplexity'] - 1):+.2f}" if base is not None else "-"
     row = f"| {res['method']} | {res['bits']} | {res['quantizer']} | {res['bits_per_weight']:.3f} | {p:.4f} | {gap} |"
     if zs:
-        from ..eval.report import cells
-
         row += f" {cells(res['zero_shot'])[-1]} |"
     rows.append(row)
     return "\n".join(rows)

@@ -12,6 +12,7 @@ weight. :func:`int_matvec` is that matvec on the int grid's packed codes: a Trit
 from __future__ import annotations
 
 import functools
+import warnings
 import math
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from torch import nn
 
 from ..formats.e2m1 import decode_e2m1, decode_e8m0
 from ..kernels.backend import triton_runs_on
-from .export import PACKED_FILE, load_packed
+from .export import PACKED_FILE, load_packed, unfinished
 from .grids import IntGrid, MXFP4Grid
 from .quantize import unpack_bits
 from .rotation import HARPRotation
@@ -244,13 +245,14 @@ class PackedLinear(nn.Module):
     otherwise (the CPU, NVFP4, which no kernel of ours reads yet) the weight is decoded once per device, on first
     use (FP32). Input ``[..., n]`` of any float dtype; output ``[..., m]`` in the input's dtype.
     ``.to(dtype)`` leaves the stored codes and scales as they are (only a bias is cast). The ``state_dict``
-    holds the codes, the scales and, as extra state, the signs and the rotations' parameters (HARP's Θ), so a
-    ``load_state_dict`` from another layer of the same shape and rotation kinds gives that layer's outputs.
+    holds the codes, the scales and, as extra state, the grid's configuration, the signs and the rotations'
+    parameters (HARP's Θ), so a ``load_state_dict`` from another layer of the same shape, grid and rotation kinds
+    gives that layer's outputs; one of another grid or rotations is refused before anything is copied.
 
     Raises:
         ValueError: ``stored`` without the grid's tensors; an input whose last dim is not ``n`` or that is not
-            floating point; ``load_state_dict`` of a layer with other rotations (kind, size or configuration), or
-            with signs that are not ±1.
+            floating point; ``load_state_dict`` of a layer of another grid (name, bits, group size or scale dtypes),
+            with other rotations (kind, size or configuration), or with signs that are not ±1.
     """
 
     def __init__(self, grid, stored: dict[str, torch.Tensor], transform, shape: tuple[int, int], bias=None):
@@ -279,47 +281,76 @@ class PackedLinear(nn.Module):
         self._cache.clear()  # what was derived for a device may be stale after a move or a cast
         return super()._apply(fn, recurse)
 
-    def _load_from_state_dict(self, *args, **kwargs):
+    def _grid_config(self) -> dict:
+        """What decides how the codes and scales decode: the grid's name, bits and group size."""
+        return {"name": self.grid.name, "bits": self.grid.bits, "group_size": self.grid.group_size}
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # checked before any buffer is copied: a refused state then leaves this layer as it was
+        for k, have in self._buffers.items():
+            new = state_dict.get(prefix + k)
+            if have is not None and isinstance(new, torch.Tensor) and new.dtype != have.dtype:
+                # copy_ would convert the values: E8M0 codes read as FP16 bits (or the reverse) decode to garbage
+                raise ValueError(f"PackedLinear({self.m}×{self.n}): the state's {k} is {new.dtype}, this "
+                                 f"{self.grid.name} layer's {have.dtype}: a layer of another grid; load its folder "
+                                 f"with load_packed_model instead")
+        if prefix + "_extra_state" in state_dict:
+            self._check_extra_state(state_dict[prefix + "_extra_state"])
         self._cache.clear()  # new codes or rotations: a weight decoded once, or stages built, would be stale
-        return super()._load_from_state_dict(*args, **kwargs)
+        return super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
-    def get_extra_state(self) -> dict | None:
-        """The signs and rotations (HARP's Θ) in the ``state_dict``, beside the codes and scales: without them a
-        ``load_state_dict`` from another folder's layer would keep this layer's rotations. Not cast by ``.to``."""
+    def get_extra_state(self) -> dict:
+        """The grid's configuration and the signs and rotations (HARP's Θ) in the ``state_dict``, beside the codes
+        and scales: without them a ``load_state_dict`` from another folder's layer would keep this layer's
+        rotations, or read another grid's scales as this one's. Not cast by ``.to``."""
+        state = {"grid": self._grid_config()}
         t = self.transform
-        if t is None:
-            return None
-        return {"signs_out": t.s_out.detach().cpu().clone(), "signs_in": t.s_in.detach().cpu().clone(),
-                "u": _rotation_state(t.u), "v": _rotation_state(t.v)}
+        if t is not None:
+            state.update(signs_out=t.s_out.detach().cpu().clone(), signs_in=t.s_in.detach().cpu().clone(),
+                         u=_rotation_state(t.u), v=_rotation_state(t.v))
+        return state
 
-    def set_extra_state(self, state) -> None:
-        """Copy :meth:`get_extra_state`'s signs and Θ into this layer's rotations (in place) and drop its caches.
-
-        Raises:
-            ValueError: a state with rotations for a layer without (or the reverse), rotations of another kind,
-                size or configuration, or signs that are not ±1 vectors of this layer's sizes."""
+    def _check_extra_state(self, state) -> None:
+        """Raise ValueError unless :meth:`get_extra_state`'s ``state`` fits this layer (:meth:`set_extra_state`)."""
+        fix = "load its folder with load_packed_model instead"
+        if not isinstance(state, dict) or "grid" not in state:
+            raise ValueError(f"PackedLinear({self.m}×{self.n}): the state's extra state {type(state).__name__} is "
+                             f"not a PackedLinear's (a dict with its grid); {fix}")
+        if state["grid"] != self._grid_config():
+            raise ValueError(f"PackedLinear({self.m}×{self.n}): the state's grid {state['grid']} is not this layer's "
+                             f"{self._grid_config()}; {fix}")
         t = self.transform
-        if (state is None) != (t is None):
+        if ("u" in state) != (t is not None):
             raise ValueError(f"PackedLinear({self.m}×{self.n}): the state is of a layer {'with' if t is None else 'without'}"
-                             f" rotations, this one is {'without' if t is None else 'with'}; load its folder with "
-                             f"load_packed_model instead")
-        if state is None:
+                             f" rotations, this one is {'without' if t is None else 'with'}; {fix}")
+        if t is None:
             return
         for side, r in (("u", t.u), ("v", t.v)):
             kind, config = _rotation_config(r)
             if (state[side]["kind"], state[side]["config"]) != (kind, config):
                 raise ValueError(f"PackedLinear({self.m}×{self.n}): the state's {side} rotation {state[side]['config']} "
-                                 f"({state[side]['kind']}) is not this layer's {config} ({kind}); "
-                                 f"load its folder with load_packed_model instead")
-        with torch.no_grad():
-            for have, new in ((t.s_out, state["signs_out"]), (t.s_in, state["signs_in"])):
-                if new.shape != have.shape or not bool(((new == 1) | (new == -1)).all()):
-                    raise ValueError(f"PackedLinear({self.m}×{self.n}): the state's signs must be ±1 vectors of "
-                                     f"{have.shape[0]}")
-                have.copy_(new)
-            for side, r in (("u", t.u), ("v", t.v)):
-                for p, v in zip(r.thetas if isinstance(r, HARPRotation) else (), state[side].get("thetas", ())):
-                    p.copy_(v)
+                                 f"({state[side]['kind']}) is not this layer's {config} ({kind}); {fix}")
+        for have, new in ((t.s_out, state["signs_out"]), (t.s_in, state["signs_in"])):
+            if new.shape != have.shape or not bool(((new == 1) | (new == -1)).all()):
+                raise ValueError(f"PackedLinear({self.m}×{self.n}): the state's signs must be ±1 vectors of "
+                                 f"{have.shape[0]}")
+
+    def set_extra_state(self, state) -> None:
+        """Copy :meth:`get_extra_state`'s signs and Θ into this layer's rotations (in place) and drop its caches.
+
+        Raises:
+            ValueError: a state of another grid (name, bits or group size), with rotations for a layer without (or
+                the reverse), rotations of another kind, size or configuration, or signs that are not ±1 vectors of
+                this layer's sizes."""
+        self._check_extra_state(state)
+        t = self.transform
+        if t is not None:
+            with torch.no_grad():
+                t.s_out.copy_(state["signs_out"])
+                t.s_in.copy_(state["signs_in"])
+                for side, r in (("u", t.u), ("v", t.v)):
+                    for p, v in zip(r.thetas if isinstance(r, HARPRotation) else (), state[side].get("thetas", ())):
+                        p.copy_(v)
         self._cache.clear()
 
     def _weight(self) -> torch.Tensor:
@@ -394,17 +425,29 @@ def load_packed_model(folder: str | Path, *, dtype: torch.dtype = torch.bfloat16
     """The transformers model `adahop ptq` saved in ``folder``, each quantized linear replaced by a
     :class:`PackedLinear` read from ``folder/ptq_packed.safetensors`` (the BF16 weights of those layers dropped).
 
+    A folder without ``ptq.json`` (its run stopped after the export, e.g. while scoring ``--eval-tasks``) loads
+    with a warning. The model's ``save_pretrained`` is refused: the folder already is the saved model (its BF16
+    export for any tool, the packed artifact for this function).
+
     Raises:
-        ValueError: no packed artifact in ``folder`` (not an `adahop ptq` output), or a layer of the artifact
-            that the model does not hold as an ``nn.Linear`` of its shape.
+        ValueError: ``folder`` does not exist or holds no packed artifact (not an `adahop ptq` output), a layer of
+            the artifact that the model does not hold as an ``nn.Linear`` of its shape, or a CUDA ``device`` where
+            torch has no GPU.
     """
     import transformers
 
     folder = Path(folder)
+    if not folder.exists():
+        raise ValueError(f"{folder} does not exist; pass a folder written by `adahop ptq`")
     if folder.is_file() and folder.name == PACKED_FILE:
         raise ValueError(f"{folder} is the packed artifact itself; pass its folder, {folder.parent}")
     if not (folder / PACKED_FILE).is_file():
         raise ValueError(f"{folder}: no {PACKED_FILE}; pass a folder written by `adahop ptq`")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"load_packed_model: device {device} but torch sees no CUDA GPU; pass device='cpu'")
+    if why := unfinished(folder):
+        warnings.warn(f"adahop: {why}", stacklevel=2)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
     for name, (grid, stored, transform, shape) in load_packed(folder / PACKED_FILE).items():
         parent, _, leaf = name.rpartition(".")
@@ -413,4 +456,13 @@ def load_packed_model(folder: str | Path, *, dtype: torch.dtype = torch.bfloat16
         if not isinstance(old, nn.Linear) or tuple(old.weight.shape) != tuple(shape):
             raise ValueError(f"{folder}: the artifact's layer {name} {tuple(shape)} is not an nn.Linear of that shape in the model")
         setattr(mod, leaf, PackedLinear(grid, stored, transform, shape, old.bias))
+    model.save_pretrained = _refuse_save(folder)  # transformers would write neither the codes nor the rotations
     return model.to(device).eval()
+
+
+def _refuse_save(folder: Path):
+    def save_pretrained(*args, **kwargs):
+        raise NotImplementedError(f"a model of load_packed_model is saved already: copy its folder {folder} "
+                                  f"(AutoModelForCausalLM.from_pretrained reads its BF16 export, load_packed_model "
+                                  f"its packed codes), or torch.save(model.state_dict(), ...)")
+    return save_pretrained

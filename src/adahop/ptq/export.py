@@ -22,7 +22,7 @@ from .incoherence import RHTRotation, TwoSided
 from .quantize import RotationOptions, parse_method, unpack_bits
 from .rotation import HARPRotation
 
-__all__ = ["PACKED_FILE", "RESULTS_FILE", "save_quantized", "load_packed", "dequantize_packed"]
+__all__ = ["PACKED_FILE", "RESULTS_FILE", "save_quantized", "load_packed", "dequantize_packed", "unfinished"]
 
 PACKED_FILE = "ptq_packed.safetensors"
 RESULTS_FILE = "ptq.json"
@@ -57,6 +57,16 @@ def save_quantized(model, tokenizer, out: Path, layers: dict, meta: dict) -> Non
     tensors = {f"{name}.{k}": v.contiguous() for name, r in layers.items() for k, v in r.stored.items()}
     shapes = {name: list(r.weight.shape) for name, r in layers.items()}
     save_file(tensors, out / PACKED_FILE, metadata={"adahop_ptq": json.dumps({**meta, "layers": shapes})})
+
+
+def unfinished(folder: Path) -> str | None:
+    """Why ``folder`` (an `adahop ptq` output) is not finished, or None: its ``ptq.json`` is written last, after the
+    export and any zero-shot scoring, so a folder without it comes from a run that stopped (its weights are whole
+    once the packed artifact exists, which the loaders check)."""
+    if (folder / RESULTS_FILE).is_file():
+        return None
+    return (f"{folder} has no {RESULTS_FILE}: the `adahop ptq` run that wrote it did not finish, so its results are "
+            f"not recorded; rerun it with the same --out to finish it")
 
 
 def load_packed(path: str | Path) -> dict[str, tuple]:
