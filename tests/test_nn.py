@@ -820,6 +820,90 @@ def test_second_backward_through_a_quantized_layer_repeats_the_first():
         y.backward()
 
 
+@pytest.mark.parametrize("recipe", ["nvfp4", "quartet", "tseng", "averis"])
+def test_random_recipes_copy_after_training_and_a_second_backward_draws_the_first_ones_bits(recipe):
+    """Recipes that draw random bits: a deepcopy, pickle or AveragedModel after a training step raised
+    "'Call' object is not subscriptable" (__getstate__ indexed the queued calls as lists); and a second backward
+    of a retained graph drew new bits (0.17-0.23 relative off the first), so a monitoring autograd.grad before
+    loss.backward() changed the training gradient (helper 65). The copy now trains as the original does."""
+    import io
+    import pickle
+
+    from torch.optim.swa_utils import AveragedModel
+
+    torch.manual_seed(0)
+    m = adahop.convert_model(nn.Sequential(nn.Linear(64, 64)), recipe)
+    x = torch.randn(32, 64)
+    m(x).sum().backward()
+    adahop.on_step(m, 1)
+    m(x).sum()  # a forward whose backward never comes: its queued call is copied too
+    for c in (copy.deepcopy(m), pickle.loads(pickle.dumps(m)), AveragedModel(m).module):
+        adahop.on_step(c, 2)
+        c[0].weight.grad = None
+        c(x).sum().backward()
+        assert c[0].weight.grad.abs().sum() > 0
+    adahop.on_step(m, 2)
+    m[0].weight.grad = None
+    y = m(x)
+    g = torch.randn_like(y)
+    y.backward(g, retain_graph=True)
+    first = m[0].weight.grad.clone()
+    y.backward(g)
+    assert first.abs().sum() > 0 and torch.equal(m[0].weight.grad, 2 * first)
+    d = copy.deepcopy(m)
+    m[0].weight.grad = d[0].weight.grad = None
+    m(x).backward(g)
+    d(x).backward(g)
+    assert torch.equal(d[0].weight.grad, m[0].weight.grad)  # the copy draws the original's bits
+    buf = io.BytesIO()
+    torch.save(m, buf)
+
+
+def test_a_second_derivative_through_a_quantized_backward_is_refused_not_dropped():
+    """create_graph=True through a frozen low-precision layer returned a gradient penalty's derivative without the
+    layer's second-order terms (‖∂pen/∂W0‖ 1.92 against BF16's 8.86, helper 65). The exact paths (calibration,
+    bf16) stay twice differentiable; the quantized one raises when autograd reaches it."""
+    def penalty_grad(recipe):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.LayerNorm(64))
+        adahop.convert_model(m, recipe, exclude=())
+        gs = torch.autograd.grad(m(torch.randn(16, 64)).pow(3).mean(), list(m.parameters()), create_graph=True)
+        sum(g.pow(2).sum() for g in gs).backward()
+        return m[0].weight.grad
+
+    ref = penalty_grad("bf16")
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.LayerNorm(64))
+    gs = torch.autograd.grad(plain(torch.randn(16, 64)).pow(3).mean(), list(plain.parameters()), create_graph=True)
+    sum(g.pow(2).sum() for g in gs).backward()
+    torch.testing.assert_close(ref, plain[0].weight.grad)  # the bf16 recipe is nn.Linear, second derivative too
+    with pytest.raises(RuntimeError, match="second derivative .* through a converted layer's low-precision backward"):
+        penalty_grad("mxfp4")
+
+
+def test_halo2_refuses_a_token_count_that_is_not_a_power_of_two_in_forward():
+    """HALO-2's token Hadamard on ∇Y needs batch·seq a power of two: the forward ran and the backward raised (a
+    DataLoader's short last batch crashed mid-epoch after its forward; helper 65). Now the forward refuses it."""
+    m = adahop.convert_model(nn.Sequential(nn.Linear(128, 96)), "halo-2")
+    with pytest.raises(ValueError, match=r"dgrad's ∇Y \[40, 96\].*power-of-two.*drop_last=True"):
+        m(torch.randn(40, 128))
+    m(torch.randn(2, 32, 128)).sum().backward()  # 64 tokens
+    assert m[0].weight.grad.abs().sum() > 0
+    with torch.no_grad():  # no backward, no token Hadamard: any count
+        assert m(torch.randn(40, 128)).shape == (40, 96)
+
+
+def test_on_step_and_a_0d_input_are_checked():
+    m = adahop.convert_model(nn.Sequential(nn.Linear(64, 64)), "mxfp4")
+    for bad in (2.5, -3, True, "1"):
+        with pytest.raises(TypeError, match="pass the number of optimizer steps done, an int >= 0"):
+            adahop.on_step(m, bad)
+    adahop.on_step(m, torch.tensor(3))  # NumPy's and 0-d tensors' ints are ints
+    assert adahop.nn.get_controller(m).step == 3
+    with pytest.raises(ValueError, match="a 0-d input; the layer takes"):
+        m(torch.tensor(1.0))
+
+
 def test_convert_refuses_a_model_it_would_leave_unconverted():
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -828,6 +912,12 @@ def test_convert_refuses_a_model_it_would_leave_unconverted():
         adahop.convert_model(gpt2, "mxfp4")
     with pytest.raises(ValueError, match="no nn.Linear layer"):
         adahop.convert_model(nn.Sequential(nn.Linear(64, 64)), "mxfp4", exclude=("0",))
+    class Sub(nn.Linear):
+        pass
+
+    with pytest.raises(ValueError, match=r"subclasses of nn.Linear \(Sub 0, ...\).*convert_layers\(model, "
+                                         r"adahop.get_recipe\('mxfp4'\), names\)"):  # it said "or it has none"
+        adahop.convert_model(nn.Sequential(Sub(64, 64)), "mxfp4")
     m = adahop.convert_model(nn.Sequential(nn.Linear(64, 64)), "mxfp4", exclude=None)  # None: exclude nothing
     assert type(m[0]).__name__ == "LowPrecisionLinear"
 
@@ -1020,3 +1110,16 @@ def test_a_reentrant_region_inside_a_non_reentrant_one_with_forwards_first_recom
 
     plain, ck = grads(False), grads(True)
     assert len(ck) == 6 and all(torch.equal(a, b) for a, b in zip(plain, ck))
+
+
+def test_the_bias_gradient_is_summed_in_the_bias_dtype():
+    """A BF16 weight beside an FP32 bias (FP32 input, no autocast): the bias gradient was rounded to the weight's
+    BF16 on its way to the FP32 bias (helper 65); it is now ∑∇Y in the bias's own dtype."""
+    for recipe in ("bf16", "mxfp4"):
+        lin = nn.Linear(64, 32)
+        lin.weight.data = lin.weight.data.bfloat16()
+        m = adahop.convert_model(nn.Sequential(lin), recipe, exclude=())
+        dy = torch.randn(16, 32) * 1e-3 + 1
+        m(torch.randn(16, 64)).backward(dy)
+        assert m[0].bias.grad.dtype == torch.float32
+        torch.testing.assert_close(m[0].bias.grad, dy.sum(0), rtol=1e-6, atol=0)

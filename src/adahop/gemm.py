@@ -23,7 +23,8 @@ from .formats import MXTensor, NVFP4Tensor
 from .hadamard import block_hadamard, hashed_signs, random_signs
 from .recipes.spec import GemmSpec, OperandSpec, Transform
 
-__all__ = ["Prepared", "prepare", "multiply", "gemm", "lowp_matmul", "draw_signs", "without_quantization", "oe_indices", "top_indices", "TOPK_CHUNK", "TOPK_TWO_PASS"]
+__all__ = ["Prepared", "prepare", "multiply", "gemm", "lowp_matmul", "draw_signs", "without_quantization", "oe_indices", "top_indices", "check_outer",
+           "TOPK_CHUNK", "TOPK_TWO_PASS"]
 
 Quantized = MXTensor | NVFP4Tensor
 
@@ -110,20 +111,28 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _outer(t: torch.Tensor, tr: Transform | None, axis: int, what: str) -> torch.Tensor:
-    """Full-size (or block) Hadamard along an outer dim; undone on the output."""
+def check_outer(n: int, tr: Transform | None, axis: int, what: str) -> None:
+    """Raise ValueError unless the outer Hadamard ``tr`` (None: nothing to check) fits a dimension of size ``n``
+    along ``axis`` (0: A's rows, ``GemmSpec.outer_a``; 1: B's columns, ``outer_b``); ``what`` names the operand."""
     if tr is None:
-        return t
-    n = t.shape[axis]
+        return
     b = tr.block_size or n
     if b & (b - 1) or n % b:
-        name, fix = ("outer_a", "HALO-2 rotates the dgrad ∇Y along tokens: make batch_size*seq_len a power of two") \
+        name, fix = ("outer_a", "HALO-2 rotates the dgrad ∇Y along tokens: make batch_size*seq_len a power of two "
+                     "(a DataLoader's short last batch: drop_last=True)") \
             if axis == 0 else ("outer_b", "HALO-1/2 rotate X and W along in_features: it must be a power of two")
         raise ValueError(
             f"{what}: the outer Hadamard (GemmSpec.{name}, block_size={tr.block_size}) needs a power-of-two size "
             f"dividing the dimension; got dimension {n}. To fix: {fix}"
         )
-    return block_hadamard(t, block_size=b, axis=axis)
+
+
+def _outer(t: torch.Tensor, tr: Transform | None, axis: int, what: str) -> torch.Tensor:
+    """Full-size (or block) Hadamard along an outer dim; undone on the output."""
+    if tr is None:
+        return t
+    check_outer(t.shape[axis], tr, axis, what)
+    return block_hadamard(t, block_size=tr.block_size or t.shape[axis], axis=axis)
 
 
 @dataclass(frozen=True, eq=False)

@@ -130,6 +130,11 @@ def convert_model(model: nn.Module, recipe: str | Recipe, *, exclude=("lm_head",
         why = (f"its {conv1d} linear maps are transformers Conv1D modules (GPT-2 style, weight stored [in, out]), "
                "which adahop does not convert; use a model built of nn.Linear (Llama, Qwen, GPT-NeoX, ...)") if conv1d \
             else f"exclude={tuple(exclude)!r}" + (" and module_filter_fn" if module_filter_fn else "") + " leave none, or it has none"
+        subs = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and type(m) is not nn.Linear]
+        if subs and not conv1d:  # subclasses may do more in forward: converted only by name
+            why = (f"its {len(subs)} linear layers are subclasses of nn.Linear ({type(model.get_submodule(subs[0])).__name__}"
+                   f" {subs[0]}, ...), which convert_model leaves alone; convert them by name with "
+                   f"adahop.nn.convert.convert_layers(model, adahop.get_recipe({recipe.name!r}), names)")
         raise ValueError(f"convert_model: the model has no nn.Linear layer to run recipe {recipe.name!r}: {why}")
     return convert_layers(model, recipe, names, seed=seed, plan=plan, backend=backend)
 

@@ -15,7 +15,7 @@ import dataclasses
 
 import torch
 
-from ..gemm import draw_signs, gemm, multiply, prepare
+from ..gemm import check_outer, draw_signs, gemm, multiply, prepare
 
 __all__ = ["LowPrecisionLinearFn", "fprop", "forward_body", "backward_body", "flatten", "unflatten"]
 
@@ -145,7 +145,34 @@ class LowPrecisionLinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        return backward_body(ctx, dy)
+        if ctx.specs is None or not torch.is_grad_enabled():  # exact GEMMs (calibration, BF16): differentiable again
+            return backward_body(ctx, dy)
+        with torch.no_grad():
+            grads = backward_body(ctx, dy)
+        return _once_differentiable(grads, dy)
+
+
+_TWICE = (b"adahop: a second derivative (create_graph=True) through a converted layer's low-precision backward: its "
+          b"quantizers and FP8 GEMMs have no derivative autograd can take, so that term would be missing. Exclude the "
+          b"layer from convert_model, or use the bf16 recipe, for gradient penalties or Hessian-vector products")
+
+
+def _once_differentiable(grads: tuple, dy: torch.Tensor) -> tuple:
+    """``grads`` as outputs that raise :data:`_TWICE` if autograd differentiates them (as
+    ``torch.autograd.function.once_differentiable`` does): the second-order terms through a quantized backward were
+    silently dropped (helper 65: ‖∂penalty/∂W‖ 1.92 against BF16's 8.86, no error)."""
+    if not dy.requires_grad:
+        return grads
+    err = torch._C._functions.DelayedError(_TWICE, len(grads))
+
+    def alias(g):
+        if g is None:
+            return None
+        g = g.detach()
+        g.requires_grad = True
+        return g
+
+    return err(*[alias(g) for g in grads])
 
 
 def _saved_outputs(layer, spec) -> str:
@@ -160,7 +187,7 @@ def forward_body(ctx, x, weight, bias, layer, dtype, seed=None) -> torch.Tensor:
     tensor, and leaves on ``ctx`` what :func:`backward_body` reads."""
     w = weight.to(dtype)
     ctx.layer, ctx.dtype = layer, dtype
-    ctx.has_bias = bias is not None
+    ctx.has_bias, ctx.bias_dtype = bias is not None, None if bias is None else bias.dtype
     # what a plain nn.Linear in this compute dtype saves for backward: X, and under autocast the cast copy of W
     # (without a cast it keeps a reference to the parameter itself, which costs nothing extra)
     layer.hp_saved_bytes = (x.numel() + (weight.numel() if weight.dtype != dtype else 0)) * dtype.itemsize
@@ -173,6 +200,9 @@ def forward_body(ctx, x, weight, bias, layer, dtype, seed=None) -> torch.Tensor:
         layer.saved_bytes = 0 if layer.recompute_x else x.numel() * x.element_size()
         return fprop(x, w, bias, None, None, layer.backend, dtype)
     else:
+        if not torch.compiler.is_compiling():  # (a traced graph's token count may be symbolic: its GEMM checks it)
+            # HALO-2's token Hadamard on ∇Y needs a power-of-two token count: refused here, not in the backward after it
+            check_outer(x.shape[0], specs["dgrad"].outer_a, 0, f"{layer.name}: dgrad's ∇Y [{x.shape[0]}, {weight.shape[0]}]")
         ctx.specs = specs
         y = fprop(x, w, bias, specs["fprop"], layer.generator("fprop"), layer.backend, dtype, seed, salt(layer, "fprop"))
         # save X for wgrad (B operand, contract T) and W for dgrad (B operand, contract N)
@@ -215,7 +245,8 @@ def backward_body(ctx, dy):
     x, weight, *leaves = ctx.saved_tensors
     layer, dtype, specs = ctx.layer, ctx.dtype, ctx.specs
     dy = dy.to(dtype)
-    grad_bias = dy.sum(0).to(weight.dtype) if ctx.has_bias else None
+    # in the bias's dtype (the opaque op's ctx records none: its output is the weight's dtype, as its fake says)
+    grad_bias = dy.sum(0).to(getattr(ctx, "bias_dtype", None) or weight.dtype) if ctx.has_bias else None
     if specs is None:
         layer.observe("dy", dy)
         w = weight.to(dtype)
@@ -225,7 +256,12 @@ def backward_body(ctx, dy):
 
     live = ctx.saved_state is None  # forward_body's traced form kept the structure itself
     signs_w, signs_d, x_prep, w_prep = ctx.live_state if live else unflatten(ctx.saved_state, leaves)
-    gd, gw = ctx.gens
+    if getattr(ctx, "gen_states", None) is None:
+        # the generators' states as forward left them, taken at the first backward (not in forward: a CPU generator's
+        # state is 5 KB a call, held by every saved graph): a second backward of a retained graph draws the bits the
+        # first drew, so a monitoring autograd.grad before loss.backward() changes no gradient (helper 65)
+        ctx.gen_states = tuple(None if g is None else g.get_state() for g in ctx.gens)
+    gd, gw = (g if s is None else _restarted(g, s) for g, s in zip(ctx.gens, ctx.gen_states))
     # operands not saved prepared (they need high precision) are prepared now, with the signs
     # drawn in forward, so both GEMMs always run as prepare(A) · saved-or-prepared(B)
     be = layer.backend
@@ -240,3 +276,10 @@ def backward_body(ctx, dy):
     pa = prepare(dy.t(), "a", specs["wgrad"], signs=signs_w, generator=gw, backend=be, outputs="fp8")
     dw = multiply(pa, x_prep, specs["wgrad"], out_dtype=torch.float32, backend=be)
     return dx, dw.to(weight.dtype), grad_bias, None, None, None
+
+
+def _restarted(g: torch.Generator, state: torch.Tensor) -> torch.Generator:
+    """A new generator on ``g``'s device at ``state``: ``g`` itself keeps the state a first backward leaves."""
+    new = torch.Generator(device=g.device)
+    new.set_state(state)
+    return new

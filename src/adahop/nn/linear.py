@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import operator
 import warnings
 import weakref
 
@@ -134,6 +135,13 @@ class Controller:
         A ``step`` below the one recorded is warned about: random bits are seeded by step, so the steps
         from there repeat the earlier steps' bits (what a deliberate replay wants, and a counter bug does not;
         a checkpoint's state is restored with :func:`adahop.nn.convert.load_controller_state`)."""
+        try:  # a float or True seeded the random bits by a step no run counts
+            n = -1 if isinstance(step, bool) else operator.index(step)  # ints, NumPy's and 0-d int tensors
+        except TypeError:
+            n = -1
+        if n < 0:
+            raise TypeError(f"adahop.on_step: step={step!r}; pass the number of optimizer steps done, an int >= 0")
+        step = n
         if step < self.step:
             warnings.warn(f"adahop.on_step({step}) after step {self.step}: the steps from {step} on repeat the random "
                           "bits already drawn for them (they are seeded by step). To go back to a checkpoint, load its "
@@ -223,7 +231,7 @@ class LowPrecisionLinear(nn.Linear):
     def __getstate__(self) -> dict:
         # the queued forwards' autograd nodes belong to this process's graph (and weak references do not pickle)
         state = self.__dict__.copy()
-        state["_calls"] = {k: [v[0], [[e[0], None, None] for e in v[1]]] for k, v in self._calls.items()}
+        state["_calls"] = {k: [v[0], [e.detached() for e in v[1]]] for k, v in self._calls.items()}
         state["_unbound"] = []
         return state
 
@@ -452,6 +460,8 @@ class LowPrecisionLinear(nn.Linear):
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        if x.ndim == 0:
+            raise ValueError(f"{self.name}: a 0-d input; the layer takes [..., in_features={self.in_features}]")
         if x.shape[-1] != self.in_features:
             raise ValueError(f"{self.name}: input has {x.shape[-1]} features in its last dim, the layer takes "
                              f"in_features={self.in_features} (input shape {tuple(x.shape)})")

@@ -40,6 +40,13 @@ class Call:
         self.hooks = hook_chain()
         self.region = self.hooks[0] if self.hooks else None
 
+    def detached(self) -> "Call":
+        """A copy with the index and repeats and no reference to this process's autograd graph or checkpoint
+        regions (weak references do not pickle): what a deep copy or pickle of a layer keeps of a queued call."""
+        new = Call.__new__(Call)
+        new.index, new.node, new.region, new.hooks, new.enclosing, new.repeats = self.index, None, None, (), (), self.repeats
+        return new
+
     def bind(self, node) -> None:
         """Give the call the autograd ``node`` its recompute finds it by (the layer output's), or None."""
         self.node = None if node is None else weakref.ref(node)
