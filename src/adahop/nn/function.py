@@ -260,7 +260,9 @@ def backward_body(ctx, dy):
         # the generators' states as forward left them, taken at the first backward (not in forward: a CPU generator's
         # state is 5 KB a call, held by every saved graph): a second backward of a retained graph draws the bits the
         # first drew, so a monitoring autograd.grad before loss.backward() changes no gradient (helper 65)
-        ctx.gen_states = tuple(None if g is None else g.get_state() for g in ctx.gens)
+        # (not while a CUDA graph captures this backward: a graph replays its one backward, never a second)
+        capturing = dy.is_cuda and torch.cuda.is_current_stream_capturing()
+        ctx.gen_states = tuple(None if g is None or capturing else g.get_state() for g in ctx.gens)
     gd, gw = (g if s is None else _restarted(g, s) for g, s in zip(ctx.gens, ctx.gen_states))
     # operands not saved prepared (they need high precision) are prepared now, with the signs
     # drawn in forward, so both GEMMs always run as prepare(A) · saved-or-prepared(B)
