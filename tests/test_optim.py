@@ -782,6 +782,49 @@ def test_an_nvfp4_master_keeps_its_block_scales_under_steps_below_half_an_ulp(ro
     assert not torch.equal(fresh["scales"].float(), d["scales"].float())  # which would have moved some
 
 
+@pytest.mark.parametrize("opt", ["sr-adamw", "madam"])
+def test_an_nvfp4_master_under_stochastic_rounding_is_left_alone_by_a_zero_step(opt):
+    """A block maximum stored at exactly 6 steps of its scale reads back as 6.0000005 steps in FP32: the tensor
+    scale's check under SR (≤ 448·6) failed, every block scale was derived afresh and 16 elements re-rounded at
+    random, so lr 0 moved 60 then 15 of 2048 weights by up to 0.036 (helper 66)."""
+    from adahop.optim import SRAdamW
+    from adahop.optim.master import read_master, write_master
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    convert_master_weights(m, "nvfp4")
+    w = m[0].weight
+    stored = read_master(w).float()
+    assert bool(stored.abs().amax() > w.parts["global_scale"].float() * (448.0 * 6.0))  # the case: an ulp over
+    o = SRAdamW(m.parameters(), lr=1e-3) if opt == "sr-adamw" else MAdam(m.parameters(), lr=1e-3, rounding="stochastic")
+    for g in o.param_groups:
+        g["lr"] = 0.0
+    x = torch.randn(32, 64).bfloat16()
+    for _ in range(3):
+        before = [p.float() for p in m.parameters()]
+        o.zero_grad()
+        m(x).float().pow(2).mean().backward()
+        o.step()
+        assert all(torch.equal(p.float(), b) for p, b in zip(m.parameters(), before))
+    parts = {k: v.clone() for k, v in w.parts.items()}
+    write_master(w, read_master(w), "stochastic", torch.Generator().manual_seed(1))  # its own values, written back
+    assert all(torch.equal(w.parts[k].view(torch.uint8), parts[k].view(torch.uint8)) for k in ("codes", "scales"))
+
+
+def test_load_state_dict_refuses_another_optimizers_groups():
+    """torch's SGD (momentum 0: no states) loaded into AdamW, whose groups it replaced; the first step then failed on
+    a bare KeyError: 'betas' (helper 66)."""
+    lin = torch.nn.Linear(8, 8)
+    sgd = torch.optim.SGD(lin.parameters(), lr=0.1)
+    lin(torch.randn(2, 8)).sum().backward()
+    sgd.step()
+    with pytest.raises(ValueError, match="saved param group 0 has no betas, eps: it is another optimizer's"):
+        AdamW(lin.parameters()).load_state_dict(sgd.state_dict())
+    torch_adamw = torch.optim.AdamW(lin.parameters())
+    torch_adamw.step()
+    AdamW(lin.parameters()).load_state_dict(torch_adamw.state_dict())  # torch's AdamW groups still load
+
+
 def test_load_state_dict_refuses_another_rules_or_dtypes_states():
     """AdamW's states into Kahan's or M+Adam's failed at the next step on a bare KeyError; one M+Adam form's
     into another's loaded silently; FP32 states into an optimizer built for BF16 ones stayed FP32."""

@@ -168,8 +168,12 @@ def quantize_nvfp4(
                              f"tile_2d, one per block of 16 along the axis ({tuple(s_block.shape)})")
         prev = block_scales.to(device=s_block.device).float()
         ratio = amax / (prev * s_global)  # where the block maximum falls on the kept scale's E2M1 grid
-        fits = ratio <= 6.0 if rounding == "stochastic" else ratio < 7.0  # SR must not clip; up to 7 rounds to 6
-        keep = (prev > 0) & torch.isfinite(prev) & (ratio >= 3.0) & fits
+        # a stored maximum of exactly 6 (or 3) steps of the scale reads back a few FP32 ulps off it (6.0000005):
+        # without the margin SR re-derived the scale and re-rounded the whole block at random, so a step of
+        # zero moved weights (helper 66); a value up to 6·(1 + 2^-20) rounds to 6, a bias below any ulp of it
+        tol = 2.0**-20
+        fits = ratio <= 6.0 * (1 + tol) if rounding == "stochastic" else ratio < 7.0  # SR must not clip; up to 7 rounds to 6
+        keep = (prev > 0) & torch.isfinite(prev) & (ratio >= 3.0 * (1 - tol)) & fits
         s_block = torch.where(keep, prev, s_block)
     denom = (s_block * s_global).unsqueeze(-1)
     scaled = torch.where(denom > 0, blocks / torch.where(denom > 0, denom, torch.ones_like(denom)), torch.zeros_like(blocks))

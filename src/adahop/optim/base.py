@@ -77,6 +77,8 @@ class MasterOptimizer(torch.optim.Optimizer):
         seed: run seed of the stochastic rounding; each step's Philox key mixes it with the step,
             and each parameter draws from its own stream (its index). Under FSDP2 pass a per-rank seed
             (each rank rounds its own shard); under DDP one seed for all ranks, or their replicas drift.
+            Two optimizers with one seed draw the same bits for their i-th parameters: give each its own
+            (one optimizer per parameter or per submodule), or their rounding errors are correlated.
         backend: ``auto`` (fused Triton kernel on CUDA), ``triton`` or ``reference``.
         rounding: ``nearest`` or ``stochastic`` rounding of the master write.
         **extra: per-group hyper-parameters of the rule (``mul_lr_scale``, ``tau``, ``cap``, ``w_max``).
@@ -177,6 +179,10 @@ class MasterOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{name}.load_state_dict: the states are of the {sorted(saved_rule)[0]!r} update rule, this "
                              f"optimizer runs {self.algorithm!r}; load them into the optimizer (and M+Adam form) that saved them")
         for i, g in enumerate(sd["param_groups"]):  # torch's groups: their flags replace ours, and no step reads them
+            lacking = [k for k in ("lr", "betas", "eps", "weight_decay", *self.rule_options) if k not in g]
+            if lacking:  # e.g. torch's SGD: its groups replace ours, and the first step failed on a bare KeyError
+                raise ValueError(f"{name}.load_state_dict: saved param group {i} has no {', '.join(lacking)}: it is "
+                                 f"another optimizer's (torch's SGD, or another update rule's); load it into the optimizer that saved it")
             flags = [k for k in ("maximize", "amsgrad") if g.get(k)]
             if g.get("decoupled_weight_decay") is False and g.get("weight_decay", 0):
                 flags.append("decoupled_weight_decay=False (torch.optim.Adam's L2 weight decay)")
