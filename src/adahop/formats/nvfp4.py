@@ -16,10 +16,15 @@ import torch.nn.functional as F
 from .common import check_float_input, move_and_pad, unpad_and_restore
 from .e2m1 import E2M1_MAX, decode_e2m1, encode_e2m1, pack_e2m1, unpack_e2m1
 
-__all__ = ["NVFP4Tensor", "quantize_nvfp4", "E4M3_MAX"]
+__all__ = ["NVFP4Tensor", "quantize_nvfp4", "E4M3_MAX", "KEPT_SCALE_MARGIN"]
 
 E4M3_MAX = 448.0
 NVFP4_BLOCK = 16
+#: Relative margin on the bounds within which a stored block scale is kept (``block_scales``): a stored maximum of
+#: exactly 6 (or 3) steps of its scale reads back a few FP32 ulps off it (6.0000005), and without the margin
+#: stochastic rounding re-derived the scale and re-rounded the whole block at random, so a step of zero moved
+#: weights (helper 66); a value up to 6·(1 + margin) rounds to 6, a bias below any ulp of it.
+KEPT_SCALE_MARGIN = 2.0**-20
 
 
 @dataclass(frozen=True, eq=False)
@@ -168,10 +173,7 @@ def quantize_nvfp4(
                              f"tile_2d, one per block of 16 along the axis ({tuple(s_block.shape)})")
         prev = block_scales.to(device=s_block.device).float()
         ratio = amax / (prev * s_global)  # where the block maximum falls on the kept scale's E2M1 grid
-        # a stored maximum of exactly 6 (or 3) steps of the scale reads back a few FP32 ulps off it (6.0000005):
-        # without the margin SR re-derived the scale and re-rounded the whole block at random, so a step of
-        # zero moved weights (helper 66); a value up to 6·(1 + 2^-20) rounds to 6, a bias below any ulp of it
-        tol = 2.0**-20
+        tol = KEPT_SCALE_MARGIN
         fits = ratio <= 6.0 * (1 + tol) if rounding == "stochastic" else ratio < 7.0  # SR must not clip; up to 7 rounds to 6
         keep = (prev > 0) & torch.isfinite(prev) & (ratio >= 3.0 * (1 - tol)) & fits
         s_block = torch.where(keep, prev, s_block)

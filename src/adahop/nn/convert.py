@@ -127,14 +127,16 @@ def convert_model(model: nn.Module, recipe: str | Recipe, *, exclude=("lm_head",
              and _kept_by(module_filter_fn, m, n)]
     if not names and not recipe.is_bf16:  # nothing would run the recipe: the "MXFP4" run would be BF16
         conv1d = sum(type(m).__name__ == "Conv1D" for m in model.modules())
-        why = (f"its {conv1d} linear maps are transformers Conv1D modules (GPT-2 style, weight stored [in, out]), "
-               "which adahop does not convert; use a model built of nn.Linear (Llama, Qwen, GPT-NeoX, ...)") if conv1d \
-            else f"exclude={tuple(exclude)!r}" + (" and module_filter_fn" if module_filter_fn else "") + " leave none, or it has none"
         subs = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and type(m) is not nn.Linear]
-        if subs and not conv1d:  # subclasses may do more in forward: converted only by name
+        if conv1d:
+            why = (f"its {conv1d} linear maps are transformers Conv1D modules (GPT-2 style, weight stored [in, out]), "
+                   "which adahop does not convert; use a model built of nn.Linear (Llama, Qwen, GPT-NeoX, ...)")
+        elif subs:  # subclasses may do more in forward: converted only by name
             why = (f"its {len(subs)} linear layers are subclasses of nn.Linear ({type(model.get_submodule(subs[0])).__name__}"
                    f" {subs[0]}, ...), which convert_model leaves alone; convert them by name with "
                    f"adahop.nn.convert.convert_layers(model, adahop.get_recipe({recipe.name!r}), names)")
+        else:
+            why = f"exclude={tuple(exclude)!r}" + (" and module_filter_fn" if module_filter_fn else "") + " leave none, or it has none"
         raise ValueError(f"convert_model: the model has no nn.Linear layer to run recipe {recipe.name!r}: {why}")
     return convert_layers(model, recipe, names, seed=seed, plan=plan, backend=backend)
 

@@ -40,6 +40,7 @@ from torch.utils._pytree import tree_map
 
 from ..formats import MXTensor, NVFP4Tensor, quantize_mxfp4, quantize_nvfp4
 from ..formats.common import move_and_pad, unpad_and_restore
+from ..formats.nvfp4 import KEPT_SCALE_MARGIN
 from .names import MASTER_FORMATS, PACKED_FORMATS
 
 __all__ = ["MASTER_FORMATS", "PACKED_FORMATS", "PackedMaster", "convert_master_weights", "read_master",
@@ -120,8 +121,7 @@ def pack(x: torch.Tensor, fmt: str, rounding: str = "nearest", generator=None,
     if fmt == "nvfp4":
         if global_scale is not None:  # one host sync per packed tensor: this path is eager anyway
             top = 6.0 if rounding == "stochastic" else 7.0  # the largest block maximum / 448 that rounds to ≤ 6
-            # with quantize_nvfp4's margin for a stored maximum that reads back an FP32 ulp above 6 steps (helper 66)
-            top *= 1 + 2.0**-20
+            top *= 1 + KEPT_SCALE_MARGIN  # a stored maximum reads back an FP32 ulp above 6 steps (helper 66)
             fits = bool(x.detach().abs().amax().float() <= global_scale.float().reshape(()) * (448.0 * top))
             global_scale = global_scale.float().reshape(()) if fits else None
         if global_scale is None:

@@ -316,10 +316,8 @@ def _quantize_and_write(args, c: _Checked) -> dict:
         base = ppl(deployed)
         base_fp32 = base if deployed is model else ppl(model)
         if c.tasks is not None:  # the unquantized row's zero-shot scores, beside the quantized one's in the table
-            try:
-                base_zs = _zero_shot(args, SimpleNamespace(model=deployed, tokenizer=c.loaded.tokenizer), c.bf16, *c.tasks)
-            except ValueError as e:  # e.g. an answer longer than the window: refused before anything is quantized
-                raise ValueError(str(e).replace("--max-length", "--eval-max-length")) from None
+            # (an answer longer than the window is refused here, before anything is quantized)
+            base_zs = _zero_shot(args, SimpleNamespace(model=deployed, tokenizer=c.loaded.tokenizer), c.bf16, *c.tasks)
         del deployed
     gen = torch.Generator().manual_seed(args.seed)
     grid0 = make_grid(args.quantizer, args.bits, args.group_size)
@@ -372,7 +370,7 @@ def _quantize_and_write(args, c: _Checked) -> dict:
         try:
             res["zero_shot"] = _zero_shot(args, reloaded, c.bf16, *c.tasks)
         except ValueError as e:  # e.g. an answer longer than the window: keep the quantization, say how to score it
-            msg = str(e).replace("--max-length", "--eval-max-length")
+            msg = str(e)
             res["zero_shot_error"], res["seconds_total"] = msg, time.perf_counter() - c.t_start
             print(_table(res))
             atomic_write_text(out / RESULTS_FILE, json.dumps(res, indent=1))
@@ -467,14 +465,18 @@ def _tasks(args) -> tuple[list, Path] | None:
 
 
 def _zero_shot(args, loaded, bf16: bool, specs: list, root: Path) -> dict:
+    """``loaded.model``'s zero-shot scores; a ValueError of the harness names this command's --eval-max-length."""
     import torch
 
     from ..eval import harness
 
     lm = harness.hf_lm(loaded.model, loaded.tokenizer, batch_size=args.batch_size, dtype="bf16" if bf16 else "fp32",
                        max_length=args.eval_max_length)
-    with torch.no_grad():
-        return harness.score(lm, specs, root, limit=args.eval_limit)
+    try:
+        with torch.no_grad():
+            return harness.score(lm, specs, root, limit=args.eval_limit)
+    except ValueError as e:  # e.g. an answer longer than the window
+        raise ValueError(str(e).replace("--max-length", "--eval-max-length")) from None
 
 
 def _table(res: dict) -> str:

@@ -12,8 +12,8 @@ weight. :func:`int_matvec` is that matvec on the int grid's packed codes: a Trit
 from __future__ import annotations
 
 import functools
-import warnings
 import math
+import warnings
 from pathlib import Path
 
 import torch
